@@ -1,0 +1,1 @@
+"""The prefixgate gateway: OpenAI-compatible front end, normalization, routing, pipeline."""

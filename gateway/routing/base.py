@@ -1,0 +1,91 @@
+"""What a policy sees and what it decides."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    """A node as the router sees it at decision time (all times in wall-clock seconds)."""
+
+    node_id: str
+    outstanding_requests: int = 0  # admitted to this node and not yet past prefill
+    outstanding_tokens: int = 0  # prefill tokens still to compute for those requests
+    prefill_tokens_per_s: float = 95_920.0
+    attention_coeff_s: float = 0.0  # seconds per (new token x context token)
+    transfer_bytes_per_s: float = 50e9
+    kv_bytes_per_token: int = 0
+    capacity_blocks: int = 0
+    routable: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class RouteInput:
+    prompt_tokens: int
+    block_size: int
+    hits: Mapping[str, int]  # node -> leading blocks held
+    first_block: int = 0  # hash of the first block (0 when the prompt is shorter than a block)
+    transfer: bool = True  # KV will travel to a decode node
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    node_id: str
+    hit_blocks: int
+    cached_tokens: int
+    queue_s: float
+    prefill_s: float
+    transfer_s: float
+    load: int
+    within_bound: bool
+
+    @property
+    def ttft_s(self) -> float:
+        return self.queue_s + self.prefill_s + self.transfer_s
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    node_id: str | None
+    reason: str
+    cached_blocks: int = 0
+    estimates: Sequence[Estimate] = field(default_factory=tuple)
+
+    @property
+    def chosen(self) -> Estimate | None:
+        for e in self.estimates:
+            if e.node_id == self.node_id:
+                return e
+        return None
+
+
+def prefill_seconds(node: NodeView, new_tokens: int, context_tokens: int) -> float:
+    """Linear term plus attention over the context already cached and the new tokens."""
+    if new_tokens <= 0:
+        return 0.0
+    linear = new_tokens / node.prefill_tokens_per_s
+    attention = node.attention_coeff_s * new_tokens * (context_tokens + new_tokens / 2)
+    return linear + attention
+
+
+def estimate_ttft(node: NodeView, inp: RouteInput, load_bound: int | None = None) -> Estimate:
+    hit = min(inp.hits.get(node.node_id, 0), inp.prompt_tokens // max(1, inp.block_size))
+    cached = hit * inp.block_size
+    queue = node.outstanding_tokens / node.prefill_tokens_per_s
+    prefill = prefill_seconds(node, inp.prompt_tokens - cached, cached)
+    transfer = 0.0
+    if inp.transfer and node.kv_bytes_per_token and node.transfer_bytes_per_s:
+        transfer = inp.prompt_tokens * node.kv_bytes_per_token / node.transfer_bytes_per_s
+    within = load_bound is None or node.outstanding_requests + 1 <= load_bound
+    return Estimate(node.node_id, hit, cached, queue, prefill, transfer, node.outstanding_requests, within)
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(self, inp: RouteInput, nodes: Sequence[NodeView]) -> Decision:
+        """Pick one of ``nodes`` (only routable ones are passed) or None when empty."""
+        ...
