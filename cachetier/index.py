@@ -82,7 +82,7 @@ class BlockIndex(Protocol):
     async def close(self) -> None: ...
 
 
-def leading_run(held: "HeldProbe", hashes: Sequence[int]) -> int:
+def leading_run(held: HeldProbe, hashes: Sequence[int]) -> int:
     """Length of the leading run of ``hashes`` for which ``held`` is true, by binary search.
 
     Valid because a node's set is prefix-closed: held(h_i) implies held(h_j) for j < i.

@@ -1,0 +1,148 @@
+"""The ``prefixgate`` command: up, gateway, node, bench, admin."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from gateway.config import load_settings
+
+
+def _gateway_args(p: argparse.ArgumentParser, *, stack: bool) -> None:
+    p.add_argument("--config", help="TOML config file (also PREFIXGATE_CONFIG)")
+    p.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="HTTP port (default 8000; 0 picks a free one)")
+    p.add_argument("--grpc-port", type=int, default=None, help="gRPC front-end port (0: off)")
+    p.add_argument(
+        "--redis", default=None, help="redis://host:port/db for the shared index (default: embedded)"
+    )
+    p.add_argument("--model", default=None, help="served model name")
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--policy", default=None, help="routing policy (default prefixgate)")
+    p.add_argument("--admin-token", default=None)
+    p.add_argument("--api-key", action="append", dest="api_keys", default=None, metavar="KEY=TENANT")
+    p.add_argument("--log-format", choices=["auto", "json", "console"], default=None)
+    if not stack:
+        p.add_argument(
+            "--prefill", action="append", default=None, metavar="ADDR", help="prefill node host:port"
+        )
+        p.add_argument(
+            "--decode", action="append", default=None, metavar="ADDR", help="decode node host:port"
+        )
+        p.add_argument(
+            "--monolithic", action="append", default=None, metavar="ADDR", help="monolithic node host:port"
+        )
+
+
+def _overrides(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+_GATEWAY_KEYS = (
+    "host",
+    "port",
+    "grpc_port",
+    "redis",
+    "model",
+    "block_size",
+    "policy",
+    "admin_token",
+    "api_keys",
+    "log_format",
+    "prefill",
+    "decode",
+    "monolithic",
+)
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from gateway.logging import configure_logging
+    from gateway.server import run
+
+    settings = load_settings(args.config, _overrides(args, _GATEWAY_KEYS))
+    configure_logging(settings.log_format, settings.log_level)
+    if not (settings.decode or settings.monolithic):
+        print("prefixgate gateway: give at least one --decode or --monolithic node", file=sys.stderr)
+        return 2
+    run(settings)
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from gateway.logging import configure_logging
+    from gateway.stack import StackOptions, run_stack
+
+    settings = load_settings(args.config, _overrides(args, _GATEWAY_KEYS))
+    configure_logging(settings.log_format, settings.log_level)
+    opts = StackOptions(
+        host=settings.host,
+        prefill=args.prefill,
+        decode=args.decode,
+        engine=args.engine,
+        time_scale=args.time_scale,
+        capacity_blocks=args.capacity_blocks,
+        block_size=settings.block_size,
+    )
+    try:
+        import uvloop
+
+        return uvloop.run(run_stack(settings, opts))
+    except KeyboardInterrupt:
+        return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prefixgate", description="Disaggregated LLM serving gateway")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start gateway + simulated nodes locally")
+    _gateway_args(up, stack=True)
+    up.add_argument("--prefill", type=int, default=2, help="prefill nodes (default 2)")
+    up.add_argument("--decode", type=int, default=4, help="decode nodes (default 4)")
+    up.add_argument("--engine", default="sim", help="node engine (default sim)")
+    up.add_argument("--time-scale", type=float, default=1.0, help="simulated time multiplier (default 1)")
+    up.add_argument("--capacity-blocks", type=int, default=0, help="KV blocks per node (default: node's)")
+    up.set_defaults(func=cmd_up)
+
+    gw = sub.add_parser("gateway", help="run the gateway alone")
+    _gateway_args(gw, stack=False)
+    gw.set_defaults(func=cmd_gateway)
+
+    try:
+        from backends.cli import add_node_arguments, run_node
+    except ImportError:  # pragma: no cover
+        pass
+    else:
+        node = sub.add_parser("node", help="run one node")
+        add_node_arguments(node)
+        node.set_defaults(func=run_node)
+
+    try:
+        from bench.cli import add_bench_parser
+    except ImportError:
+        pass
+    else:
+        add_bench_parser(sub)
+    try:
+        from gateway.admin_cli import add_admin_parser  # type: ignore[import-not-found]
+    except ImportError:
+        pass
+    else:
+        add_admin_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    rc = args.func(args)
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = ["asyncio", "build_parser", "main"]

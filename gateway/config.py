@@ -1,0 +1,114 @@
+"""Gateway settings: defaults < TOML file < ``PREFIXGATE_*`` environment < command-line flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+ENV_PREFIX = "PREFIXGATE_"
+
+
+@dataclass(slots=True)
+class Settings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int = 0  # 0: no gRPC front end; ``prefixgate up`` picks a free port
+    prefill: list[str] = field(default_factory=list)
+    decode: list[str] = field(default_factory=list)
+    monolithic: list[str] = field(default_factory=list)
+    redis: str = ""  # empty: embedded in-memory index
+    redis_prefix: str = "prefixgate:"
+    model: str = "prefixgate-sim"
+    tokenizer: str = "bytes4"
+    block_size: int = 64
+    policy: str = "prefixgate"
+    load_factor: float = 1.25
+    # Bounds.
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_prompt_tokens: int = 131_072
+    context_window: int = 139_264
+    default_max_tokens: int = 256
+    max_tokens_limit: int = 8_192
+    max_inflight: int = 512
+    max_documents: int = 256
+    request_timeout_s: float = 300.0
+    # Pipeline.
+    min_disagg_tokens: int = 256  # fewer uncached tokens than this: serve monolithic
+    ttft_budget_s: float = 30.0  # estimated prefill queue wait beyond this: fall back
+    stats_interval_s: float = 0.5
+    # Switches (also at runtime through the admin API).
+    disaggregation: bool = True
+    prefix_routing: bool = True
+    normalization: bool = True
+    response_headers: bool = True
+    # Auth: "key=tenant" entries; empty = no keys, tenant taken from ``user``.
+    api_keys: list[str] = field(default_factory=list)
+    admin_token: str = ""
+    shared_namespaces: list[str] = field(default_factory=list)  # tenants that share one cache
+    log_format: str = "auto"  # auto | json | console
+    log_level: str = "info"
+
+    def api_key_map(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for entry in self.api_keys:
+            key, _, tenant = entry.partition("=")
+            out[key.strip()] = (tenant or key).strip()
+        return out
+
+
+def _coerce(name: str, hint: Any, raw: Any) -> Any:
+    origin = getattr(hint, "__origin__", None)
+    if origin is list:
+        if isinstance(raw, str):
+            return [p.strip() for p in raw.split(",") if p.strip()]
+        if isinstance(raw, list):
+            return [str(p) for p in raw]
+    elif hint is bool:
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and raw.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return raw.lower() in ("1", "true", "yes", "on")
+    elif hint is int and not isinstance(raw, bool):
+        return int(raw)
+    elif hint is float and not isinstance(raw, bool):
+        return float(raw)
+    elif hint is str:
+        return str(raw)
+    raise ValueError(f"setting {name!r}: cannot use {raw!r}")
+
+
+def load_settings(
+    config_file: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    """Build settings from a TOML file, the environment and explicit overrides (flags)."""
+    hints = get_type_hints(Settings)
+    values: dict[str, Any] = {}
+    env = os.environ if environ is None else environ
+    path = config_file or env.get(ENV_PREFIX + "CONFIG")
+    if path:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+        table = data.get("gateway", data)
+        for key, raw in table.items():
+            name = key.replace("-", "_")
+            if name not in hints:
+                raise ValueError(f"{path}: unknown setting {key!r}")
+            values[name] = _coerce(name, hints[name], raw)
+    for name, hint in hints.items():
+        raw_env = env.get(ENV_PREFIX + name.upper())
+        if raw_env is not None:
+            values[name] = _coerce(name, hint, raw_env)
+    for name, raw in (overrides or {}).items():
+        if raw is None or (isinstance(raw, list) and not raw):
+            continue
+        if name not in hints:
+            raise ValueError(f"unknown setting {name!r}")
+        values[name] = _coerce(name, hints[name], raw)
+    return dataclasses.replace(Settings(), **values)

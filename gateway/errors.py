@@ -1,0 +1,60 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    502: "server_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
+
+class APIError(Exception):
+    """An error to answer in OpenAI's format."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+
+    @property
+    def type(self) -> str:
+        return _TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        hdrs = dict(headers or {})
+        if self.retry_after is not None:
+            hdrs["Retry-After"] = str(max(1, round(self.retry_after)))
+        return JSONResponse(self.body(), status_code=self.status, headers=hdrs)
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)

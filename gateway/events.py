@@ -1,0 +1,135 @@
+"""Node KV events -> index: what the nodes really hold, applied to the shared index.
+
+Each node streams STORED/REMOVED events with consecutive sequence numbers. A gap, a new node
+instance (restart) or a SNAPSHOT replaces the node's block set in the index; applying the same
+event twice is harmless (stores and removals are idempotent), so several gateways can apply them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+import structlog
+from prefixgate.v1 import node_pb2
+
+from cachetier.index import BlockIndex, StoreOp
+from gateway.metrics import Metrics
+from gateway.nodes import Node, NodePool
+
+log = structlog.get_logger("prefixgate.events")
+
+KIND = node_pb2.KVEvent
+
+
+def snapshot_chains(event: node_pb2.KVEvent) -> list[list[int]]:
+    """Turn a SNAPSHOT (blocks with parents, parents first) into root-first chains."""
+    chains: list[list[int]] = []
+    path_of: dict[int, list[int]] = {}
+    children: set[int] = set(event.parent_hashes)
+    for h, parent in zip(event.block_hashes, event.parent_hashes, strict=False):
+        base = path_of.get(parent, []) if parent else []
+        path = [*base, h]
+        path_of[h] = path
+    for h, path in path_of.items():
+        if h not in children:  # a leaf: its chain covers all its ancestors
+            chains.append(path)
+    return chains
+
+
+class EventSync:
+    def __init__(self, pool: NodePool, index: BlockIndex, metrics: Metrics, retry_s: float = 0.5) -> None:
+        self.pool = pool
+        self.index = index
+        self.metrics = metrics
+        self.retry_s = retry_s
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self.last_seq: dict[str, int] = {}
+        self.instance: dict[str, str] = {}
+        self.applied = 0
+
+    def watch(self, node: Node) -> None:
+        task = asyncio.create_task(self._follow(node), name=f"kv-events:{node.address}")
+        self._tasks[node.address] = task
+
+    def unwatch(self, node: Node) -> None:
+        task = self._tasks.pop(node.address, None)
+        if task is not None:
+            task.cancel()
+
+    async def resync(self, node: Node) -> None:
+        """Force a fresh snapshot on the next (re)connection."""
+        self.last_seq.pop(node.address, None)
+        self.unwatch(node)
+        self.watch(node)
+
+    async def _follow(self, node: Node) -> None:
+        while True:
+            call = None
+            try:
+                since = self.last_seq.get(node.address, 0)
+                call = node.stub.KVEvents(node_pb2.KVEventsRequest(since_seq=since))
+                async for ev in call:
+                    await self._apply(node, ev)
+            except asyncio.CancelledError:
+                raise
+            except _Resync:
+                continue
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    log.warning(
+                        "kv_events_error", node=node.id, code=e.code().name, detail=(e.details() or "")[:200]
+                    )
+            except Exception as e:
+                log.warning("kv_events_apply_failed", node=node.id, error=repr(e)[:200])
+                self.last_seq.pop(node.address, None)
+            finally:
+                if call is not None:
+                    call.cancel()
+            await asyncio.sleep(self.retry_s)
+
+    async def _apply(self, node: Node, ev: node_pb2.KVEvent) -> None:
+        if node.stats is None or not node.node_id:
+            await self.pool.refresh(node)
+        node_id = node.id
+        prev_instance = self.instance.get(node.address)
+        last = self.last_seq.get(node.address)
+        if ev.kind == KIND.SNAPSHOT:
+            await self.index.replace_node(node_id, snapshot_chains(ev))
+            if node.stats is not None and node.stats.capacity_blocks:
+                await self.index.set_capacity(node_id, node.stats.capacity_blocks)
+            self.metrics.resyncs.labels("snapshot").inc()
+        elif prev_instance != ev.instance_id or last is None or ev.seq != last + 1:
+            # Restart or gap: ask for a snapshot by reconnecting from zero.
+            self.metrics.resyncs.labels("gap" if prev_instance == ev.instance_id else "restart").inc()
+            log.info("kv_events_resync", node=node_id, last=last, seq=ev.seq)
+            self.last_seq.pop(node.address, None)
+            raise _Resync()
+        elif ev.kind == KIND.STORED:
+            ok = await self.index.store([StoreOp(node_id, tuple(ev.block_hashes), ev.parent_hash)])
+            if not all(ok):
+                self.metrics.resyncs.labels("orphan").inc()
+                self.last_seq.pop(node.address, None)
+                raise _Resync()
+        elif ev.kind == KIND.REMOVED:
+            await self.index.remove(node_id, ev.block_hashes)
+        elif ev.kind == KIND.CLEARED:
+            await self.index.clear_node(node_id)
+        self.instance[node.address] = ev.instance_id
+        self.last_seq[node.address] = ev.seq
+        self.applied += 1
+        self.metrics.events_applied.labels(KIND.Kind.Name(ev.kind).lower()).inc()
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+
+
+class _Resync(Exception):
+    """Reconnect from sequence 0 to get a snapshot."""

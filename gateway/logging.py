@@ -1,0 +1,29 @@
+"""structlog set-up: JSON lines in production, readable in a terminal."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+
+def configure_logging(fmt: str = "auto", level: str = "info") -> None:
+    lvl = getattr(logging, level.upper(), logging.INFO)
+    use_json = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
+    renderer: structlog.typing.Processor = (
+        structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(lvl),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    logging.basicConfig(level=max(lvl, logging.WARNING), stream=sys.stderr, format="%(message)s")

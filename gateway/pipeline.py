@@ -1,0 +1,640 @@
+"""The request path: prepare (normalize, tokenize, hash) -> look up -> route -> prefill -> decode.
+
+``Pipeline.plan`` is read-only (the admin explain endpoint uses it); ``Pipeline.execute`` runs
+the request, retrying on other nodes before the first token and falling back to monolithic
+serving when the split pipeline cannot serve. The result is an ``Execution`` whose chunks the
+HTTP and gRPC front ends stream to the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+from prefixgate.v1 import node_pb2
+
+from cachetier.hashing import Namespace, block_hashes
+from cachetier.index import BlockIndex, StoreOp
+from cachetier.tokenizer import Tokenizer, pack_ids
+from gateway.config import Settings
+from gateway.documents import DocumentStore
+from gateway.errors import APIError, invalid
+from gateway.metrics import Metrics
+from gateway.nodes import Node, NodePool
+from gateway.normalize import Layout, NormalizationError, Segment, render_chat, render_completion
+from gateway.routing import Decision, NodeView, Policy, RouteInput, make_policy
+from gateway.routing.least_loaded import LeastLoadedPolicy
+from gateway.routing.mode import DISAGGREGATED, FALLBACK, MONOLITHIC, ModeDecision, choose_mode
+from gateway.schema import ParsedRequest, Sampling
+
+log = structlog.get_logger("prefixgate.pipeline")
+
+MAX_ATTEMPTS = 3
+REQUEST_ID_KEY = "x-prefixgate-request-id"
+_RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.NOT_FOUND,  # kv handle gone on the decode node
+    grpc.StatusCode.FAILED_PRECONDITION,  # KV format refused by the decode node
+}
+
+
+@dataclass(slots=True)
+class Switches:
+    disaggregation: bool = True
+    prefix_routing: bool = True
+    normalization: bool = True
+
+
+@dataclass(slots=True)
+class Prepared:
+    request_id: str
+    tenant: str
+    namespace: Namespace
+    layout: Layout
+    tokens: bytes
+    hashes: list[int]
+    sampling: Sampling
+    model: str
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.tokens) // 4
+
+
+@dataclass(slots=True)
+class Plan:
+    mode: ModeDecision
+    hits: dict[str, int]
+    prefill: Decision | None = None
+    decode_node: str | None = None
+    monolithic: Decision | None = None
+
+
+@dataclass(slots=True)
+class Delta:
+    text: str = ""
+    finish_reason: str = ""
+    completion_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Timings:
+    start: float = field(default_factory=time.perf_counter)
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    transfer_s: float = 0.0
+    first_token_at: float = 0.0
+
+
+class StreamBroken(Exception):
+    """The node failed after tokens reached the client: the stream must end with an error."""
+
+
+class NodeFailure(Exception):
+    def __init__(self, node: Node, stage: str, code: grpc.StatusCode | None, detail: str) -> None:
+        super().__init__(f"{stage} on {node.id}: {code.name if code else 'error'}: {detail}")
+        self.node = node
+        self.stage = stage
+        self.code = code
+        self.detail = detail
+
+
+def _rpc_failure(node: Node, stage: str, err: BaseException) -> NodeFailure:
+    if isinstance(err, grpc.aio.AioRpcError):
+        return NodeFailure(node, stage, err.code(), err.details() or "")
+    if isinstance(err, asyncio.TimeoutError):
+        return NodeFailure(node, stage, grpc.StatusCode.DEADLINE_EXCEEDED, "timed out")
+    return NodeFailure(node, stage, None, repr(err))
+
+
+def _transfer_failed(err: grpc.aio.AioRpcError) -> bool:
+    """The prefill node reports a failed push to the decode node with this marker."""
+    return "transfer" in (err.details() or "").lower() and "decode" in (err.details() or "").lower()
+
+
+class Execution:
+    """A routed, started request: the first token is ready, the rest streams."""
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        prep: Prepared,
+        *,
+        route: str,
+        reason: str,
+        prefill_node: Node | None,
+        decode_node: Node,
+        call: grpc.aio.UnaryStreamCall,  # type: ignore[type-arg]
+        first: list[Delta],
+        cached_tokens: int,
+        predicted_tokens: int,
+        timings: Timings,
+        attempts: int,
+    ) -> None:
+        self.pipeline = pipeline
+        self.prep = prep
+        self.route = route
+        self.reason = reason
+        self.prefill_node = prefill_node
+        self.decode_node = decode_node
+        self._call = call
+        self._first = first
+        self.cached_tokens = cached_tokens
+        self.predicted_tokens = predicted_tokens
+        self.timings = timings
+        self.attempts = attempts
+        self.prompt_tokens = prep.prompt_tokens
+        self.completion_tokens = 0
+        self.finish_reason = ""
+        self._done = False
+        self.outcome = "incomplete"
+        decode_node.active_streams += 1
+
+    @property
+    def request_id(self) -> str:
+        return self.prep.request_id
+
+    def headers(self) -> dict[str, str]:
+        return {
+            "x-prefixgate-request-id": self.request_id,
+            "x-prefixgate-prefill-node": self.prefill_node.id if self.prefill_node else "",
+            "x-prefixgate-decode-node": self.decode_node.id,
+            "x-prefixgate-route": self.route,
+            "x-prefixgate-cached-tokens": str(self.cached_tokens),
+        }
+
+    async def stream(self) -> AsyncIterator[Delta]:
+        """Every delta until the finish; raises StreamBroken if the node fails mid-stream."""
+        try:
+            for d in self._first:
+                self._account(d)
+                yield d
+            self._first = []
+            if self.finish_reason:
+                return
+            async for chunk in self._call:
+                d = Delta(chunk.text, chunk.finish_reason, chunk.completion_tokens)
+                self._account(d)
+                yield d
+                if chunk.finish_reason:
+                    return
+            if not self.finish_reason:
+                raise StreamBroken(f"decode node {self.decode_node.id} ended the stream without finishing")
+        except grpc.aio.AioRpcError as e:
+            self.outcome = "broken"
+            raise StreamBroken(f"decode node {self.decode_node.id} failed mid-stream: {e.code().name}") from e
+        finally:
+            await self.close()
+
+    def _account(self, d: Delta) -> None:
+        if d.completion_tokens:
+            self.completion_tokens = d.completion_tokens
+        if d.finish_reason:
+            self.finish_reason = d.finish_reason
+            self.outcome = "ok"
+
+    async def close(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._call.cancel()
+        self.decode_node.active_streams -= 1
+        self.pipeline.finished(self)
+
+
+class Pipeline:
+    def __init__(
+        self,
+        settings: Settings,
+        pool: NodePool,
+        index: BlockIndex,
+        tokenizer: Tokenizer,
+        metrics: Metrics,
+        documents: DocumentStore,
+    ) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.index = index
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.documents = documents
+        self.switches = Switches(settings.disaggregation, settings.prefix_routing, settings.normalization)
+        self.policy: Policy = make_policy(settings.policy)
+        if hasattr(self.policy, "load_factor"):
+            self.policy.load_factor = settings.load_factor
+        self.fallback_policy = LeastLoadedPolicy()
+        self._background: set[asyncio.Task[None]] = set()
+        self.inflight = 0
+
+    # -- prepare ---------------------------------------------------------------------------
+
+    def namespace(self, model: str, tenant: str) -> Namespace:
+        salt = "" if tenant in self.settings.shared_namespaces else tenant
+        return Namespace(model, salt, self.settings.block_size, self.tokenizer.name)
+
+    def prepare(self, req: ParsedRequest, tenant: str, request_id: str | None = None) -> Prepared:
+        docs = list(req.documents)
+        for doc_id in req.document_ids:
+            docs.append(self.documents.get(tenant, doc_id))
+        normalize = self.switches.normalization
+        try:
+            if req.kind == "chat":
+                layout = render_chat(req.messages, documents=docs, tools=req.tools, normalize=normalize)
+                tokens = self.tokenizer.encode(layout.text)
+            elif req.prompt_token_ids is not None:
+                tokens = pack_ids(req.prompt_token_ids)
+                layout = Layout("", [Segment("prompt", "token ids", 0, len(tokens))])
+            else:
+                layout = render_completion(req.prompt or "", documents=docs, normalize=normalize)
+                tokens = self.tokenizer.encode(layout.text)
+        except NormalizationError as e:
+            raise invalid(str(e), e.param) from None
+        n = len(tokens) // 4
+        if n == 0:
+            raise invalid("the prompt is empty", "messages" if req.kind == "chat" else "prompt")
+        s = self.settings
+        if n > s.max_prompt_tokens:
+            raise invalid(
+                f"the prompt has {n} tokens; this model accepts at most {s.max_prompt_tokens}",
+                "messages" if req.kind == "chat" else "prompt",
+                code="context_length_exceeded",
+            )
+        sampling = req.sampling
+        room = s.context_window - n
+        if sampling.max_tokens > room:
+            if req.max_tokens_given or room < 1:
+                raise invalid(
+                    f"prompt ({n} tokens) plus max_tokens ({sampling.max_tokens}) exceeds the context window "
+                    f"of {s.context_window} tokens",
+                    "max_tokens",
+                    code="context_length_exceeded",
+                )
+            sampling.max_tokens = room
+        ns = self.namespace(req.model, tenant)
+        hashes = block_hashes(tokens, s.block_size, ns.root())
+        return Prepared(
+            request_id or uuid.uuid4().hex, tenant, ns, layout, tokens, hashes, sampling, req.model
+        )
+
+    # -- plan --------------------------------------------------------------------------------
+
+    async def lookup(self, prep: Prepared) -> dict[str, int]:
+        if not self.switches.prefix_routing or not prep.hashes:
+            return {}
+        t0 = time.perf_counter()
+        try:
+            hits = await self.index.lookup(prep.hashes)
+        except Exception as e:  # an index failure degrades routing, never the request
+            log.warning("index_lookup_failed", error=repr(e)[:200], request_id=prep.request_id)
+            return {}
+        self.metrics.index_lookup.labels(self.index.backend).observe(time.perf_counter() - t0)
+        return hits
+
+    def _route_input(self, prep: Prepared, hits: dict[str, int], transfer: bool) -> RouteInput:
+        return RouteInput(
+            prompt_tokens=prep.prompt_tokens,
+            block_size=self.settings.block_size,
+            hits=hits,
+            first_block=prep.hashes[0] if prep.hashes else 0,
+            transfer=transfer,
+        )
+
+    def _choose(self, nodes: list[Node], inp: RouteInput) -> Decision:
+        views: list[NodeView] = [n.view() for n in nodes]
+        policy = self.policy if self.switches.prefix_routing else self.fallback_policy
+        return policy.choose(inp, views)
+
+    def _decode_candidates(self, exclude: set[str]) -> list[Node]:
+        return sorted(
+            (n for n in self.pool.routable("decode") if n.id not in exclude), key=lambda n: n.decode_load()
+        )
+
+    def _monolithic_candidates(self, exclude: set[str]) -> list[Node]:
+        mono = [n for n in self.pool.routable("monolithic") if n.id not in exclude]
+        return mono or [n for n in self.pool.routable("decode") if n.id not in exclude]
+
+    def decide(self, prep: Prepared, hits: dict[str, int], exclude: set[str] | None = None) -> Plan:
+        exclude = exclude or set()
+        prefill_nodes = [n for n in self.pool.routable("prefill") if n.id not in exclude]
+        decode_nodes = self._decode_candidates(exclude)
+        decision = None
+        uncached = prep.prompt_tokens
+        queue_wait = 0.0
+        if prefill_nodes:
+            decision = self._choose(prefill_nodes, self._route_input(prep, hits, transfer=True))
+            chosen = decision.chosen
+            uncached = prep.prompt_tokens - decision.cached_blocks * self.settings.block_size
+            if chosen is not None:
+                queue_wait = chosen.queue_s
+        mode = choose_mode(
+            disaggregation=self.switches.disaggregation,
+            prefill_routable=len(prefill_nodes),
+            decode_routable=len(decode_nodes) + len(self.pool.routable("monolithic")),
+            uncached_tokens=uncached,
+            min_disagg_tokens=self.settings.min_disagg_tokens,
+            queue_wait_s=queue_wait,
+            ttft_budget_s=self.settings.ttft_budget_s,
+        )
+        if mode.mode == DISAGGREGATED and not decode_nodes:
+            mode = ModeDecision(FALLBACK, "no decode node can take the request")
+        plan = Plan(mode, hits, decision)
+        if mode.mode == DISAGGREGATED:
+            plan.decode_node = decode_nodes[0].id
+        else:
+            mono = self._monolithic_candidates(exclude)
+            if mono:
+                plan.monolithic = self._choose(mono, self._route_input(prep, hits, transfer=False))
+        return plan
+
+    async def plan(self, prep: Prepared) -> Plan:
+        return self.decide(prep, await self.lookup(prep))
+
+    # -- execute -------------------------------------------------------------------------------
+
+    def _metadata(self, prep: Prepared) -> tuple[tuple[str, str], ...]:
+        return ((REQUEST_ID_KEY, prep.request_id),)
+
+    def _sampling(self, s: Sampling) -> node_pb2.SamplingParams:
+        return node_pb2.SamplingParams(
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=(s.seed or 0) & 0xFFFFFFFFFFFFFFFF,
+            has_seed=s.seed is not None,
+            stop=s.stop,
+        )
+
+    async def execute(self, prep: Prepared) -> Execution:
+        """Route and start the request; raises APIError when no node can serve it."""
+        deadline = time.monotonic() + self.settings.request_timeout_s
+        hits = await self.lookup(prep)
+        plan = self.decide(prep, hits)
+        failures: list[NodeFailure] = []
+        excluded: set[str] = set()
+        attempts = 0
+        fallback_reason = plan.mode.reason
+        if plan.mode.mode == DISAGGREGATED:
+            while attempts < MAX_ATTEMPTS and plan.mode.mode == DISAGGREGATED and plan.prefill is not None:
+                attempts += 1
+                pnode = self.pool.by_id(plan.prefill.node_id or "")
+                dnode = self.pool.by_id(plan.decode_node or "")
+                if pnode is None or dnode is None:
+                    break
+                try:
+                    return await self._disaggregated(prep, plan, pnode, dnode, deadline, attempts)
+                except NodeFailure as f:
+                    failures.append(f)
+                    excluded.add(f.node.id)
+                    self._note_failure(f)
+                    self.metrics.retries.labels(f.stage).inc()
+                    await self._backoff(attempts, deadline)
+                    plan = self.decide(prep, hits, excluded)
+            fallback_reason = (
+                "split pipeline failed: " + "; ".join(str(f) for f in failures[-3:])
+                if failures
+                else plan.mode.reason
+            )
+        route = MONOLITHIC if plan.mode.mode == MONOLITHIC and not failures else FALLBACK
+        if route == FALLBACK:
+            self.metrics.fallbacks.labels("split_failed" if failures else "unavailable").inc()
+        mono_excluded = {f.node.id for f in failures if f.stage in ("decode", "generate")}
+        mono_attempts = 0
+        while mono_attempts < MAX_ATTEMPTS:
+            candidates = self._monolithic_candidates(mono_excluded)
+            if not candidates:
+                break
+            decision = self._choose(candidates, self._route_input(prep, hits, transfer=False))
+            node = self.pool.by_id(decision.node_id or "")
+            if node is None:
+                break
+            mono_attempts += 1
+            attempts += 1
+            try:
+                return await self._monolithic(
+                    prep, node, decision, route, fallback_reason, deadline, attempts
+                )
+            except NodeFailure as f:
+                failures.append(f)
+                mono_excluded.add(f.node.id)
+                self._note_failure(f)
+                self.metrics.retries.labels(f.stage).inc()
+                await self._backoff(mono_attempts, deadline)
+        self.metrics.requests.labels(route, "failed").inc()
+        if failures and all(f.code == grpc.StatusCode.RESOURCE_EXHAUSTED for f in failures):
+            raise APIError(429, "every node is at capacity; retry shortly", code="overloaded", retry_after=1)
+        detail = "; ".join(str(f) for f in failures[-3:]) or "no node is reachable"
+        raise APIError(503, f"no node could serve the request ({detail})", code="unavailable", retry_after=2)
+
+    async def _backoff(self, attempt: int, deadline: float) -> None:
+        delay = min(0.5, 0.02 * (2 ** (attempt - 1))) * (0.5 + random.random())
+        if time.monotonic() + delay < deadline:
+            await asyncio.sleep(delay)
+
+    def _note_failure(self, f: NodeFailure) -> None:
+        f.node.consecutive_failures += 1
+        f.node.last_error = str(f)[:500]
+        log.warning(
+            "node_attempt_failed",
+            node=f.node.id,
+            stage=f.stage,
+            code=f.code.name if f.code else None,
+            detail=f.detail[:200],
+        )
+
+    async def _disaggregated(
+        self, prep: Prepared, plan: Plan, pnode: Node, dnode: Node, deadline: float, attempts: int
+    ) -> Execution:
+        assert plan.prefill is not None
+        predicted = plan.prefill.cached_blocks * self.settings.block_size
+        uncached = max(0, prep.prompt_tokens - predicted)
+        md = self._metadata(prep)
+        timings = Timings()
+        pnode.local_requests += 1
+        pnode.local_tokens += uncached
+        try:
+            resp = await pnode.stub.Prefill(
+                node_pb2.PrefillRequest(
+                    request_id=prep.request_id,
+                    tokens=prep.tokens,
+                    block_hashes=prep.hashes,
+                    sampling=self._sampling(prep.sampling),
+                    decode_address=dnode.address,
+                ),
+                timeout=max(0.01, deadline - time.monotonic()),
+                metadata=md,
+            )
+        except grpc.aio.AioRpcError as e:
+            if _transfer_failed(e):
+                raise _rpc_failure(dnode, "transfer", e) from e
+            raise _rpc_failure(pnode, "prefill", e) from e
+        except TimeoutError as e:
+            raise _rpc_failure(pnode, "prefill", e) from e
+        finally:
+            pnode.local_requests -= 1
+            pnode.local_tokens -= uncached
+        pnode.consecutive_failures = 0
+        timings.queue_s, timings.prefill_s, timings.transfer_s = (
+            resp.queue_seconds,
+            resp.prefill_seconds,
+            resp.transfer_seconds,
+        )
+        self._record(prep, pnode.id, dnode.id)
+        call = dnode.stub.Decode(
+            node_pb2.DecodeRequest(
+                request_id=prep.request_id, kv_handle=resp.kv_handle, sampling=self._sampling(prep.sampling)
+            ),
+            timeout=max(0.01, deadline - time.monotonic()),
+            metadata=md,
+        )
+        first = [Delta(resp.first_text, resp.finish_reason if resp.finished else "", 1)]
+        try:
+            chunk = await call.read()
+        except grpc.aio.AioRpcError as e:
+            call.cancel()
+            raise _rpc_failure(dnode, "decode", e) from e
+        if chunk is grpc.aio.EOF:
+            call.cancel()
+            raise NodeFailure(
+                dnode, "decode", grpc.StatusCode.UNKNOWN, "decode stream ended before any token"
+            )
+        dnode.consecutive_failures = 0
+        if not resp.finished:
+            first.append(Delta(chunk.text, chunk.finish_reason, chunk.completion_tokens))
+        else:
+            first[0].completion_tokens = max(1, chunk.completion_tokens)
+        timings.first_token_at = time.perf_counter()
+        self.metrics.transfer_bytes.inc(resp.transfer_bytes)
+        return Execution(
+            self,
+            prep,
+            route=DISAGGREGATED,
+            reason=plan.mode.reason,
+            prefill_node=pnode,
+            decode_node=dnode,
+            call=call,
+            first=first,
+            cached_tokens=resp.cached_tokens,
+            predicted_tokens=predicted,
+            timings=timings,
+            attempts=attempts,
+        )
+
+    async def _monolithic(
+        self,
+        prep: Prepared,
+        node: Node,
+        decision: Decision,
+        route: str,
+        reason: str,
+        deadline: float,
+        attempts: int,
+    ) -> Execution:
+        predicted = decision.cached_blocks * self.settings.block_size
+        timings = Timings()
+        call = node.stub.Generate(
+            node_pb2.GenerateRequest(
+                request_id=prep.request_id,
+                tokens=prep.tokens,
+                block_hashes=prep.hashes,
+                sampling=self._sampling(prep.sampling),
+            ),
+            timeout=max(0.01, deadline - time.monotonic()),
+            metadata=self._metadata(prep),
+        )
+        try:
+            chunk = await call.read()
+        except grpc.aio.AioRpcError as e:
+            call.cancel()
+            raise _rpc_failure(node, "generate", e) from e
+        if chunk is grpc.aio.EOF:
+            call.cancel()
+            raise NodeFailure(node, "generate", grpc.StatusCode.UNKNOWN, "stream ended before any token")
+        node.consecutive_failures = 0
+        timings.queue_s, timings.prefill_s = chunk.queue_seconds, chunk.prefill_seconds
+        timings.first_token_at = time.perf_counter()
+        self._record(prep, node.id)
+        return Execution(
+            self,
+            prep,
+            route=route,
+            reason=reason,
+            prefill_node=None,
+            decode_node=node,
+            call=call,
+            first=[Delta(chunk.text, chunk.finish_reason, chunk.completion_tokens)],
+            cached_tokens=chunk.cached_tokens,
+            predicted_tokens=predicted,
+            timings=timings,
+            attempts=attempts,
+        )
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def _record(self, prep: Prepared, *nodes: str) -> None:
+        """Record the blocks now on these nodes, off the request path."""
+        if not prep.hashes:
+            return
+        ops = [StoreOp(n, tuple(prep.hashes)) for n in nodes]
+        task = asyncio.create_task(self._store(ops))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _store(self, ops: list[StoreOp]) -> None:
+        try:
+            await self.index.store(ops)
+        except Exception as e:
+            log.warning("index_store_failed", error=repr(e)[:200])
+
+    def finished(self, ex: Execution) -> None:
+        t = ex.timings
+        ttft = (t.first_token_at - t.start) if t.first_token_at else 0.0
+        m = self.metrics
+        m.requests.labels(ex.route, ex.outcome).inc()
+        m.ttft.labels(ex.route).observe(ttft)
+        m.ttft_segment.labels("queue").observe(t.queue_s)
+        m.ttft_segment.labels("prefill").observe(t.prefill_s)
+        m.ttft_segment.labels("transfer").observe(t.transfer_s)
+        m.ttft_segment.labels("first_token").observe(max(0.0, ttft - t.queue_s - t.prefill_s - t.transfer_s))
+        node = (ex.prefill_node or ex.decode_node).id
+        m.prefill.labels(node).observe(t.prefill_s)
+        if ex.prefill_node is not None:
+            m.transfer.labels(ex.prefill_node.id).observe(t.transfer_s)
+        m.observe_hit(node, ex.prompt_tokens, ex.cached_tokens, ex.predicted_tokens)
+        log.info(
+            "request",
+            request_id=ex.request_id,
+            route=ex.route,
+            prefill_node=ex.prefill_node.id if ex.prefill_node else None,
+            decode_node=ex.decode_node.id,
+            prompt_tokens=ex.prompt_tokens,
+            cached_tokens=ex.cached_tokens,
+            predicted_cached_tokens=ex.predicted_tokens,
+            computed_tokens=ex.prompt_tokens - ex.cached_tokens,
+            completion_tokens=ex.completion_tokens,
+            outcome=ex.outcome,
+            attempts=ex.attempts,
+            ttft_ms=round(ttft * 1000, 2),
+            queue_ms=round(t.queue_s * 1000, 2),
+            prefill_ms=round(t.prefill_s * 1000, 2),
+            transfer_ms=round(t.transfer_s * 1000, 2),
+            total_ms=round((time.perf_counter() - t.start) * 1000, 2),
+        )
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            try:
+                await asyncio.wait_for(task, 2.0)
+            except (TimeoutError, asyncio.CancelledError):
+                task.cancel()

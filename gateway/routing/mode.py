@@ -1,0 +1,43 @@
+"""Disaggregated or monolithic: the degrade switch, as a pure decision."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DISAGGREGATED = "disaggregated"
+MONOLITHIC = "monolithic"
+FALLBACK = "fallback"
+
+
+@dataclass(frozen=True, slots=True)
+class ModeDecision:
+    mode: str
+    reason: str
+
+
+def choose_mode(
+    *,
+    disaggregation: bool,
+    prefill_routable: int,
+    decode_routable: int,
+    uncached_tokens: int,
+    min_disagg_tokens: int,
+    queue_wait_s: float,
+    ttft_budget_s: float,
+) -> ModeDecision:
+    """Serve split only when it can and when it pays; otherwise say why not."""
+    if not disaggregation:
+        return ModeDecision(MONOLITHIC, "disaggregation switched off")
+    if decode_routable == 0:
+        return ModeDecision(FALLBACK, "no decode node can take the request")
+    if prefill_routable == 0:
+        return ModeDecision(FALLBACK, "no prefill node can take the request")
+    if uncached_tokens < min_disagg_tokens:
+        return ModeDecision(
+            MONOLITHIC, f"only {uncached_tokens} uncached tokens (< {min_disagg_tokens}): split does not pay"
+        )
+    if queue_wait_s > ttft_budget_s:
+        return ModeDecision(
+            FALLBACK, f"prefill queue wait {queue_wait_s:.2f}s exceeds the TTFT budget {ttft_budget_s:.2f}s"
+        )
+    return ModeDecision(DISAGGREGATED, "prefill pool available and the uncached part is large enough")

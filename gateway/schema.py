@@ -1,0 +1,255 @@
+"""Parse and validate OpenAI-shaped request bodies into a typed request."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from gateway.errors import APIError, invalid
+from gateway.normalize import Document
+
+MAX_STOP = 4
+MAX_STOP_LEN = 256
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(slots=True)
+class Sampling:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    kind: str  # "chat" | "completion"
+    model: str
+    sampling: Sampling
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    documents: list[Document] = field(default_factory=list)
+    document_ids: list[str] = field(default_factory=list)
+    tools: list[Any] | None = None
+    stream: bool = False
+    include_usage: bool = False
+    user: str = ""
+    max_tokens_given: bool = False
+    pin_seconds: float = 0.0
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    if not raw:
+        raise invalid("request body is empty; send a JSON object")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise invalid(f"request body is not valid UTF-8 (byte {e.start})", code="invalid_encoding") from None
+    try:
+        body = orjson.loads(text)
+    except orjson.JSONDecodeError as e:
+        raise invalid(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise invalid("request body must be a JSON object")
+    return body
+
+
+def _int(body: Mapping[str, Any], key: str, lo: int, hi: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        else:
+            raise invalid(f"'{key}' must be an integer", key)
+    if not lo <= v <= hi:
+        raise invalid(f"'{key}' must be between {lo} and {hi}, got {v}", key)
+    return v
+
+
+def _float(body: Mapping[str, Any], key: str, lo: float, hi: float) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise invalid(f"'{key}' must be a number", key)
+    if not lo <= v <= hi:
+        raise invalid(f"'{key}' must be between {lo} and {hi}, got {v}", key)
+    return float(v)
+
+
+def _bool(body: Mapping[str, Any], key: str) -> bool:
+    v = body.get(key, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise invalid(f"'{key}' must be a boolean", key)
+    return v
+
+
+def _str(body: Mapping[str, Any], key: str, max_len: int = 256) -> str:
+    v = body.get(key)
+    if v is None:
+        return ""
+    if not isinstance(v, str):
+        raise invalid(f"'{key}' must be a string", key)
+    if len(v) > max_len:
+        raise invalid(f"'{key}' is longer than {max_len} characters", key)
+    return v
+
+
+def parse_documents(body: Mapping[str, Any], max_documents: int) -> tuple[list[Document], list[str]]:
+    docs: list[Document] = []
+    raw = body.get("documents")
+    if raw is not None:
+        if not isinstance(raw, list):
+            raise invalid("'documents' must be an array of {id, text} objects", "documents")
+        if len(raw) > max_documents:
+            raise invalid(f"at most {max_documents} documents per request", "documents")
+        for i, d in enumerate(raw):
+            if not isinstance(d, Mapping):
+                raise invalid("each document must be an object with 'id' and 'text'", f"documents[{i}]")
+            did, text = d.get("id"), d.get("text")
+            if not isinstance(text, str):
+                raise invalid("document 'text' must be a string", f"documents[{i}].text")
+            if did is None:
+                did = f"doc-{i}"
+            if not isinstance(did, str) or len(did) > 256:
+                raise invalid(
+                    "document 'id' must be a string of at most 256 characters", f"documents[{i}].id"
+                )
+            docs.append(Document(did, text))
+    ids: list[str] = []
+    raw_ids = body.get("document_ids")
+    if raw_ids is not None:
+        if not isinstance(raw_ids, list) or not all(isinstance(x, str) for x in raw_ids):
+            raise invalid("'document_ids' must be an array of strings", "document_ids")
+        if len(raw_ids) + len(docs) > max_documents:
+            raise invalid(f"at most {max_documents} documents per request", "document_ids")
+        ids = list(raw_ids)
+    return docs, ids
+
+
+def _stop(body: Mapping[str, Any]) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise invalid("'stop' must be a string or an array of strings", "stop")
+    if len(items) > MAX_STOP:
+        raise invalid(f"'stop' takes at most {MAX_STOP} sequences", "stop")
+    if any(not s or len(s) > MAX_STOP_LEN for s in items):
+        raise invalid(f"each stop sequence must have 1 to {MAX_STOP_LEN} characters", "stop")
+    return list(items)
+
+
+def _refuse_unsupported(body: Mapping[str, Any]) -> None:
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise invalid("only n=1 is supported", "n")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != 1:
+        raise invalid("only best_of=1 is supported", "best_of")
+    if body.get("echo"):
+        raise invalid("'echo' is not supported", "echo")
+    lp = body.get("logprobs")
+    if lp not in (None, False, 0):
+        raise invalid("'logprobs' is not supported", "logprobs")
+
+
+def parse_request(
+    body: Mapping[str, Any],
+    kind: str,
+    *,
+    models: set[str],
+    default_max_tokens: int,
+    max_tokens_limit: int,
+    max_documents: int,
+) -> ParsedRequest:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("'model' is required and must be a string", "model")
+    if model not in models:
+        raise APIError(
+            404,
+            f"The model '{model}' does not exist; available: {', '.join(sorted(models))}",
+            param="model",
+            code="model_not_found",
+        )
+    _refuse_unsupported(body)
+    max_tokens = _int(body, "max_completion_tokens", 1, 2**31)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", 1, 2**31)
+    given = max_tokens is not None
+    if max_tokens is not None and max_tokens > max_tokens_limit:
+        param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        raise invalid(f"'{param}' is {max_tokens}; this gateway allows at most {max_tokens_limit}", param)
+    temperature = _float(body, "temperature", 0.0, 2.0)
+    top_p = _float(body, "top_p", 0.0, 1.0)
+    seed = _int(body, "seed", -MAX_SEED, MAX_SEED)
+    sampling = Sampling(
+        max_tokens=max_tokens or default_max_tokens,
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        seed=seed,
+        stop=_stop(body),
+    )
+    stream = _bool(body, "stream")
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not isinstance(opts, Mapping):
+            raise invalid("'stream_options' must be an object", "stream_options")
+        include_usage = _bool(opts, "include_usage")
+    docs, doc_ids = parse_documents(body, max_documents)
+    req = ParsedRequest(
+        kind=kind,
+        model=model,
+        sampling=sampling,
+        documents=docs,
+        document_ids=doc_ids,
+        stream=stream,
+        include_usage=include_usage,
+        user=_str(body, "user"),
+        max_tokens_given=given,
+    )
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise invalid("'tools' must be an array", "tools")
+        req.tools = tools
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise invalid("'messages' must be a non-empty array", "messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict):
+                raise invalid("each message must be an object", f"messages[{i}]")
+        req.messages = messages
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            req.prompt = prompt
+        elif (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
+            if any(not 0 <= t < 2**32 for t in prompt):
+                raise invalid("token ids in 'prompt' must be between 0 and 2^32-1", "prompt")
+            req.prompt_token_ids = list(prompt)
+        elif isinstance(prompt, list) and len(prompt) > 1:
+            raise invalid("batched prompts are not supported; send one prompt per request", "prompt")
+        else:
+            raise invalid("'prompt' must be a string or an array of token ids", "prompt")
+    return req

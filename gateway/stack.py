@@ -1,0 +1,160 @@
+"""``prefixgate up``: the whole local stack (simulated nodes + gateway) in one process tree."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from prefixgate.v1 import node_pb2, node_pb2_grpc
+
+from gateway.config import Settings
+
+PR_SET_PDEATHSIG = 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child
+    """Children get SIGTERM if the stack process dies, even by SIGKILL (Linux)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class NodeProcess:
+    role: str
+    node_id: str
+    address: str
+    proc: subprocess.Popen[bytes]
+
+
+@dataclass
+class StackOptions:
+    host: str = "127.0.0.1"
+    prefill: int = 2
+    decode: int = 4
+    engine: str = "sim"
+    time_scale: float = 1.0
+    capacity_blocks: int = 0  # 0: the node's default
+    kv_scale: float = 0.0  # 0: the node's default
+    block_size: int = 64
+    prefill_profile: str = ""
+    decode_profile: str = ""
+    extra_node_args: list[str] = field(default_factory=list)
+
+
+def node_command(role: str, node_id: str, port: int, opts: StackOptions) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "node",
+        "--role",
+        role,
+        "--host",
+        opts.host,
+        "--port",
+        str(port),
+        "--node-id",
+        node_id,
+        "--engine",
+        opts.engine,
+        "--time-scale",
+        str(opts.time_scale),
+        "--block-size",
+        str(opts.block_size),
+    ]
+    profile = opts.prefill_profile if role == "prefill" else opts.decode_profile
+    if profile:
+        cmd += ["--profile", profile]
+    if opts.capacity_blocks:
+        cmd += ["--capacity-blocks", str(opts.capacity_blocks)]
+    if opts.kv_scale:
+        cmd += ["--kv-scale", str(opts.kv_scale)]
+    return cmd + opts.extra_node_args
+
+
+def start_nodes(opts: StackOptions) -> list[NodeProcess]:
+    nodes: list[NodeProcess] = []
+    for role, count in (("prefill", opts.prefill), ("decode", opts.decode)):
+        for i in range(1, count + 1):
+            port = free_port(opts.host)
+            node_id = f"{role}-{i}"
+            proc = subprocess.Popen(node_command(role, node_id, port, opts), preexec_fn=_die_with_parent)
+            host = f"[{opts.host}]" if ":" in opts.host else opts.host
+            nodes.append(NodeProcess(role, node_id, f"{host}:{port}", proc))
+    return nodes
+
+
+async def wait_nodes(nodes: list[NodeProcess], timeout: float = 30.0) -> None:
+    """Until every node answers Stats; raises if one exits or the timeout passes."""
+    deadline = time.monotonic() + timeout
+    pending = list(nodes)
+    while pending:
+        for n in list(pending):
+            if n.proc.poll() is not None:
+                raise RuntimeError(f"node {n.node_id} exited with code {n.proc.returncode}")
+            async with grpc.aio.insecure_channel(n.address) as ch:
+                try:
+                    await node_pb2_grpc.NodeStub(ch).Stats(node_pb2.StatsRequest(), timeout=0.5)
+                    pending.remove(n)
+                except grpc.aio.AioRpcError:
+                    pass
+        if pending:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nodes not ready after {timeout}s: {[n.node_id for n in pending]}")
+            await asyncio.sleep(0.1)
+
+
+def stop_nodes(nodes: list[NodeProcess], grace: float = 5.0) -> None:
+    for n in nodes:
+        if n.proc.poll() is None:
+            n.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for n in nodes:
+        remaining = max(0.0, deadline - time.monotonic())
+        try:
+            n.proc.wait(timeout=remaining)
+        except subprocess.TimeoutExpired:
+            n.proc.kill()
+            n.proc.wait()
+
+
+async def run_stack(settings: Settings, opts: StackOptions) -> int:
+    from gateway.server import make_server
+
+    t0 = time.perf_counter()
+    nodes = start_nodes(opts)
+    try:
+        await wait_nodes(nodes)
+        settings.prefill = [n.address for n in nodes if n.role == "prefill"]
+        settings.decode = [n.address for n in nodes if n.role == "decode"]
+        if settings.port == 0:
+            settings.port = free_port(settings.host)
+        server, _svc = make_server(settings)
+        serve_task = asyncio.create_task(server.serve())
+        while not server.started and not serve_task.done():
+            await asyncio.sleep(0.02)
+        if serve_task.done():
+            return 1
+        host = f"[{settings.host}]" if ":" in settings.host else settings.host
+        elapsed = time.perf_counter() - t0
+        extra = f" (gRPC front end on {host}:{settings.grpc_port})" if settings.grpc_port else ""
+        print(f"prefixgate ready in {elapsed:.2f}s: http://{host}:{settings.port}/v1{extra}", flush=True)
+        print("  nodes: " + ", ".join(f"{n.node_id}={n.address}" for n in nodes), flush=True)
+        await serve_task
+        return 0
+    finally:
+        stop_nodes(nodes)

@@ -1,0 +1,100 @@
+"""Settings precedence and request validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.config import load_settings
+from gateway.errors import APIError
+from gateway.schema import parse_json, parse_request
+
+KW = dict(models={"m"}, default_max_tokens=16, max_tokens_limit=1000, max_documents=4)
+
+
+def test_flags_beat_env_beat_file(tmp_path: Path) -> None:
+    cfg = tmp_path / "gw.toml"
+    cfg.write_text('port = 9000\nprefill = ["127.0.0.1:1"]\nredis = "redis://x"\n')
+    s = load_settings(cfg, {"port": None}, environ={})
+    assert s.port == 9000 and s.prefill == ["127.0.0.1:1"]
+    s = load_settings(cfg, {}, environ={"PREFIXGATE_PORT": "9100", "PREFIXGATE_DECODE": "a:1,b:2"})
+    assert s.port == 9100 and s.decode == ["a:1", "b:2"]
+    s = load_settings(cfg, {"port": 9200}, environ={"PREFIXGATE_PORT": "9100"})
+    assert s.port == 9200
+    bad = tmp_path / "bad.toml"
+    bad.write_text("no_such = 1\n")
+    with pytest.raises(ValueError, match="no_such"):
+        load_settings(bad, {}, environ={})
+
+
+@pytest.mark.parametrize(
+    ("raw", "status", "param"),
+    [
+        (b"", 400, None),
+        (b"{", 400, None),
+        (b"\xff\xfe", 400, None),
+        (b"[1]", 400, None),
+    ],
+)
+def test_bad_json(raw: bytes, status: int, param: str | None) -> None:
+    with pytest.raises(APIError) as e:
+        parse_json(raw)
+    assert e.value.status == status and e.value.body()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"messages": [{"role": "user", "content": "x"}]}, 400, "model"),
+        ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+        ({"model": "m", "messages": []}, 400, "messages"),
+        ({"model": "m", "messages": "hi"}, 400, "messages"),
+        ({"model": "m", "messages": [1]}, 400, "messages[0]"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9},
+            400,
+            "max_tokens",
+        ),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": "5"},
+            400,
+            "max_tokens",
+        ),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 3},
+            400,
+            "temperature",
+        ),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 5}, 400, "stop"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}, 400, "stream"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "documents": [{"id": "a"}]},
+            400,
+            "documents[0].text",
+        ),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "documents": [{"text": "t"}] * 5},
+            400,
+            "documents",
+        ),
+    ],
+)
+def test_bad_fields_name_their_param(body: dict[str, object], status: int, param: str) -> None:
+    with pytest.raises(APIError) as e:
+        parse_request(body, "chat", **KW)  # type: ignore[arg-type]
+    assert e.value.status == status
+    assert e.value.param == param
+
+
+def test_completion_prompt_forms() -> None:
+    r = parse_request({"model": "m", "prompt": [1, 2, 3]}, "completion", **KW)  # type: ignore[arg-type]
+    assert r.prompt_token_ids == [1, 2, 3]
+    r = parse_request({"model": "m", "prompt": ["one"]}, "completion", **KW)  # type: ignore[arg-type]
+    assert r.prompt == "one"
+    with pytest.raises(APIError):
+        parse_request({"model": "m", "prompt": ["a", "b"]}, "completion", **KW)  # type: ignore[arg-type]
+    r = parse_request({"model": "m", "prompt": "p", "max_completion_tokens": 7}, "completion", **KW)  # type: ignore[arg-type]
+    assert r.sampling.max_tokens == 7 and r.max_tokens_given

@@ -1,0 +1,130 @@
+"""Normalization: the same meaning in gives the same bytes out; different meaning differs."""
+
+from __future__ import annotations
+
+import pytest
+
+from cachetier.hashing import Namespace, block_hashes
+from cachetier.tokenizer import Bytes4Tokenizer
+from gateway.normalize import (
+    Document,
+    NormalizationError,
+    canonical_json,
+    clean_text,
+    render_chat,
+    render_completion,
+)
+
+TOK = Bytes4Tokenizer()
+
+
+def hashes_of(text: str, block_size: int = 16) -> list[int]:
+    return block_hashes(TOK.encode(text), block_size, Namespace("m", block_size=block_size).root())
+
+
+def test_system_messages_merge_into_one_prefix_whatever_their_position() -> None:
+    a = render_chat(
+        [
+            {"role": "system", "content": "You are helpful."},
+            {"role": "user", "content": "hi"},
+            {"role": "system", "content": "Answer briefly."},
+        ]
+    )
+    b = render_chat(
+        [
+            {"role": "system", "content": "You are helpful."},
+            {"role": "developer", "content": "Answer briefly."},
+            {"role": "user", "content": "hi"},
+        ]
+    )
+    assert a.text == b.text
+    assert a.text.startswith("<|system|>\nYou are helpful.\n\nAnswer briefly.\n<|end|>\n")
+    assert next(s.kind for s in a.segments) == "system"
+
+
+def test_line_endings_trailing_whitespace_and_unicode_form_are_normalized() -> None:
+    a = render_chat([{"role": "user", "content": "line one  \r\nline two\t\r\n\r\n"}])
+    b = render_chat([{"role": "user", "content": "line one\nline two"}])
+    assert a.text == b.text
+    assert clean_text("caf\u0065\u0301") == clean_text("caf\u00e9")
+
+
+def test_indentation_inside_a_line_is_kept() -> None:
+    a = render_chat([{"role": "user", "content": "def f():\n    return 1"}])
+    b = render_chat([{"role": "user", "content": "def f():\n  return 1"}])
+    assert a.text != b.text
+
+
+def test_documents_in_any_order_give_the_same_bytes_and_block_hashes() -> None:
+    docs = [Document(f"d{i}", f"chunk number {i} " * 40) for i in range(5)]
+    msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": "question?"}]
+    a = render_chat(msgs, documents=docs)
+    b = render_chat(msgs, documents=list(reversed(docs)))
+    c = render_chat(msgs, documents=[docs[2], docs[0], docs[4], docs[1], docs[3], docs[0]])
+    assert a.text == b.text == c.text
+    assert hashes_of(a.text) == hashes_of(b.text)
+    labels = [s.label for s in a.segments if s.kind == "document"]
+    assert labels == ["d0", "d1", "d2", "d3", "d4"]
+
+
+def test_documents_come_after_the_system_prefix_and_before_the_conversation() -> None:
+    layout = render_chat(
+        [{"role": "user", "content": "q"}, {"role": "system", "content": "s"}],
+        documents=[Document("a", "A")],
+    )
+    kinds = [s.kind for s in layout.segments]
+    assert kinds.index("system") < kinds.index("document") < kinds.index("conversation")
+    # Segment spans are byte offsets that tile the text.
+    assert layout.segments[0].start == 0
+    for prev, nxt in zip(layout.segments, layout.segments[1:], strict=False):
+        assert prev.end == nxt.start
+    assert layout.segments[-1].end == len(layout.text.encode())
+
+
+def test_tool_schemas_with_different_key_order_render_identically() -> None:
+    t1 = [{"type": "function", "function": {"name": "f", "parameters": {"b": 1, "a": {"y": 2, "x": 1}}}}]
+    t2 = [{"function": {"parameters": {"a": {"x": 1, "y": 2}, "b": 1}, "name": "f"}, "type": "function"}]
+    msgs = [{"role": "user", "content": "x"}]
+    assert render_chat(msgs, tools=t1).text == render_chat(msgs, tools=t2).text
+    assert canonical_json({"b": 1, "a": [1, 2]}) == '{"a":[1,2],"b":1}'
+
+
+def test_a_different_question_keeps_the_shared_prefix_bytes() -> None:
+    docs = [Document("doc", "long text " * 500)]
+    a = render_chat([{"role": "user", "content": "first question"}], documents=docs)
+    b = render_chat([{"role": "user", "content": "second question"}], documents=docs)
+    ha, hb = hashes_of(a.text), hashes_of(b.text)
+    shared = 0
+    while shared < min(len(ha), len(hb)) and ha[shared] == hb[shared]:
+        shared += 1
+    doc_end = next(s.end for s in a.segments if s.kind == "document")
+    assert shared * 16 * 4 >= doc_end - 16 * 4  # every full block of the prefix is shared
+
+
+def test_switched_off_renders_as_given() -> None:
+    docs = [Document("b", "B"), Document("a", "A")]
+    msgs = [{"role": "user", "content": "q  "}, {"role": "system", "content": "s"}]
+    off = render_chat(msgs, documents=docs, normalize=False)
+    assert off.text.index('id="b"') < off.text.index('id="a"')
+    assert "q  " in off.text
+    assert off.text.index("<|user|>") < off.text.index("<|system|>")
+
+
+def test_content_parts_and_errors() -> None:
+    parts = render_chat(
+        [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    )
+    assert "a\nb" in parts.text
+    with pytest.raises(NormalizationError) as e:
+        render_chat([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+    assert e.value.param == "messages[0].content[0]"
+    with pytest.raises(NormalizationError):
+        render_chat([{"role": "wizard", "content": "x"}])
+    with pytest.raises(NormalizationError):
+        render_chat([])
+
+
+def test_completion_prompt_keeps_trailing_space_but_unifies_line_endings() -> None:
+    assert render_completion("a\r\nb ").text == "a\nb "
+    with_docs = render_completion("Q:", documents=[Document("z", "Z"), Document("y", "Y")])
+    assert with_docs.text.index('id="y"') < with_docs.text.index('id="z"') < with_docs.text.index("Q:")

@@ -1,0 +1,66 @@
+"""Routing policies and the disaggregation decision, as pure functions."""
+
+from __future__ import annotations
+
+from gateway.routing import NodeView, RouteInput, make_policy
+from gateway.routing.mode import DISAGGREGATED, FALLBACK, MONOLITHIC, choose_mode
+
+
+def views(*loads: int) -> list[NodeView]:
+    return [
+        NodeView(f"n{i}", outstanding_requests=ld, outstanding_tokens=ld * 1000) for i, ld in enumerate(loads)
+    ]
+
+
+def test_prefixgate_prefers_the_node_holding_the_long_prefix() -> None:
+    p = make_policy("prefixgate")
+    d = p.choose(RouteInput(8192, 64, {"n1": 120}), views(0, 0))
+    assert d.node_id == "n1" and d.cached_blocks == 120
+    assert d.chosen is not None and d.chosen.ttft_s < max(e.ttft_s for e in d.estimates)
+
+
+def test_prefixgate_bounds_load_when_everyone_shares_a_prefix() -> None:
+    p = make_policy("prefixgate")
+    loads = {"n0": 0, "n1": 0}
+    for _ in range(10):  # ten concurrent requests sharing only block 0
+        nodes = [NodeView(n, outstanding_requests=ld, outstanding_tokens=ld * 500) for n, ld in loads.items()]
+        d = p.choose(RouteInput(600, 64, {"n0": 2}), nodes)
+        assert d.node_id is not None
+        loads[d.node_id] += 1
+    assert min(loads.values()) >= 3, loads
+
+
+def test_longest_prefix_without_bound_collapses_onto_one_node() -> None:
+    p = make_policy("longest_prefix")
+    picks = {p.choose(RouteInput(600, 64, {"n0": 2}), views(i, 0)).node_id for i in range(10)}
+    assert picks == {"n0"}
+
+
+def test_round_robin_and_least_loaded_and_hash() -> None:
+    rr = make_policy("round_robin")
+    assert [rr.choose(RouteInput(10, 64, {}), views(0, 0, 0)).node_id for _ in range(4)] == [
+        "n0",
+        "n1",
+        "n2",
+        "n0",
+    ]
+    assert make_policy("least_loaded").choose(RouteInput(10, 64, {}), views(3, 1, 2)).node_id == "n1"
+    ch = make_policy("consistent_hash")
+    a = ch.choose(RouteInput(10, 64, {}, first_block=42), views(0, 0, 0)).node_id
+    assert all(
+        ch.choose(RouteInput(10, 64, {}, first_block=42), views(5, 0, 1)).node_id == a for _ in range(3)
+    )
+    assert make_policy("prefixgate").choose(RouteInput(10, 64, {}), []).node_id is None
+
+
+def test_mode_decision() -> None:
+    kw = dict(
+        prefill_routable=2, decode_routable=4, min_disagg_tokens=256, queue_wait_s=0.1, ttft_budget_s=5.0
+    )
+    assert choose_mode(disaggregation=True, uncached_tokens=5000, **kw).mode == DISAGGREGATED  # type: ignore[arg-type]
+    assert choose_mode(disaggregation=True, uncached_tokens=100, **kw).mode == MONOLITHIC  # type: ignore[arg-type]
+    assert choose_mode(disaggregation=False, uncached_tokens=5000, **kw).mode == MONOLITHIC  # type: ignore[arg-type]
+    kw["prefill_routable"] = 0
+    assert choose_mode(disaggregation=True, uncached_tokens=5000, **kw).mode == FALLBACK  # type: ignore[arg-type]
+    kw["prefill_routable"], kw["queue_wait_s"] = 2, 9.0
+    assert choose_mode(disaggregation=True, uncached_tokens=5000, **kw).mode == FALLBACK  # type: ignore[arg-type]
