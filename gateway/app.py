@@ -362,8 +362,10 @@ def create_app(service: GatewayService) -> Starlette:
         finally:
             await service.stop()
 
+    from gateway.admin import admin_routes
+
     app = Starlette(
-        routes=routes(),
+        routes=routes() + admin_routes(),
         lifespan=lifespan,
         exception_handlers={404: _not_found, 405: _method_not_allowed},
     )

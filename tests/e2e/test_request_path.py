@@ -1,0 +1,149 @@
+"""The whole request path with the official OpenAI client against ``prefixgate up``."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import math
+import random
+
+import httpx
+
+from tests.e2e.conftest import MODEL, Stack
+
+WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november".split()
+
+
+def document(seed: int, tokens: int) -> str:
+    """Deterministic prose of about ``tokens`` tokens (4 bytes a token)."""
+    rng = random.Random(seed)
+    out: list[str] = []
+    size = 0
+    while size < tokens * 4:
+        w = rng.choice(WORDS)
+        out.append(w)
+        size += len(w) + 1
+    return " ".join(out)
+
+
+def test_streamed_and_plain_chat_completions(stack: Stack) -> None:
+    client = stack.client()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12)  # type: ignore[arg-type]
+    assert plain.choices[0].message.content
+    assert plain.choices[0].finish_reason in ("stop", "length")
+    assert plain.usage is not None and plain.usage.prompt_tokens > 0
+    assert 0 < plain.usage.completion_tokens <= 12
+    assert plain.usage.prompt_tokens_details is not None
+
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, stream=True, stream_options={"include_usage": True}  # type: ignore[arg-type]
+    )
+    pieces: list[str] = []
+    finish = None
+    usage = None
+    for chunk in stream:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert "".join(pieces) == plain.choices[0].message.content  # same prompt, same output
+    assert finish == plain.choices[0].finish_reason
+    assert usage is not None and usage.completion_tokens == plain.usage.completion_tokens
+
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_completions_endpoint(stack: Stack) -> None:
+    client = stack.client()
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5)
+    assert r.choices[0].text and r.usage is not None and r.usage.completion_tokens <= 5
+    chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+
+
+def test_shared_document_goes_to_the_same_prefill_node_and_hits(stack: Stack) -> None:
+    client = stack.client()
+    doc = document(1, 8000)
+    doc_tokens = len(doc.encode()) // 4
+    results = []
+    for q in ("What is the first word?", "How many times does echo appear?"):
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, max_tokens=4,
+            messages=[{"role": "system", "content": "Answer from the document."}, {"role": "user", "content": q}],
+            extra_body={"documents": [{"id": "manual", "text": doc}]},
+        )
+        results.append((raw.headers, raw.parse()))
+    (h1, r1), (h2, r2) = results
+    assert h1["x-prefixgate-route"] == "disaggregated"
+    assert h1["x-prefixgate-prefill-node"] == h2["x-prefixgate-prefill-node"]
+    assert r2.usage is not None and r2.usage.prompt_tokens_details is not None
+    cached = r2.usage.prompt_tokens_details.cached_tokens or 0
+    assert cached >= 0.9 * doc_tokens, (cached, doc_tokens)
+    assert int(h2["x-prefixgate-cached-tokens"]) == cached
+
+
+def test_common_system_prompt_spreads_over_both_prefill_nodes(stack: Stack) -> None:
+    client = stack.client()
+    system = "You are a support assistant for ACME. " * 20
+
+    def one(i: int) -> str:
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, max_tokens=2,
+            messages=[{"role": "system", "content": system},
+                      {"role": "user", "content": f"ticket {i}: " + document(100 + i, 6000)}],
+        )
+        return raw.headers["x-prefixgate-prefill-node"]
+
+    with cf.ThreadPoolExecutor(max_workers=10) as ex:
+        nodes = list(ex.map(one, range(10)))
+    counts = {n: nodes.count(n) for n in set(nodes)}
+    assert len(counts) == 2, counts
+    assert max(counts.values()) <= math.ceil(1.25 * 10 / 2), counts
+
+
+def test_disaggregated_and_monolithic_paths_answer_identically(stack: Stack) -> None:
+    client = stack.client()
+    messages = [{"role": "user", "content": "Tell me about " + document(7, 1500)}]
+    with stack.admin() as admin:
+        split = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=24,  # type: ignore[arg-type]
+                                                                 seed=5)
+        r = admin.put("/admin/switches", json={"disaggregation": False})
+        assert r.status_code == 200 and r.json()["disaggregation"] is False
+        try:
+            mono = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=24,  # type: ignore[arg-type]
+                                                                    seed=5)
+        finally:
+            admin.put("/admin/switches", json={"disaggregation": True})
+    assert split.headers["x-prefixgate-route"] == "disaggregated"
+    assert mono.headers["x-prefixgate-route"] == "monolithic"
+    assert split.parse().choices[0].message.content == mono.parse().choices[0].message.content
+
+
+def test_document_order_does_not_matter(stack: Stack) -> None:
+    client = stack.client()
+    docs = [{"id": f"kb-{i}", "text": document(200 + i, 700)} for i in range(6)]
+    msgs = [{"role": "user", "content": "Summarize."}]
+    first = client.chat.completions.with_raw_response.create(model=MODEL, messages=msgs, max_tokens=2,  # type: ignore[arg-type]
+                                                             extra_body={"documents": docs})
+    second = client.chat.completions.with_raw_response.create(model=MODEL, messages=msgs, max_tokens=2,  # type: ignore[arg-type]
+                                                              extra_body={"documents": docs[::-1]})
+    r2 = second.parse()
+    assert first.headers["x-prefixgate-prefill-node"] == second.headers["x-prefixgate-prefill-node"]
+    assert r2.usage is not None and r2.usage.prompt_tokens_details is not None
+    assert (r2.usage.prompt_tokens_details.cached_tokens or 0) >= 0.9 * r2.usage.prompt_tokens - 64
+
+
+def test_errors_are_openai_shaped(stack: Stack) -> None:
+    with httpx.Client(base_url=stack.base_url, timeout=10) as http:
+        r = http.post("/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        r = http.post("/chat/completions", json={"model": "nope", "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        r = http.post("/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                 "max_tokens": 10**7})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        r = http.get("/nothing-here")
+        assert r.status_code == 404 and "error" in r.json()
+    assert stack.ready_s < 30

@@ -1,0 +1,78 @@
+"""Shared helpers for tests that run real processes on loopback."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Proc:
+    """A child process whose output is collected in the background (bounded)."""
+
+    proc: subprocess.Popen[str]
+    lines: deque[str] = field(default_factory=lambda: deque(maxlen=2000))
+    _reader: threading.Thread | None = None
+
+    def start_reader(self) -> None:
+        def read() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self.lines.append(line.rstrip("\n"))
+
+        self._reader = threading.Thread(target=read, daemon=True)
+        self._reader.start()
+
+    def wait_for(self, pattern: str, timeout: float = 60.0) -> re.Match[str]:
+        rx = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                m = rx.search(line)
+                if m:
+                    return m
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        tail = "\n".join(list(self.lines)[-40:])
+        raise TimeoutError(f"{pattern!r} not seen (exit={self.proc.poll()}); output:\n{tail}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+        return self.proc.returncode
+
+
+def spawn(args: list[str], env: dict[str, str] | None = None) -> Proc:
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFIXGATE_LOG_FORMAT": "json", **(env or {})}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", *args], cwd=REPO, env=full_env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    p = Proc(proc)
+    p.start_reader()
+    return p
