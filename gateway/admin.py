@@ -24,13 +24,19 @@ def require_admin(handler: Handler) -> Handler:
         if token:
             scheme, _, given = request.headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-                raise APIError(401, "admin token required: send 'Authorization: Bearer <admin token>'",
-                               code="invalid_admin_token")
+                raise APIError(
+                    401,
+                    "admin token required: send 'Authorization: Bearer <admin token>'",
+                    code="invalid_admin_token",
+                )
         else:
             client = request.client.host if request.client else ""
             if client not in LOOPBACK and not client.startswith("127."):
-                raise APIError(403, "the admin API without an admin token answers loopback clients only",
-                               code="admin_loopback_only")
+                raise APIError(
+                    403,
+                    "the admin API without an admin token answers loopback clients only",
+                    code="admin_loopback_only",
+                )
         return await handler(request)
 
     return _guard(wrapped)

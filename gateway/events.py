@@ -12,11 +12,11 @@ import contextlib
 
 import grpc
 import structlog
-from prefixgate.v1 import node_pb2
 
 from cachetier.index import BlockIndex, StoreOp
 from gateway.metrics import Metrics
 from gateway.nodes import Node, NodePool
+from prefixgate.v1 import node_pb2
 
 log = structlog.get_logger("prefixgate.events")
 

@@ -10,9 +10,11 @@ from dataclasses import dataclass, field
 
 import grpc
 import structlog
-from prefixgate.v1 import node_pb2, node_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
+from gateway.breaker import CircuitBreaker
 from gateway.routing import NodeView
+from prefixgate.v1 import node_pb2, node_pb2_grpc
 
 log = structlog.get_logger("prefixgate.nodes")
 
@@ -36,6 +38,7 @@ class Node:
     address: str
     channel: grpc.aio.Channel
     stub: node_pb2_grpc.NodeStub
+    health: health_pb2_grpc.HealthStub
     node_id: str = ""
     stats: node_pb2.NodeStats | None = None
     stats_at: float = 0.0
@@ -48,6 +51,10 @@ class Node:
     active_streams: int = 0
     consecutive_failures: int = 0
     last_error: str = ""
+    serving: bool = True
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    # Observed / estimated prefill time (EWMA): a node slower than it claims gets less traffic.
+    slowness: float = 1.0
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     @property
@@ -56,11 +63,37 @@ class Node:
 
     @property
     def routable(self) -> bool:
-        return self.reachable and not self.draining and self.stats is not None
+        return (
+            self.reachable
+            and self.serving
+            and not self.draining
+            and self.stats is not None
+            and self.breaker.allows(time.monotonic())
+        )
+
+    @property
+    def healthy(self) -> bool:
+        return self.reachable and self.serving and self.breaker.state == "closed"
+
+    def observe_prefill(self, estimated_s: float, observed_s: float, alpha: float = 0.3) -> None:
+        """Learn how much slower (or faster) the node is than its profile claims."""
+        if estimated_s <= 1e-4 or observed_s <= 0:
+            return
+        ratio = min(100.0, max(0.1, observed_s / estimated_s))
+        self.slowness = (1 - alpha) * self.slowness + alpha * ratio
 
     @property
     def capacity_blocks(self) -> int:
         return self.stats.capacity_blocks if self.stats is not None else 0
+
+    def profile_prefill_s(self, new_tokens: int, context_tokens: int) -> float:
+        """Prefill time the node's own profile predicts (before learned slowness)."""
+        prof = self.stats.profile if self.stats is not None else None
+        if prof is None or prof.prefill_tokens_per_s <= 0 or new_tokens <= 0:
+            return 0.0
+        return new_tokens / prof.prefill_tokens_per_s + prof.attention_coeff_s * new_tokens * (
+            context_tokens + new_tokens / 2
+        )
 
     def view(self) -> NodeView:
         st = self.stats
@@ -77,9 +110,9 @@ class Node:
             outstanding_requests=self.local_requests + remote_reqs,
             outstanding_tokens=self.local_tokens + remote_tokens,
             prefill_tokens_per_s=(
-                prof.prefill_tokens_per_s if prof and prof.prefill_tokens_per_s > 0 else 1e9
+                prof.prefill_tokens_per_s / self.slowness if prof and prof.prefill_tokens_per_s > 0 else 1e9
             ),
-            attention_coeff_s=prof.attention_coeff_s if prof else 0.0,
+            attention_coeff_s=(prof.attention_coeff_s * self.slowness) if prof else 0.0,
             transfer_bytes_per_s=prof.transfer_bytes_per_s if prof else 0.0,
             kv_bytes_per_token=fmt.bytes_per_token if fmt else 0,
             capacity_blocks=self.capacity_blocks,
@@ -109,7 +142,13 @@ class NodePool:
         if address in self.nodes:
             raise ValueError(f"node {address} is already registered")
         channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
-        node = Node(role=role, address=address, channel=channel, stub=node_pb2_grpc.NodeStub(channel))
+        node = Node(
+            role=role,
+            address=address,
+            channel=channel,
+            stub=node_pb2_grpc.NodeStub(channel),
+            health=health_pb2_grpc.HealthStub(channel),
+        )
         self.nodes[address] = node
         if not self._closed:
             node.tasks.append(asyncio.create_task(self._poll(node), name=f"stats:{address}"))

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 import grpc
 import structlog
-from prefixgate.v1 import node_pb2
 
 from cachetier.hashing import Namespace, block_hashes
 from cachetier.index import BlockIndex, StoreOp
@@ -32,6 +31,7 @@ from gateway.routing import Decision, NodeView, Policy, RouteInput, make_policy
 from gateway.routing.least_loaded import LeastLoadedPolicy
 from gateway.routing.mode import DISAGGREGATED, FALLBACK, MONOLITHIC, ModeDecision, choose_mode
 from gateway.schema import ParsedRequest, Sampling
+from prefixgate.v1 import node_pb2
 
 log = structlog.get_logger("prefixgate.pipeline")
 
@@ -443,6 +443,8 @@ class Pipeline:
             await asyncio.sleep(delay)
 
     def _note_failure(self, f: NodeFailure) -> None:
+        if f.code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # a full queue is load, not a fault
+            f.node.breaker.on_failure(time.monotonic())
         f.node.consecutive_failures += 1
         f.node.last_error = str(f)[:500]
         log.warning(
@@ -463,6 +465,8 @@ class Pipeline:
         timings = Timings()
         pnode.local_requests += 1
         pnode.local_tokens += uncached
+        pnode.breaker.on_dispatch()
+        dnode.breaker.on_dispatch()
         try:
             resp = await pnode.stub.Prefill(
                 node_pb2.PrefillRequest(
@@ -485,6 +489,11 @@ class Pipeline:
             pnode.local_requests -= 1
             pnode.local_tokens -= uncached
         pnode.consecutive_failures = 0
+        pnode.breaker.on_success()
+        pnode.observe_prefill(
+            pnode.profile_prefill_s(prep.prompt_tokens - resp.cached_tokens, resp.cached_tokens),
+            resp.prefill_seconds,
+        )
         timings.queue_s, timings.prefill_s, timings.transfer_s = (
             resp.queue_seconds,
             resp.prefill_seconds,
@@ -510,6 +519,7 @@ class Pipeline:
                 dnode, "decode", grpc.StatusCode.UNKNOWN, "decode stream ended before any token"
             )
         dnode.consecutive_failures = 0
+        dnode.breaker.on_success()
         if not resp.finished:
             first.append(Delta(chunk.text, chunk.finish_reason, chunk.completion_tokens))
         else:
@@ -543,6 +553,7 @@ class Pipeline:
     ) -> Execution:
         predicted = decision.cached_blocks * self.settings.block_size
         timings = Timings()
+        node.breaker.on_dispatch()
         call = node.stub.Generate(
             node_pb2.GenerateRequest(
                 request_id=prep.request_id,
@@ -562,6 +573,7 @@ class Pipeline:
             call.cancel()
             raise NodeFailure(node, "generate", grpc.StatusCode.UNKNOWN, "stream ended before any token")
         node.consecutive_failures = 0
+        node.breaker.on_success()
         timings.queue_s, timings.prefill_s = chunk.queue_seconds, chunk.prefill_seconds
         timings.first_token_at = time.perf_counter()
         self._record(prep, node.id)

@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
-from prefixgate.v1 import node_pb2, node_pb2_grpc
 
 from gateway.config import Settings
+from prefixgate.v1 import node_pb2, node_pb2_grpc
 
 PR_SET_PDEATHSIG = 1
 
