@@ -260,6 +260,12 @@ async def list_models(request: Request) -> Response:
     return ORJSONResponse({"object": "list", "data": data})
 
 
+async def openapi(request: Request) -> Response:
+    from gateway.openapi import openapi_spec
+
+    return ORJSONResponse(openapi_spec(sorted(_svc(request).models)))
+
+
 async def healthz(request: Request) -> Response:
     return ORJSONResponse({"status": "ok"})
 
@@ -337,6 +343,7 @@ def routes() -> list[Route]:
         Route("/v1/documents", _guard(documents_create), methods=["POST"]),
         Route("/v1/documents/{doc_id:str}", _guard(documents_get), methods=["GET"]),
         Route("/v1/documents/{doc_id:str}", _guard(documents_delete), methods=["DELETE"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", _guard(readyz), methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

@@ -1,0 +1,210 @@
+"""OpenAPI 3.0 description of the client API (served at ``/openapi.json``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": "string", "nullable": True},
+                "code": {"type": "string", "nullable": True},
+            },
+        }
+    },
+}
+
+_DOCUMENT = {
+    "type": "object",
+    "required": ["text"],
+    "properties": {"id": {"type": "string", "maxLength": 256}, "text": {"type": "string"}},
+}
+
+_COMMON = {
+    "model": {"type": "string"},
+    "max_tokens": {"type": "integer", "minimum": 1, "nullable": True},
+    "max_completion_tokens": {"type": "integer", "minimum": 1, "nullable": True},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2, "nullable": True},
+    "top_p": {"type": "number", "minimum": 0, "maximum": 1, "nullable": True},
+    "seed": {"type": "integer", "nullable": True},
+    "stop": {
+        "nullable": True,
+        "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}],
+    },
+    "stream": {"type": "boolean", "nullable": True},
+    "stream_options": {
+        "type": "object",
+        "nullable": True,
+        "properties": {"include_usage": {"type": "boolean"}},
+    },
+    "user": {"type": "string"},
+    "n": {"type": "integer", "nullable": True},
+    "documents": {"type": "array", "items": _DOCUMENT},
+    "document_ids": {"type": "array", "items": {"type": "string"}},
+}
+
+_MESSAGE = {
+    "type": "object",
+    "required": ["role"],
+    "properties": {
+        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+        "content": {
+            "nullable": True,
+            "oneOf": [
+                {"type": "string"},
+                {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["type", "text"],
+                        "properties": {
+                            "type": {"type": "string", "enum": ["text"]},
+                            "text": {"type": "string"},
+                        },
+                    },
+                },
+            ],
+        },
+        "name": {"type": "string"},
+    },
+}
+
+_USAGE = {
+    "type": "object",
+    "properties": {
+        "prompt_tokens": {"type": "integer"},
+        "completion_tokens": {"type": "integer"},
+        "total_tokens": {"type": "integer"},
+        "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}},
+    },
+}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    return {
+        str(c): {
+            "description": "error",
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+        }
+        for c in codes
+    }
+
+
+def _completion_op(summary: str, body_schema: str) -> dict[str, Any]:
+    return {
+        "summary": summary,
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{body_schema}"}}},
+        },
+        "responses": {
+            "200": {
+                "description": "a completion (JSON) or a stream of server-sent events",
+                "content": {
+                    "application/json": {"schema": {"type": "object", "properties": {"usage": _USAGE}}},
+                    "text/event-stream": {"schema": {"type": "string"}},
+                },
+            },
+            **_errors(400, 401, 404, 413, 422, 429, 502, 503),
+        },
+    }
+
+
+def openapi_spec(models: list[str]) -> dict[str, Any]:
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "prefixgate", "version": "1", "description": "OpenAI-compatible gateway"},
+        "paths": {
+            "/v1/chat/completions": {"post": _completion_op("Chat completion", "ChatRequest")},
+            "/v1/completions": {"post": _completion_op("Text completion", "CompletionRequest")},
+            "/v1/models": {
+                "get": {
+                    "summary": "Served models",
+                    "responses": {
+                        "200": {
+                            "description": "models",
+                            "content": {
+                                "application/json": {
+                                    "schema": {
+                                        "type": "object",
+                                        "required": ["data"],
+                                        "properties": {
+                                            "object": {"type": "string"},
+                                            "data": {"type": "array", "items": {"type": "object"}},
+                                        },
+                                    }
+                                }
+                            },
+                        }
+                    },
+                }
+            },
+            "/v1/documents": {
+                "post": {
+                    "summary": "Register a document",
+                    "requestBody": {"required": True, "content": {"application/json": {"schema": _DOCUMENT}}},
+                    "responses": {
+                        "201": {
+                            "description": "registered",
+                            "content": {
+                                "application/json": {
+                                    "schema": {
+                                        "type": "object",
+                                        "required": ["id"],
+                                        "properties": {"id": {"type": "string"}},
+                                    }
+                                }
+                            },
+                        },
+                        **_errors(400, 401, 413),
+                    },
+                }
+            },
+            "/v1/documents/{doc_id}": {
+                "parameters": [
+                    {"name": "doc_id", "in": "path", "required": True, "schema": {"type": "string"}}
+                ],
+                "get": {
+                    "summary": "A registered document",
+                    "responses": {"200": {"description": "the document"}, **_errors(401, 404)},
+                },
+                "delete": {
+                    "summary": "Forget a document",
+                    "responses": {"200": {"description": "deleted"}, **_errors(401, 404)},
+                },
+            },
+        },
+        "components": {
+            "schemas": {
+                "Error": _ERROR,
+                "ChatRequest": {
+                    "type": "object",
+                    "required": ["model", "messages"],
+                    "properties": {
+                        **_COMMON,
+                        "model": {"type": "string", "enum": models},
+                        "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+                        "tools": {"type": "array", "items": {"type": "object"}},
+                    },
+                },
+                "CompletionRequest": {
+                    "type": "object",
+                    "required": ["model", "prompt"],
+                    "properties": {
+                        **_COMMON,
+                        "model": {"type": "string", "enum": models},
+                        "prompt": {
+                            "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]
+                        },
+                    },
+                },
+            }
+        },
+    }
