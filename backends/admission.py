@@ -1,0 +1,102 @@
+"""Admission: at most ``max_running`` at once, at most ``max_queue`` waiting (FIFO), else refuse.
+
+Each ticket carries the tokens of work it stands for, so the node can report how much prefill
+work is ahead of a new arrival (waiting tokens plus what running tickets still have to do,
+assuming linear progress over their expected duration).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+
+class QueueFull(Exception):
+    pass
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    tokens: int
+    enqueued: float
+    started: float = 0.0
+    expected_s: float = 0.0
+    future: asyncio.Future[None] | None = None
+
+    @property
+    def waited_s(self) -> float:
+        return max(0.0, self.started - self.enqueued)
+
+    def remaining_tokens(self, now: float) -> int:
+        if self.expected_s <= 0:
+            return 0 if self.started else self.tokens
+        done = (now - self.started) / self.expected_s
+        return int(self.tokens * max(0.0, 1.0 - done))
+
+
+class Admission:
+    def __init__(self, max_running: int, max_queue: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_running = max(1, max_running)
+        self.max_queue = max(0, max_queue)
+        self.clock = clock
+        self.running: set[Ticket] = set()
+        self.waiting: deque[Ticket] = deque()
+
+    @property
+    def queued_tokens(self) -> int:
+        return sum(t.tokens for t in self.waiting)
+
+    def work_tokens(self) -> int:
+        """Tokens waiting plus the unfinished part of running tickets."""
+        now = self.clock()
+        return self.queued_tokens + sum(t.remaining_tokens(now) for t in self.running)
+
+    async def acquire(self, tokens: int = 0) -> Ticket:
+        """A running ticket, after waiting in line if need be; ``QueueFull`` when the line is full."""
+        t = Ticket(tokens, self.clock())
+        if len(self.running) < self.max_running and not self.waiting:
+            self._start(t)
+            return t
+        if len(self.waiting) >= self.max_queue:
+            raise QueueFull(
+                f"queue full: {len(self.running)} running (max {self.max_running}),"
+                f" {len(self.waiting)} waiting (max {self.max_queue})"
+            )
+        t.future = asyncio.get_running_loop().create_future()
+        self.waiting.append(t)
+        try:
+            await t.future
+        except asyncio.CancelledError:
+            if t in self.running:  # granted just as we were cancelled
+                self.release(t)
+            elif t in self.waiting:
+                self.waiting.remove(t)
+            raise
+        return t
+
+    def release(self, t: Ticket) -> None:
+        if t not in self.running:
+            return
+        self.running.discard(t)
+        while self.waiting and len(self.running) < self.max_running:
+            nxt = self.waiting.popleft()
+            if nxt.future is None or nxt.future.done():
+                continue
+            self._start(nxt)
+            nxt.future.set_result(None)
+
+    def _start(self, t: Ticket) -> None:
+        t.started = self.clock()
+        self.running.add(t)
+
+    @asynccontextmanager
+    async def slot(self, tokens: int = 0) -> AsyncIterator[Ticket]:
+        t = await self.acquire(tokens)
+        try:
+            yield t
+        finally:
+            self.release(t)

@@ -1,0 +1,109 @@
+"""The engine contract: what a node's compute must provide, whatever it is.
+
+The node (``backends.node``) owns the block pool, queues, KV transfer, handles, events and the
+gRPC surface; an engine only computes. The simulated engine (``backends.sim``) and a future
+real one (``--engine tiny``) implement this protocol and serve the same services.
+
+Token ids are uint32. The engine's ``eos_token`` ends generation (finish_reason "stop") and is
+never shown nor counted. ``state`` is a 64-bit digest of the engine's sampling state after the
+first token, carried from prefill to decode so the split path continues exactly where a
+monolithic run would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from backends.kvpages import KVFormat
+from backends.profiles import CostProfile
+
+DEFAULT_MAX_TOKENS = 1024
+MAX_TOKENS_LIMIT = 1 << 16
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """Sampling and stopping (mirror of ``prefixgate.v1.SamplingParams``)."""
+
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    @classmethod
+    def normalized(
+        cls,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None,
+        stop: Sequence[str],
+    ) -> Sampling:
+        """Defaults for the wire's zero values: max_tokens 0 -> default, top_p 0 -> 1.
+        ``temperature`` is taken as given (0 = greedy): senders fill OpenAI's default of 1."""
+        mt = DEFAULT_MAX_TOKENS if max_tokens <= 0 else min(max_tokens, MAX_TOKENS_LIMIT)
+        tp = 1.0 if top_p <= 0 or top_p > 1 else top_p
+        temp = min(max(temperature, 0.0), 2.0)
+        return cls(mt, temp, tp, seed, tuple(s for s in stop if s))
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillJob:
+    tokens: bytes  # the whole prompt, packed LE uint32
+    block_hashes: Sequence[int]  # hashes of its full blocks (the pool's keys)
+    cached_blocks: int  # leading blocks whose KV is already in the pool
+    cached_pages: Sequence[bytes]  # their page bytes (a real engine attends over them)
+    sampling: Sampling
+    first_token: bool = True  # False: warm only, compute KV and generate nothing
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillOutput:
+    new_pages: list[bytes]  # one per block after the cached ones: block_hashes[cached_blocks:]
+    tail_page: bytes  # KV of the trailing partial block (b"" when the prompt ends on a boundary)
+    first_token: int  # the first generated token (eos_token possible; 0 when not asked)
+    state: int  # sampling state after the first token
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeJob:
+    tokens: bytes  # the prompt
+    pages: Sequence[bytes]  # KV pages of the prompt, full blocks then the tail
+    first_token: int
+    state: int
+    sampling: Sampling
+    max_new: int  # tokens to produce at most after the first one
+
+
+class Engine(Protocol):
+    name: str  # "sim", "tiny"
+    kv_format: KVFormat
+    profile: CostProfile  # simulated-hardware figures (time_scale = 1)
+    time_scale: float
+    eos_token: int
+
+    def prefill_seconds(self, new_tokens: int, context_tokens: int) -> float:
+        """Expected wall-clock seconds of a prefill (for queue estimates)."""
+        ...
+
+    async def prefill(self, job: PrefillJob) -> PrefillOutput:
+        """Compute the KV of the uncached blocks (and the first token), taking its time."""
+        ...
+
+    def decode(self, job: DecodeJob) -> AsyncGenerator[list[int], None]:
+        """Tokens after the first, in small groups as they are produced; the last group ends
+        with ``eos_token`` when generation ends by itself. Stops after ``max_new`` tokens.
+        Closing the iterator stops the work."""
+        ...
+
+    def token_text(self, token: int) -> str:
+        """Text of one output token."""
+        ...
+
+    def transfer_floor_seconds(self, shipped_bytes: int) -> float:
+        """Least wall-clock time sending ``shipped_bytes`` of KV may take on the modelled link
+        (the sender waits out the rest); 0 for a real link."""
+        ...
