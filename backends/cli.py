@@ -1,0 +1,130 @@
+"""``prefixgate node``: run one node. Mounted by the main CLI, or ``python -m backends``.
+
+Once the node is bound it prints one JSON line to stdout,
+``{"event": "node_ready", "node_id": ..., "address": "host:port", "role": ..., "instance_id": ...}``,
+so a parent started with ``--port 0`` learns the port; logs go to stderr. SIGINT/SIGTERM stop
+the node cleanly (exit code 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from typing import Any
+
+import structlog
+
+from backends.kvpages import DEFAULT_KV_SCALE, parse_scale
+from backends.node import DEFAULT_CAPACITY_BLOCKS, ROLES
+from backends.profiles import PROFILES
+
+
+def _scale(text: str) -> float:
+    try:
+        return parse_scale(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_node_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--role", choices=ROLES, required=True, help="what the gateway uses this node for")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=0, help="gRPC port (default 0: a free one)")
+    parser.add_argument("--engine", default="sim", choices=["sim"], help="compute engine (default sim)")
+    parser.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        default=None,
+        help="cost profile (default: s5000 for prefill, astar otherwise)",
+    )
+    parser.add_argument("--time-scale", type=float, default=1.0, help="simulated time multiplier (default 1)")
+    parser.add_argument(
+        "--capacity-blocks", type=int, default=DEFAULT_CAPACITY_BLOCKS, help="KV pool size in blocks"
+    )
+    parser.add_argument("--block-size", type=int, default=64, help="tokens per KV block (default 64)")
+    parser.add_argument(
+        "--kv-scale",
+        type=_scale,
+        default=DEFAULT_KV_SCALE,
+        help="fraction of the reference model's KV bytes actually shipped, e.g. 1/512 (default)",
+    )
+    parser.add_argument("--node-id", default=None, help="node id (default host:port)")
+    parser.add_argument("--max-queue", type=int, default=64, help="prefills waiting at most (default 64)")
+    parser.add_argument("--max-concurrency", type=int, default=1, help="prefills at once (default 1)")
+    parser.add_argument("--max-decode-streams", type=int, default=256, help="decode streams at once")
+    parser.add_argument("--handle-ttl", type=float, default=60.0, help="seconds a received KV handle waits")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def configure_logging(level: str) -> None:
+    """structlog to stderr (keeps stdout for the ready line)."""
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
+def node_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``start_node`` keyword arguments from parsed flags."""
+    return {
+        "engine": args.engine,
+        "profile": args.profile,
+        "capacity_blocks": args.capacity_blocks,
+        "block_size": args.block_size,
+        "time_scale": args.time_scale,
+        "kv_scale": args.kv_scale,
+        "node_id": args.node_id,
+        "max_queue": args.max_queue,
+        "max_concurrency": args.max_concurrency,
+        "max_decode_streams": args.max_decode_streams,
+        "handle_ttl_s": args.handle_ttl,
+    }
+
+
+def run_node(args: argparse.Namespace) -> int:
+    from backends.server import NodeServer, serve
+
+    configure_logging(args.log_level)
+
+    def ready(ns: NodeServer) -> None:
+        line = {
+            "event": "node_ready",
+            "node_id": ns.node.node_id,
+            "address": ns.address,
+            "role": ns.node.config.role,
+            "instance_id": ns.node.events.instance_id,
+        }
+        print(json.dumps(line), flush=True)
+
+    try:
+        run_loop(serve(args.role, args.host, args.port, on_ready=ready, **node_options(args)))
+    except (OSError, ValueError, RuntimeError) as e:
+        print(f"prefixgate node: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_loop(main: Any) -> None:
+    """Run a coroutine on uvloop when it is installed, else asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+    else:
+        uvloop.run(main)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m backends", description="run one prefixgate node")
+    add_node_arguments(parser)
+    return run_node(parser.parse_args(argv))

@@ -1,0 +1,101 @@
+"""Between the wire (``prefixgate.v1`` messages) and the node's own types."""
+
+from __future__ import annotations
+
+from backends.engine import Sampling
+from backends.events import KVEventRecord
+from backends.generation import Chunk
+from backends.kvpages import KVFormat
+from backends.transfer import TransferHeader, WirePage
+from prefixgate.v1 import node_pb2
+
+
+def sampling_from_proto(p: node_pb2.SamplingParams) -> Sampling:
+    return Sampling.normalized(
+        p.max_tokens, p.temperature, p.top_p, p.seed if p.has_seed else None, list(p.stop)
+    )
+
+
+def sampling_to_proto(s: Sampling) -> node_pb2.SamplingParams:
+    return node_pb2.SamplingParams(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        seed=s.seed or 0,
+        has_seed=s.seed is not None,
+        stop=list(s.stop),
+    )
+
+
+def format_to_proto(f: KVFormat) -> node_pb2.KVFormat:
+    return node_pb2.KVFormat(
+        model_fingerprint=f.model_fingerprint,
+        block_size=f.block_size,
+        dtype=f.dtype,
+        layout=f.layout,
+        bytes_per_token=f.bytes_per_token,
+    )
+
+
+def format_from_proto(p: node_pb2.KVFormat) -> KVFormat:
+    return KVFormat(p.model_fingerprint, p.block_size, p.dtype, p.layout, p.bytes_per_token)
+
+
+def header_to_proto(h: TransferHeader) -> node_pb2.KVTransferHeader:
+    return node_pb2.KVTransferHeader(
+        request_id=h.request_id,
+        kv_handle=h.kv_handle,
+        format=format_to_proto(h.format),
+        tokens=h.tokens,
+        num_pages=h.num_pages,
+        first_token=h.first_token,
+        state=h.state,
+        sampling=sampling_to_proto(h.sampling),
+    )
+
+
+def header_from_proto(p: node_pb2.KVTransferHeader) -> TransferHeader:
+    return TransferHeader(
+        request_id=p.request_id,
+        kv_handle=p.kv_handle,
+        format=format_from_proto(p.format),
+        tokens=p.tokens,
+        num_pages=p.num_pages,
+        first_token=p.first_token,
+        state=p.state,
+        sampling=sampling_from_proto(p.sampling),
+    )
+
+
+def page_to_proto(p: WirePage) -> node_pb2.KVPage:
+    return node_pb2.KVPage(
+        index=p.index, block_hash=p.block_hash, num_tokens=p.num_tokens, data=p.data, checksum=p.checksum
+    )
+
+
+def page_from_proto(p: node_pb2.KVPage) -> WirePage:
+    return WirePage(p.index, p.block_hash, p.num_tokens, p.data, p.checksum)
+
+
+def chunk_to_proto(c: Chunk) -> node_pb2.TokenChunk:
+    return node_pb2.TokenChunk(
+        token_ids=c.token_ids,
+        text=c.text,
+        finish_reason=c.finish_reason,
+        prompt_tokens=c.prompt_tokens,
+        completion_tokens=c.completion_tokens,
+        cached_tokens=c.cached_tokens,
+        queue_seconds=c.queue_seconds,
+        prefill_seconds=c.prefill_seconds,
+    )
+
+
+def event_to_proto(r: KVEventRecord, instance_id: str) -> node_pb2.KVEvent:
+    return node_pb2.KVEvent(
+        seq=r.seq,
+        instance_id=instance_id,
+        kind=int(r.kind),  # type: ignore[arg-type]
+        parent_hash=r.parent_hash,
+        block_hashes=r.block_hashes,
+        parent_hashes=r.parent_hashes,
+    )

@@ -1,0 +1,359 @@
+"""The node's gRPC server: ``prefixgate.v1.Node`` + standard health + reflection, on grpc.aio.
+
+Status codes (trailing metadata ``x-prefixgate-stage`` says where it failed):
+
+- INVALID_ARGUMENT: malformed request (tokens not packed uint32, block_hashes count not
+  ``len(tokens) // 4 // block_size``, a malformed transfer stream).
+- RESOURCE_EXHAUSTED: prefill queue full (stage ``queue``), KV pool full of referenced or pinned
+  blocks or prompt larger than the pool (``pool``), too many decode streams (``decode``).
+- FAILED_PRECONDITION: KV format differs between sender and receiver (message names each field).
+- NOT_FOUND: Decode with an unknown, used or expired ``kv_handle``.
+- DATA_LOSS: a KV page's checksum does not match its bytes.
+- ALREADY_EXISTS: a transfer reusing a pending ``kv_handle``.
+- Prefill with ``decode_address``: a failed push returns the decode node's own code (UNAVAILABLE
+  when unreachable), message prefixed ``decode node ADDR ...``, stage ``transfer``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from backends.convert import (
+    chunk_to_proto,
+    event_to_proto,
+    format_to_proto,
+    header_from_proto,
+    page_from_proto,
+    sampling_from_proto,
+)
+from backends.engine import Engine
+from backends.errors import InvalidArgument, NodeError
+from backends.kvclient import CACHED_TOKENS_KEY, CHANNEL_OPTIONS, REQUEST_ID_KEY, GrpcKVSender
+from backends.kvpages import DEFAULT_KV_SCALE
+from backends.node import DEFAULT_CAPACITY_BLOCKS, Node, NodeConfig, PrefillCall
+from backends.profiles import get_profile
+from backends.transfer import WirePage
+from prefixgate.v1 import node_pb2, node_pb2_grpc
+
+log = structlog.get_logger("prefixgate.node")
+
+STAGE_KEY = "x-prefixgate-stage"
+NODE_SERVICE = node_pb2.DESCRIPTOR.services_by_name["Node"].full_name
+SERVER_OPTIONS: list[tuple[str, Any]] = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+
+
+def _metadata(context: Any, key: str) -> str:
+    for k, v in context.invocation_metadata() or ():
+        if k == key:
+            return str(v)
+    return ""
+
+
+def _bind(context: Any, request_id: str, node_id: str) -> str:
+    """Request id into this rpc's log lines (each rpc runs in its own task and context)."""
+    rid = request_id or _metadata(context, REQUEST_ID_KEY)
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(request_id=rid, node_id=node_id)
+    return rid
+
+
+async def _abort(context: Any, e: NodeError) -> None:
+    log.warning("request failed", code=e.code.name, stage=e.stage, error=e.message)
+    context.set_trailing_metadata(((STAGE_KEY, e.stage),))
+    await context.abort(e.code, e.message)
+
+
+class NodeService(node_pb2_grpc.NodeServicer):
+    """Translates between the wire and ``backends.node.Node``."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    async def Prefill(self, request: node_pb2.PrefillRequest, context: Any) -> node_pb2.PrefillResponse:
+        rid = _bind(context, request.request_id, self.node.node_id)
+        call = PrefillCall(
+            request_id=rid,
+            tokens=request.tokens,
+            block_hashes=list(request.block_hashes),
+            sampling=sampling_from_proto(request.sampling),
+            decode_address=request.decode_address,
+            pin_seconds=request.pin_seconds,
+            skip_first_token=request.skip_first_token,
+            timeout=context.time_remaining(),
+        )
+        try:
+            r = await self.node.prefill(call)
+        except NodeError as e:
+            await _abort(context, e)
+            raise  # not reached: abort raises
+        return node_pb2.PrefillResponse(
+            request_id=r.request_id,
+            prompt_tokens=r.prompt_tokens,
+            cached_tokens=r.cached_tokens,
+            first_token=r.first_token,
+            first_text=r.first_text,
+            kv_handle=r.kv_handle,
+            queue_seconds=r.queue_seconds,
+            prefill_seconds=r.prefill_seconds,
+            transfer_seconds=r.transfer_seconds,
+            transfer_bytes=r.transfer_bytes,
+            state=r.state,
+            finished=r.finished,
+            finish_reason=r.finish_reason,
+        )
+
+    async def Decode(
+        self, request: node_pb2.DecodeRequest, context: Any
+    ) -> AsyncIterator[node_pb2.TokenChunk]:
+        _bind(context, request.request_id, self.node.node_id)
+        sampling = sampling_from_proto(request.sampling) if request.HasField("sampling") else None
+        try:
+            async for chunk in self.node.decode(request.kv_handle, sampling):
+                yield chunk_to_proto(chunk)
+        except NodeError as e:
+            await _abort(context, e)
+
+    async def Generate(
+        self, request: node_pb2.GenerateRequest, context: Any
+    ) -> AsyncIterator[node_pb2.TokenChunk]:
+        _bind(context, request.request_id, self.node.node_id)
+        sampling = sampling_from_proto(request.sampling)
+        try:
+            async for chunk in self.node.generate(request.tokens, list(request.block_hashes), sampling):
+                yield chunk_to_proto(chunk)
+        except NodeError as e:
+            await _abort(context, e)
+
+    async def TransferKV(
+        self, request_iterator: AsyncIterator[node_pb2.KVTransferChunk], context: Any
+    ) -> node_pb2.KVTransferAck:
+        _bind(context, "", self.node.node_id)
+        try:
+            first = await anext(aiter(request_iterator), None)
+            if first is None or not first.HasField("header"):
+                raise InvalidArgument("a transfer starts with a KVTransferHeader", stage="transfer")
+            header = header_from_proto(first.header)
+            if header.request_id:
+                structlog.contextvars.bind_contextvars(request_id=header.request_id)
+
+            async def pages() -> AsyncIterator[WirePage]:
+                async for msg in request_iterator:
+                    if not msg.HasField("page"):
+                        raise InvalidArgument("only the first message may be a header", stage="transfer")
+                    yield page_from_proto(msg.page)
+
+            cached_text = _metadata(context, CACHED_TOKENS_KEY)
+            cached = int(cached_text) if cached_text.isdigit() else 0
+            ack = await self.node.receive(header, pages(), cached)
+        except NodeError as e:
+            await _abort(context, e)
+            raise
+        return node_pb2.KVTransferAck(
+            kv_handle=ack.kv_handle, pages=ack.pages, bytes=ack.bytes, reused_pages=ack.reused_pages
+        )
+
+    async def Stats(self, request: node_pb2.StatsRequest, context: Any) -> node_pb2.NodeStats:
+        s = self.node.snapshot()
+        p = s.profile
+        return node_pb2.NodeStats(
+            node_id=s.node_id,
+            role=s.role,
+            engine=s.engine,
+            kv_format=format_to_proto(s.kv_format),
+            capacity_blocks=s.capacity_blocks,
+            used_blocks=s.used_blocks,
+            pinned_blocks=s.pinned_blocks,
+            queued_requests=s.queued_requests,
+            queued_tokens=s.queued_tokens,
+            running_requests=s.running_requests,
+            max_queue=s.max_queue,
+            max_concurrency=s.max_concurrency,
+            profile=node_pb2.CostProfile(
+                name=p.name,
+                prefill_tokens_per_s=p.prefill_tokens_per_s,
+                attention_coeff_s=p.attention_coeff_s,
+                decode_base_s=p.decode_base_s,
+                decode_per_context_token_s=p.decode_per_context_token_s,
+                transfer_bytes_per_s=p.transfer_bytes_per_s,
+                time_scale=s.time_scale,
+            ),
+            kv_event_seq=s.kv_event_seq,
+            instance_id=s.instance_id,
+            prefix_hit_tokens=s.prefix_hit_tokens,
+            prompt_tokens=s.prompt_tokens,
+        )
+
+    async def KVEvents(
+        self, request: node_pb2.KVEventsRequest, context: Any
+    ) -> AsyncIterator[node_pb2.KVEvent]:
+        iid = self.node.events.instance_id
+        async for rec in self.node.events.follow(request.since_seq):
+            yield event_to_proto(rec, iid)
+
+    async def Evict(self, request: node_pb2.EvictRequest, context: Any) -> node_pb2.EvictResponse:
+        evicted = self.node.evict(list(request.block_hashes), everything=request.all)
+        return node_pb2.EvictResponse(evicted=evicted)
+
+    async def Pin(self, request: node_pb2.PinRequest, context: Any) -> node_pb2.PinResponse:
+        pinned, missing = self.node.pin(list(request.block_hashes), request.pin_seconds)
+        return node_pb2.PinResponse(pinned=pinned, missing=missing)
+
+
+def make_engine(
+    engine: str,
+    role: str,
+    *,
+    profile: str | None = None,
+    block_size: int = 64,
+    time_scale: float = 1.0,
+    kv_scale: float = DEFAULT_KV_SCALE,
+) -> Engine:
+    if engine == "sim":
+        from backends.sim.engine import SimEngine
+
+        return SimEngine(
+            get_profile(profile, role), block_size=block_size, time_scale=time_scale, kv_scale=kv_scale
+        )
+    raise ValueError(f"unknown engine {engine!r}: available: sim")
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+class NodeServer:
+    """A node and its gRPC server. ``start`` binds (port 0 = a free one) and returns the port."""
+
+    def __init__(self, node: Node, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.node = node
+        self.host = host
+        self.port = port
+        self.server: grpc.aio.Server | None = None
+        self.health = health.aio.HealthServicer()
+
+    @property
+    def address(self) -> str:
+        return _host_port(self.host, self.port)
+
+    async def start(self) -> int:
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        node_pb2_grpc.add_NodeServicer_to_server(NodeService(self.node), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (
+                NODE_SERVICE,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            server,
+        )
+        bound = int(server.add_insecure_port(_host_port(self.host, self.port)))
+        if not bound:
+            raise OSError(f"cannot bind {_host_port(self.host, self.port)}")
+        self.port = bound
+        if not self.node.node_id:
+            self.node.node_id = self.address
+        await self.node.start()
+        await server.start()
+        self.server = server
+        for service in ("", NODE_SERVICE):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "node started",
+            node_id=self.node.node_id,
+            role=self.node.config.role,
+            address=self.address,
+            engine=self.node.engine.name,
+            profile=self.node.engine.profile.name,
+            time_scale=self.node.engine.time_scale,
+            instance_id=self.node.events.instance_id,
+        )
+        return bound
+
+    async def stop(self, grace: float = 1.0) -> None:
+        if self.server is None:
+            return
+        server, self.server = self.server, None
+        await self.health.enter_graceful_shutdown()
+        self.node.events.close()  # end KVEvents streams so the grace period is not spent on them
+        await server.stop(grace)
+        await self.node.close()
+        log.info("node stopped", node_id=self.node.node_id)
+
+    async def wait(self) -> None:
+        if self.server is not None:
+            await self.server.wait_for_termination()
+
+
+async def start_node(
+    role: str = "monolithic",
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    engine: str = "sim",
+    profile: str | None = None,
+    capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS,
+    block_size: int = 64,
+    time_scale: float = 1.0,
+    kv_scale: float = DEFAULT_KV_SCALE,
+    node_id: str | None = None,
+    max_queue: int = 64,
+    max_concurrency: int = 1,
+    max_decode_streams: int = 256,
+    handle_ttl_s: float = 60.0,
+) -> NodeServer:
+    """Start a node in the running event loop; ``await server.stop()`` to stop it."""
+    eng = make_engine(
+        engine, role, profile=profile, block_size=block_size, time_scale=time_scale, kv_scale=kv_scale
+    )
+    config = NodeConfig(
+        role=role,
+        node_id=node_id or "",
+        capacity_blocks=capacity_blocks,
+        max_queue=max_queue,
+        max_concurrency=max_concurrency,
+        max_decode_streams=max_decode_streams,
+        handle_ttl_s=handle_ttl_s,
+    )
+    ns = NodeServer(Node(eng, config, GrpcKVSender()), host, port)
+    await ns.start()
+    return ns
+
+
+async def serve(
+    role: str,
+    host: str,
+    port: int,
+    *,
+    on_ready: Any = None,
+    **options: Any,
+) -> None:
+    """Run one node until SIGINT/SIGTERM (or cancellation), then stop it cleanly.
+
+    ``options`` are ``start_node``'s keyword arguments; ``on_ready(server)`` is called once bound.
+    """
+    ns = await start_node(role, host, port, **options)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    installed: list[signal.Signals] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+            installed.append(sig)
+    try:
+        if on_ready is not None:
+            on_ready(ns)
+        await stop.wait()
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+        await ns.stop()
