@@ -184,8 +184,11 @@ class Execution:
             self._first = []
             if self.finish_reason:
                 return
-            async for chunk in self._call:
+            # The first chunk came from read(): gRPC forbids mixing read() and iteration on one call.
+            while (chunk := await self._call.read()) is not grpc.aio.EOF:
                 d = Delta(chunk.text, chunk.finish_reason, chunk.completion_tokens)
+                if chunk.finish_reason and chunk.cached_tokens:
+                    self.cached_tokens = chunk.cached_tokens  # usage rides on the last chunk
                 self._account(d)
                 yield d
                 if chunk.finish_reason:
