@@ -1,9 +1,9 @@
 """``prefixgate node``: run one node. Mounted by the main CLI, or ``python -m backends``.
 
-Once the node is bound it prints one JSON line to stdout,
+With ``--port 0`` (or ``--ready-line``) it prints one JSON line to stdout once bound,
 ``{"event": "node_ready", "node_id": ..., "address": "host:port", "role": ..., "instance_id": ...}``,
-so a parent started with ``--port 0`` learns the port; logs go to stderr. SIGINT/SIGTERM stop
-the node cleanly (exit code 0).
+so a parent learns the port it got; logs go to stderr as JSON lines. SIGINT/SIGTERM stop the
+node cleanly (exit code 0); a port that cannot be bound exits with 1.
 """
 
 from __future__ import annotations
@@ -57,6 +57,11 @@ def add_node_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-decode-streams", type=int, default=256, help="decode streams at once")
     parser.add_argument("--handle-ttl", type=float, default=60.0, help="seconds a received KV handle waits")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--ready-line",
+        action="store_true",
+        help="print the JSON ready line to stdout even with a fixed --port",
+    )
 
 
 def configure_logging(level: str) -> None:
@@ -97,6 +102,8 @@ def run_node(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
 
     def ready(ns: NodeServer) -> None:
+        if args.port != 0 and not args.ready_line:
+            return
         line = {
             "event": "node_ready",
             "node_id": ns.node.node_id,

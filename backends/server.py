@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -331,17 +331,42 @@ async def start_node(
 
 async def serve(
     role: str,
-    host: str,
-    port: int,
+    host: str = "127.0.0.1",
+    port: int = 0,
     *,
-    on_ready: Any = None,
-    **options: Any,
+    engine: str = "sim",
+    profile: str | None = None,
+    capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS,
+    block_size: int = 64,
+    time_scale: float = 1.0,
+    kv_scale: float = DEFAULT_KV_SCALE,
+    node_id: str | None = None,
+    max_queue: int = 64,
+    max_concurrency: int = 1,
+    max_decode_streams: int = 256,
+    handle_ttl_s: float = 60.0,
+    on_ready: Callable[[NodeServer], None] | None = None,
 ) -> None:
     """Run one node until SIGINT/SIGTERM (or cancellation), then stop it cleanly.
 
-    ``options`` are ``start_node``'s keyword arguments; ``on_ready(server)`` is called once bound.
+    Same options as ``start_node``; ``on_ready(server)`` is called once the port is bound.
     """
-    ns = await start_node(role, host, port, **options)
+    ns = await start_node(
+        role,
+        host,
+        port,
+        engine=engine,
+        profile=profile,
+        capacity_blocks=capacity_blocks,
+        block_size=block_size,
+        time_scale=time_scale,
+        kv_scale=kv_scale,
+        node_id=node_id,
+        max_queue=max_queue,
+        max_concurrency=max_concurrency,
+        max_decode_streams=max_decode_streams,
+        handle_ttl_s=handle_ttl_s,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     installed: list[signal.Signals] = []

@@ -11,6 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from backends.kvpages import checksum
 from backends.profiles import S5000
 from backends.server import NodeServer
 from prefixgate.v1 import node_pb2
@@ -381,3 +382,74 @@ async def test_stats_health_and_reported_profile(nodes: Any, stub: Any) -> None:
         for service in ("", "prefixgate.v1.Node"):
             resp = await health.Check(health_pb2.HealthCheckRequest(service=service))
             assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.parametrize("n_tokens", [1, 63, 64, 128, 129])
+async def test_prompt_lengths_around_block_boundaries(
+    nodes: Any, stub: Any, prompt: Prompt, n_tokens: int
+) -> None:
+    p, d, m = await nodes("prefill"), await nodes("decode"), await nodes("monolithic")
+    tokens, hashes = prompt(n_tokens, salt=n_tokens)
+    sp = node_pb2.SamplingParams(max_tokens=8, temperature=0.5, seed=1, has_seed=True)
+    s_text, s_ids, _, r = await split_run(stub, p, d, tokens, hashes, sp)
+    m_text, m_ids, last = await mono_run(stub, m, tokens, hashes, sp)
+    assert (s_text, s_ids) == (m_text, m_ids) and len(m_ids) == 8
+    assert r.transfer_bytes == n_tokens * 320 and last.prompt_tokens == n_tokens
+    assert d.node.pool.counts().used == n_tokens // 64
+
+
+async def test_transfer_stream_is_verified(nodes: Any, stub: Any, prompt: Prompt) -> None:
+    d = await nodes("decode")
+    s = stub(d.address)
+    tokens, hashes = prompt(100)  # one full block + 36 tokens
+    fmt = (await s.Stats(node_pb2.StatsRequest())).kv_format
+    header = node_pb2.KVTransferHeader(kv_handle="h1", format=fmt, tokens=tokens, num_pages=2, first_token=1)
+    good = [
+        node_pb2.KVPage(index=0, block_hash=hashes[0], num_tokens=64, data=b"a" * 64 * 320),
+        node_pb2.KVPage(index=1, block_hash=0, num_tokens=36, data=b"b" * 36 * 320),
+    ]
+    for page in good:
+        page.checksum = checksum(page.data)
+
+    async def send(*chunks: node_pb2.KVTransferChunk) -> node_pb2.KVTransferAck:
+        async def gen() -> AsyncIterator[node_pb2.KVTransferChunk]:
+            for c in chunks:
+                yield c
+
+        ack: node_pb2.KVTransferAck = await s.TransferKV(gen())
+        return ack
+
+    def pages(*ps: node_pb2.KVPage) -> list[node_pb2.KVTransferChunk]:
+        return [node_pb2.KVTransferChunk(page=p) for p in ps]
+
+    bad_sum = node_pb2.KVPage()
+    bad_sum.CopyFrom(good[1])
+    bad_sum.checksum ^= 1
+    short = node_pb2.KVPage()
+    short.CopyFrom(good[1])
+    short.data = short.data[:-1]
+    short.checksum = checksum(short.data)
+    hdr = node_pb2.KVTransferChunk(header=header)
+    cases = [
+        ((*pages(good[0]),), grpc.StatusCode.INVALID_ARGUMENT, "starts with a KVTransferHeader"),
+        ((hdr, *pages(good[0], bad_sum)), grpc.StatusCode.DATA_LOSS, "checksum"),
+        ((hdr, *pages(good[0], short)), grpc.StatusCode.INVALID_ARGUMENT, "bytes, expected"),
+        ((hdr, *pages(good[0])), grpc.StatusCode.INVALID_ARGUMENT, "1 of 2"),
+        ((hdr, *pages(good[1], good[0])), grpc.StatusCode.INVALID_ARGUMENT, "page 0"),
+        ((hdr, *pages(*good), hdr), grpc.StatusCode.INVALID_ARGUMENT, "only the first"),
+    ]
+    for chunks, code, text in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await send(*chunks)
+        assert ei.value.code() == code and text in (ei.value.details() or ""), ei.value.details()
+    assert d.node.pool.counts().used == 0 and not d.node.handles
+    ack = await send(hdr, *pages(*good))
+    assert (ack.kv_handle, ack.pages, ack.bytes, ack.reused_pages) == ("h1", 2, 100 * 320, 0)
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await send(hdr, *pages(*good))
+    assert ei.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    header.kv_handle = "h2"
+    ack = await send(node_pb2.KVTransferChunk(header=header), *pages(*good))
+    assert ack.reused_pages == 1
+    text, _, last = await drain(s.Decode(node_pb2.DecodeRequest(kv_handle="h2")))
+    assert text and last.finish_reason and last.prompt_tokens == 100
