@@ -151,7 +151,10 @@ class Node:
         self.prompt_tokens = 0
         self.prefix_hit_tokens = 0
         floor = engine.transfer_floor_seconds(1 << 20)
+        # Shipped KV bytes per wall-clock second: the modelled link until a transfer of at least
+        # RATE_MIN_BYTES is measured, then a moving average of measurements (pacing included).
         self.transfer_rate = min((1 << 20) / floor, MAX_RATE) if floor > 0 else DEFAULT_LOOPBACK_BYTES_PER_S
+        self.transfer_rate_measured = False
         self._sweeper: asyncio.Task[None] | None = None
         self._generate_prefills = 0
 
@@ -347,7 +350,10 @@ class Node:
         seconds = time.monotonic() - start
         if ack.bytes >= RATE_MIN_BYTES and seconds > 0:  # small transfers measure latency, not rate
             rate = ack.bytes / seconds
-            self.transfer_rate = (1 - RATE_EWMA) * self.transfer_rate + RATE_EWMA * rate
+            if self.transfer_rate_measured:
+                rate = (1 - RATE_EWMA) * self.transfer_rate + RATE_EWMA * rate
+            self.transfer_rate = rate
+            self.transfer_rate_measured = True
         return ack, seconds
 
     # -- receiving KV pages ------------------------------------------------------------------

@@ -12,6 +12,13 @@ Status codes (trailing metadata ``x-prefixgate-stage`` says where it failed):
 - ALREADY_EXISTS: a transfer reusing a pending ``kv_handle``.
 - Prefill with ``decode_address``: a failed push returns the decode node's own code (UNAVAILABLE
   when unreachable), message prefixed ``decode node ADDR ...``, stage ``transfer``.
+
+Stats: ``profile`` holds wall-clock figures (the hardware profile multiplied by ``time_scale``,
+also reported), so ``gateway.routing.base.prefill_seconds`` over them gives real seconds;
+``profile.transfer_bytes_per_s`` is in shipped bytes (``kv_format.bytes_per_token`` a token),
+measured on this node's transfers of 1 MiB or more. ``queued_tokens`` is the prefill work ahead
+of a new arrival (waiting prompts' uncached tokens plus what running prefills have left);
+``running_requests`` counts prefills computing and decode/generate streams.
 """
 
 from __future__ import annotations

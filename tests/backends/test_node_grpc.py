@@ -453,3 +453,13 @@ async def test_transfer_stream_is_verified(nodes: Any, stub: Any, prompt: Prompt
     assert ack.reused_pages == 1
     text, _, last = await drain(s.Decode(node_pb2.DecodeRequest(kv_handle="h2")))
     assert text and last.finish_reason and last.prompt_tokens == 100
+
+
+async def test_reported_transfer_rate_is_measured(nodes: Any, stub: Any, prompt: Prompt) -> None:
+    p, d = await nodes("prefill"), await nodes("decode")
+    tokens, hashes = prompt(4096)  # 1.3 MB of pages: enough to measure a rate
+    r = await stub(p.address).Prefill(
+        node_pb2.PrefillRequest(tokens=tokens, block_hashes=hashes, decode_address=d.address)
+    )
+    st = await stub(p.address).Stats(node_pb2.StatsRequest())
+    assert st.profile.transfer_bytes_per_s == pytest.approx(r.transfer_bytes / r.transfer_seconds, rel=0.05)
