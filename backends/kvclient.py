@@ -67,11 +67,10 @@ class GrpcKVSender:
             ack = await stub.TransferKV(chunks(), timeout=timeout, metadata=metadata)
         except grpc.aio.AioRpcError as e:
             code = e.code()
-            verb = (
-                "refused KV pages" if code != grpc.StatusCode.UNAVAILABLE else "unreachable for KV transfer"
-            )
             raise NodeError(
-                f"decode node {address} {verb}: {e.details()}", stage="transfer", code=code
+                f"KV transfer to decode node {address} failed ({code.name}): {e.details()}",
+                stage="transfer",
+                code=code,
             ) from None
         return TransferAck(ack.kv_handle, ack.pages, ack.bytes, ack.reused_pages)
 

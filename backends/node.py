@@ -283,7 +283,7 @@ class Node:
                 _, first_text = gen.push([out.first_token])
                 finished, reason = gen.finished, gen.finish_reason
             handle, t_s, t_bytes = "", 0.0, 0
-            if call.decode_address and not call.skip_first_token and not finished:
+            if call.decode_address and not call.skip_first_token:  # even when finished: Decode ends it
                 ack, t_s = await self._push(call, run)
                 handle, t_bytes = ack.kv_handle, ack.bytes
             cached = run.cached_blocks * self.block_size
@@ -522,6 +522,9 @@ class Node:
     async def _decode_chunks(
         self, gen: Generation, job: DecodeJob, prompt_tokens: int, cached_tokens: int
     ) -> AsyncIterator[Chunk]:
+        if gen.finished:  # the first token already ended it: just the usage
+            yield self._final(Chunk(), gen, prompt_tokens, cached_tokens)
+            return
         groups = self.engine.decode(job)
         try:
             async for group in groups:

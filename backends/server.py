@@ -11,7 +11,9 @@ Status codes (trailing metadata ``x-prefixgate-stage`` says where it failed):
 - DATA_LOSS: a KV page's checksum does not match its bytes.
 - ALREADY_EXISTS: a transfer reusing a pending ``kv_handle``.
 - Prefill with ``decode_address``: a failed push returns the decode node's own code (UNAVAILABLE
-  when unreachable), message prefixed ``decode node ADDR ...``, stage ``transfer``.
+  when unreachable), message ``KV transfer to decode node ADDR failed (CODE): ...``, stage
+  ``transfer``. The pages are pushed even when the first token ends generation, so Decode on the
+  handle always works (it then streams only the final chunk with usage).
 
 Stats: ``profile`` holds wall-clock figures (the hardware profile multiplied by ``time_scale``,
 also reported), so ``gateway.routing.base.prefill_seconds`` over them gives real seconds;

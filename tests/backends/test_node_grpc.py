@@ -48,8 +48,6 @@ async def split_run(
             request_id="split", tokens=tokens, block_hashes=hashes, sampling=sp, decode_address=d.address
         )
     )
-    if r.finished:
-        return r.first_text, [r.first_token], node_pb2.TokenChunk(finish_reason=r.finish_reason), r
     text, ids, last = await drain(
         stub(d.address).Decode(node_pb2.DecodeRequest(request_id="split", kv_handle=r.kv_handle, sampling=sp))
     )
@@ -86,12 +84,14 @@ async def test_split_path_matches_monolithic(
     assert s_text == m_text and s_ids == m_ids and len(s_text) > 0
     assert s_last.finish_reason == m_last.finish_reason
     assert r.prompt_tokens == 1000 and r.cached_tokens == 0
-    if params["max_tokens"] == 1:
-        assert r.finished and r.finish_reason == "length" and r.kv_handle == ""
-        return
+    if params["max_tokens"] == 1:  # Decode still works: it only closes the stream with usage
+        assert r.finished and r.finish_reason == "length" and r.kv_handle
+        assert s_last.finish_reason == "length" and s_last.completion_tokens == 1
     assert m_last.completion_tokens == s_last.completion_tokens == len(m_ids)
     assert m_last.prompt_tokens == s_last.prompt_tokens == 1000
-    if params["max_tokens"] == 500:
+    if params["max_tokens"] == 1:
+        assert len(m_ids) == 1 and m_last.finish_reason == "length"
+    elif params["max_tokens"] == 500:
         assert m_last.finish_reason == "stop" and len(m_ids) < 500  # ended by itself
     else:
         assert m_last.finish_reason == "length" and len(m_ids) == params["max_tokens"]
@@ -112,6 +112,13 @@ async def test_stop_strings_agree_on_both_paths(nodes: Any, stub: Any, prompt: P
     m_text, _, m_last = await mono_run(stub, m, tokens, hashes, sp)
     assert s_text == m_text == full[: full.index(stop)]
     assert s_last.finish_reason == m_last.finish_reason == "stop"
+    # A stop string in the first token: prefill finishes the request; Decode only closes it.
+    sp = node_pb2.SamplingParams(max_tokens=40, temperature=0.9, seed=11, has_seed=True, stop=[full[1:4]])
+    s_text, _, s_last, r = await split_run(stub, p, d, tokens, hashes, sp)
+    m_text, _, m_last = await mono_run(stub, m, tokens, hashes, sp)
+    assert r.finished and r.finish_reason == "stop" and r.first_text == " "
+    assert s_text == m_text == " " and s_last.finish_reason == m_last.finish_reason == "stop"
+    assert s_last.completion_tokens == m_last.completion_tokens == 1
 
 
 async def test_second_prefill_reuses_cached_prefix(nodes: Any, stub: Any, prompt: Prompt) -> None:
