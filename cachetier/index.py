@@ -6,9 +6,11 @@ Semantics every implementation keeps (checked by ``tests/contract/test_index_con
   are whole chains from the root (or fragments whose parent is held), removals take a block
   together with its descendants (callers pass closed sets: node events and node-side evictions
   report every block that went).
-- Every store touches its blocks in reverse (root last), so a parent is always at least as
-  recent as any child; evicting the least recently used block first therefore evicts leaves
-  before parents and keeps the set prefix-closed.
+- A chain store (from the root) touches its blocks in reverse (root last), so a parent is always
+  at least as recent as any child; evicting the least recently used block first therefore
+  evicts leaves before parents and keeps the set prefix-closed. A fragment store cannot see its
+  parent's ancestors, so it makes nothing more recent: the blocks it adds enter as the least
+  recently used (deepest first), and blocks already held, the parent included, keep their place.
 - Each node has a capacity in blocks (mirroring its KV pool); a store beyond it evicts LRU.
 - ``lookup`` returns, per node, the length of the leading run of the prompt's blocks it holds.
   Because sets are prefix-closed, that run is found by binary search (log2(n) probes).

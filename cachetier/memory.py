@@ -38,17 +38,23 @@ class NodeBlocks:
             raise KeyError(parent)
         if self.capacity <= 0:
             return []
-        # Touch in reverse so the parent stays more recent than every child.
         keep = list(hashes[: self.capacity])
         blocks = self.blocks
+        if parent:
+            # A fragment: the parent's ancestors are not in view, so nothing here may become
+            # more recent than them. New blocks enter as the least recent (deepest first out).
+            for h in keep:
+                if h not in blocks:
+                    blocks[h] = None
+                    blocks.move_to_end(h, last=False)
+            return self._evict_over(protect=0)
+        # A chain from the root: touch in reverse so the parent stays more recent than every child.
         for h in reversed(keep):
             if h in blocks:
                 blocks.move_to_end(h)
             else:
                 blocks[h] = None
-        if parent:
-            blocks.move_to_end(parent)
-        return self._evict_over(protect=len(keep) + (1 if parent else 0))
+        return self._evict_over(protect=len(keep))
 
     def _evict_over(self, protect: int) -> list[int]:
         evicted: list[int] = []

@@ -1,0 +1,174 @@
+"""Key schema and Lua scripts of the Redis index (pure: names and text, no I/O).
+
+Keys, under a configurable prefix ``P`` (``prefixgate:`` by default); ``{node}`` is a Redis Cluster
+hash tag, so all of one node's keys live in one slot:
+
+- ``P{node}:z`` — ZSET, one member per block the node holds: the block hash as 8 bytes
+  little-endian; score = the node's LRU tick (higher = more recent), so ZSET order is LRU order.
+- ``P{node}:m`` — HASH: ``c`` capacity in blocks, ``t`` the rising LRU tick (chains from the
+  root), ``l`` the falling tick (fragments enter as least recent).
+- ``Pnodes`` — ZSET registry of known nodes: member = node name, score = unix time of the last
+  write; entries older than the TTL are ignored and pruned.
+
+Every write refreshes the TTL of the keys it touches, so an abandoned node's keys expire.
+Block hashes already embed model, tenant salt and block size (see ``hashing.py``), so tenants
+never share a member even though they share the keys of a node.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+DEFAULT_PREFIX = "prefixgate:"
+
+_LE64 = struct.Struct("<Q")
+
+
+def pack_hash(h: int) -> bytes:
+    return _LE64.pack(h)
+
+
+def pack_hashes(hashes: Sequence[int]) -> bytes:
+    """Block hashes as one blob of 8-byte little-endian members (what the scripts slice)."""
+    return struct.pack(f"<{len(hashes)}Q", *hashes)
+
+
+def unpack_hash(member: bytes) -> int:
+    value: int = _LE64.unpack(member)[0]
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class KeySchema:
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        if "{" in self.prefix or "}" in self.prefix:
+            raise ValueError("the key prefix must not contain '{' or '}' (they are the node's hash tag)")
+
+    def blocks(self, node: str) -> str:
+        return f"{self.prefix}{{{node}}}:z"
+
+    def meta(self, node: str) -> str:
+        return f"{self.prefix}{{{node}}}:m"
+
+    @property
+    def registry(self) -> str:
+        return f"{self.prefix}nodes"
+
+    @property
+    def pattern(self) -> str:
+        """SCAN pattern matching every key of this prefix (glob characters escaped)."""
+        out = []
+        for ch in self.prefix:
+            out.append("\\" + ch if ch in "*?[]\\" else ch)
+        return "".join(out) + "*"
+
+
+# Leading run per node by binary search over the prompt's blob (prefix-closed sets).
+# KEYS: the nodes' block ZSETs. ARGV[1]: packed hashes. Returns one integer per key.
+LOOKUP_LUA = """
+local blob = ARGV[1]
+local n = #blob / 8
+local out = {}
+for k = 1, #KEYS do
+  local z = KEYS[k]
+  local run = 0
+  if n > 0 and redis.call('ZSCORE', z, string.sub(blob, 1, 8)) then
+    local lo, hi = 1, n
+    while lo < hi do
+      local mid = math.floor((lo + hi + 1) / 2)
+      if redis.call('ZSCORE', z, string.sub(blob, mid * 8 - 7, mid * 8)) then
+        lo = mid
+      else
+        hi = mid - 1
+      end
+    end
+    run = lo
+  end
+  out[k] = run
+end
+return out
+"""
+
+# Store chains on one node, in order; mirrors ``NodeBlocks.store`` exactly.
+# A chain from the root takes scores from the rising tick ``t`` (touched in reverse, root last);
+# a fragment after a parent adds only its new blocks, below every score, from the falling tick ``l``.
+# KEYS[1] block ZSET, KEYS[2] meta HASH.
+# ARGV[1] default capacity, ARGV[2] TTL seconds, ARGV[3] 'r' = replace (clear first) or 's',
+# ARGV[4..] pairs (parent member or '' for the root, packed chain). Returns 1/0 per pair.
+STORE_LUA = """
+local z, m = KEYS[1], KEYS[2]
+redis.call('HSETNX', m, 'c', ARGV[1])
+local cap = tonumber(redis.call('HGET', m, 'c'))
+if ARGV[3] == 'r' then redis.call('DEL', z) end
+local out = {}
+local function zadd(flag, args)
+  if flag then
+    redis.call('ZADD', z, flag, unpack(args))
+  else
+    redis.call('ZADD', z, unpack(args))
+  end
+end
+for i = 4, #ARGV, 2 do
+  local parent, blob = ARGV[i], ARGV[i + 1]
+  if parent ~= '' and not redis.call('ZSCORE', z, parent) then
+    out[#out + 1] = 0
+  else
+    out[#out + 1] = 1
+    if cap > 0 then
+      local n = math.min(#blob / 8, cap)
+      local protect = 0
+      if n > 0 then
+        local args = {}
+        local flag = nil
+        if parent == '' then
+          -- touch in reverse (root last): a parent is always more recent than its children
+          local top = redis.call('HINCRBY', m, 't', n)
+          local score = top - n
+          for j = n, 1, -1 do
+            score = score + 1
+            args[#args + 1] = string.format('%d', score)
+            args[#args + 1] = string.sub(blob, j * 8 - 7, j * 8)
+            if #args >= 1000 then zadd(flag, args); args = {} end
+          end
+          protect = n
+        else
+          -- new blocks enter as the least recent, deepest lowest; held ones keep their score
+          flag = 'NX'
+          local low = redis.call('HINCRBY', m, 'l', -n)
+          local score = low + n
+          for j = 1, n do
+            score = score - 1
+            args[#args + 1] = string.format('%d', score)
+            args[#args + 1] = string.sub(blob, j * 8 - 7, j * 8)
+            if #args >= 1000 then zadd(flag, args); args = {} end
+          end
+        end
+        if #args > 0 then zadd(flag, args) end
+      end
+      -- evict least recent first (leaves before parents), never the chain just stored
+      local size = redis.call('ZCARD', z)
+      local k = math.min(size - cap, size - protect)
+      if k > 0 then redis.call('ZPOPMIN', z, k) end
+    end
+  end
+end
+redis.call('EXPIRE', z, ARGV[2])
+redis.call('EXPIRE', m, ARGV[2])
+return out
+"""
+
+# KEYS[1] block ZSET, KEYS[2] meta HASH; ARGV[1] capacity (>= 0), ARGV[2] TTL seconds.
+SET_CAPACITY_LUA = """
+local z, m = KEYS[1], KEYS[2]
+local cap = tonumber(ARGV[1])
+redis.call('HSET', m, 'c', cap)
+local k = redis.call('ZCARD', z) - cap
+if k > 0 then redis.call('ZPOPMIN', z, k) end
+redis.call('EXPIRE', z, ARGV[2])
+redis.call('EXPIRE', m, ARGV[2])
+return k
+"""
