@@ -16,7 +16,8 @@ from backends.stopping import StopChecker
 
 @dataclass(slots=True)
 class Chunk:
-    """Mirror of ``prefixgate.v1.TokenChunk``; usage is filled on the last one."""
+    """Mirror of ``prefixgate.v1.TokenChunk``. Every chunk carries the usage so far (prompt,
+    cached and completion tokens); the last one has ``finish_reason`` set."""
 
     token_ids: list[int] = field(default_factory=list)
     text: str = ""

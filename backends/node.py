@@ -502,10 +502,9 @@ class Node:
                 gen = Generation(sampling, self.engine.eos_token, self.engine.token_text)
                 ids, text = gen.push([run.output.first_token])
                 first = Chunk(ids, text, queue_seconds=run.queue_s, prefill_seconds=run.prefill_s)
+                yield self._usage(first, gen, n, cached)
                 if gen.finished:
-                    yield self._final(first, gen, n, cached)
                     return
-                yield first
                 pages = [p.data for p in self.pool.payloads(hashes)]
                 if run.output.tail_page:
                     pages.append(run.output.tail_page)
@@ -523,24 +522,23 @@ class Node:
         self, gen: Generation, job: DecodeJob, prompt_tokens: int, cached_tokens: int
     ) -> AsyncIterator[Chunk]:
         if gen.finished:  # the first token already ended it: just the usage
-            yield self._final(Chunk(), gen, prompt_tokens, cached_tokens)
+            yield self._usage(Chunk(), gen, prompt_tokens, cached_tokens)
             return
         groups = self.engine.decode(job)
         try:
             async for group in groups:
                 ids, text = gen.push(group)
-                chunk = Chunk(ids, text)
+                yield self._usage(Chunk(ids, text), gen, prompt_tokens, cached_tokens)
                 if gen.finished:
-                    yield self._final(chunk, gen, prompt_tokens, cached_tokens)
                     return
-                yield chunk
             tail = gen.end()
-            yield self._final(Chunk([], tail), gen, prompt_tokens, cached_tokens)
+            yield self._usage(Chunk([], tail), gen, prompt_tokens, cached_tokens)
         finally:
             await groups.aclose()
 
     @staticmethod
-    def _final(chunk: Chunk, gen: Generation, prompt_tokens: int, cached_tokens: int) -> Chunk:
+    def _usage(chunk: Chunk, gen: Generation, prompt_tokens: int, cached_tokens: int) -> Chunk:
+        """Every chunk carries the usage so far; the last one also its finish_reason."""
         chunk.finish_reason = gen.finish_reason
         chunk.prompt_tokens = prompt_tokens
         chunk.completion_tokens = gen.count

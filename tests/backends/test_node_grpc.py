@@ -470,3 +470,22 @@ async def test_reported_transfer_rate_is_measured(nodes: Any, stub: Any, prompt:
     )
     st = await stub(p.address).Stats(node_pb2.StatsRequest())
     assert st.profile.transfer_bytes_per_s == pytest.approx(r.transfer_bytes / r.transfer_seconds, rel=0.05)
+
+
+async def test_every_chunk_carries_usage_so_far(nodes: Any, stub: Any, prompt: Prompt) -> None:
+    m = await nodes("monolithic")
+    tokens, hashes = prompt(300)
+    await mono_run(stub, m, tokens, hashes, node_pb2.SamplingParams(max_tokens=3))
+    chunks = [
+        c
+        async for c in stub(m.address).Generate(
+            node_pb2.GenerateRequest(
+                tokens=tokens, block_hashes=hashes, sampling=node_pb2.SamplingParams(max_tokens=12)
+            )
+        )
+    ]
+    assert chunks[0].prefill_seconds >= 0 and len(chunks[0].token_ids) == 1
+    assert all(c.prompt_tokens == 300 and c.cached_tokens == 256 for c in chunks)
+    counts = [c.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[0] == 1 and counts[-1] == 12
+    assert [bool(c.finish_reason) for c in chunks] == [False] * (len(chunks) - 1) + [True]
