@@ -75,7 +75,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     from gateway.logging import configure_logging
     from gateway.stack import StackOptions, run_stack
 
-    settings = load_settings(args.config, _overrides(args, _GATEWAY_KEYS))
+    stack_keys = [k for k in _GATEWAY_KEYS if k not in ("prefill", "decode", "monolithic")]
+    settings = load_settings(args.config, _overrides(args, stack_keys))
     configure_logging(settings.log_format, settings.log_level)
     opts = StackOptions(
         host=settings.host,

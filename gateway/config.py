@@ -38,7 +38,9 @@ class Settings:
     max_documents: int = 256
     request_timeout_s: float = 300.0
     # Pipeline.
-    min_disagg_tokens: int = 256  # fewer uncached tokens than this: serve monolithic
+    # Serve monolithic when the best monolithic node would compute fewer uncached tokens than
+    # this (0: never; the split keeps prefill work off the decode nodes).
+    min_disagg_tokens: int = 0
     ttft_budget_s: float = 30.0  # estimated prefill queue wait beyond this: fall back
     stats_interval_s: float = 0.5
     # Switches (also at runtime through the admin API).

@@ -329,23 +329,25 @@ class Pipeline:
         return mono or [n for n in self.pool.routable("decode") if n.id not in exclude]
 
     def decide(self, prep: Prepared, hits: dict[str, int], exclude: set[str] | None = None) -> Plan:
+        """Pure given the node views: which mode, which nodes, and why."""
         exclude = exclude or set()
+        bs = self.settings.block_size
         prefill_nodes = [n for n in self.pool.routable("prefill") if n.id not in exclude]
         decode_nodes = self._decode_candidates(exclude)
+        mono_nodes = self._monolithic_candidates(exclude)
         decision = None
-        uncached = prep.prompt_tokens
         queue_wait = 0.0
         if prefill_nodes:
             decision = self._choose(prefill_nodes, self._route_input(prep, hits, transfer=True))
             chosen = decision.chosen
-            uncached = prep.prompt_tokens - decision.cached_blocks * self.settings.block_size
             if chosen is not None:
                 queue_wait = chosen.queue_s
+        mono = self._choose(mono_nodes, self._route_input(prep, hits, transfer=False)) if mono_nodes else None
         mode = choose_mode(
             disaggregation=self.switches.disaggregation,
             prefill_routable=len(prefill_nodes),
             decode_routable=len(decode_nodes) + len(self.pool.routable("monolithic")),
-            uncached_tokens=uncached,
+            uncached_tokens=prep.prompt_tokens - (mono.cached_blocks * bs if mono else 0),
             min_disagg_tokens=self.settings.min_disagg_tokens,
             queue_wait_s=queue_wait,
             ttft_budget_s=self.settings.ttft_budget_s,
@@ -356,9 +358,7 @@ class Pipeline:
         if mode.mode == DISAGGREGATED:
             plan.decode_node = decode_nodes[0].id
         else:
-            mono = self._monolithic_candidates(exclude)
-            if mono:
-                plan.monolithic = self._choose(mono, self._route_input(prep, hits, transfer=False))
+            plan.monolithic = mono
         return plan
 
     async def plan(self, prep: Prepared) -> Plan:

@@ -3,13 +3,30 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 import socket
+from collections.abc import Generator
 
 import uvicorn
 
 from gateway.app import create_app
 from gateway.config import Settings
 from gateway.service import GatewayService
+
+
+class GatewayServer(uvicorn.Server):
+    """uvicorn without its own signal capture: the caller decides how a signal stops it, so a
+    clean SIGTERM exits 0 instead of being re-raised at the end."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.handle_exit, sig, None)
 
 
 def make_server(
@@ -29,11 +46,12 @@ def make_server(
         limit_concurrency=None,
         backlog=2048,
     )
-    return uvicorn.Server(config), svc
+    return GatewayServer(config), svc
 
 
 async def serve(settings: Settings) -> None:
     server, _ = make_server(settings)
+    server.install_signal_handlers()
     await server.serve()
 
 

@@ -144,6 +144,7 @@ async def run_stack(settings: Settings, opts: StackOptions) -> int:
         if settings.port == 0:
             settings.port = free_port(settings.host)
         server, _svc = make_server(settings)
+        server.install_signal_handlers()
         serve_task = asyncio.create_task(server.serve())
         while not server.started and not serve_task.done():
             await asyncio.sleep(0.02)

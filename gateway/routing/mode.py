@@ -34,7 +34,9 @@ def choose_mode(
         return ModeDecision(FALLBACK, "no prefill node can take the request")
     if uncached_tokens < min_disagg_tokens:
         return ModeDecision(
-            MONOLITHIC, f"only {uncached_tokens} uncached tokens (< {min_disagg_tokens}): split does not pay"
+            MONOLITHIC,
+            f"only {uncached_tokens} uncached tokens on a monolithic node (< {min_disagg_tokens}): "
+            "the split does not pay",
         )
     if queue_wait_s > ttft_budget_s:
         return ModeDecision(
