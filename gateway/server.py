@@ -31,7 +31,7 @@ class GatewayServer(uvicorn.Server):
 
 def make_server(
     settings: Settings, service: GatewayService | None = None, sock: socket.socket | None = None
-) -> tuple[uvicorn.Server, GatewayService]:
+) -> tuple[GatewayServer, GatewayService]:
     svc = service or GatewayService(settings)
     config = uvicorn.Config(
         create_app(svc),
