@@ -1,0 +1,190 @@
+"""``prefixgate bench replay``: replay a trace or generated workload against the routing policies.
+
+``--mode sim`` runs the virtual-time simulator (``bench.simulator``) once per policy and
+once for the global-LRU bound, prints a table and optionally writes JSON::
+
+    {"workload": {...}, "config": {...},
+     "policies": {NAME: {"hit_rate", "ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "imbalance",
+                         "prefill_tokens", ...}},
+     "bound": {"hit_rate", "unbounded_hit_rate", ...}}
+
+A live driver reuses ``build_workload`` (requests + ``Workload.openai_body``) and
+``bench.report`` (``Outcome`` -> ``summarize`` -> table/JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+from rich.console import Console
+
+from bench.profile import PROFILES, get_profile
+from bench.report import PolicySummary, print_table
+from bench.simulator import SimConfig, global_lru_bound, parse_policy, simulate
+from bench.workloads import FORMATS, GENERATED_FORMATS, Workload, WorkloadOptions, guess_format, load_workload
+
+DEFAULT_POLICIES = ("round_robin", "least_loaded", "consistent_hash", "longest_prefix", "prefixgate")
+DEFAULT_CAPACITY_TOKENS = 20_000 * 512  # the trace README's middle row: 20,000 blocks of 512 tokens
+# Arrivals / X so that 4 s5000 prefill nodes are ~65-80 % busy (see bench/README.md).
+DEFAULT_TIME_SCALE = {"mooncake": 10.0, "azure": 40.0}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", help="trace file (default: the shared trace of --format)")
+    p.add_argument("--format", choices=FORMATS, help="workload format (default: from --trace, else mooncake)")
+    p.add_argument("--mode", choices=("sim",), default="sim", help="sim: virtual-time simulator")
+    p.add_argument("--prefill-nodes", type=int, default=4)
+    p.add_argument(
+        "--capacity-tokens",
+        type=int,
+        default=DEFAULT_CAPACITY_TOKENS,
+        help="total KV capacity over the prefill nodes, in tokens (split evenly)",
+    )
+    p.add_argument("--block-size", type=int, default=64, help="tokens per block (64 = the gateway default)")
+    p.add_argument(
+        "--policies", nargs="+", default=list(DEFAULT_POLICIES), help="names, or name:key=value,..."
+    )
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=None,
+        help="divide arrival times by X (X > 1 compresses; default 10 for mooncake, 40 for azure, else 1)",
+    )
+    p.add_argument("--limit", type=int, default=None, help="keep only the first N requests")
+    p.add_argument("--fraction", type=float, default=None, help="keep each request with this probability")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--requests", type=int, default=None, help="generated formats: how many requests")
+    p.add_argument(
+        "--rate", type=float, default=None, help="generated formats: sessions or questions per second"
+    )
+    p.add_argument(
+        "--normalize",
+        choices=("on", "off", "both"),
+        default="on",
+        help="generated formats: render with normalization on, off, or run both",
+    )
+    p.add_argument("--profile", choices=sorted(PROFILES), default="s5000")
+    p.add_argument(
+        "--concurrency", type=int, default=1, help="prefills a node runs at once (sharing its compute)"
+    )
+    p.add_argument(
+        "--ttft-budget",
+        type=float,
+        default=30.0,
+        help="queue-wait estimate beyond which a request falls back",
+    )
+    p.add_argument("--json", dest="json_out", help="write the figures as JSON to this file")
+
+
+def options(args: argparse.Namespace, fmt: str, normalize: bool = True) -> WorkloadOptions:
+    scale = args.time_scale if args.time_scale is not None else DEFAULT_TIME_SCALE.get(fmt, 1.0)
+    return WorkloadOptions(
+        block_size=args.block_size,
+        time_scale=scale,
+        limit=args.limit,
+        fraction=args.fraction,
+        seed=args.seed,
+        normalize=normalize,
+        requests=args.requests,
+        rate=args.rate,
+    )
+
+
+def workload_format(args: argparse.Namespace) -> str:
+    if args.format:
+        return str(args.format)
+    return guess_format(args.trace) if args.trace else "mooncake"
+
+
+def build_workload(args: argparse.Namespace, normalize: bool = True) -> Workload:
+    fmt = workload_format(args)
+    return load_workload(fmt, Path(args.trace) if args.trace else None, options(args, fmt, normalize))
+
+
+def offered_load(workload: Workload, config: SimConfig) -> float:
+    """Prefill seconds of every prompt with no cache / (nodes x span of arrivals)."""
+    span = workload.duration_s
+    if span <= 0:
+        return 0.0
+    work = sum(config.profile.prefill_s(r.prompt_tokens, 0) for r in workload.requests)
+    return work / (config.prefill_nodes * span)
+
+
+def run_sim(workload: Workload, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    config = SimConfig(
+        prefill_nodes=args.prefill_nodes,
+        capacity_blocks=max(1, args.capacity_tokens // args.block_size),
+        block_size=args.block_size,
+        profile=get_profile(args.profile),
+        concurrency=args.concurrency,
+        ttft_budget_s=args.ttft_budget,
+    )
+    reqs = workload.requests
+    load = offered_load(workload, config)
+    mean_prompt = workload.prompt_tokens / max(1, len(reqs))
+    console.print(
+        f"[bold]{workload.description}[/]: {len(reqs)} requests over {workload.duration_s:.0f} s, "
+        f"mean prompt {mean_prompt:.0f} tokens; {config.prefill_nodes} prefill nodes "
+        f"({config.profile.name}), capacity {args.capacity_tokens:,} tokens ({config.capacity_blocks:,} "
+        f"blocks of {config.block_size}); offered load with no cache {load * 100:.0f} %"
+    )
+    results: dict[str, PolicySummary] = {}
+    for spec in args.policies:
+        results[spec] = simulate(reqs, parse_policy(spec)(), config)
+    bound = global_lru_bound(reqs, config.capacity_blocks, config.block_size)
+    print_table(f"{workload.name}: simulated, {config.prefill_nodes} prefill nodes", results, bound, console)
+    return {
+        "workload": {
+            "name": workload.name,
+            "description": workload.description,
+            "requests": len(reqs),
+            "duration_s": round(workload.duration_s, 3),
+            "prompt_tokens": workload.prompt_tokens,
+            "offered_load": round(load, 4),
+            **workload.params,
+        },
+        "config": {
+            "mode": "sim",
+            "prefill_nodes": config.prefill_nodes,
+            "capacity_tokens": args.capacity_tokens,
+            "capacity_blocks": config.capacity_blocks,
+            "block_size": config.block_size,
+            "profile": config.profile.name,
+            "concurrency": config.concurrency,
+            "ttft_budget_s": config.ttft_budget_s,
+        },
+        "policies": {name: s.as_json() for name, s in results.items()},
+        "bound": {k: round(v, 6) for k, v in bound.items()},
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console(width=max(160, Console().width))
+    fmt = workload_format(args)
+    try:
+        if args.normalize == "both" and fmt in GENERATED_FORMATS:
+            report = run_sim(build_workload(args, True), args, console)
+            report["without_normalization"] = run_sim(build_workload(args, False), args, console)
+        else:
+            report = run_sim(build_workload(args, args.normalize != "off"), args, console)
+    except (OSError, ValueError) as e:
+        console.print(f"[red]error:[/] {e}")
+        return 2
+    if args.json_out:
+        Path(args.json_out).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+        console.print(f"wrote {args.json_out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="prefixgate bench replay", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,308 @@
+"""Virtual-time replay of a workload through the gateway's routing policies.
+
+Model (no sleeping: an event heap of arrivals and prefill completions):
+
+- ``prefill_nodes`` nodes, each with a KV pool = one ``cachetier.memory.NodeBlocks`` of
+  ``capacity_blocks / prefill_nodes`` blocks (LRU, prefix-closed, leaves evicted first). The
+  pool is the ground truth; the router's view is the index ``IndexCore`` holding those very
+  pools, i.e. a perfectly up-to-date index (node events applied instantly and losslessly).
+- On arrival the router looks up every node's leading hit, builds each node's ``NodeView``
+  (outstanding requests, outstanding uncached prefill tokens, the cost profile) and asks the
+  policy. The gateway's degrade rule (``gateway.routing.mode.choose_mode``) then falls back
+  to monolithic serving when the chosen node's estimated queue wait (outstanding tokens /
+  linear throughput, the same estimate for every policy) exceeds ``ttft_budget_s``.
+- A node serves its queue FIFO with at most ``concurrency`` requests at once sharing its
+  compute equally (processor sharing; concurrency 1 = one prefill at a time). At the start
+  of a prefill the node looks up its actual hit (touching those blocks); the prompt's blocks
+  are stored at completion. Prefill time follows the profile's cost model.
+- TTFT = queue wait + prefill (as stretched by sharing) + KV transfer of the whole prompt +
+  one decode step. A fallback is served by the decode/monolithic pool, assumed to have room:
+  TTFT = full prefill of the prompt with no cache + one decode step; it computes every
+  prompt token and loads no prefill node.
+- Busy time of a node = seconds during which it prefills; imbalance = max / mean of it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from bench.profile import S5000, CostProfile
+from bench.report import DISAGGREGATED, FALLBACK, Outcome, PolicySummary, summarize
+from bench.workloads import Request
+from cachetier.memory import IndexCore, NodeBlocks
+from gateway.routing import POLICIES, Policy, RouteInput
+from gateway.routing.base import NodeView, prefill_seconds
+from gateway.routing.mode import FALLBACK as MODE_FALLBACK
+from gateway.routing.mode import choose_mode
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    prefill_nodes: int = 4
+    capacity_blocks: int = 160_000  # total over the prefill nodes
+    block_size: int = 64
+    profile: CostProfile = S5000
+    concurrency: int = 1
+    ttft_budget_s: float = 30.0
+    transfer: bool = True
+
+
+@dataclass(slots=True)
+class _Job:
+    req: Request
+    predicted_new: int
+    start: float = 0.0
+    cached: int = 0
+    new: int = 0
+    work_s: float = 0.0  # prefill seconds at full speed
+    remaining_s: float = 0.0  # of work_s
+
+
+@dataclass(slots=True)
+class _Node:
+    node_id: str
+    blocks: NodeBlocks
+    queue: deque[_Job] = field(default_factory=deque)
+    running: list[_Job] = field(default_factory=list)
+    queued_tokens: int = 0
+    busy_s: float = 0.0
+    last_s: float = 0.0  # when running jobs' remaining work was last brought up to date
+    version: int = 0  # invalidates stale completion events
+
+
+class Simulator:
+    """One policy, one workload, virtual time."""
+
+    def __init__(self, policy: Policy, config: SimConfig) -> None:
+        self.policy = policy
+        self.cfg = config
+        n = config.prefill_nodes
+        self.index = IndexCore(default_capacity=max(1, config.capacity_blocks // n))
+        self.nodes = [_Node(f"p{i}", self.index.node(f"p{i}")) for i in range(n)]
+        self.node_ids = [nd.node_id for nd in self.nodes]
+        self._view = config.profile.view("_")
+        self._heap: list[tuple[float, int, int, int]] = []  # (time, seq, node, version)
+        self._seq = 0
+        self.outcomes: list[Outcome] = []
+        self.now = 0.0
+        self.decisions = 0
+
+    # -- node mechanics ------------------------------------------------------------------------
+
+    def _advance(self, nd: _Node, now: float) -> None:
+        """Bring running jobs' remaining work up to ``now`` (processor sharing)."""
+        if nd.running:
+            done = (now - nd.last_s) / len(nd.running)
+            for job in nd.running:
+                job.remaining_s -= done
+            nd.busy_s += now - nd.last_s
+        nd.last_s = now
+
+    def _schedule(self, nd: _Node, idx: int, now: float) -> None:
+        nd.version += 1
+        if nd.running:
+            k = len(nd.running)
+            left = min(j.remaining_s for j in nd.running)
+            self._seq += 1
+            heapq.heappush(self._heap, (now + max(0.0, left) * k, self._seq, idx, nd.version))
+
+    def _start(self, nd: _Node, now: float) -> None:
+        bs = self.cfg.block_size
+        while nd.queue and len(nd.running) < self.cfg.concurrency:
+            job = nd.queue.popleft()
+            nd.queued_tokens -= job.predicted_new
+            hashes = job.req.block_hashes
+            hit = nd.blocks.leading(hashes)
+            if hit:
+                nd.blocks.touch(hashes[:hit])
+            job.cached = hit * bs
+            job.new = job.req.prompt_tokens - job.cached
+            job.work_s = prefill_seconds(self._view, job.new, job.cached)
+            job.remaining_s = job.work_s
+            job.start = now
+            nd.running.append(job)
+
+    def _outstanding_tokens(self, nd: _Node) -> int:
+        tokens = nd.queued_tokens
+        for job in nd.running:
+            if job.work_s > 0:
+                tokens += int(job.new * max(0.0, job.remaining_s) / job.work_s)
+        return tokens
+
+    def _complete(self, idx: int, now: float) -> None:
+        nd = self.nodes[idx]
+        self._advance(nd, now)
+        finished = [j for j in nd.running if j.remaining_s <= 1e-9]
+        if not finished and nd.running:  # rounding: the event was for the job nearest to done
+            finished = [min(nd.running, key=lambda j: j.remaining_s)]
+        nd.running = [j for j in nd.running if j not in finished]
+        prof = self.cfg.profile
+        for job in finished:
+            req = job.req
+            if req.block_hashes:
+                nd.blocks.store(req.block_hashes)
+            transfer = prof.transfer_s(req.prompt_tokens) if self.cfg.transfer else 0.0
+            self.outcomes.append(
+                Outcome(
+                    index=req.index,
+                    node=nd.node_id,
+                    route=DISAGGREGATED,
+                    prompt_tokens=req.prompt_tokens,
+                    cached_tokens=job.cached,
+                    queue_s=job.start - req.arrival_s,
+                    prefill_s=now - job.start,
+                    transfer_s=transfer,
+                    ttft_s=now - req.arrival_s + transfer + prof.first_token_s,
+                )
+            )
+        self._start(nd, now)
+        self._schedule(nd, idx, now)
+
+    # -- routing -------------------------------------------------------------------------------
+
+    def _views(self, now: float) -> list[NodeView]:
+        prof = self.cfg.profile
+        cap = self.index.default_capacity
+        out: list[NodeView] = []
+        for nd in self.nodes:
+            self._advance(nd, now)
+            out.append(
+                prof.view(nd.node_id, len(nd.queue) + len(nd.running), self._outstanding_tokens(nd), cap)
+            )
+        return out
+
+    def _arrive(self, req: Request, now: float) -> None:
+        hashes = req.block_hashes
+        hits = self.index.lookup(hashes, self.node_ids)
+        views = self._views(now)
+        inp = RouteInput(
+            prompt_tokens=req.prompt_tokens,
+            block_size=self.cfg.block_size,
+            hits=hits,
+            first_block=hashes[0] if hashes else 0,
+            transfer=self.cfg.transfer,
+        )
+        decision = self.policy.choose(inp, views)
+        self.decisions += 1
+        idx = self.node_ids.index(decision.node_id) if decision.node_id is not None else -1
+        predicted_new = req.prompt_tokens - min(hits.get(decision.node_id or "", 0), len(hashes)) * (
+            self.cfg.block_size
+        )
+        queue_wait = views[idx].outstanding_tokens / views[idx].prefill_tokens_per_s if idx >= 0 else 0.0
+        mode = choose_mode(
+            disaggregation=True,
+            prefill_routable=len(self.nodes) if idx >= 0 else 0,
+            decode_routable=1,
+            uncached_tokens=predicted_new,
+            min_disagg_tokens=0,
+            queue_wait_s=queue_wait,
+            ttft_budget_s=self.cfg.ttft_budget_s,
+        )
+        if mode.mode == MODE_FALLBACK or idx < 0:
+            self._fallback(req)
+            return
+        nd = self.nodes[idx]
+        nd.queue.append(_Job(req, predicted_new))
+        nd.queued_tokens += predicted_new
+        if len(nd.running) < self.cfg.concurrency:
+            self._advance(nd, now)
+            self._start(nd, now)
+            self._schedule(nd, idx, now)
+
+    def _fallback(self, req: Request) -> None:
+        prof = self.cfg.profile
+        prefill = prefill_seconds(self._view, req.prompt_tokens, 0)
+        self.outcomes.append(
+            Outcome(
+                index=req.index,
+                node="",
+                route=FALLBACK,
+                prompt_tokens=req.prompt_tokens,
+                cached_tokens=0,
+                queue_s=0.0,
+                prefill_s=prefill,
+                transfer_s=0.0,
+                ttft_s=prefill + prof.first_token_s,
+            )
+        )
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def run(self, requests: Sequence[Request]) -> PolicySummary:
+        wall = time.perf_counter()
+        heap = self._heap
+        i, n = 0, len(requests)
+        t0 = requests[0].arrival_s if requests else 0.0
+        end = t0
+        while i < n or heap:
+            if heap and (i >= n or heap[0][0] <= requests[i].arrival_s):
+                t, _, idx, version = heapq.heappop(heap)
+                if version != self.nodes[idx].version:
+                    continue  # superseded by a later schedule of that node
+                self.now = end = t
+                self._complete(idx, t)
+            else:
+                req = requests[i]
+                i += 1
+                self.now = max(self.now, req.arrival_s)
+                self._arrive(req, self.now)
+                end = max(end, self.now)
+        self.outcomes.sort(key=lambda o: o.index)
+        summary = summarize(
+            self.outcomes, self.node_ids, {nd.node_id: nd.busy_s for nd in self.nodes}, end - t0
+        )
+        summary.wall_s = time.perf_counter() - wall
+        return summary
+
+
+def global_lru_bound(requests: Sequence[Request], capacity_blocks: int, block_size: int) -> dict[str, float]:
+    """Hit rate of one LRU cache of the whole capacity, requests in arrival order, no latency.
+
+    Also the hit rate of an unbounded cache (the trace's own ceiling).
+    """
+    lru = NodeBlocks(max(1, capacity_blocks))
+    unbounded: set[int] = set()
+    prompt = cached = ideal = 0
+    for req in requests:
+        hashes = req.block_hashes
+        prompt += req.prompt_tokens
+        cached += lru.leading(hashes) * block_size
+        k = 0
+        for h in hashes:
+            if h not in unbounded:
+                break
+            k += 1
+        ideal += k * block_size
+        if hashes:
+            lru.store(hashes)
+            unbounded.update(hashes)
+    return {
+        "hit_rate": cached / prompt if prompt else 0.0,
+        "unbounded_hit_rate": ideal / prompt if prompt else 0.0,
+        "capacity_blocks": float(capacity_blocks),
+    }
+
+
+def parse_policy(spec: str) -> Callable[[], Policy]:
+    """``name`` or ``name:key=value,key=value`` (numbers only) -> a factory of fresh policies."""
+    name, _, args = spec.partition(":")
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICIES)}")
+    kwargs: dict[str, float] = {}
+    for part in filter(None, args.split(",")):
+        key, _, value = part.partition("=")
+        kwargs[key.strip()] = float(value)
+
+    def make() -> Policy:
+        return cls(**kwargs)  # type: ignore[call-arg]
+
+    return make
+
+
+def simulate(requests: Sequence[Request], policy: Policy, config: SimConfig) -> PolicySummary:
+    return Simulator(policy, config).run(requests)
