@@ -9,7 +9,6 @@ HTTP and gRPC front ends stream to the client.
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,6 +16,14 @@ from dataclasses import dataclass, field
 
 import grpc
 import structlog
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential_jitter,
+)
+from tenacity.stop import stop_base
 
 from cachetier.hashing import Namespace, block_hashes
 from cachetier.index import BlockIndex, StoreOp
@@ -96,6 +103,16 @@ class Timings:
     prefill_s: float = 0.0
     transfer_s: float = 0.0
     first_token_at: float = 0.0
+
+
+class _stop_at(stop_base):
+    """Stop retrying once the request's deadline has passed."""
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        return time.monotonic() >= self.deadline
 
 
 class StreamBroken(Exception):
@@ -379,71 +396,85 @@ class Pipeline:
             stop=s.stop,
         )
 
+    def _retrying(self, deadline: float) -> AsyncRetrying:
+        """Bounded attempts, exponential backoff with jitter, within the request's deadline."""
+        return AsyncRetrying(
+            stop=stop_after_attempt(MAX_ATTEMPTS) | _stop_at(deadline),
+            wait=wait_exponential_jitter(initial=0.02, max=0.5, jitter=0.05),
+            retry=retry_if_exception_type(NodeFailure),
+            reraise=True,
+        )
+
     async def execute(self, prep: Prepared) -> Execution:
-        """Route and start the request; raises APIError when no node can serve it."""
+        """Route and start the request; raises APIError when no node can serve it.
+
+        The split path is tried on the best prefill/decode pair, then on the next best after
+        each failure (failed nodes excluded); when it cannot serve, the request falls back to
+        monolithic serving, itself retried on other nodes.
+        """
         deadline = time.monotonic() + self.settings.request_timeout_s
         hits = await self.lookup(prep)
         plan = self.decide(prep, hits)
         failures: list[NodeFailure] = []
         excluded: set[str] = set()
         attempts = 0
-        fallback_reason = plan.mode.reason
+
+        def failed(f: NodeFailure, pool: set[str]) -> None:
+            failures.append(f)
+            pool.add(f.node.id)
+            self._note_failure(f)
+            self.metrics.retries.labels(f.stage).inc()
+
         if plan.mode.mode == DISAGGREGATED:
-            while attempts < MAX_ATTEMPTS and plan.mode.mode == DISAGGREGATED and plan.prefill is not None:
-                attempts += 1
-                pnode = self.pool.by_id(plan.prefill.node_id or "")
-                dnode = self.pool.by_id(plan.decode_node or "")
-                if pnode is None or dnode is None:
-                    break
-                try:
-                    return await self._disaggregated(prep, plan, pnode, dnode, deadline, attempts)
-                except NodeFailure as f:
-                    failures.append(f)
-                    excluded.add(f.node.id)
-                    self._note_failure(f)
-                    self.metrics.retries.labels(f.stage).inc()
-                    await self._backoff(attempts, deadline)
-                    plan = self.decide(prep, hits, excluded)
-            fallback_reason = (
-                "split pipeline failed: " + "; ".join(str(f) for f in failures[-3:])
-                if failures
-                else plan.mode.reason
-            )
-        route = MONOLITHIC if plan.mode.mode == MONOLITHIC and not failures else FALLBACK
-        if route == FALLBACK:
-            self.metrics.fallbacks.labels("split_failed" if failures else "unavailable").inc()
-        mono_excluded = {f.node.id for f in failures if f.stage in ("decode", "generate")}
-        mono_attempts = 0
-        while mono_attempts < MAX_ATTEMPTS:
-            candidates = self._monolithic_candidates(mono_excluded)
-            if not candidates:
-                break
-            decision = self._choose(candidates, self._route_input(prep, hits, transfer=False))
-            node = self.pool.by_id(decision.node_id or "")
-            if node is None:
-                break
-            mono_attempts += 1
-            attempts += 1
             try:
-                return await self._monolithic(
-                    prep, node, decision, route, fallback_reason, deadline, attempts
-                )
-            except NodeFailure as f:
-                failures.append(f)
-                mono_excluded.add(f.node.id)
-                self._note_failure(f)
-                self.metrics.retries.labels(f.stage).inc()
-                await self._backoff(mono_attempts, deadline)
+                async for attempt in self._retrying(deadline):
+                    with attempt:
+                        pnode = self.pool.by_id(plan.prefill.node_id or "") if plan.prefill else None
+                        dnode = self.pool.by_id(plan.decode_node or "")
+                        if plan.mode.mode != DISAGGREGATED or pnode is None or dnode is None:
+                            break
+                        attempts += 1
+                        try:
+                            return await self._disaggregated(prep, plan, pnode, dnode, deadline, attempts)
+                        except NodeFailure as f:
+                            failed(f, excluded)
+                            plan = self.decide(prep, hits, excluded)
+                            raise
+            except NodeFailure:
+                pass
+        if failures:
+            route, reason = FALLBACK, "split pipeline failed: " + "; ".join(str(f) for f in failures[-3:])
+            self.metrics.fallbacks.labels("split_failed").inc()
+        elif plan.mode.mode == FALLBACK:
+            route, reason = FALLBACK, plan.mode.reason
+            self.metrics.fallbacks.labels("unavailable").inc()
+        else:
+            route, reason = MONOLITHIC, plan.mode.reason
+        # A prefill node that failed may still generate; a decode node that failed may not.
+        mono_excluded = {f.node.id for f in failures if f.stage in ("decode", "transfer", "generate")}
+        try:
+            async for attempt in self._retrying(deadline):
+                with attempt:
+                    candidates = self._monolithic_candidates(mono_excluded)
+                    if not candidates:
+                        break
+                    decision = self._choose(candidates, self._route_input(prep, hits, transfer=False))
+                    node = self.pool.by_id(decision.node_id or "")
+                    if node is None:
+                        break
+                    attempts += 1
+                    try:
+                        return await self._monolithic(prep, node, decision, route, reason, deadline, attempts)
+                    except NodeFailure as f:
+                        failed(f, mono_excluded)
+                        raise
+        except NodeFailure:
+            pass
         self.metrics.requests.labels(route, "failed").inc()
         if failures and all(f.code == grpc.StatusCode.RESOURCE_EXHAUSTED for f in failures):
             raise APIError(429, "every node is at capacity; retry shortly", code="overloaded", retry_after=1)
         detail = "; ".join(str(f) for f in failures[-3:]) or "no node is reachable"
         raise APIError(503, f"no node could serve the request ({detail})", code="unavailable", retry_after=2)
-
-    async def _backoff(self, attempt: int, deadline: float) -> None:
-        delay = min(0.5, 0.02 * (2 ** (attempt - 1))) * (0.5 + random.random())
-        if time.monotonic() + delay < deadline:
-            await asyncio.sleep(delay)
 
     def _note_failure(self, f: NodeFailure) -> None:
         if f.code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # a full queue is load, not a fault
