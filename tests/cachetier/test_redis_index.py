@@ -16,7 +16,8 @@ from tests.cachetier.support import test_prefix
 
 async def test_key_schema_puts_each_node_in_one_hash_slot(rindex: RedisIndex) -> None:
     await rindex.store([StoreOp("p0", (1, 2, 3)), StoreOp("p1", (1,))])
-    keys = sorted(bytes(k).decode() for k in await rindex.client.keys(rindex.keys.pattern))
+    raw = await rindex.client.keys(rindex.keys.pattern)
+    keys = sorted(k.decode() if isinstance(k, bytes) else k for k in raw)
     p = rindex.keys.prefix
     assert keys == sorted([f"{p}nodes", f"{p}{{p0}}:z", f"{p}{{p0}}:m", f"{p}{{p1}}:z", f"{p}{{p1}}:m"])
     assert await rindex.client.zscore(rindex.keys.blocks("p0"), pack_hash(3)) is not None
@@ -126,3 +127,21 @@ async def test_purge_deletes_only_its_own_prefix(url: str) -> None:
 
 def test_pack_hashes_is_little_endian() -> None:
     assert pack_hashes([1, 2**64 - 1]) == pack_hash(1) + b"\xff" * 8
+
+
+async def test_replicas_sharing_a_prefix_route_as_one(url: str) -> None:
+    prefix = test_prefix()
+    a = RedisIndex.from_url(url, prefix=prefix, nodes_refresh=0.0)
+    b = RedisIndex.from_url(url, prefix=prefix, nodes_refresh=0.0)
+    try:
+        assert await a.store([StoreOp("p0", (1, 2, 3))]) == [True]
+        assert await b.lookup([1, 2, 3, 4]) == {"p0": 3}
+        assert await b.store([StoreOp("p0", (4,), parent=3), StoreOp("p1", (1,))]) == [True, True]
+        assert await a.lookup([1, 2, 3, 4]) == {"p0": 4, "p1": 1}
+        await b.set_capacity("p0", 2)
+        assert await a.lookup([1, 2, 3, 4], ["p0"]) == {"p0": 2}
+        assert (await a.stats()).nodes["p0"].capacity == 2
+    finally:
+        await a.purge()
+        await a.close()
+        await b.close()

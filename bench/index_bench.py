@@ -1,0 +1,277 @@
+"""Index benchmark: lookup latency, write throughput and Redis memory per block.
+
+``python -m bench.index_bench [--redis URL] [--json FILE]`` (also ``prefixgate bench index``).
+Several nodes each hold a realistic set (background chains plus a random leading part of
+each test prompt), so every lookup binary-searches real, large sets. Redis runs use a
+private key prefix and delete their keys afterwards. Targets: Redis lookup p99 <= 2 ms at
+8,192 blocks, in-memory p99 <= 0.2 ms, <= 100 bytes of Redis memory per block held.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from cachetier.index import BlockIndex, StoreOp
+from cachetier.memory import MemoryIndex
+from cachetier.redis_index import RedisIndex, connect
+from cachetier.resilient import ResilientIndex
+from cachetier.writer import IndexWriter
+
+TARGET_REDIS_P99_MS = 2.0
+TARGET_MEMORY_P99_MS = 0.2
+TARGET_BYTES_PER_BLOCK = 100.0
+
+
+@dataclass(slots=True)
+class LookupRow:
+    backend: str
+    blocks: int
+    samples: int
+    p50_ms: float
+    p99_ms: float
+    mean_ms: float
+    max_ms: float
+
+
+@dataclass(slots=True)
+class WriteRow:
+    backend: str
+    ops: int
+    blocks: int
+    seconds: float
+    blocks_per_s: float
+    dropped: int
+
+
+@dataclass(slots=True)
+class Results:
+    nodes: int
+    blocks_per_node: int
+    lookups: list[LookupRow] = field(default_factory=list)
+    writes: list[WriteRow] = field(default_factory=list)
+    redis_bytes_per_block: float | None = None
+    redis_bytes_per_block_info: float | None = None
+    redis_blocks_held: int = 0
+    redis_encoding: str = ""
+    targets: dict[str, bool] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Workload:
+    nodes: list[str]
+    prompts: dict[int, list[list[int]]]  # prompt length -> prompts
+    ops: list[StoreOp]  # everything the nodes hold, as chain stores
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    k = max(0, min(len(sorted_values) - 1, math.ceil(q / 100.0 * len(sorted_values)) - 1))
+    return float(sorted_values[k])
+
+
+def make_workload(rng: random.Random, nodes: int, blocks_per_node: int, sizes: Sequence[int]) -> Workload:
+    """Per node: background chains up to ``blocks_per_node`` plus a random prefix of each prompt."""
+    names = [f"prefill-{i}" for i in range(nodes)]
+    prompts = {s: [[rng.getrandbits(64) for _ in range(s)] for _ in range(4)] for s in sizes}
+    ops: list[StoreOp] = []
+    for name in names:
+        held = 0
+        for plist in prompts.values():
+            for p in plist:
+                k = rng.randint(0, len(p))
+                if k:
+                    ops.append(StoreOp(name, tuple(p[:k])))
+                    held += k
+        while held < blocks_per_node:
+            n = min(rng.choice((64, 256, 1024, 2048)), blocks_per_node - held)
+            ops.append(StoreOp(name, tuple(rng.getrandbits(64) for _ in range(n))))
+            held += n
+    rng.shuffle(ops)
+    return Workload(names, prompts, ops)
+
+
+async def populate(index: BlockIndex, backend: str, work: Workload, capacity: int) -> WriteRow:
+    """Write the workload through the batching writer; blocks/s from first submit to flush."""
+    for name in work.nodes:
+        await index.set_capacity(name, capacity)
+    writer = IndexWriter(index, max_pending_ops=len(work.ops) + 1, max_pending_blocks=1 << 40)
+    t0 = time.perf_counter()
+    for op in work.ops:
+        writer.submit(op)
+    await writer.flush(timeout=120)
+    dt = time.perf_counter() - t0
+    await writer.close()
+    blocks = sum(len(op.hashes) for op in work.ops)
+    return WriteRow(backend, len(work.ops), blocks, dt, blocks / dt if dt else 0.0, writer.stats.dropped)
+
+
+async def measure_lookups(
+    index: BlockIndex, backend: str, work: Workload, samples: int, rng: random.Random
+) -> list[LookupRow]:
+    rows = []
+    for size, plist in work.prompts.items():
+        for p in plist[:2]:  # warm up connections and script cache
+            await index.lookup(p, work.nodes)
+        times: list[float] = []
+        deadline = time.monotonic() + 10.0
+        for _ in range(samples):
+            p = rng.choice(plist)
+            t0 = time.perf_counter_ns()
+            await index.lookup(p, work.nodes)
+            times.append((time.perf_counter_ns() - t0) / 1e6)
+            if time.monotonic() > deadline:
+                break
+        times.sort()
+        rows.append(
+            LookupRow(
+                backend,
+                size,
+                len(times),
+                percentile(times, 50),
+                percentile(times, 99),
+                sum(times) / len(times),
+                times[-1],
+            )
+        )
+    return rows
+
+
+async def check_answers(index: BlockIndex, reference: MemoryIndex, work: Workload) -> None:
+    for plist in work.prompts.values():
+        for p in plist:
+            got, want = await index.lookup(p, work.nodes), await reference.lookup(p, work.nodes)
+            if got != want:
+                raise SystemExit(f"lookup mismatch between {index.backend} and memory: {got} != {want}")
+
+
+async def run(args: argparse.Namespace) -> Results:
+    rng = random.Random(args.seed)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    work = make_workload(rng, args.nodes, args.blocks_per_node, sizes)
+    capacity = args.blocks_per_node * 2
+    res = Results(args.nodes, args.blocks_per_node)
+
+    memory = MemoryIndex()
+    res.writes.append(await populate(memory, "memory", work, capacity))
+    res.lookups += await measure_lookups(memory, "memory", work, args.samples, rng)
+
+    if args.redis:
+        client = connect(args.redis)
+        before = int((await client.info("memory"))["used_memory"])
+        rindex = RedisIndex(client, prefix=f"prefixgate-bench-{uuid.uuid4().hex[:8]}:")
+        try:
+            res.writes.append(await populate(rindex, "redis", work, capacity))
+            after = int((await client.info("memory"))["used_memory"])
+            await check_answers(rindex, memory, work)
+            res.lookups += await measure_lookups(rindex, "redis", work, args.samples, rng)
+            resilient = ResilientIndex(rindex, mirror=False, lookup_timeout=0.05)
+            res.lookups += await measure_lookups(resilient, "redis+resilient", work, args.samples, rng)
+            usage = 0
+            held = 0
+            for name in work.nodes:
+                key = rindex.keys.blocks(name)
+                usage += int(await client.memory_usage(key, samples=0) or 0)
+                held += int(await client.zcard(key))
+                res.redis_encoding = str(await client.object("encoding", key))
+            res.redis_blocks_held = held
+            res.redis_bytes_per_block = usage / held if held else None
+            res.redis_bytes_per_block_info = (after - before) / held if held else None
+        finally:
+            await rindex.purge()
+            await rindex.close()
+
+    def p99(backend: str, size: int) -> float | None:
+        return next((r.p99_ms for r in res.lookups if r.backend == backend and r.blocks == size), None)
+
+    big = max(sizes)
+    mem_p99 = p99("memory", big)
+    if mem_p99 is not None:
+        res.targets[f"memory lookup p99 <= {TARGET_MEMORY_P99_MS} ms @ {big}"] = (
+            mem_p99 <= TARGET_MEMORY_P99_MS
+        )
+    red_p99 = p99("redis", big)
+    if red_p99 is not None:
+        res.targets[f"redis lookup p99 <= {TARGET_REDIS_P99_MS} ms @ {big}"] = red_p99 <= TARGET_REDIS_P99_MS
+    if res.redis_bytes_per_block is not None:
+        res.targets[f"redis <= {TARGET_BYTES_PER_BLOCK:.0f} B/block"] = (
+            res.redis_bytes_per_block <= TARGET_BYTES_PER_BLOCK
+        )
+    return res
+
+
+def render(res: Results, console: Console) -> None:
+    t = Table(title=f"index lookup latency ({res.nodes} nodes, ~{res.blocks_per_node:,} blocks each)")
+    for col in ("backend", "prompt blocks", "samples", "p50 ms", "p99 ms", "mean ms", "max ms"):
+        t.add_column(col, justify="left" if col == "backend" else "right")
+    for r in res.lookups:
+        t.add_row(
+            r.backend,
+            f"{r.blocks:,}",
+            str(r.samples),
+            f"{r.p50_ms:.3f}",
+            f"{r.p99_ms:.3f}",
+            f"{r.mean_ms:.3f}",
+            f"{r.max_ms:.3f}",
+        )
+    console.print(t)
+    w = Table(title="index writes through IndexWriter")
+    for col in ("backend", "ops", "blocks", "seconds", "blocks/s", "dropped"):
+        w.add_column(col, justify="left" if col == "backend" else "right")
+    for x in res.writes:
+        w.add_row(
+            x.backend,
+            f"{x.ops:,}",
+            f"{x.blocks:,}",
+            f"{x.seconds:.2f}",
+            f"{x.blocks_per_s:,.0f}",
+            str(x.dropped),
+        )
+    console.print(w)
+    if res.redis_bytes_per_block is not None:
+        info = res.redis_bytes_per_block_info or 0.0
+        console.print(
+            f"redis memory: {res.redis_bytes_per_block:.1f} B/block (MEMORY USAGE, {res.redis_encoding}), "
+            f"{info:.1f} B/block (INFO used_memory delta), {res.redis_blocks_held:,} blocks held"
+        )
+    for name, ok in res.targets.items():
+        console.print(f"{'PASS' if ok else 'MISS'}  {name}")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="prefixgate bench index", description=__doc__.splitlines()[0])
+    ap.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis URL; '' to skip Redis")
+    ap.add_argument("--nodes", type=int, default=6)
+    ap.add_argument("--blocks-per-node", type=int, default=50_000)
+    ap.add_argument("--sizes", default="64,1024,8192", help="prompt lengths in blocks")
+    ap.add_argument("--samples", type=int, default=500, help="lookups per prompt length (10 s cap each)")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    res = asyncio.run(run(args))
+    render(res, Console())
+    if args.json:
+        payload: dict[str, Any] = asdict(res)
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(payload, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

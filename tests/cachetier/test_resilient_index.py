@@ -1,0 +1,131 @@
+"""Degraded mode: Redis down or silent never fails a call; the index comes back by itself."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import structlog
+
+from cachetier import open_index
+from cachetier.index import StoreOp
+from cachetier.memory import MemoryIndex
+from cachetier.redis_index import RedisIndex
+from cachetier.resilient import ResilientIndex
+from tests.cachetier.support import TcpProxy, test_prefix
+
+
+@pytest.fixture
+async def proxy(url: str) -> AsyncIterator[TcpProxy]:
+    p = TcpProxy()
+    await p.start()
+    try:
+        yield p
+    finally:
+        await p.stop()
+
+
+def resilient(url: str, **kw: Any) -> ResilientIndex:
+    index = open_index(url, prefix=test_prefix(), lookup_timeout=0.05, probe_interval=0.05, **kw)
+    assert isinstance(index, ResilientIndex)
+    return index
+
+
+async def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+def test_factory_picks_the_implementation() -> None:
+    assert isinstance(open_index(None), MemoryIndex)
+    assert isinstance(open_index("memory"), MemoryIndex)
+    with pytest.raises(ValueError):
+        open_index("postgres://x")
+
+
+async def test_dead_redis_serves_from_the_mirror_and_never_raises() -> None:
+    index = resilient("redis://127.0.0.1:1/0", call_timeout=0.2)
+    with structlog.testing.capture_logs() as logs:
+        assert await index.store([StoreOp("a", (1, 2, 3))]) == [True]
+        t0 = time.perf_counter()
+        for _ in range(5):
+            assert await index.lookup([1, 2, 3, 4], ["a", "b"]) == {"a": 3, "b": 0}
+        assert time.perf_counter() - t0 < 2.0
+        assert index.degraded
+        assert await index.remove("a", [3]) == 1
+        assert await index.clear_node("x") == 0
+        await index.set_capacity("a", 10)
+        await index.replace_node("b", [[7, 8]])
+        assert await index.node_hashes("b") == {7, 8}
+        stats = await index.stats()
+        assert stats.degraded and stats.backend == "redis" and stats.total_blocks == 4
+        await index.close()
+    assert index.counters.degraded_lookups >= 5 and index.counters.dropped_writes >= 5
+    assert [e["event"] for e in logs].count("index.degraded") == 1
+
+
+async def test_without_a_mirror_degraded_lookups_are_empty() -> None:
+    index = resilient("redis://127.0.0.1:1/0", mirror=False, failures_to_degrade=1)
+    await index.store([StoreOp("a", (1,))])
+    assert await index.lookup([1], ["a"]) == {"a": 0}
+    assert await index.lookup([1]) == {}
+    await index.close()
+
+
+async def test_silent_redis_times_out_then_recovers(proxy: TcpProxy) -> None:
+    recovered_calls: list[float] = []
+    index = resilient(proxy.url, call_timeout=0.3, on_recovered=lambda: recovered_calls.append(1.0))
+    primary = index.primary
+    assert isinstance(primary, RedisIndex)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            assert await index.store([StoreOp("a", (1, 2, 3))]) == [True]
+            assert await index.lookup([1, 2, 3], ["a"]) == {"a": 3}
+            assert not index.degraded
+
+            proxy.blackhole = True  # Redis stops answering
+            for _ in range(4):
+                t0 = time.perf_counter()
+                assert await index.lookup([1, 2, 3], ["a"]) == {"a": 3}  # from the mirror
+                assert time.perf_counter() - t0 < 1.0
+            assert index.degraded
+            await index.store([StoreOp("a", (4,), parent=3)])  # mirror only; dropped for Redis
+            assert await index.lookup([1, 2, 3, 4], ["a"]) == {"a": 4}
+            dropped = index.counters.dropped_writes
+            assert dropped >= 1
+
+            proxy.blackhole = False  # Redis answers again: back without a restart
+            await wait_for(lambda: not index.degraded)
+            assert index.recovered.is_set() and recovered_calls == [1.0]
+            assert index.counters.recoveries == 1
+            # Redis never saw the degraded write: the gateway resyncs nodes after `recovered`
+            assert await index.lookup([1, 2, 3, 4], ["a"]) == {"a": 3}
+        events = [e["event"] for e in logs]
+        assert events.count("index.degraded") == 1 and events.count("index.recovered") == 1
+    finally:
+        await primary.purge()
+        await index.close()
+
+
+async def test_redis_going_away_and_coming_back(proxy: TcpProxy) -> None:
+    index = resilient(proxy.url, call_timeout=0.3)
+    primary = index.primary
+    assert isinstance(primary, RedisIndex)
+    try:
+        await index.store([StoreOp("a", (1, 2))])
+        await proxy.stop()  # connections cut, port refuses
+        for _ in range(4):
+            assert await index.lookup([1, 2], ["a"]) == {"a": 2}
+        assert index.degraded
+        await proxy.start()  # same port again
+        await wait_for(lambda: not index.degraded)
+        assert await index.store([StoreOp("a", (3,), parent=2)]) == [True]
+        assert await primary.lookup([1, 2, 3], ["a"]) == {"a": 3}
+    finally:
+        await primary.purge()
+        await index.close()
