@@ -56,6 +56,7 @@ from prefixgate.v1 import node_pb2, node_pb2_grpc
 log = structlog.get_logger("prefixgate.node")
 
 STAGE_KEY = "x-prefixgate-stage"
+SLOWDOWN_FACTOR = 10.0
 NODE_SERVICE = node_pb2.DESCRIPTOR.services_by_name["Node"].full_name
 SERVER_OPTIONS: list[tuple[str, Any]] = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
 
@@ -383,6 +384,14 @@ async def serve(
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
             installed.append(sig)
+    running = ns.node.engine
+    if hasattr(running, "slowdown"):
+        # Fault injection for drills and tests: SIGUSR1 makes this node 10x slower than it
+        # reports, SIGUSR2 restores it.
+        for sig, factor in ((signal.SIGUSR1, SLOWDOWN_FACTOR), (signal.SIGUSR2, 1.0)):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, setattr, running, "slowdown", factor)
+                installed.append(sig)
     try:
         if on_ready is not None:
             on_ready(ns)

@@ -55,6 +55,9 @@ class SimEngine:
             raise ValueError(f"time_scale must be >= 0, got {time_scale}")
         self.profile = profile
         self.time_scale = time_scale
+        # Fault injection: real work takes this many times longer than the profile (and the
+        # node's reports) claim, as on throttled or degraded hardware. Toggled by SIGUSR1/2.
+        self.slowdown = 1.0
         self.kv_scale = kv_scale
         self.model = model
         self.kv_format = KVFormat(
@@ -82,7 +85,7 @@ class SimEngine:
         bs = self.kv_format.block_size
         n_tokens = len(job.tokens) // 4
         cached_tokens = job.cached_blocks * bs
-        budget = self.prefill_seconds(n_tokens - cached_tokens, cached_tokens)
+        budget = self.prefill_seconds(n_tokens - cached_tokens, cached_tokens) * self.slowdown
         size = self.kv_format.page_bytes
         pages: list[bytes] = []
         for i, h in enumerate(job.block_hashes[job.cached_blocks :], 1):
@@ -113,7 +116,7 @@ class SimEngine:
         group: list[int] = []
         for _ in range(job.max_new):
             token = sampler.pick(state, step)
-            deadline += self.profile.decode_step_seconds(context) * self.time_scale
+            deadline += self.profile.decode_step_seconds(context) * self.time_scale * self.slowdown
             group.append(token)
             if token == self.eos_token:
                 break
