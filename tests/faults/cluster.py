@@ -1,0 +1,237 @@
+"""Real processes for fault drills: nodes and a gateway on loopback, and a load driver."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.helpers import Proc, free_port, spawn
+
+
+@dataclass
+class NodeProc:
+    role: str
+    node_id: str
+    port: int
+    args: list[str]
+    proc: Proc | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.proc = spawn(["node", "--role", self.role, "--host", "127.0.0.1", "--port", str(self.port),
+                           "--node-id", self.node_id, "--ready-line", *self.args])
+        self.proc.wait_for('"node_ready"', timeout=30)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.stop(signal.SIGKILL)
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.proc.send_signal(sig)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+
+
+@dataclass
+class Cluster:
+    prefill: list[NodeProc]
+    decode: list[NodeProc]
+    gateway_args: list[str] = field(default_factory=list)
+    gateway_env: dict[str, str] = field(default_factory=dict)
+    port: int = 0
+    gateway: Proc | None = None
+
+    @classmethod
+    def create(cls, prefill: int, decode: int, node_args: list[str], **kw: Any) -> Cluster:
+        p = [NodeProc("prefill", f"prefill-{i}", free_port(), node_args) for i in range(1, prefill + 1)]
+        d = [NodeProc("decode", f"decode-{i}", free_port(), node_args) for i in range(1, decode + 1)]
+        return cls(p, d, **kw)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        for n in self.prefill + self.decode:
+            n.start()
+        self.port = free_port()
+        args = ["gateway", "--port", str(self.port)]
+        for n in self.prefill:
+            args += ["--prefill", n.address]
+        for n in self.decode:
+            args += ["--decode", n.address]
+        env = {"PREFIXGATE_STATS_INTERVAL_S": "0.2", **self.gateway_env}
+        self.gateway = spawn(args + self.gateway_args, env=env)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.get(self.url + "/readyz", timeout=1)
+                if r.status_code == 200 and r.json()["prefill"] == len(self.prefill):
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.gateway.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise RuntimeError("gateway not ready:\n" + "\n".join(list(self.gateway.lines)[-30:]))
+
+    def stop(self) -> int:
+        rc = self.gateway.stop() if self.gateway else 0
+        for n in self.prefill + self.decode:
+            n.stop()
+        return rc
+
+    def gateway_rss_kb(self) -> int:
+        assert self.gateway is not None
+        with open(f"/proc/{self.gateway.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+        return 0
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = httpx.get(self.url + "/metrics", timeout=5).text
+        total = 0.0
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    total += s.value
+        return total
+
+    def wait_routable(self, role: str, count: int, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            r = httpx.get(self.url + "/readyz", timeout=1)
+            if r.json()[role] >= count:
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"{role} nodes not routable: {r.json()}")
+
+
+@dataclass
+class Outcome:
+    status: int
+    route: str = ""
+    prefill_node: str = ""
+    decode_node: str = ""
+    text: str = ""
+    finish: str = ""
+    error: str = ""
+    retry_after: str | None = None
+    done_marker: bool = False
+    cached_tokens: int = 0
+
+
+@dataclass
+class Tally:
+    scenario: str
+    sent: int = 0
+    succeeded: int = 0
+    retried: int = 0
+    fell_back: int = 0
+    failed: int = 0
+    rejected_429: int = 0
+    stream_errors: int = 0
+    silent_truncations: int = 0
+    note: str = ""
+
+
+async def one(http: httpx.AsyncClient, body: dict[str, Any], stream: bool) -> Outcome:
+    try:
+        if not stream:
+            r = await http.post("/v1/chat/completions", json=body)
+            out = Outcome(r.status_code, r.headers.get("x-prefixgate-route", ""),
+                          r.headers.get("x-prefixgate-prefill-node", ""),
+                          r.headers.get("x-prefixgate-decode-node", ""), retry_after=r.headers.get("retry-after"))
+            data = r.json()
+            if r.status_code == 200:
+                out.text = data["choices"][0]["message"]["content"]
+                out.finish = data["choices"][0]["finish_reason"]
+                out.cached_tokens = data["usage"]["prompt_tokens_details"]["cached_tokens"]
+            else:
+                out.error = data["error"]["message"]
+            return out
+        async with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            out = Outcome(r.status_code, r.headers.get("x-prefixgate-route", ""),
+                          r.headers.get("x-prefixgate-prefill-node", ""),
+                          r.headers.get("x-prefixgate-decode-node", ""), retry_after=r.headers.get("retry-after"))
+            if r.status_code != 200:
+                out.error = (await r.aread()).decode()[:300]
+                return out
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                payload = line[6:]
+                if payload == "[DONE]":
+                    out.done_marker = True
+                    continue
+                obj = orjson.loads(payload)
+                if "error" in obj:
+                    out.error = obj["error"]["message"]
+                    continue
+                for ch in obj.get("choices", []):
+                    out.text += ch["delta"].get("content") or ""
+                    out.finish = ch.get("finish_reason") or out.finish
+            return out
+    except httpx.HTTPError as e:
+        return Outcome(0, error=f"transport: {e!r}")
+
+
+async def drive(
+    url: str,
+    bodies: list[dict[str, Any]],
+    concurrency: int,
+    *,
+    stream: bool = False,
+    during: Callable[[int], None] | None = None,
+    timeout: float = 60.0,
+) -> list[Outcome]:
+    """Send every body with bounded concurrency; ``during(done)`` runs after each completion."""
+    results: list[Outcome] = []
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as http:
+
+        async def task(body: dict[str, Any]) -> None:
+            async with sem:
+                res = await one(http, body, stream)
+            results.append(res)
+            if during is not None:
+                during(len(results))
+
+        await asyncio.wait_for(asyncio.gather(*(task(b) for b in bodies)), timeout=timeout * 4)
+    return results
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")
+
+
+def start_redis(port: int) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True).stdout.strip() == b"PONG":
+            return proc
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("redis-server did not start")

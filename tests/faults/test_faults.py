@@ -1,0 +1,164 @@
+"""Fault injection on real processes: the cluster keeps serving whatever breaks."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.faults.cluster import Cluster, Outcome, Tally, drive
+from tests.faults.conftest import REPORT
+
+MODEL = "prefixgate-sim"
+WORDS = "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor".split()
+
+
+def prompt(i: int, tokens: int = 3000) -> str:
+    rng = random.Random(i)
+    return " ".join(rng.choice(WORDS) for _ in range(tokens * 4 // 6))
+
+
+def body(i: int, tokens: int = 3000, max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "max_tokens": max_tokens, "seed": i,
+            "messages": [{"role": "user", "content": f"request {i}: " + prompt(i, tokens)}], **extra}
+
+
+def tally(name: str, results: list[Outcome], cluster: Cluster, retries_before: float, note: str = "") -> Tally:
+    t = Tally(name, sent=len(results))
+    t.succeeded = sum(1 for r in results if r.status == 200 and not r.error and r.finish)
+    t.fell_back = sum(1 for r in results if r.route == "fallback")
+    t.rejected_429 = sum(1 for r in results if r.status == 429)
+    t.stream_errors = sum(1 for r in results if r.status == 200 and r.error)
+    t.failed = sum(1 for r in results if r.status not in (200, 429))
+    t.silent_truncations = sum(1 for r in results if r.status == 200 and not r.error and not r.finish)
+    t.retried = int(cluster.metric("prefixgate_retries_total") - retries_before)
+    t.note = note
+    REPORT.append(t)
+    return t
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    c = Cluster.create(2, 3, ["--time-scale", "0.5", "--capacity-blocks", "4096"])
+    c.start()
+    try:
+        yield c
+    finally:
+        assert c.stop() == 0
+
+
+def test_prefill_node_killed_mid_run(cluster: Cluster) -> None:
+    before = cluster.metric("prefixgate_retries_total")
+    victim = cluster.prefill[0]
+
+    def during(done: int) -> None:
+        if done == 40:
+            victim.kill()
+
+    results = asyncio.run(drive(cluster.url, [body(i) for i in range(300)], 16, during=during))
+    t = tally("prefill node SIGKILL during 300 requests", results, cluster, before)
+    assert t.failed == 0 and t.succeeded == 300, [r.error for r in results if r.error][:5]
+    assert victim.proc is not None and victim.proc.proc.returncode == -9
+    victim.start()  # back for the next scenario
+    cluster.wait_routable("prefill", 2)
+
+
+def test_all_prefill_nodes_down_then_back(cluster: Cluster) -> None:
+    before = cluster.metric("prefixgate_retries_total")
+    for n in cluster.prefill:
+        n.kill()
+    results = asyncio.run(drive(cluster.url, [body(1000 + i) for i in range(60)], 8))
+    t = tally("all prefill nodes SIGKILL", results, cluster, before)
+    assert t.failed == 0 and t.succeeded == 60
+    assert t.fell_back == 60  # every request served whole by a decode node
+    for n in cluster.prefill:
+        n.start()
+    deadline = time.monotonic() + 20
+    routes: list[str] = []
+    while time.monotonic() < deadline:
+        res = asyncio.run(drive(cluster.url, [body(2000 + len(routes))], 1))
+        routes.append(res[0].route)
+        if res[0].route == "disaggregated":
+            break
+        time.sleep(0.2)
+    REPORT[-1].note = f"split path back after {len(routes)} probe requests"
+    assert routes[-1] == "disaggregated", routes
+
+
+def test_decode_node_killed_mid_stream(cluster: Cluster) -> None:
+    before = cluster.metric("prefixgate_retries_total")
+    victim = cluster.decode[0]
+
+    def during(done: int) -> None:
+        if done == 20:
+            victim.kill()
+
+    bodies = [body(3000 + i, tokens=1500, max_tokens=120) for i in range(90)]
+    results = asyncio.run(drive(cluster.url, bodies, 12, stream=True, during=during))
+    t = tally("decode node SIGKILL mid-run (streaming)", results, cluster, before,
+              note="streams cut by the kill end with an explicit error event")
+    assert t.failed == 0
+    assert t.silent_truncations == 0
+    assert all(r.done_marker for r in results if r.status == 200 and not r.error)
+    assert all(r.decode_node == victim.node_id for r in results if r.error), "only streams on the dead node break"
+    assert t.succeeded + t.stream_errors == 90
+    victim.start()
+    cluster.wait_routable("decode", 3)
+
+
+def test_slow_prefill_node_loses_traffic(cluster: Cluster) -> None:
+    before = cluster.metric("prefixgate_retries_total")
+    slow = cluster.prefill[0]
+    slow.signal(signal.SIGUSR1)
+    try:
+        started = time.monotonic()
+        windows: list[tuple[float, str]] = []
+
+        async def trickle() -> list[Outcome]:
+            out: list[Outcome] = []
+            for k in range(12):
+                batch = await drive(cluster.url, [body(4000 + k * 8 + j, tokens=6000, max_tokens=2)
+                                                  for j in range(8)], 8)
+                out.extend(batch)
+                windows.extend((time.monotonic() - started, r.prefill_node) for r in batch)
+            return out
+
+        results = asyncio.run(trickle())
+    finally:
+        slow.signal(signal.SIGUSR2)
+    late = [n for ts, n in windows[len(windows) // 2:]]
+    share = late.count(slow.node_id) / len(late)
+    early = [n for ts, n in windows[:16]]
+    t = tally("prefill node slowed 10x", results, cluster, before,
+              note=f"slow node's share: first 16 req {early.count(slow.node_id)}/16, "
+                   f"second half {share:.0%} (after {windows[len(windows) // 2][0]:.1f}s)")
+    assert t.failed == 0
+    assert share < 0.3, t.note
+
+
+def test_flood_beyond_capacity_gets_429_with_retry_after() -> None:
+    c = Cluster.create(1, 1, ["--time-scale", "1.0", "--max-queue", "4", "--max-decode-streams", "8"],
+                       gateway_env={"PREFIXGATE_MAX_INFLIGHT": "24"})
+    c.start()
+    try:
+        rss0 = c.gateway_rss_kb()
+        before = c.metric("prefixgate_retries_total")
+        results: list[Outcome] = []
+        for wave in range(3):
+            results += asyncio.run(drive(c.url, [body(5000 + wave * 1000 + i, tokens=2000, max_tokens=16)
+                                                 for i in range(200)], 200))
+        rss1 = c.gateway_rss_kb()
+        t = tally("flood: 600 requests at 200 concurrent", results, c, before,
+                  note=f"gateway RSS {rss0 // 1024} -> {rss1 // 1024} MiB")
+        statuses = {r.status for r in results}
+        assert statuses <= {200, 429}, statuses
+        assert t.rejected_429 > 0 and t.succeeded > 0
+        assert all(r.retry_after for r in results if r.status == 429)
+        assert rss1 - rss0 < 64 * 1024, (rss0, rss1)
+    finally:
+        assert c.stop() == 0
