@@ -1,29 +1,62 @@
-"""structlog set-up: JSON lines in production, readable in a terminal."""
+"""structlog set-up: JSON lines in production, readable in a terminal.
+
+Every line of a request carries its ``request_id``: the front ends call ``bind_request`` at the
+start of each request (HTTP handler, gRPC method), which binds it in structlog's context
+variables; asyncio tasks started from there (streams, index writes) inherit the context.
+Standard-library loggers (uvicorn, grpc, asyncio) are rendered the same way.
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
+import uuid
+from typing import Any
 
 import structlog
 
 
+def _renderer(fmt: str) -> structlog.typing.Processor:
+    use_json = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
+    if use_json:
+        return structlog.processors.JSONRenderer()
+    return structlog.dev.ConsoleRenderer(colors=False)
+
+
 def configure_logging(fmt: str = "auto", level: str = "info") -> None:
     lvl = getattr(logging, level.upper(), logging.INFO)
-    use_json = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
-    renderer: structlog.typing.Processor = (
-        structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer(colors=False)
-    )
+    shared: list[structlog.typing.Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    renderer = _renderer(fmt)
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
+        processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
-    logging.basicConfig(level=max(lvl, logging.WARNING), stream=sys.stderr, format="%(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(max(lvl, logging.WARNING))
+
+
+def bind_request(request_id: str | None, **fields: Any) -> str:
+    """Start a request's log context: its id (a new one when the client sent none) and fields."""
+    rid = request_id or uuid.uuid4().hex
+    structlog.contextvars.clear_contextvars()
+    structlog.contextvars.bind_contextvars(request_id=rid, **fields)
+    return rid
+
+
+def current_request_id() -> str | None:
+    rid = structlog.contextvars.get_contextvars().get("request_id")
+    return rid if isinstance(rid, str) else None

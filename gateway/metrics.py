@@ -1,8 +1,20 @@
-"""Prometheus metrics. One registry per gateway so several can live in one process (tests)."""
+"""Prometheus metrics. One registry per gateway so several can live in one process (tests).
+
+Request-path figures are observed as they happen; node state (breaker, queue depths, KV pool)
+is read from the node pool at scrape time by ``NodeCollector``, and the index occupancy is
+refreshed by ``Metrics.refresh_index`` just before a scrape renders (the index may be remote).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from cachetier.index import IndexStats
 
 # 1 ms .. 60 s, roughly x2 steps with extra resolution where TTFT targets sit.
 LATENCY_BUCKETS = (
@@ -29,6 +41,78 @@ LATENCY_BUCKETS = (
     45.0,
     60.0,
 )
+
+
+BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
+
+
+@dataclass(slots=True)
+class HitCounts:
+    """Per-node prompt tokens routed, and how many were cached (reported by the node, predicted
+    by the index). The admin cache view reads these; Prometheus gets the same as counters."""
+
+    prompt: int = 0
+    cached: int = 0
+    predicted: int = 0
+    requests: int = 0
+
+    @property
+    def computed(self) -> int:
+        return self.prompt - self.cached
+
+    def ratio(self, part: int) -> float:
+        return part / self.prompt if self.prompt else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSample:
+    """One node's state at scrape time (from its last Stats and the gateway's own view)."""
+
+    node: str
+    role: str
+    breaker: str
+    routable: bool
+    draining: bool
+    queued_requests: int
+    queued_tokens: int
+    running_requests: int
+    capacity_blocks: int
+    used_blocks: int
+    pinned_blocks: int
+
+
+_NODE_GAUGES = (
+    ("breaker", "prefixgate_node_breaker_state", "Circuit breaker per node: 0 closed, 1 half-open, 2 open"),
+    ("routable", "prefixgate_node_routable", "1 while the node takes new work"),
+    ("draining", "prefixgate_node_draining", "1 while an operator drains the node"),
+    ("queued_requests", "prefixgate_node_queued_requests", "Requests queued on the node"),
+    ("queued_tokens", "prefixgate_node_queued_tokens", "Prefill tokens queued on the node"),
+    ("running_requests", "prefixgate_node_running_requests", "Requests running on the node"),
+    ("capacity_blocks", "prefixgate_node_kv_capacity_blocks", "KV pool size of the node in blocks"),
+    ("used_blocks", "prefixgate_node_kv_used_blocks", "KV blocks held by the node"),
+    ("pinned_blocks", "prefixgate_node_kv_pinned_blocks", "KV blocks pinned on the node"),
+)
+
+
+def _gauge_value(sample: NodeSample, key: str) -> float:
+    if key == "breaker":
+        return BREAKER_STATES.get(sample.breaker, 2)
+    return float(getattr(sample, key))
+
+
+class NodeCollector(Collector):
+    """Gauges per node read at scrape time, so nodes added or removed at runtime show at once."""
+
+    def __init__(self, source: Callable[[], Iterable[NodeSample]]) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        samples = list(self.source())
+        for key, name, doc in _NODE_GAUGES:
+            fam = GaugeMetricFamily(name, doc, labels=["node", "role"])
+            for sample in samples:
+                fam.add_metric([sample.node, sample.role], _gauge_value(sample, key))
+            yield fam
 
 
 class Metrics:
@@ -78,6 +162,12 @@ class Metrics:
             ["node"],
             registry=r,
         )
+        self.computed_tokens = Counter(
+            "prefixgate_computed_tokens",
+            "Prompt tokens the node computed (not served from KV cache)",
+            ["node"],
+            registry=r,
+        )
         self.hit_ratio = Gauge(
             "prefixgate_cache_hit_ratio",
             "Cached / prompt tokens since start (reported by nodes, or predicted)",
@@ -112,20 +202,56 @@ class Metrics:
         self.resyncs = Counter(
             "prefixgate_index_resyncs", "Node block sets resynchronised", ["reason"], registry=r
         )
-        self._prompt_total = 0
-        self._cached_total = 0
-        self._predicted_total = 0
+        self.warm = Counter(
+            "prefixgate_warm_requests",
+            "Prefill-as-a-service / pin operations per node and outcome",
+            ["node", "outcome"],
+            registry=r,
+        )
+        self.evicted_blocks = Counter(
+            "prefixgate_admin_evicted_blocks", "KV blocks evicted on operator request", ["node"], registry=r
+        )
+        self.index_blocks = Gauge(
+            "prefixgate_index_blocks", "Blocks the index records per node (at the last scrape)", ["node"],
+            registry=r,
+        )
+        self.index_total_blocks = Gauge(
+            "prefixgate_index_total_blocks", "Blocks the index records in all (at the last scrape)",
+            registry=r,
+        )
+        self.per_node: dict[str, HitCounts] = {}
+        self.totals = HitCounts()
+        self._index_nodes: set[str] = set()
+
+    def bind_nodes(self, source: Callable[[], Iterable[NodeSample]]) -> None:
+        """Export per-node gauges read from ``source`` at every scrape."""
+        self.registry.register(NodeCollector(source))
 
     def observe_hit(self, node: str, prompt: int, cached: int, predicted: int) -> None:
         self.prompt_tokens.labels(node).inc(prompt)
         self.cached_tokens.labels(node).inc(cached)
         self.predicted_cached_tokens.labels(node).inc(predicted)
-        self._prompt_total += prompt
-        self._cached_total += cached
-        self._predicted_total += predicted
-        if self._prompt_total:
-            self.hit_ratio.labels("reported").set(self._cached_total / self._prompt_total)
-            self.hit_ratio.labels("predicted").set(self._predicted_total / self._prompt_total)
+        self.computed_tokens.labels(node).inc(max(0, prompt - cached))
+        counts = self.per_node.setdefault(node, HitCounts())
+        for c in (counts, self.totals):
+            c.prompt += prompt
+            c.cached += cached
+            c.predicted += predicted
+            c.requests += 1
+        t = self.totals
+        if t.prompt:
+            self.hit_ratio.labels("reported").set(t.ratio(t.cached))
+            self.hit_ratio.labels("predicted").set(t.ratio(t.predicted))
+
+    def refresh_index(self, stats: IndexStats) -> None:
+        """Set the index occupancy gauges; nodes the index forgot disappear from the output."""
+        self.index_total_blocks.set(stats.total_blocks)
+        self.index_degraded.set(1 if stats.degraded else 0)
+        for node in self._index_nodes - set(stats.nodes):
+            self.index_blocks.remove(node)
+        for node, occ in stats.nodes.items():
+            self.index_blocks.labels(node).set(occ.blocks)
+        self._index_nodes = set(stats.nodes)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
