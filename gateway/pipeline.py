@@ -9,6 +9,7 @@ HTTP and gRPC front ends stream to the client.
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -377,6 +378,25 @@ class Pipeline:
         else:
             plan.monolithic = mono
         return plan
+
+    def preview(self, prep: Prepared, hits: dict[str, int]) -> Plan:
+        """The plan the next ``execute`` of this request would follow, changing nothing.
+
+        The policies run on copies (their tie-break turn moves only for real requests), and
+        when the request would not be split, ``monolithic`` is chosen the way ``execute``
+        chooses it. The admin explain endpoint and prefill-as-a-service use this.
+        """
+        policy, fallback = self.policy, self.fallback_policy
+        self.policy, self.fallback_policy = copy.deepcopy(policy), copy.deepcopy(fallback)
+        try:
+            plan = self.decide(prep, hits)
+            if plan.mode.mode != DISAGGREGATED:
+                candidates = self._monolithic_candidates(set())
+                if candidates:
+                    plan.monolithic = self._choose(candidates, self._route_input(prep, hits, transfer=False))
+            return plan
+        finally:
+            self.policy, self.fallback_policy = policy, fallback
 
     async def plan(self, prep: Prepared) -> Plan:
         return self.decide(prep, await self.lookup(prep))
