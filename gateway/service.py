@@ -13,8 +13,8 @@ from cachetier.tokenizer import load_tokenizer
 from gateway.config import Settings
 from gateway.documents import DocumentStore
 from gateway.events import EventSync
-from gateway.metrics import Metrics
-from gateway.nodes import NodePool
+from gateway.metrics import Metrics, NodeSample
+from gateway.nodes import Node, NodePool
 from gateway.pipeline import Pipeline
 
 log = structlog.get_logger("prefixgate.gateway")
@@ -43,6 +43,7 @@ class GatewayService:
             settings, self.pool, self.index, self.tokenizer, self.metrics, self.documents
         )
         self.events = EventSync(self.pool, self.index, self.metrics)
+        self.metrics.bind_nodes(self.node_samples)
         self.draining = False
         self._started = False
 
@@ -68,6 +69,50 @@ class GatewayService:
             monolithic=len(s.monolithic),
             index=self.index.backend,
         )
+
+    def node_samples(self) -> list[NodeSample]:
+        """Every node's state for the scrape-time gauges (no I/O)."""
+        out: list[NodeSample] = []
+        for n in list(self.pool.nodes.values()):
+            st = n.stats
+            out.append(
+                NodeSample(
+                    node=n.id,
+                    role=n.role,
+                    breaker=n.breaker.state,
+                    routable=n.routable,
+                    draining=n.draining,
+                    queued_requests=st.queued_requests if st else 0,
+                    queued_tokens=st.queued_tokens if st else 0,
+                    running_requests=st.running_requests if st else 0,
+                    capacity_blocks=st.capacity_blocks if st else 0,
+                    used_blocks=st.used_blocks if st else 0,
+                    pinned_blocks=st.pinned_blocks if st else 0,
+                )
+            )
+        return out
+
+    async def add_node(self, role: str, address: str) -> Node:
+        """Register a node at runtime: poll its stats and follow its KV events.
+
+        Raises ValueError for an unknown role or an address already registered.
+        """
+        node = self.pool.add(role, address)
+        self.events.watch(node)
+        await self.pool.refresh(node, timeout=2.0)
+        log.info("node_added", node=node.id, role=role, address=address, reachable=node.reachable)
+        return node
+
+    async def remove_node(self, node: Node) -> int:
+        """Forget a node: stop its watchers, close its channel (in-flight calls on it end) and
+        drop its blocks from the index. Returns how many blocks the index forgot."""
+        self.events.unwatch(node)
+        await self.pool.remove(node.address)
+        self.events.last_seq.pop(node.address, None)
+        self.events.instance.pop(node.address, None)
+        forgotten = await self.index.clear_node(node.id)
+        log.info("node_removed", node=node.id, role=node.role, address=node.address, index_blocks=forgotten)
+        return forgotten
 
     async def stop(self) -> None:
         await self.pipeline.close()
