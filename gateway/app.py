@@ -56,10 +56,11 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def tenant_of(svc: GatewayService, request: Request, user: str) -> str:
+def authenticate(svc: GatewayService, request: Request) -> str | None:
+    """The caller's tenant when API keys are configured (401 otherwise); None without keys."""
     keys = svc.settings.api_key_map()
     if not keys:
-        return user
+        return None
     auth = request.headers.get("authorization", "")
     scheme, _, token = auth.partition(" ")
     if scheme.lower() != "bearer" or not token:
@@ -68,6 +69,12 @@ def tenant_of(svc: GatewayService, request: Request, user: str) -> str:
     if tenant is None:
         raise APIError(401, "incorrect API key provided", code="invalid_api_key")
     return tenant
+
+
+def tenant_of(svc: GatewayService, request: Request, user: str) -> str:
+    """The key's tenant, or the ``user`` field when no keys are configured."""
+    tenant = authenticate(svc, request)
+    return user if tenant is None else tenant
 
 
 def request_id_of(request: Request) -> str | None:
@@ -120,6 +127,7 @@ async def completions(request: Request, kind: str) -> Response:
     s = svc.settings
     if svc.draining:
         raise APIError(503, "the gateway is shutting down", code="shutting_down", retry_after=1)
+    key_tenant = authenticate(svc, request)
     body = parse_json(await read_body(request, s.max_body_bytes))
     parsed = parse_request(
         body,
@@ -129,7 +137,7 @@ async def completions(request: Request, kind: str) -> Response:
         max_tokens_limit=s.max_tokens_limit,
         max_documents=s.max_documents,
     )
-    tenant = tenant_of(svc, request, parsed.user)
+    tenant = parsed.user if key_tenant is None else key_tenant
     prep = svc.pipeline.prepare(parsed, tenant, request_id_of(request))
     if svc.pipeline.inflight >= s.max_inflight:
         svc.metrics.requests.labels("none", "rejected").inc()
@@ -256,6 +264,7 @@ async def text_completions(request: Request) -> Response:
 
 async def list_models(request: Request) -> Response:
     svc = _svc(request)
+    authenticate(svc, request)
     data = [{"id": m, "object": "model", "created": 0, "owned_by": "prefixgate"} for m in sorted(svc.models)]
     return ORJSONResponse({"object": "list", "data": data})
 
@@ -292,6 +301,7 @@ async def metrics(request: Request) -> Response:
 
 async def documents_create(request: Request) -> Response:
     svc = _svc(request)
+    authenticate(svc, request)
     body = parse_json(await read_body(request, svc.settings.max_body_bytes))
     text, doc_id = body.get("text"), body.get("id")
     if not isinstance(text, str) or not text:

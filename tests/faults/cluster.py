@@ -31,8 +31,21 @@ class NodeProc:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        self.proc = spawn(["node", "--role", self.role, "--host", "127.0.0.1", "--port", str(self.port),
-                           "--node-id", self.node_id, "--ready-line", *self.args])
+        self.proc = spawn(
+            [
+                "node",
+                "--role",
+                self.role,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--node-id",
+                self.node_id,
+                "--ready-line",
+                *self.args,
+            ]
+        )
         self.proc.wait_for('"node_ready"', timeout=30)
 
     def kill(self) -> None:
@@ -156,9 +169,13 @@ async def one(http: httpx.AsyncClient, body: dict[str, Any], stream: bool) -> Ou
     try:
         if not stream:
             r = await http.post("/v1/chat/completions", json=body)
-            out = Outcome(r.status_code, r.headers.get("x-prefixgate-route", ""),
-                          r.headers.get("x-prefixgate-prefill-node", ""),
-                          r.headers.get("x-prefixgate-decode-node", ""), retry_after=r.headers.get("retry-after"))
+            out = Outcome(
+                r.status_code,
+                r.headers.get("x-prefixgate-route", ""),
+                r.headers.get("x-prefixgate-prefill-node", ""),
+                r.headers.get("x-prefixgate-decode-node", ""),
+                retry_after=r.headers.get("retry-after"),
+            )
             data = r.json()
             if r.status_code == 200:
                 out.text = data["choices"][0]["message"]["content"]
@@ -168,9 +185,13 @@ async def one(http: httpx.AsyncClient, body: dict[str, Any], stream: bool) -> Ou
                 out.error = data["error"]["message"]
             return out
         async with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
-            out = Outcome(r.status_code, r.headers.get("x-prefixgate-route", ""),
-                          r.headers.get("x-prefixgate-prefill-node", ""),
-                          r.headers.get("x-prefixgate-decode-node", ""), retry_after=r.headers.get("retry-after"))
+            out = Outcome(
+                r.status_code,
+                r.headers.get("x-prefixgate-route", ""),
+                r.headers.get("x-prefixgate-prefill-node", ""),
+                r.headers.get("x-prefixgate-decode-node", ""),
+                retry_after=r.headers.get("retry-after"),
+            )
             if r.status_code != 200:
                 out.error = (await r.aread()).decode()[:300]
                 return out
@@ -226,11 +247,15 @@ def env_flag(name: str) -> bool:
 def start_redis(port: int) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
         ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        if subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True).stdout.strip() == b"PONG":
+        if (
+            subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True).stdout.strip()
+            == b"PONG"
+        ):
             return proc
         time.sleep(0.05)
     proc.kill()

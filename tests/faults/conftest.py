@@ -14,7 +14,10 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         return
     tr = terminalreporter
     tr.section("prefixgate fault drills")
-    head = f"{'scenario':<44}{'sent':>6}{'ok':>6}{'retried':>9}{'fallback':>9}{'failed':>8}{'429':>6}{'stream err':>11}"
+    head = (
+        f"{'scenario':<44}{'sent':>6}{'ok':>6}{'retried':>9}{'fallback':>9}{'failed':>8}{'429':>6}"
+        f"{'stream err':>11}"
+    )
     tr.write_line(head)
     for t in REPORT:
         tr.write_line(

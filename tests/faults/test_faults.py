@@ -24,11 +24,18 @@ def prompt(i: int, tokens: int = 3000) -> str:
 
 
 def body(i: int, tokens: int = 3000, max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
-    return {"model": MODEL, "max_tokens": max_tokens, "seed": i,
-            "messages": [{"role": "user", "content": f"request {i}: " + prompt(i, tokens)}], **extra}
+    return {
+        "model": MODEL,
+        "max_tokens": max_tokens,
+        "seed": i,
+        "messages": [{"role": "user", "content": f"request {i}: " + prompt(i, tokens)}],
+        **extra,
+    }
 
 
-def tally(name: str, results: list[Outcome], cluster: Cluster, retries_before: float, note: str = "") -> Tally:
+def tally(
+    name: str, results: list[Outcome], cluster: Cluster, retries_before: float, note: str = ""
+) -> Tally:
     t = Tally(name, sent=len(results))
     t.succeeded = sum(1 for r in results if r.status == 200 and not r.error and r.finish)
     t.fell_back = sum(1 for r in results if r.route == "fallback")
@@ -100,12 +107,19 @@ def test_decode_node_killed_mid_stream(cluster: Cluster) -> None:
 
     bodies = [body(3000 + i, tokens=1500, max_tokens=120) for i in range(90)]
     results = asyncio.run(drive(cluster.url, bodies, 12, stream=True, during=during))
-    t = tally("decode node SIGKILL mid-run (streaming)", results, cluster, before,
-              note="streams cut by the kill end with an explicit error event")
+    t = tally(
+        "decode node SIGKILL mid-run (streaming)",
+        results,
+        cluster,
+        before,
+        note="streams cut by the kill end with an explicit error event",
+    )
     assert t.failed == 0
     assert t.silent_truncations == 0
     assert all(r.done_marker for r in results if r.status == 200 and not r.error)
-    assert all(r.decode_node == victim.node_id for r in results if r.error), "only streams on the dead node break"
+    assert all(r.decode_node == victim.node_id for r in results if r.error), (
+        "only streams on the dead node break"
+    )
     assert t.succeeded + t.stream_errors == 90
     victim.start()
     cluster.wait_routable("decode", 3)
@@ -122,8 +136,9 @@ def test_slow_prefill_node_loses_traffic(cluster: Cluster) -> None:
         async def trickle() -> list[Outcome]:
             out: list[Outcome] = []
             for k in range(12):
-                batch = await drive(cluster.url, [body(4000 + k * 8 + j, tokens=6000, max_tokens=2)
-                                                  for j in range(8)], 8)
+                batch = await drive(
+                    cluster.url, [body(4000 + k * 8 + j, tokens=6000, max_tokens=2) for j in range(8)], 8
+                )
                 out.extend(batch)
                 windows.extend((time.monotonic() - started, r.prefill_node) for r in batch)
             return out
@@ -131,30 +146,47 @@ def test_slow_prefill_node_loses_traffic(cluster: Cluster) -> None:
         results = asyncio.run(trickle())
     finally:
         slow.signal(signal.SIGUSR2)
-    late = [n for ts, n in windows[len(windows) // 2:]]
+    late = [n for ts, n in windows[len(windows) // 2 :]]
     share = late.count(slow.node_id) / len(late)
     early = [n for ts, n in windows[:16]]
-    t = tally("prefill node slowed 10x", results, cluster, before,
-              note=f"slow node's share: first 16 req {early.count(slow.node_id)}/16, "
-                   f"second half {share:.0%} (after {windows[len(windows) // 2][0]:.1f}s)")
+    t = tally(
+        "prefill node slowed 10x",
+        results,
+        cluster,
+        before,
+        note=f"slow node's share: first 16 req {early.count(slow.node_id)}/16, "
+        f"second half {share:.0%} (after {windows[len(windows) // 2][0]:.1f}s)",
+    )
     assert t.failed == 0
     assert share < 0.3, t.note
 
 
 def test_flood_beyond_capacity_gets_429_with_retry_after() -> None:
-    c = Cluster.create(1, 1, ["--time-scale", "1.0", "--max-queue", "4", "--max-decode-streams", "8"],
-                       gateway_env={"PREFIXGATE_MAX_INFLIGHT": "24"})
+    c = Cluster.create(
+        1,
+        1,
+        ["--time-scale", "1.0", "--max-queue", "4", "--max-decode-streams", "8"],
+        gateway_env={"PREFIXGATE_MAX_INFLIGHT": "24"},
+    )
     c.start()
     try:
         rss0 = c.gateway_rss_kb()
         before = c.metric("prefixgate_retries_total")
         results: list[Outcome] = []
         for wave in range(3):
-            results += asyncio.run(drive(c.url, [body(5000 + wave * 1000 + i, tokens=2000, max_tokens=16)
-                                                 for i in range(200)], 200))
+            results += asyncio.run(
+                drive(
+                    c.url, [body(5000 + wave * 1000 + i, tokens=2000, max_tokens=16) for i in range(200)], 200
+                )
+            )
         rss1 = c.gateway_rss_kb()
-        t = tally("flood: 600 requests at 200 concurrent", results, c, before,
-                  note=f"gateway RSS {rss0 // 1024} -> {rss1 // 1024} MiB")
+        t = tally(
+            "flood: 600 requests at 200 concurrent",
+            results,
+            c,
+            before,
+            note=f"gateway RSS {rss0 // 1024} -> {rss1 // 1024} MiB",
+        )
         statuses = {r.status for r in results}
         assert statuses <= {200, 429}, statuses
         assert t.rejected_429 > 0 and t.succeeded > 0
