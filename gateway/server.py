@@ -7,6 +7,7 @@ import contextlib
 import signal
 import socket
 from collections.abc import Generator
+from types import FrameType
 
 import uvicorn
 
@@ -19,9 +20,17 @@ class GatewayServer(uvicorn.Server):
     """uvicorn without its own signal capture: the caller decides how a signal stops it, so a
     clean SIGTERM exits 0 instead of being re-raised at the end."""
 
+    service: GatewayService | None = None
+
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """Stop accepting; in-flight requests and streams get ``timeout_graceful_shutdown``."""
+        if self.service is not None:
+            self.service.draining = True  # /readyz turns 503 at once
+        super().handle_exit(sig, frame)
 
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
@@ -46,7 +55,9 @@ def make_server(
         limit_concurrency=None,
         backlog=2048,
     )
-    return GatewayServer(config), svc
+    server = GatewayServer(config)
+    server.service = svc
+    return server, svc
 
 
 async def serve(settings: Settings) -> None:
