@@ -219,10 +219,10 @@ def _longdoc(rng: random.Random, n: int, rate: float) -> list[_Draft]:
 
 # name -> (generator, default requests, default arrivals per second at time scale 1)
 GENERATORS: dict[str, tuple[Callable[[random.Random, int, float], list[_Draft]], int, float]] = {
-    "rag": (_rag, 3000, 40.0),
-    "chat": (_chat, 3000, 3.0),
-    "agent": (_agent, 1500, 1.5),
-    "longdoc": (_longdoc, 600, 6.0),
+    "rag": (_rag, 12_000, 300.0),
+    "chat": (_chat, 12_000, 30.0),
+    "agent": (_agent, 4_000, 20.0),
+    "longdoc": (_longdoc, 1_500, 3.0),
 }
 
 

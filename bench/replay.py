@@ -30,7 +30,7 @@ from bench.workloads import FORMATS, GENERATED_FORMATS, Workload, WorkloadOption
 DEFAULT_POLICIES = ("round_robin", "least_loaded", "consistent_hash", "longest_prefix", "prefixgate")
 DEFAULT_CAPACITY_TOKENS = 20_000 * 512  # the trace README's middle row: 20,000 blocks of 512 tokens
 # Arrivals / X so that 4 s5000 prefill nodes are ~65-80 % busy (see bench/README.md).
-DEFAULT_TIME_SCALE = {"mooncake": 10.0, "azure": 40.0}
+DEFAULT_TIME_SCALE = {"mooncake": 10.0, "azure": 60.0}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--time-scale",
         type=float,
         default=None,
-        help="divide arrival times by X (X > 1 compresses; default 10 for mooncake, 40 for azure, else 1)",
+        help="divide arrival times by X (X > 1 compresses; default 10 for mooncake, 60 for azure, else 1)",
     )
     p.add_argument("--limit", type=int, default=None, help="keep only the first N requests")
     p.add_argument("--fraction", type=float, default=None, help="keep each request with this probability")

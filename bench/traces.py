@@ -44,8 +44,11 @@ def load_mooncake(path: Path, opts: WorkloadOptions) -> Workload:
     memo: dict[tuple[int, int, int], tuple[int, ...]] = {}
     scale = opts.time_scale or 1.0
     rows: list[Request] = []
+    early_stop = opts.limit if opts.fraction is None else None
     with path.open("rb") as f:
         for line in f:
+            if early_stop is not None and len(rows) >= early_stop:
+                break
             if not line.strip():
                 continue
             rec = orjson.loads(line)
@@ -82,14 +85,16 @@ class AzureSessions:
 
     Each request, with probability ``p_follow``, is the next turn of an open session picked
     uniformly among those whose context (last prompt + its output) is shorter than this
-    request's prompt; its prompt is then that context followed by ``prompt - context`` new
-    tokens. Otherwise (or when no session fits) it opens a new session whose prompt is
+    request's prompt and whose last turn is at least ``min_gap_s`` old (the reply has to be
+    generated and read first); its prompt is then that context followed by ``prompt - context``
+    new tokens. Otherwise (or when no session fits) it opens a new session whose prompt is
     ``system_tokens`` of a shared system prompt (one of ``system_prompts``) and new tokens.
     A session closes after ``idle_s`` without a turn; at most ``max_open`` stay open (oldest
     dropped). Prompt lengths and arrivals are exactly the trace's.
     """
 
     p_follow: float = 0.5
+    min_gap_s: float = 10.0
     idle_s: float = 600.0
     max_open: int = 512
     system_tokens: int = 0
@@ -138,7 +143,7 @@ def load_azure(path: Path, opts: WorkloadOptions, model: AzureSessions | None = 
             del open_[oldest.sid]
         session: _Session | None = None
         if open_ and rng.random() < model.p_follow:
-            fits = [s for s in open_.values() if s.context < prompt]
+            fits = [s for s in open_.values() if s.context < prompt and t - s.last_s >= model.min_gap_s]
             if fits:
                 session = rng.choice(fits)
         if session is not None:
