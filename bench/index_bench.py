@@ -134,19 +134,54 @@ async def measure_lookups(
             times.append((time.perf_counter_ns() - t0) / 1e6)
             if time.monotonic() > deadline:
                 break
-        times.sort()
-        rows.append(
-            LookupRow(
-                backend,
-                size,
-                len(times),
-                percentile(times, 50),
-                percentile(times, 99),
-                sum(times) / len(times),
-                times[-1],
-            )
-        )
+        rows.append(lookup_row(backend, size, times))
     return rows
+
+
+def lookup_row(backend: str, size: int, times: list[float]) -> LookupRow:
+    times = sorted(times)
+    p50, p99 = percentile(times, 50), percentile(times, 99)
+    return LookupRow(backend, size, len(times), p50, p99, sum(times) / len(times), times[-1])
+
+
+async def lookups_under_writes(
+    index: BlockIndex, backend: str, work: Workload, samples: int, rng: random.Random, rate: int
+) -> LookupRow:
+    """Lookups of the longest prompts while an IndexWriter re-stores chains at ``rate`` blocks/s."""
+    size = max(work.prompts)
+    stop = asyncio.Event()
+    writer = IndexWriter(index)
+    chains = [op for op in work.ops if len(op.hashes) <= 2048]  # request-sized chains
+
+    async def write_load() -> None:
+        wrng = random.Random(rng.random())
+        t0 = time.monotonic()
+        sent = 0
+        while not stop.is_set():
+            while sent < rate * (time.monotonic() - t0):
+                op = wrng.choice(chains)
+                writer.submit(op)
+                sent += len(op.hashes)
+            await asyncio.sleep(0.002)
+
+    load = asyncio.create_task(write_load())
+    await asyncio.sleep(0.05)
+    times: list[float] = []
+    deadline = time.monotonic() + 10.0
+    try:
+        for _ in range(samples):
+            p = rng.choice(work.prompts[size])
+            t0 = time.perf_counter_ns()
+            await index.lookup(p, work.nodes)
+            times.append((time.perf_counter_ns() - t0) / 1e6)
+            await asyncio.sleep(0.001)
+            if time.monotonic() > deadline:
+                break
+    finally:
+        stop.set()
+        await load
+        await writer.close()
+    return lookup_row(f"{backend} + {rate // 1000}k blk/s writes", size, times)
 
 
 async def check_answers(index: BlockIndex, reference: MemoryIndex, work: Workload) -> None:
@@ -179,13 +214,17 @@ async def run(args: argparse.Namespace) -> Results:
             res.lookups += await measure_lookups(rindex, "redis", work, args.samples, rng)
             resilient = ResilientIndex(rindex, mirror=False, lookup_timeout=0.05)
             res.lookups += await measure_lookups(resilient, "redis+resilient", work, args.samples, rng)
+            if args.write_rate > 0:
+                row = await lookups_under_writes(rindex, "redis", work, args.samples, rng, args.write_rate)
+                res.lookups.append(row)
             usage = 0
             held = 0
             for name in work.nodes:
                 key = rindex.keys.blocks(name)
                 usage += int(await client.memory_usage(key, samples=0) or 0)
                 held += int(await client.zcard(key))
-                res.redis_encoding = str(await client.object("encoding", key))
+                enc = await client.object("encoding", key)
+                res.redis_encoding = enc.decode() if isinstance(enc, bytes) else str(enc)
             res.redis_blocks_held = held
             res.redis_bytes_per_block = usage / held if held else None
             res.redis_bytes_per_block_info = (after - before) / held if held else None
@@ -257,6 +296,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--blocks-per-node", type=int, default=50_000)
     ap.add_argument("--sizes", default="64,1024,8192", help="prompt lengths in blocks")
     ap.add_argument("--samples", type=int, default=500, help="lookups per prompt length (10 s cap each)")
+    ap.add_argument(
+        "--write-rate", type=int, default=50_000, help="blocks/s written during the last lookup run (0: skip)"
+    )
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     return ap.parse_args(argv)
@@ -265,7 +307,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     res = asyncio.run(run(args))
-    render(res, Console())
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=120)
+    render(res, console)
     if args.json:
         payload: dict[str, Any] = asdict(res)
         with open(args.json, "w", encoding="utf-8") as f:

@@ -22,7 +22,7 @@ def open_index(
     lookup_timeout: float = 0.005,
     call_timeout: float = 1.0,
     probe_interval: float = 0.5,
-    failures_to_degrade: int = 3,
+    failures_to_degrade: int = 5,
     mirror: bool = True,
     max_connections: int = 64,
     on_recovered: Callable[[], Awaitable[None] | None] | None = None,

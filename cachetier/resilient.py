@@ -63,7 +63,7 @@ class ResilientIndex:
         lookup_timeout: float = 0.005,
         call_timeout: float = 1.0,
         probe_interval: float = 0.5,
-        failures_to_degrade: int = 3,
+        failures_to_degrade: int = 5,
         on_recovered: Callable[[], Awaitable[None] | None] | None = None,
     ) -> None:
         self.primary = primary

@@ -44,7 +44,7 @@ class IndexWriter:
         max_pending_ops: int = 10_000,
         max_pending_blocks: int = 4_000_000,
         batch_ops: int = 256,
-        batch_blocks: int = 8192,
+        batch_blocks: int = 2048,
         interval: float = 0.005,
     ) -> None:
         self.index = index

@@ -15,7 +15,7 @@ from cachetier.index import StoreOp
 from cachetier.memory import MemoryIndex
 from cachetier.redis_index import RedisIndex
 from cachetier.resilient import ResilientIndex
-from tests.cachetier.support import TcpProxy, test_prefix
+from tests.cachetier.support import TcpProxy, redis_url, test_prefix
 
 
 @pytest.fixture
@@ -29,6 +29,7 @@ async def proxy(url: str) -> AsyncIterator[TcpProxy]:
 
 
 def resilient(url: str, **kw: Any) -> ResilientIndex:
+    kw.setdefault("failures_to_degrade", 3)
     index = open_index(url, prefix=test_prefix(), lookup_timeout=0.05, probe_interval=0.05, **kw)
     assert isinstance(index, ResilientIndex)
     return index
@@ -39,6 +40,15 @@ async def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.02)
+
+
+async def purge_directly(primary: RedisIndex) -> None:
+    """Delete the test's keys through a direct connection (the proxy may be down)."""
+    direct = RedisIndex.from_url(redis_url(), prefix=primary.keys.prefix)
+    try:
+        await direct.purge()
+    finally:
+        await direct.close()
 
 
 def test_factory_picks_the_implementation() -> None:
@@ -108,7 +118,7 @@ async def test_silent_redis_times_out_then_recovers(proxy: TcpProxy) -> None:
         events = [e["event"] for e in logs]
         assert events.count("index.degraded") == 1 and events.count("index.recovered") == 1
     finally:
-        await primary.purge()
+        await purge_directly(primary)
         await index.close()
 
 
@@ -127,5 +137,5 @@ async def test_redis_going_away_and_coming_back(proxy: TcpProxy) -> None:
         assert await index.store([StoreOp("a", (3,), parent=2)]) == [True]
         assert await primary.lookup([1, 2, 3], ["a"]) == {"a": 3}
     finally:
-        await primary.purge()
+        await purge_directly(primary)
         await index.close()
