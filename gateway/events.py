@@ -58,7 +58,7 @@ class EventSync:
         if task is not None:
             task.cancel()
 
-    async def resync(self, node: Node) -> None:
+    def resync(self, node: Node) -> None:
         """Force a fresh snapshot on the next (re)connection."""
         self.last_seq.pop(node.address, None)
         self.unwatch(node)

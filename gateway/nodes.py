@@ -50,6 +50,7 @@ class Node:
     local_tokens: int = 0
     active_streams: int = 0
     consecutive_failures: int = 0
+    mispredictions: int = 0
     last_error: str = ""
     serving: bool = True
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)

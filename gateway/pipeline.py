@@ -12,7 +12,7 @@ import asyncio
 import copy
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -29,6 +29,7 @@ from tenacity.stop import stop_base
 from cachetier.hashing import Namespace, block_hashes
 from cachetier.index import BlockIndex, StoreOp
 from cachetier.tokenizer import Tokenizer, pack_ids
+from cachetier.writer import IndexWriter
 from gateway.config import Settings
 from gateway.documents import DocumentStore
 from gateway.errors import APIError, invalid
@@ -44,6 +45,7 @@ from prefixgate.v1 import node_pb2
 log = structlog.get_logger("prefixgate.pipeline")
 
 MAX_ATTEMPTS = 3
+MISPREDICTIONS_BEFORE_RESYNC = 3
 REQUEST_ID_KEY = "x-prefixgate-request-id"
 _RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
@@ -256,7 +258,8 @@ class Pipeline:
         if hasattr(self.policy, "load_factor"):
             self.policy.load_factor = settings.load_factor
         self.fallback_policy = LeastLoadedPolicy()
-        self._background: set[asyncio.Task[None]] = set()
+        self.writer = IndexWriter(index)
+        self.on_mispredict: Callable[[Node], None] | None = None
         self.inflight = 0
 
     # -- prepare ---------------------------------------------------------------------------
@@ -649,19 +652,23 @@ class Pipeline:
     # -- bookkeeping ---------------------------------------------------------------------------
 
     def _record(self, prep: Prepared, *nodes: str) -> None:
-        """Record the blocks now on these nodes, off the request path."""
-        if not prep.hashes:
-            return
-        ops = [StoreOp(n, tuple(prep.hashes)) for n in nodes]
-        task = asyncio.create_task(self._store(ops))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        """Record the blocks now on these nodes: queued for the batching writer, off the hot path."""
+        if prep.hashes:
+            chain = tuple(prep.hashes)
+            self.writer.submit_many(StoreOp(n, chain) for n in nodes)
 
-    async def _store(self, ops: list[StoreOp]) -> None:
-        try:
-            await self.index.store(ops)
-        except Exception as e:
-            log.warning("index_store_failed", error=repr(e)[:200])
+    def _check_prediction(self, node: Node, predicted: int, reported: int) -> None:
+        """A node whose reported hits keep falling short of the index's prediction gets resynced:
+        this is how a silently emptied cache (a node restart the events missed) is caught."""
+        if predicted >= 2 * self.settings.block_size and reported < predicted // 2:
+            node.mispredictions += 1
+            if node.mispredictions >= MISPREDICTIONS_BEFORE_RESYNC and self.on_mispredict is not None:
+                node.mispredictions = 0
+                self.metrics.resyncs.labels("mispredicted").inc()
+                log.warning("index_mispredicts_node", node=node.id, predicted=predicted, reported=reported)
+                self.on_mispredict(node)
+        else:
+            node.mispredictions = 0
 
     def finished(self, ex: Execution) -> None:
         t = ex.timings
@@ -678,6 +685,7 @@ class Pipeline:
         if ex.prefill_node is not None:
             m.transfer.labels(ex.prefill_node.id).observe(t.transfer_s)
         m.observe_hit(node, ex.prompt_tokens, ex.cached_tokens, ex.predicted_tokens)
+        self._check_prediction(ex.prefill_node or ex.decode_node, ex.predicted_tokens, ex.cached_tokens)
         log.info(
             "request",
             request_id=ex.request_id,
@@ -699,8 +707,4 @@ class Pipeline:
         )
 
     async def close(self) -> None:
-        for task in list(self._background):
-            try:
-                await asyncio.wait_for(task, 2.0)
-            except (TimeoutError, asyncio.CancelledError):
-                task.cancel()
+        await self.writer.close(timeout=2.0)

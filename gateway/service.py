@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 
 import structlog
 
+import cachetier
 from cachetier.index import BlockIndex
 from cachetier.memory import MemoryIndex
 from cachetier.tokenizer import load_tokenizer
@@ -20,22 +22,20 @@ from gateway.pipeline import Pipeline
 log = structlog.get_logger("prefixgate.gateway")
 
 
-def open_index(settings: Settings) -> BlockIndex:
+def open_index(
+    settings: Settings, on_recovered: Callable[[], Awaitable[None] | None] | None = None
+) -> BlockIndex:
+    """Embedded index, or the shared Redis one behind its degraded-mode wrapper."""
     if not settings.redis:
         return MemoryIndex()
-    try:
-        from cachetier import open_index as _open  # type: ignore[attr-defined]
-    except ImportError as e:  # pragma: no cover - until the Redis index lands
-        raise RuntimeError("the Redis index is not available in this build") from e
-    index: BlockIndex = _open(settings.redis, prefix=settings.redis_prefix)
-    return index
+    return cachetier.open_index(settings.redis, prefix=settings.redis_prefix, on_recovered=on_recovered)
 
 
 class GatewayService:
     def __init__(self, settings: Settings, index: BlockIndex | None = None) -> None:
         self.settings = settings
         self.metrics = Metrics()
-        self.index = index if index is not None else open_index(settings)
+        self.index = index if index is not None else open_index(settings, self._index_recovered)
         self.tokenizer = load_tokenizer(settings.tokenizer)
         self.pool = NodePool(settings.stats_interval_s)
         self.documents = DocumentStore()
@@ -43,9 +43,20 @@ class GatewayService:
             settings, self.pool, self.index, self.tokenizer, self.metrics, self.documents
         )
         self.events = EventSync(self.pool, self.index, self.metrics)
+        self.pipeline.on_mispredict = self._resync_node
         self.metrics.bind_nodes(self.node_samples)
         self.draining = False
         self._started = False
+
+    def _resync_node(self, node: Node) -> None:
+        self.events.resync(node)
+
+    async def _index_recovered(self) -> None:
+        """Redis answers again: what it missed while degraded comes back from fresh snapshots."""
+        log.info("index_recovered_resyncing_nodes", nodes=len(self.pool.nodes))
+        self.metrics.resyncs.labels("index_recovered").inc()
+        for node in list(self.pool.nodes.values()):
+            self.events.resync(node)
 
     @property
     def models(self) -> set[str]:
