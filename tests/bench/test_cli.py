@@ -48,3 +48,11 @@ def test_hotpath_writes_json(tmp_path: Path) -> None:
     res = orjson.loads(out.read_bytes())["results"]
     assert [r["target_tokens"] for r in res] == [1024, 8192]
     assert all(r["total_p50_ms"] > 0 and r["blocks"] == r["prompt_tokens"] // 64 for r in res)
+
+
+def test_mounted_under_the_prefixgate_command() -> None:
+    from gateway.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "replay", "--format", "rag", "--requests", "5"])
+    assert args.func is replay.run and args.requests == 5
+    assert build_parser().parse_args(["bench", "hotpath", "--sizes", "1024"]).func is hotpath.run

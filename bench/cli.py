@@ -1,0 +1,32 @@
+"""``prefixgate bench ...``: mounts the benchmarks under the main command (``gateway/cli.py``)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def _index(args: argparse.Namespace) -> int:
+    from bench import index_bench
+
+    return int(index_bench.main(list(args.rest)) or 0)
+
+
+def add_bench_parser(sub: Any) -> None:
+    """Add ``bench replay``, ``bench hotpath`` and ``bench index`` to a subparsers object."""
+    from bench import hotpath, replay
+
+    bench = sub.add_parser("bench", help="run a benchmark (prints a table; --json FILE writes the figures)")
+    inner = bench.add_subparsers(dest="bench", required=True)
+
+    rp = inner.add_parser("replay", help="replay a trace or generated workload through the routing policies")
+    replay.add_arguments(rp)
+    rp.set_defaults(func=replay.run)
+
+    hp = inner.add_parser("hotpath", help="normalize + tokenize + hash time for 1K/32K/128K-token prompts")
+    hotpath.add_arguments(hp)
+    hp.set_defaults(func=hotpath.run)
+
+    ix = inner.add_parser("index", help="index lookup latency, write throughput, Redis memory per block")
+    ix.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of python -m bench.index_bench")
+    ix.set_defaults(func=_index)
