@@ -21,8 +21,13 @@ def test_sigterm_finishes_inflight_streams_and_refuses_new_work() -> None:
         first_chunk = threading.Event()
 
         def stream() -> None:
-            body = {"model": MODEL, "max_tokens": 150, "stream": True, "seed": 3,
-                    "messages": [{"role": "user", "content": "tell a long story " * 50}]}
+            body = {
+                "model": MODEL,
+                "max_tokens": 150,
+                "stream": True,
+                "seed": 3,
+                "messages": [{"role": "user", "content": "tell a long story " * 50}],
+            }
             with httpx.stream("POST", c.url + "/v1/chat/completions", json=body, timeout=30) as r:
                 for line in r.iter_lines():
                     if line:

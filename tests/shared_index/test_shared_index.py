@@ -1,0 +1,189 @@
+"""The Redis index shared by gateway replicas, fed by node events, surviving Redis outages."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from cachetier.hashing import Namespace, block_hashes
+from cachetier.redis_index import RedisIndex, connect
+from cachetier.tokenizer import Bytes4Tokenizer
+from gateway.normalize import Document, render_chat
+from tests.faults.cluster import Cluster, Tally, drive, start_redis
+from tests.faults.conftest import REPORT
+from tests.helpers import Proc, free_port, spawn
+
+MODEL = "prefixgate-sim"
+
+
+def doc_body(seed: int, tokens: int = 3000, question: str = "Summarize.") -> dict[str, Any]:
+    words = "kappa lambda sigma omega theta zeta".split()
+    text = " ".join(words[(seed * 7 + i * 3) % len(words)] + str(i % 97) for i in range(tokens * 4 // 9))
+    return {
+        "model": MODEL,
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": question}],
+        "documents": [{"id": f"doc-{seed}", "text": text}],
+    }
+
+
+@pytest.fixture
+def redis_server() -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
+    port = free_port()
+    proc = start_redis(port)
+    try:
+        yield port, proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def redis_cluster(port: int, prefix: str, node_args: list[str] | None = None) -> Cluster:
+    return Cluster.create(
+        2,
+        2,
+        node_args or ["--time-scale", "0.05"],
+        gateway_args=["--redis", f"redis://127.0.0.1:{port}/0"],
+        gateway_env={"PREFIXGATE_REDIS_PREFIX": prefix},
+    )
+
+
+def post(url: str, body: dict[str, Any]) -> httpx.Response:
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_two_gateways_route_as_one(redis_server: tuple[int, subprocess.Popen[bytes]]) -> None:
+    port, _ = redis_server
+    prefix = f"prefixgate-test-{uuid.uuid4().hex[:8]}:"
+    c = redis_cluster(port, prefix)
+    c.start()
+    second: Proc | None = None
+    try:
+        b_port = free_port()
+        args = ["gateway", "--port", str(b_port), "--redis", f"redis://127.0.0.1:{port}/0"]
+        for n in c.prefill:
+            args += ["--prefill", n.address]
+        for n in c.decode:
+            args += ["--decode", n.address]
+        second = spawn(args, env={"PREFIXGATE_REDIS_PREFIX": prefix})
+        b_url = f"http://127.0.0.1:{b_port}"
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(b_url + "/readyz", timeout=1).json().get("prefill") == 2:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        for seed in range(4):  # several prefixes, so "same node" is not luck
+            first = post(c.url, doc_body(seed, question="first question"))
+            time.sleep(0.3)  # the writer batches off the hot path
+            again = post(b_url, doc_body(seed, question="another question"))
+            assert again.headers["x-prefixgate-prefill-node"] == first.headers["x-prefixgate-prefill-node"]
+            assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    finally:
+        if second is not None:
+            assert second.stop() == 0
+        assert c.stop() == 0
+
+
+def test_redis_outage_fails_no_request_and_routing_returns(
+    redis_server: tuple[int, subprocess.Popen[bytes]],
+) -> None:
+    port, proc = redis_server
+    prefix = f"prefixgate-test-{uuid.uuid4().hex[:8]}:"
+    c = redis_cluster(port, prefix)
+    c.start()
+    restarted: list[subprocess.Popen[bytes]] = []
+    try:
+        before = c.metric("prefixgate_retries_total")
+
+        def during(done: int) -> None:
+            if done == 30:
+                proc.kill()
+                proc.wait()
+            if done == 90:
+                restarted.append(start_redis(port))
+
+        results = asyncio.run(
+            drive(c.url, [doc_body(100 + i % 10, 1500, f"q{i}") for i in range(150)], 8, during=during)
+        )
+        t = Tally("Redis killed and restarted (Redis index)", len(results))
+        t.succeeded = sum(1 for r in results if r.status == 200 and r.finish)
+        t.failed = sum(1 for r in results if r.status != 200)
+        t.retried = int(c.metric("prefixgate_retries_total") - before)
+        assert t.failed == 0 and t.succeeded == 150
+        # Back on Redis without a restart: a new prefix sent now lands in Redis.
+        deadline = time.monotonic() + 15
+        in_redis = False
+        while time.monotonic() < deadline and not in_redis:
+            post(c.url, doc_body(999, 1500))
+            time.sleep(0.5)
+            out = subprocess.run(
+                ["redis-cli", "-p", str(port), "--scan", "--pattern", prefix + "*"],
+                capture_output=True,
+                text=True,
+            ).stdout.split()
+            in_redis = any(k.endswith(":z") for k in out)
+        t.note = "index back on Redis by itself" if in_redis else "index did NOT return to Redis"
+        REPORT.append(t)
+        assert in_redis
+        assert c.metric("prefixgate_index_degraded") == 0
+    finally:
+        assert c.stop() == 0
+        for p in restarted:
+            p.kill()
+            p.wait()
+
+
+def test_node_side_eviction_reaches_the_index_within_a_second(
+    redis_server: tuple[int, subprocess.Popen[bytes]],
+) -> None:
+    port, _ = redis_server
+    prefix = f"prefixgate-test-{uuid.uuid4().hex[:8]}:"
+    c = Cluster.create(
+        1,
+        1,
+        ["--time-scale", "0.05", "--capacity-blocks", "96"],
+        gateway_args=["--redis", f"redis://127.0.0.1:{port}/0"],
+        gateway_env={"PREFIXGATE_REDIS_PREFIX": prefix},
+    )
+    c.start()
+    try:
+        first, second = doc_body(1, 4000), doc_body(2, 4000)
+        r = post(c.url, first)
+        node = r.headers["x-prefixgate-prefill-node"]
+        layout = render_chat(first["messages"], documents=[Document("doc-1", first["documents"][0]["text"])])
+        hashes = block_hashes(
+            Bytes4Tokenizer().encode(layout.text), 64, Namespace(MODEL, block_size=64).root()
+        )
+
+        async def held() -> set[int]:
+            idx = RedisIndex(connect(f"redis://127.0.0.1:{port}/0"), prefix=prefix)
+            try:
+                return await idx.node_hashes(node)
+            finally:
+                await idx.close()
+
+        time.sleep(0.5)
+        assert set(hashes[:40]) <= asyncio.run(held())
+        post(c.url, second)  # 60+ new blocks on a 96-block pool: the first document's leaves go
+        t0 = time.monotonic()
+        gone = False
+        while time.monotonic() - t0 < 1.0:
+            if hashes[-1] not in asyncio.run(held()):
+                gone = True
+                break
+            time.sleep(0.05)
+        assert gone, "evicted blocks still in the index after 1 s"
+    finally:
+        assert c.stop() == 0
