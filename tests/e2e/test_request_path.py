@@ -36,7 +36,11 @@ def test_streamed_and_plain_chat_completions(stack: Stack) -> None:
     assert plain.usage.prompt_tokens_details is not None
 
     stream = client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=12, stream=True, stream_options={"include_usage": True}  # type: ignore[arg-type]
+        model=MODEL,
+        messages=messages,
+        max_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True},  # type: ignore[arg-type]
     )
     pieces: list[str] = []
     finish = None
@@ -59,7 +63,9 @@ def test_completions_endpoint(stack: Stack) -> None:
     client = stack.client()
     r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5)
     assert r.choices[0].text and r.usage is not None and r.usage.completion_tokens <= 5
-    chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, stream=True))
+    chunks = list(
+        client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, stream=True)
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
 
 
@@ -70,8 +76,12 @@ def test_shared_document_goes_to_the_same_prefill_node_and_hits(stack: Stack) ->
     results = []
     for q in ("What is the first word?", "How many times does echo appear?"):
         raw = client.chat.completions.with_raw_response.create(
-            model=MODEL, max_tokens=4,
-            messages=[{"role": "system", "content": "Answer from the document."}, {"role": "user", "content": q}],
+            model=MODEL,
+            max_tokens=4,
+            messages=[
+                {"role": "system", "content": "Answer from the document."},
+                {"role": "user", "content": q},
+            ],
             extra_body={"documents": [{"id": "manual", "text": doc}]},
         )
         results.append((raw.headers, raw.parse()))
@@ -90,9 +100,12 @@ def test_common_system_prompt_spreads_over_both_prefill_nodes(stack: Stack) -> N
 
     def one(i: int) -> str:
         raw = client.chat.completions.with_raw_response.create(
-            model=MODEL, max_tokens=2,
-            messages=[{"role": "system", "content": system},
-                      {"role": "user", "content": f"ticket {i}: " + document(100 + i, 6000)}],
+            model=MODEL,
+            max_tokens=2,
+            messages=[
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"ticket {i}: " + document(100 + i, 6000)},
+            ],
         )
         return raw.headers["x-prefixgate-prefill-node"]
 
@@ -107,13 +120,21 @@ def test_disaggregated_and_monolithic_paths_answer_identically(stack: Stack) -> 
     client = stack.client()
     messages = [{"role": "user", "content": "Tell me about " + document(7, 1500)}]
     with stack.admin() as admin:
-        split = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=24,  # type: ignore[arg-type]
-                                                                 seed=5)
+        split = client.chat.completions.with_raw_response.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=24,  # type: ignore[arg-type]
+            seed=5,
+        )
         r = admin.put("/admin/switches", json={"disaggregation": False})
         assert r.status_code == 200 and r.json()["disaggregation"] is False
         try:
-            mono = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=24,  # type: ignore[arg-type]
-                                                                    seed=5)
+            mono = client.chat.completions.with_raw_response.create(
+                model=MODEL,
+                messages=messages,
+                max_tokens=24,  # type: ignore[arg-type]
+                seed=5,
+            )
         finally:
             admin.put("/admin/switches", json={"disaggregation": True})
     assert split.headers["x-prefixgate-route"] == "disaggregated"
@@ -125,10 +146,18 @@ def test_document_order_does_not_matter(stack: Stack) -> None:
     client = stack.client()
     docs = [{"id": f"kb-{i}", "text": document(200 + i, 700)} for i in range(6)]
     msgs = [{"role": "user", "content": "Summarize."}]
-    first = client.chat.completions.with_raw_response.create(model=MODEL, messages=msgs, max_tokens=2,  # type: ignore[arg-type]
-                                                             extra_body={"documents": docs})
-    second = client.chat.completions.with_raw_response.create(model=MODEL, messages=msgs, max_tokens=2,  # type: ignore[arg-type]
-                                                              extra_body={"documents": docs[::-1]})
+    first = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=msgs,
+        max_tokens=2,  # type: ignore[arg-type]
+        extra_body={"documents": docs},
+    )
+    second = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=msgs,
+        max_tokens=2,  # type: ignore[arg-type]
+        extra_body={"documents": docs[::-1]},
+    )
     r2 = second.parse()
     assert first.headers["x-prefixgate-prefill-node"] == second.headers["x-prefixgate-prefill-node"]
     assert r2.usage is not None and r2.usage.prompt_tokens_details is not None
@@ -139,11 +168,42 @@ def test_errors_are_openai_shaped(stack: Stack) -> None:
     with httpx.Client(base_url=stack.base_url, timeout=10) as http:
         r = http.post("/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
-        r = http.post("/chat/completions", json={"model": "nope", "messages": [{"role": "user", "content": "x"}]})
+        r = http.post(
+            "/chat/completions", json={"model": "nope", "messages": [{"role": "user", "content": "x"}]}
+        )
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-        r = http.post("/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                                                 "max_tokens": 10**7})
+        r = http.post(
+            "/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**7},
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
         r = http.get("/nothing-here")
         assert r.status_code == 404 and "error" in r.json()
     assert stack.ready_s < 30
+
+
+def test_bad_input_gets_clear_4xx(stack: Stack) -> None:
+    with httpx.Client(base_url=stack.base_url, timeout=30) as http:
+        hdr = {"content-type": "application/json"}
+        r = http.post("/chat/completions", content=b'{"model": "\xff"}', headers=hdr)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_encoding"
+        r = http.post("/chat/completions", json={"model": MODEL, "messages": []})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        r = http.post(
+            "/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": ""}]}
+        )
+        assert r.status_code == 200  # an empty user turn still renders a prompt (the template)
+        r = http.post("/chat/completions", content=b"x" * (9 * 1024 * 1024), headers=hdr)
+        assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+        huge = "word " * 140_000  # ~175K tokens > the 131,072-token limit
+        r = http.post(
+            "/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": huge}]}
+        )
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        r = http.post("/completions", json={"model": MODEL, "prompt": ["a", "b"]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        r = http.post(
+            "/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"},
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
