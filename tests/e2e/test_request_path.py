@@ -85,7 +85,7 @@ def test_shared_document_goes_to_the_same_prefill_node_and_hits(stack: Stack) ->
             extra_body={"documents": [{"id": "manual", "text": doc}]},
         )
         results.append((raw.headers, raw.parse()))
-    (h1, r1), (h2, r2) = results
+    (h1, _r1), (h2, r2) = results
     assert h1["x-prefixgate-route"] == "disaggregated"
     assert h1["x-prefixgate-prefill-node"] == h2["x-prefixgate-prefill-node"]
     assert r2.usage is not None and r2.usage.prompt_tokens_details is not None
