@@ -1,21 +1,37 @@
-"""The admin API (``/admin``): bearer admin token, or loopback clients only when none is set."""
+"""The admin API (``/admin``): bearer admin token, or loopback clients only when none is set.
+
+Also serves ``POST /v1/prefill`` (prefill-as-a-service, client auth): the same warm operation
+as ``POST /admin/cache/pin``, for tenants. The operations live in ``gateway.cache_ops`` and
+``GatewayService``; this module parses, authorizes and answers.
+"""
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable
+import re
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.app import ORJSONResponse, _guard, _svc, read_body
+from gateway import cache_ops
+from gateway.app import ORJSONResponse, _guard, _svc, authenticate, read_body, request_id_of
 from gateway.errors import APIError, invalid
-from gateway.schema import parse_json
+from gateway.logging import bind_request
+from gateway.metrics import HitCounts
+from gateway.nodes import ROLES, Node
+from gateway.pipeline import Prepared
+from gateway.schema import ParsedRequest, parse_json, parse_request
+from gateway.service import GatewayService
 
 Handler = Callable[[Request], Awaitable[Response]]
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 SWITCHES = ("disaggregation", "prefix_routing", "normalization")
+ADMIN_BODY_LIMIT = 64 * 1024
+_ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):\d{1,5}$")
 
 
 def require_admin(handler: Handler) -> Handler:
@@ -37,9 +53,308 @@ def require_admin(handler: Handler) -> Handler:
                     "the admin API without an admin token answers loopback clients only",
                     code="admin_loopback_only",
                 )
+        bind_request(request_id_of(request), admin=request.url.path)
         return await handler(request)
 
     return _guard(wrapped)
+
+
+# -- request bodies ------------------------------------------------------------------------------
+
+
+async def _body(request: Request, limit: int = ADMIN_BODY_LIMIT, *, optional: bool = False) -> dict[str, Any]:
+    raw = await read_body(request, limit)
+    if optional and not raw.strip():
+        return {}
+    return parse_json(raw)
+
+
+def parse_completion(svc: GatewayService, body: Mapping[str, Any]) -> ParsedRequest:
+    """A completion-shaped body (chat form with ``messages``, else prompt form), validated as
+    the client API validates it; ``model`` defaults to the served model."""
+    s = svc.settings
+    kind = "chat" if "messages" in body else "completion"
+    if kind == "completion" and "prompt" not in body:
+        raise invalid("give 'messages' (chat form) or 'prompt' (completion form)", "prompt")
+    return parse_request(
+        {"model": s.model, **body},
+        kind,
+        models=svc.models,
+        default_max_tokens=s.default_max_tokens,
+        max_tokens_limit=s.max_tokens_limit,
+        max_documents=s.max_documents,
+    )
+
+
+def admin_tenant(svc: GatewayService, body: Mapping[str, Any], parsed: ParsedRequest) -> str:
+    """The admin names the tenant (``tenant``); without API keys the tenant is ``user``."""
+    tenant = body.get("tenant")
+    if tenant is not None:
+        if not isinstance(tenant, str):
+            raise invalid("'tenant' must be a string", "tenant")
+        return tenant
+    return "" if svc.settings.api_key_map() else parsed.user
+
+
+def _prepare(svc: GatewayService, parsed: ParsedRequest, tenant: str, request: Request) -> Prepared:
+    return svc.pipeline.prepare(parsed, tenant, request_id_of(request))
+
+
+def _nodes_param(body: Mapping[str, Any]) -> list[str] | int | None:
+    nodes = body.get("nodes")
+    if nodes is None:
+        return None
+    if isinstance(nodes, int) and not isinstance(nodes, bool):
+        if not 1 <= nodes <= 1024:
+            raise invalid("'nodes' as a count must be between 1 and 1024", "nodes")
+        return nodes
+    if isinstance(nodes, list) and nodes and all(isinstance(n, str) for n in nodes):
+        return list(nodes)
+    raise invalid("'nodes' must be a count or a non-empty array of node ids", "nodes")
+
+
+def _pin_seconds(body: Mapping[str, Any], *, required: bool) -> float:
+    v = body.get("pin_seconds")
+    if v is None:
+        if required:
+            raise invalid("'pin_seconds' is required: how long to keep the prefix pinned", "pin_seconds")
+        return 0.0
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= cache_ops.MAX_PIN_SECONDS:
+        raise invalid(
+            f"'pin_seconds' must be a number between 0 and {cache_ops.MAX_PIN_SECONDS:.0f}", "pin_seconds"
+        )
+    if required and v <= 0:
+        raise invalid("'pin_seconds' must be positive to pin", "pin_seconds")
+    return float(v)
+
+
+def _node(svc: GatewayService, node_id: str) -> Node:
+    node = svc.pool.by_id(node_id)
+    if node is None:
+        raise APIError(404, f"no node {node_id!r}", code="node_not_found")
+    return node
+
+
+# -- views ---------------------------------------------------------------------------------------
+
+
+def node_json(node: Node, index_blocks: int | None = None) -> dict[str, Any]:
+    st = node.stats
+    return {
+        "id": node.id,
+        "role": node.role,
+        "address": node.address,
+        "reachable": node.reachable,
+        "healthy": node.healthy,
+        "routable": node.routable,
+        "draining": node.draining,
+        "circuit": node.breaker.state,
+        "circuit_opens": node.breaker.opens,
+        "load": {
+            "local_requests": node.local_requests,
+            "active_streams": node.active_streams,
+            "queued_requests": st.queued_requests if st else 0,
+            "queued_tokens": st.queued_tokens if st else 0,
+            "running_requests": st.running_requests if st else 0,
+        },
+        "kv": {
+            "capacity_blocks": st.capacity_blocks if st else 0,
+            "used_blocks": st.used_blocks if st else 0,
+            "pinned_blocks": st.pinned_blocks if st else 0,
+            "index_blocks": index_blocks,
+        },
+        "engine": st.engine if st else None,
+        "profile": st.profile.name if st else None,
+        "instance_id": node.instance_id or None,
+        "slowness": round(node.slowness, 3),
+        "stats_age_s": round(time.monotonic() - node.stats_at, 3) if node.stats_at else None,
+        "last_error": node.last_error or None,
+    }
+
+
+def _hits_json(c: HitCounts) -> dict[str, Any]:
+    return {
+        "requests": c.requests,
+        "prompt_tokens": c.prompt,
+        "cached_tokens": c.cached,
+        "predicted_cached_tokens": c.predicted,
+        "computed_tokens": c.computed,
+        "hit_ratio_reported": round(c.ratio(c.cached), 4),
+        "hit_ratio_predicted": round(c.ratio(c.predicted), 4),
+    }
+
+
+async def _index_blocks(svc: GatewayService) -> dict[str, int]:
+    stats = await svc.index.stats()
+    return {n: o.blocks for n, o in stats.nodes.items()}
+
+
+async def list_nodes(request: Request) -> Response:
+    svc = _svc(request)
+    held = await _index_blocks(svc)
+    nodes = sorted(svc.pool.nodes.values(), key=lambda n: (ROLES.index(n.role), n.id))
+    return ORJSONResponse({"object": "list", "data": [node_json(n, held.get(n.id, 0)) for n in nodes]})
+
+
+async def add_node(request: Request) -> Response:
+    svc = _svc(request)
+    body = await _body(request)
+    role, address = body.get("role"), body.get("address")
+    if role not in ROLES:
+        raise invalid(f"'role' must be one of {list(ROLES)}", "role")
+    if not isinstance(address, str) or not _ADDRESS.match(address):
+        raise invalid("'address' must be host:port of the node's gRPC server", "address")
+    if address in svc.pool.nodes:
+        raise APIError(409, f"node {address} is already registered", param="address", code="node_exists")
+    node = await svc.add_node(str(role), address)
+    return ORJSONResponse(node_json(node, 0), status_code=201)
+
+
+async def remove_node(request: Request) -> Response:
+    svc = _svc(request)
+    node = _node(svc, request.path_params["node_id"])
+    in_flight = node.local_requests + node.active_streams
+    forgotten = await svc.remove_node(node)
+    return ORJSONResponse(
+        {
+            "id": node.id,
+            "address": node.address,
+            "removed": True,
+            "index_blocks_forgotten": forgotten,
+            "cut_in_flight": in_flight,
+        }
+    )
+
+
+async def drain_node(request: Request) -> Response:
+    """Drained: no new work; what runs on the node finishes. ``{"drain": false}`` undoes it."""
+    svc = _svc(request)
+    node = _node(svc, request.path_params["node_id"])
+    body = await _body(request, optional=True)
+    drain = body.get("drain", True)
+    if not isinstance(drain, bool):
+        raise invalid("'drain' must be true or false", "drain")
+    node.draining = drain
+    held = await _index_blocks(svc)
+    return ORJSONResponse(node_json(node, held.get(node.id, 0)))
+
+
+async def cache_view(request: Request) -> Response:
+    svc = _svc(request)
+    stats = await svc.index.stats()
+    hits = svc.metrics.per_node
+    rows: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for node in sorted(svc.pool.nodes.values(), key=lambda n: (ROLES.index(n.role), n.id)):
+        seen.add(node.id)
+        st = node.stats
+        occ = stats.nodes.get(node.id)
+        cap = st.capacity_blocks if st else 0
+        used = st.used_blocks if st else 0
+        rows.append(
+            {
+                "id": node.id,
+                "role": node.role,
+                "index_blocks": occ.blocks if occ else 0,
+                "capacity_blocks": cap,
+                "used_blocks": used,
+                "pinned_blocks": st.pinned_blocks if st else 0,
+                "occupancy": round(used / cap, 4) if cap else 0.0,
+                "node_hit_ratio": round(st.prefix_hit_tokens / st.prompt_tokens, 4)
+                if st and st.prompt_tokens
+                else 0.0,
+                **_hits_json(hits.get(node.id, HitCounts())),
+            }
+        )
+    for name, occ in sorted(stats.nodes.items()):  # in the index but no longer in the pool
+        if name not in seen:
+            rows.append(
+                {"id": name, "role": None, "index_blocks": occ.blocks, "capacity_blocks": occ.capacity}
+            )
+    return ORJSONResponse(
+        {
+            "object": "cache",
+            "index": {
+                "backend": stats.backend,
+                "total_blocks": stats.total_blocks,
+                "degraded": stats.degraded,
+            },
+            "block_size": svc.settings.block_size,
+            "totals": _hits_json(svc.metrics.totals),
+            "nodes": rows,
+        }
+    )
+
+
+async def cache_lookup(request: Request) -> Response:
+    svc = _svc(request)
+    body = await _body(request, svc.settings.max_body_bytes)
+    parsed = parse_completion(svc, body)
+    prep = _prepare(svc, parsed, admin_tenant(svc, body, parsed), request)
+    return ORJSONResponse(await cache_ops.explain(svc, prep))
+
+
+async def cache_evict(request: Request) -> Response:
+    svc = _svc(request)
+    body = await _body(request, svc.settings.max_body_bytes)
+    node_id = body.get("node")
+    if node_id is not None and not isinstance(node_id, str):
+        raise invalid("'node' must be a node id", "node")
+    everything = body.get("all", False)
+    if not isinstance(everything, bool):
+        raise invalid("'all' must be true or false", "all")
+    hashes: list[int] = []
+    if "prompt" in body or "messages" in body:
+        parsed = parse_completion(svc, body)
+        hashes += _prepare(svc, parsed, admin_tenant(svc, body, parsed), request).hashes
+    raw = body.get("block_hashes")
+    if raw is not None:
+        if not isinstance(raw, list):
+            raise invalid("'block_hashes' must be an array", "block_hashes")
+        hashes += [cache_ops.parse_hash(h, f"block_hashes[{i}]") for i, h in enumerate(raw)]
+    if hashes and everything:
+        raise invalid("give blocks (prompt, messages, block_hashes) or 'all', not both", "all")
+    if not hashes and not everything:
+        if node_id is None:
+            raise invalid(
+                "say what to evict: 'prompt'/'messages', 'block_hashes', 'all', or a 'node' to empty", "all"
+            )
+        everything = True  # a node alone: everything it holds
+    nodes = [_node(svc, node_id)] if node_id is not None else list(svc.pool.nodes.values())
+    results = await cache_ops.evict(svc, nodes, list(dict.fromkeys(hashes)), everything)
+    return ORJSONResponse(
+        {
+            "object": "cache.evict",
+            "requested_blocks": len(set(hashes)),
+            "all": everything,
+            "evicted_blocks": sum(len(r.evicted) for r in results),
+            "nodes": {r.node: r.to_json() for r in results},
+        }
+    )
+
+
+async def cache_pin(request: Request) -> Response:
+    svc = _svc(request)
+    body = await _body(request, svc.settings.max_body_bytes)
+    parsed = parse_completion(svc, body)
+    prep = _prepare(svc, parsed, admin_tenant(svc, body, parsed), request)
+    result = await cache_ops.warm(svc, prep, _nodes_param(body), _pin_seconds(body, required=True))
+    return ORJSONResponse(result)
+
+
+async def prefill_service(request: Request) -> Response:
+    """``POST /v1/prefill``: warm (and optionally pin) a prompt or document set for a tenant."""
+    svc = _svc(request)
+    bind_request(request_id_of(request), path=request.url.path)
+    if svc.draining:
+        raise APIError(503, "the gateway is shutting down", code="shutting_down", retry_after=1)
+    key_tenant = authenticate(svc, request)
+    body = await _body(request, svc.settings.max_body_bytes)
+    parsed = parse_completion(svc, body)
+    tenant = parsed.user if key_tenant is None else key_tenant
+    parsed.pin_seconds = _pin_seconds(body, required=False)
+    prep = _prepare(svc, parsed, tenant, request)
+    return ORJSONResponse(await cache_ops.warm(svc, prep, _nodes_param(body), parsed.pin_seconds))
 
 
 async def get_switches(request: Request) -> Response:
@@ -49,7 +364,7 @@ async def get_switches(request: Request) -> Response:
 
 async def put_switches(request: Request) -> Response:
     svc = _svc(request)
-    body = parse_json(await read_body(request, 64 * 1024))
+    body = await _body(request)
     unknown = set(body) - set(SWITCHES)
     if unknown:
         raise invalid(f"unknown switch(es) {sorted(unknown)}; known: {list(SWITCHES)}", sorted(unknown)[0])
@@ -63,7 +378,17 @@ async def put_switches(request: Request) -> Response:
 
 
 def admin_routes() -> list[Route]:
+    """Every ``/admin`` route, and ``/v1/prefill`` (client auth) which shares their warm path."""
     return [
+        Route("/admin/nodes", require_admin(list_nodes), methods=["GET"]),
+        Route("/admin/nodes", require_admin(add_node), methods=["POST"]),
+        Route("/admin/nodes/{node_id:str}", require_admin(remove_node), methods=["DELETE"]),
+        Route("/admin/nodes/{node_id:str}/drain", require_admin(drain_node), methods=["POST"]),
+        Route("/admin/cache", require_admin(cache_view), methods=["GET"]),
+        Route("/admin/cache/lookup", require_admin(cache_lookup), methods=["POST"]),
+        Route("/admin/cache/evict", require_admin(cache_evict), methods=["POST"]),
+        Route("/admin/cache/pin", require_admin(cache_pin), methods=["POST"]),
         Route("/admin/switches", require_admin(get_switches), methods=["GET"]),
         Route("/admin/switches", require_admin(put_switches), methods=["PUT"]),
+        Route("/v1/prefill", _guard(prefill_service), methods=["POST"]),
     ]

@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gateway.errors import APIError, invalid
+from gateway.logging import bind_request, current_request_id
 from gateway.pipeline import Execution, StreamBroken
 from gateway.schema import ParsedRequest, parse_json, parse_request
 from gateway.service import GatewayService
@@ -125,6 +126,7 @@ async def _watch_disconnect(request: Request, work: Awaitable[Response]) -> Resp
 async def completions(request: Request, kind: str) -> Response:
     svc = _svc(request)
     s = svc.settings
+    rid = bind_request(request_id_of(request), path=request.url.path)
     if svc.draining:
         raise APIError(503, "the gateway is shutting down", code="shutting_down", retry_after=1)
     key_tenant = authenticate(svc, request)
@@ -138,7 +140,7 @@ async def completions(request: Request, kind: str) -> Response:
         max_documents=s.max_documents,
     )
     tenant = parsed.user if key_tenant is None else key_tenant
-    prep = svc.pipeline.prepare(parsed, tenant, request_id_of(request))
+    prep = svc.pipeline.prepare(parsed, tenant, rid)
     if svc.pipeline.inflight >= s.max_inflight:
         svc.metrics.requests.labels("none", "rejected").inc()
         raise APIError(
@@ -296,7 +298,12 @@ async def readyz(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    return Response(_svc(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    svc = _svc(request)
+    try:  # index occupancy is read at scrape time; a slow or absent index leaves the last values
+        svc.metrics.refresh_index(await asyncio.wait_for(svc.index.stats(), 1.0))
+    except Exception as e:
+        log.warning("index_stats_failed", error=repr(e)[:200])
+    return Response(svc.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 async def documents_create(request: Request) -> Response:
@@ -337,7 +344,16 @@ def _guard(handler: Handler) -> Handler:
         try:
             return await handler(request)
         except APIError as e:
-            return e.response()
+            rid = current_request_id()
+            if e.status >= 500 or request.url.path.startswith("/v1/"):  # one line per failed request
+                log.info(
+                    "request_failed",
+                    path=request.url.path,
+                    status=e.status,
+                    code=e.code,
+                    error=e.message[:200],
+                )
+            return e.response({"x-prefixgate-request-id": rid} if rid else None)
         except Exception:
             log.exception("unhandled_error", path=request.url.path)
             return APIError(500, "internal error in the gateway", code="internal_error").response()
@@ -373,10 +389,18 @@ async def _method_not_allowed(request: Request, exc: Exception) -> Response:
 def create_app(service: GatewayService) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        from gateway.grpc_front import GrpcFront
+
         await service.start()
+        front = None
         try:
+            if service.settings.grpc_port:  # the gRPC front end shares this process and loop
+                front = GrpcFront(service, service.settings.host, service.settings.grpc_port)
+                await front.start()
             yield
         finally:
+            if front is not None:
+                await front.stop()
             await service.stop()
 
     from gateway.admin import admin_routes

@@ -212,11 +212,14 @@ class Metrics:
             "prefixgate_admin_evicted_blocks", "KV blocks evicted on operator request", ["node"], registry=r
         )
         self.index_blocks = Gauge(
-            "prefixgate_index_blocks", "Blocks the index records per node (at the last scrape)", ["node"],
+            "prefixgate_index_blocks",
+            "Blocks the index records per node (at the last scrape)",
+            ["node"],
             registry=r,
         )
         self.index_total_blocks = Gauge(
-            "prefixgate_index_total_blocks", "Blocks the index records in all (at the last scrape)",
+            "prefixgate_index_total_blocks",
+            "Blocks the index records in all (at the last scrape)",
             registry=r,
         )
         self.per_node: dict[str, HitCounts] = {}

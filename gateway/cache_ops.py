@@ -1,0 +1,396 @@
+"""Cache operations behind the admin API and prefill-as-a-service: explain, evict, warm/pin.
+
+``explain`` is read-only (it runs ``Pipeline.preview``); ``evict`` removes blocks from the
+node caches (node ``Evict``) and from the index; ``warm`` prefills a prompt on nodes without
+generating (node ``Prefill`` with ``skip_first_token``), optionally pinning it, and records
+the blocks in the index. The HTTP layer (``gateway.admin``) only parses and answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import grpc
+import structlog
+
+from cachetier.index import StoreOp
+from cachetier.tokenizer import Tokenizer
+from gateway.errors import APIError, invalid
+from gateway.nodes import ROLES, Node
+from gateway.normalize import Layout
+from gateway.pipeline import REQUEST_ID_KEY, Plan, Prepared
+from gateway.routing import Decision, RouteInput, estimate_ttft
+from gateway.routing.base import Estimate
+from gateway.routing.mode import DISAGGREGATED
+from gateway.service import GatewayService
+from prefixgate.v1 import node_pb2
+
+log = structlog.get_logger("prefixgate.cache")
+
+MAX_PIN_SECONDS = 7 * 24 * 3600.0
+NODE_RPC_TIMEOUT_S = 10.0
+
+
+def hex_hash(h: int) -> str:
+    return f"{h:016x}"
+
+
+def parse_hash(value: Any, param: str) -> int:
+    """A block hash as 16 hex digits (optionally 0x-prefixed) or a non-negative integer."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64:
+        return value
+    if isinstance(value, str):
+        text = value.lower().removeprefix("0x")
+        if 0 < len(text) <= 16:
+            try:
+                return int(text, 16)
+            except ValueError:
+                pass
+    raise invalid("a block hash is 16 hex digits (as /admin/cache/lookup shows) or an integer", param)
+
+
+# -- explain -------------------------------------------------------------------------------------
+
+
+def routed(plan: Plan) -> Decision | None:
+    """The decision naming the node that computes the prompt: prefill when split, else monolithic."""
+    return plan.prefill if plan.mode.mode == DISAGGREGATED else plan.monolithic
+
+
+def token_spans(layout: Layout, tokenizer: Tokenizer, prompt_tokens: int) -> list[tuple[int, int]]:
+    """Each segment's [start, end) in tokens: contiguous, non-overlapping, covering the prompt.
+
+    Segments are byte ranges of the rendered text. With ``bytes4`` (and token-id prompts) a token
+    straddling a boundary belongs to the segment it ends in; other tokenizers are asked how many
+    tokens the text before each boundary makes.
+    """
+    if not layout.segments:
+        return []
+    if not layout.text or tokenizer.name == "bytes4":
+
+        def before(offset: int) -> int:
+            return offset // 4
+
+    else:
+        raw = layout.encoded()
+        cache: dict[int, int] = {}
+
+        def before(offset: int) -> int:
+            if offset not in cache:
+                text = raw[:offset].decode("utf-8", errors="ignore")
+                cache[offset] = len(tokenizer.encode(text)) // 4
+            return cache[offset]
+
+    bounds = [min(prompt_tokens, before(s.start)) for s in layout.segments] + [prompt_tokens]
+    return [(bounds[i], max(bounds[i], bounds[i + 1])) for i in range(len(layout.segments))]
+
+
+def _estimate_json(e: Estimate | None) -> dict[str, Any]:
+    if e is None:
+        return {}
+    return {
+        "estimated_ttft_ms": round(e.ttft_s * 1000, 3),
+        "queue_ms": round(e.queue_s * 1000, 3),
+        "prefill_ms": round(e.prefill_s * 1000, 3),
+        "transfer_ms": round(e.transfer_s * 1000, 3),
+        "within_load_bound": e.within_bound,
+    }
+
+
+def _node_rows(svc: GatewayService, prep: Prepared, plan: Plan) -> list[dict[str, Any]]:
+    bs = svc.settings.block_size
+    policy_estimates: dict[str, Estimate] = {}
+    for d in (plan.prefill, plan.monolithic):
+        if d is not None:
+            policy_estimates.update({e.node_id: e for e in d.estimates})
+    target, split = routed(plan), plan.mode.mode == DISAGGREGATED
+    rows: list[dict[str, Any]] = []
+    for node in sorted(svc.pool.nodes.values(), key=lambda n: (ROLES.index(n.role), n.id)):
+        hit = plan.hits.get(node.id, 0)
+        est = policy_estimates.get(node.id)
+        if est is None:  # not a candidate of this plan: the same estimate, outside the policy
+            inp = RouteInput(prep.prompt_tokens, bs, plan.hits, transfer=node.role == "prefill")
+            est = estimate_ttft(node.view(), inp)
+        chosen = []
+        if target is not None and target.node_id == node.id:
+            chosen.append("prefill" if split else "monolithic")
+        if split and plan.decode_node == node.id:
+            chosen.append("decode")
+        view = node.view()
+        rows.append(
+            {
+                "id": node.id,
+                "role": node.role,
+                "routable": node.routable,
+                "hit_blocks": hit,
+                "cached_tokens": min(prep.prompt_tokens, hit * bs),
+                "load": {
+                    "outstanding_requests": view.outstanding_requests,
+                    "outstanding_tokens": view.outstanding_tokens,
+                    "active_streams": node.active_streams,
+                },
+                **_estimate_json(est),
+                "chosen_for": chosen,
+            }
+        )
+    return rows
+
+
+async def explain(svc: GatewayService, prep: Prepared) -> dict[str, Any]:
+    """How this request would be served now: layout, blocks, per-node match and estimate, decision."""
+    pipe = svc.pipeline
+    bs = svc.settings.block_size
+    hits = await pipe.lookup(prep)
+    plan = pipe.preview(prep, hits)
+    if not svc.pipeline.switches.prefix_routing and prep.hashes:
+        # Routing ignores the index; still show what it holds.
+        shown = await svc.index.lookup(prep.hashes)
+        plan.hits = shown
+    spans = token_spans(prep.layout, svc.tokenizer, prep.prompt_tokens)
+    full = len(prep.hashes)
+    target = routed(plan)
+    split = plan.mode.mode == DISAGGREGATED
+    target_hit = target.cached_blocks if target is not None else 0
+    cached_upto = min(prep.prompt_tokens, target_hit * bs)
+    segments = []
+    for seg, (start, end) in zip(prep.layout.segments, spans, strict=True):
+        segments.append(
+            {
+                "kind": seg.kind,
+                "label": seg.label,
+                "tokens": [start, end],
+                "token_count": end - start,
+                "blocks": [min(full, start // bs), min(full, -(-end // bs))],
+                "cached_tokens": max(0, min(end, cached_upto) - start),
+            }
+        )
+    decision = {
+        "mode": plan.mode.mode,
+        "reason": plan.mode.reason,
+        "prefill_node": target.node_id if split and target is not None else None,
+        "decode_node": plan.decode_node if split else None,
+        "monolithic_node": target.node_id if not split and target is not None else None,
+        "node_reason": target.reason if target is not None else "no routable node",
+        "cached_blocks": target_hit,
+        "predicted_cached_tokens": cached_upto,
+    }
+    sw = pipe.switches
+    return {
+        "object": "cache.lookup",
+        "model": prep.model,
+        "tenant": prep.tenant,
+        "prompt_tokens": prep.prompt_tokens,
+        "block_size": bs,
+        "full_blocks": full,
+        "switches": {
+            "disaggregation": sw.disaggregation,
+            "prefix_routing": sw.prefix_routing,
+            "normalization": sw.normalization,
+        },
+        "layout": {"segments": segments},
+        "block_hashes": [hex_hash(h) for h in prep.hashes],
+        "nodes": _node_rows(svc, prep, plan),
+        "decision": decision,
+    }
+
+
+# -- evict ---------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class NodeEviction:
+    node: str
+    evicted: list[int] = field(default_factory=list)
+    index_removed: int = 0
+    error: str | None = None
+
+    def to_json(self, max_hashes: int = 1024) -> dict[str, Any]:
+        return {
+            "evicted_blocks": len(self.evicted),
+            "block_hashes": [hex_hash(h) for h in self.evicted[:max_hashes]],
+            "truncated": len(self.evicted) > max_hashes,
+            "index_removed": self.index_removed,
+            "error": self.error,
+        }
+
+
+async def _evict_node(
+    svc: GatewayService, node: Node, hashes: Sequence[int], everything: bool
+) -> NodeEviction:
+    out = NodeEviction(node.id)
+    try:
+        resp = await node.stub.Evict(
+            node_pb2.EvictRequest(block_hashes=list(hashes), all=everything), timeout=NODE_RPC_TIMEOUT_S
+        )
+        out.evicted = list(resp.evicted)
+    except (grpc.aio.AioRpcError, TimeoutError) as e:
+        out.error = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else "timed out"
+    # The index forgets them even when the node could not be reached: stale hits cost more.
+    if everything:
+        out.index_removed = await svc.index.clear_node(node.id)
+    else:
+        out.index_removed = await svc.index.remove(node.id, set(hashes) | set(out.evicted))
+    svc.metrics.evicted_blocks.labels(node.id).inc(len(out.evicted))
+    return out
+
+
+async def evict(
+    svc: GatewayService, nodes: Sequence[Node], hashes: Sequence[int], everything: bool
+) -> list[NodeEviction]:
+    """Evict ``hashes`` (each with every block descending from it) or everything, on ``nodes``."""
+    results = await asyncio.gather(*(_evict_node(svc, n, hashes, everything) for n in nodes))
+    log.info(
+        "cache_evicted",
+        nodes=[r.node for r in results],
+        requested=len(hashes),
+        all=everything,
+        evicted=sum(len(r.evicted) for r in results),
+    )
+    return list(results)
+
+
+# -- warm and pin --------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class WarmResult:
+    node: str
+    method: str = "prefill"  # "prefill" (computed what was missing) or "pin" (all already there)
+    cached_tokens: int = 0
+    computed_tokens: int = 0
+    queue_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    blocks: int = 0
+    pinned_blocks: int = 0
+    pinned_until: float | None = None  # unix time
+    error: str | None = None
+    code: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def warm_targets(svc: GatewayService, plan: Plan, nodes: list[str] | int | None) -> list[Node]:
+    """The nodes to warm: named ones, or the ``nodes`` best (the routed node first, then the
+    other routable nodes of its role by cached blocks, then load)."""
+    pool = svc.pool
+    if isinstance(nodes, list):
+        out: list[Node] = []
+        for i, name in enumerate(nodes):
+            node = pool.by_id(name)
+            if node is None:
+                raise APIError(404, f"no node {name!r}", param=f"nodes[{i}]", code="node_not_found")
+            if node not in out:
+                out.append(node)
+        return out
+    count = 1 if nodes is None else nodes
+    decision = routed(plan)
+    first = pool.by_id(decision.node_id) if decision is not None and decision.node_id else None
+    if first is None:
+        raise APIError(503, "no node can take the prompt now", code="unavailable", retry_after=2)
+    others = [n for n in pool.routable(first.role) if n is not first]
+    others.sort(key=lambda n: (-plan.hits.get(n.id, 0), n.view().outstanding_requests, n.id))
+    return [first, *others][:count]
+
+
+async def _warm_node(
+    svc: GatewayService, prep: Prepared, node: Node, held_blocks: int, pin_seconds: float
+) -> WarmResult:
+    bs = svc.settings.block_size
+    res = WarmResult(node.id, blocks=len(prep.hashes))
+    md = ((REQUEST_ID_KEY, prep.request_id),)
+    try:
+        if pin_seconds > 0 and prep.hashes and held_blocks >= len(prep.hashes):
+            pin = await node.stub.Pin(
+                node_pb2.PinRequest(block_hashes=prep.hashes, pin_seconds=pin_seconds),
+                timeout=NODE_RPC_TIMEOUT_S,
+                metadata=md,
+            )
+            if pin.missing == 0:
+                res.method = "pin"
+                res.cached_tokens = len(prep.hashes) * bs
+                res.computed_tokens = 0
+        if res.method != "pin":
+            uncached = max(0, prep.prompt_tokens - held_blocks * bs)
+            node.local_requests += 1
+            node.local_tokens += uncached
+            try:
+                resp = await node.stub.Prefill(
+                    node_pb2.PrefillRequest(
+                        request_id=f"{prep.request_id}-{node.id}",
+                        tokens=prep.tokens,
+                        block_hashes=prep.hashes,
+                        sampling=node_pb2.SamplingParams(max_tokens=1),
+                        decode_address="",
+                        pin_seconds=pin_seconds,
+                        skip_first_token=True,
+                    ),
+                    timeout=svc.settings.request_timeout_s,
+                    metadata=md,
+                )
+            finally:
+                node.local_requests -= 1
+                node.local_tokens -= uncached
+            res.cached_tokens = resp.cached_tokens
+            res.computed_tokens = prep.prompt_tokens - resp.cached_tokens
+            res.queue_seconds = resp.queue_seconds
+            res.prefill_seconds = resp.prefill_seconds
+    except grpc.aio.AioRpcError as e:
+        res.error, res.code = (e.details() or e.code().name), e.code().name
+        svc.metrics.warm.labels(node.id, "failed").inc()
+        return res
+    if pin_seconds > 0:
+        res.pinned_blocks = len(prep.hashes)
+        res.pinned_until = round(time.time() + pin_seconds, 3)
+    if prep.hashes:
+        await svc.index.store([StoreOp(node.id, tuple(prep.hashes))])
+    await svc.pool.refresh(node)  # pinned/used blocks show at once in the admin views
+    svc.metrics.warm.labels(node.id, "pinned" if pin_seconds > 0 else "warmed").inc()
+    return res
+
+
+async def warm(
+    svc: GatewayService, prep: Prepared, nodes: list[str] | int | None, pin_seconds: float
+) -> dict[str, Any]:
+    """Prefill ``prep`` on the target nodes (no generation), pinned for ``pin_seconds`` if > 0.
+
+    Raises APIError when no node could take it (429 when every one was full, else 503).
+    """
+    if not 0 <= pin_seconds <= MAX_PIN_SECONDS:
+        raise invalid(f"'pin_seconds' must be between 0 and {MAX_PIN_SECONDS:.0f}", "pin_seconds")
+    hits = await svc.index.lookup(prep.hashes) if prep.hashes else {}
+    plan = svc.pipeline.preview(prep, hits)
+    plan.hits = hits
+    targets = warm_targets(svc, plan, nodes)
+    results = await asyncio.gather(
+        *(_warm_node(svc, prep, n, hits.get(n.id, 0), pin_seconds) for n in targets)
+    )
+    log.info(
+        "cache_warmed",
+        nodes=[r.node for r in results],
+        prompt_tokens=prep.prompt_tokens,
+        pin_seconds=pin_seconds,
+        failed=[r.node for r in results if r.error],
+    )
+    failed = [r for r in results if r.error]
+    if failed and len(failed) == len(results):
+        detail = "; ".join(f"{r.node}: {r.error}" for r in failed)
+        if all(r.code == "RESOURCE_EXHAUSTED" for r in failed):
+            raise APIError(
+                429, f"no node had room for the prompt ({detail})", code="overloaded", retry_after=1
+            )
+        raise APIError(503, f"no node could take the prompt ({detail})", code="unavailable", retry_after=2)
+    return {
+        "object": "prefill",
+        "id": prep.request_id,
+        "model": prep.model,
+        "prompt_tokens": prep.prompt_tokens,
+        "blocks": len(prep.hashes),
+        "block_size": svc.settings.block_size,
+        "pin_seconds": pin_seconds,
+        "nodes": [r.to_json() for r in results],
+    }
