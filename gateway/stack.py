@@ -143,6 +143,8 @@ async def run_stack(settings: Settings, opts: StackOptions) -> int:
         settings.decode = [n.address for n in nodes if n.role == "decode"]
         if settings.port == 0:
             settings.port = free_port(settings.host)
+        if settings.grpc_port == 0:  # the local stack always serves the gRPC front end too
+            settings.grpc_port = free_port(settings.host)
         server, _svc = make_server(settings)
         server.install_signal_handlers()
         serve_task = asyncio.create_task(server.serve())
