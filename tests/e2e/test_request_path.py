@@ -7,6 +7,7 @@ import math
 import random
 
 import httpx
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.e2e.conftest import MODEL, Stack
 
@@ -27,8 +28,11 @@ def document(seed: int, tokens: int) -> str:
 
 def test_streamed_and_plain_chat_completions(stack: Stack) -> None:
     client = stack.client()
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
-    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12)  # type: ignore[arg-type]
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Say something."},
+    ]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12)
     assert plain.choices[0].message.content
     assert plain.choices[0].finish_reason in ("stop", "length")
     assert plain.usage is not None and plain.usage.prompt_tokens > 0
@@ -40,7 +44,7 @@ def test_streamed_and_plain_chat_completions(stack: Stack) -> None:
         messages=messages,
         max_tokens=12,
         stream=True,
-        stream_options={"include_usage": True},  # type: ignore[arg-type]
+        stream_options={"include_usage": True},
     )
     pieces: list[str] = []
     finish = None
@@ -118,12 +122,14 @@ def test_common_system_prompt_spreads_over_both_prefill_nodes(stack: Stack) -> N
 
 def test_disaggregated_and_monolithic_paths_answer_identically(stack: Stack) -> None:
     client = stack.client()
-    messages = [{"role": "user", "content": "Tell me about " + document(7, 1500)}]
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "Tell me about " + document(7, 1500)}
+    ]
     with stack.admin() as admin:
         split = client.chat.completions.with_raw_response.create(
             model=MODEL,
             messages=messages,
-            max_tokens=24,  # type: ignore[arg-type]
+            max_tokens=24,
             seed=5,
         )
         r = admin.put("/admin/switches", json={"disaggregation": False})
@@ -132,7 +138,7 @@ def test_disaggregated_and_monolithic_paths_answer_identically(stack: Stack) -> 
             mono = client.chat.completions.with_raw_response.create(
                 model=MODEL,
                 messages=messages,
-                max_tokens=24,  # type: ignore[arg-type]
+                max_tokens=24,
                 seed=5,
             )
         finally:
@@ -145,17 +151,17 @@ def test_disaggregated_and_monolithic_paths_answer_identically(stack: Stack) -> 
 def test_document_order_does_not_matter(stack: Stack) -> None:
     client = stack.client()
     docs = [{"id": f"kb-{i}", "text": document(200 + i, 700)} for i in range(6)]
-    msgs = [{"role": "user", "content": "Summarize."}]
+    msgs: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Summarize."}]
     first = client.chat.completions.with_raw_response.create(
         model=MODEL,
         messages=msgs,
-        max_tokens=2,  # type: ignore[arg-type]
+        max_tokens=2,
         extra_body={"documents": docs},
     )
     second = client.chat.completions.with_raw_response.create(
         model=MODEL,
         messages=msgs,
-        max_tokens=2,  # type: ignore[arg-type]
+        max_tokens=2,
         extra_body={"documents": docs[::-1]},
     )
     r2 = second.parse()
