@@ -266,8 +266,8 @@ async def cache_view(request: Request) -> Response:
                 **_hits_json(hits.get(node.id, HitCounts())),
             }
         )
-    for name, occ in sorted(stats.nodes.items()):  # in the index but no longer in the pool
-        if name not in seen:
+    for name, occ in sorted(stats.nodes.items()):  # blocks in the index of a node no longer in the pool
+        if name not in seen and occ.blocks:
             rows.append(
                 {"id": name, "role": None, "index_blocks": occ.blocks, "capacity_blocks": occ.capacity}
             )
