@@ -58,6 +58,18 @@ def add_node_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--handle-ttl", type=float, default=60.0, help="seconds a received KV handle waits")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="also serve an OpenAI-compatible HTTP endpoint on this port (0: a free one), for peer routers",
+    )
+    parser.add_argument(
+        "--http-normalize",
+        action="store_true",
+        help="render HTTP prompts with the gateway's normalization on (default: messages as sent)",
+    )
+    parser.add_argument("--http-model", default="prefixgate-sim", help="model name of the HTTP endpoint")
+    parser.add_argument(
         "--ready-line",
         action="store_true",
         help="print the JSON ready line to stdout even with a fixed --port",
@@ -96,6 +108,15 @@ def node_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def http_options(args: argparse.Namespace) -> Any:
+    """``backends.http_api.HTTPOptions`` from parsed flags (None without ``--http-port``)."""
+    if getattr(args, "http_port", None) is None:
+        return None
+    from backends.http_api import HTTPOptions
+
+    return HTTPOptions(model=args.http_model, normalize=args.http_normalize)
+
+
 def run_node(args: argparse.Namespace) -> int:
     from backends.server import NodeServer, serve
 
@@ -111,10 +132,22 @@ def run_node(args: argparse.Namespace) -> int:
             "role": ns.node.config.role,
             "instance_id": ns.node.events.instance_id,
         }
+        if ns.http is not None:
+            line["http_address"] = ns.http.address
         print(json.dumps(line), flush=True)
 
     try:
-        run_loop(serve(args.role, args.host, args.port, on_ready=ready, **node_options(args)))
+        run_loop(
+            serve(
+                args.role,
+                args.host,
+                args.port,
+                on_ready=ready,
+                http_port=args.http_port,
+                http_options=http_options(args),
+                **node_options(args),
+            )
+        )
     except (OSError, ValueError, RuntimeError) as e:
         print(f"prefixgate node: {e}", file=sys.stderr)
         return 1

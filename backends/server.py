@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import signal
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
@@ -52,6 +52,9 @@ from backends.node import DEFAULT_CAPACITY_BLOCKS, Node, NodeConfig, PrefillCall
 from backends.profiles import get_profile
 from backends.transfer import WirePage
 from prefixgate.v1 import node_pb2, node_pb2_grpc
+
+if TYPE_CHECKING:
+    from backends.http_api import HTTPOptions, NodeHTTP
 
 log = structlog.get_logger("prefixgate.node")
 
@@ -249,6 +252,7 @@ class NodeServer:
         self.port = port
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
+        self.http: NodeHTTP | None = None  # the OpenAI-compatible HTTP endpoint, when served
 
     @property
     def address(self) -> str:
@@ -293,6 +297,9 @@ class NodeServer:
         if self.server is None:
             return
         server, self.server = self.server, None
+        if self.http is not None:
+            http, self.http = self.http, None
+            await http.stop()
         await self.health.enter_graceful_shutdown()
         self.node.events.close()  # end KVEvents streams so the grace period is not spent on them
         await server.stop(grace)
@@ -356,10 +363,14 @@ async def serve(
     max_decode_streams: int = 256,
     handle_ttl_s: float = 60.0,
     on_ready: Callable[[NodeServer], None] | None = None,
+    http_port: int | None = None,
+    http_options: HTTPOptions | None = None,
 ) -> None:
     """Run one node until SIGINT/SIGTERM (or cancellation), then stop it cleanly.
 
     Same options as ``start_node``; ``on_ready(server)`` is called once the port is bound.
+    ``http_port`` (0: a free one) also serves the OpenAI-compatible endpoint of
+    ``backends.http_api`` on the same host, in this loop.
     """
     ns = await start_node(
         role,
@@ -377,6 +388,16 @@ async def serve(
         max_decode_streams=max_decode_streams,
         handle_ttl_s=handle_ttl_s,
     )
+    if http_port is not None:
+        from backends.http_api import NodeHTTP
+
+        ns.http = NodeHTTP(ns.node, host, http_port, http_options)
+        try:
+            await ns.http.start()
+        except OSError:
+            ns.http = None
+            await ns.stop()
+            raise
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     installed: list[signal.Signals] = []

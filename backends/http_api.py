@@ -1,0 +1,596 @@
+"""An OpenAI-compatible HTTP endpoint on a node (``prefixgate node ... --http-port P``).
+
+Why: so the same simulated nodes can sit behind prefixgate *and* behind peer routers
+(sglang-router, vllm-router, LiteLLM) that speak HTTP to their workers, and a benchmark can
+compare them on identical hardware. Every request is a monolithic ``Generate`` on this node.
+
+It serves what those routers probe: ``GET /health``, ``/health_generate``, ``/v1/models``,
+``/server_info`` (``/get_server_info``), ``/model_info`` (``/get_model_info``), ``/get_load``,
+``/metrics``, ``/version``; ``POST /v1/chat/completions`` and ``/v1/completions`` (JSON or SSE
+ending with ``data: [DONE]``, ``usage.prompt_tokens_details.cached_tokens`` = what this node
+reused), ``/generate`` (SGLang native, minimal), ``/v1/chat/completions/render``,
+``/v1/completions/render`` and ``/tokenize`` (token ids of our tokenizer, which vllm-router's
+``cache_aware`` policy needs), ``/flush_cache`` (drop every cached block).
+
+Prompts are rendered with ``gateway.normalize`` (the gateway's own chat template) and hashed
+in the gateway's namespace ``Namespace(model, tenant="", block_size, "bytes4")``, so a block a
+request leaves here is the block the gateway would name. Normalization is off by default: a
+real engine applies its chat template to the messages as sent, and a router in front of it
+gets no help from prefixgate's normalizer; ``normalize=True`` renders exactly as the gateway
+does with normalization on. No model or tokenizer path is reported, so sglang-router does not
+try to load a tokenizer.
+
+Runs on uvicorn in the node's own event loop, next to the gRPC server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Mapping
+from dataclasses import dataclass
+from typing import Any, cast
+
+import grpc
+import orjson
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from backends.engine import Sampling
+from backends.errors import NodeError
+from backends.generation import Chunk
+from backends.node import Node
+from cachetier.hashing import Namespace, block_hashes
+from cachetier.tokenizer import Bytes4Tokenizer, pack_ids, unpack_ids
+from gateway.errors import APIError, invalid
+from gateway.normalize import NormalizationError, render_chat, render_completion
+from gateway.schema import ParsedRequest, parse_json, parse_request
+
+DEFAULT_MODEL = "prefixgate-sim"
+MAX_MODEL_LEN = 139_264
+
+_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.UNAVAILABLE: 503,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class HTTPOptions:
+    model: str = DEFAULT_MODEL
+    normalize: bool = False  # render as the gateway does with normalization on
+    max_body_bytes: int = 16 * 1024 * 1024
+    default_max_tokens: int = 256
+    max_tokens_limit: int = 8_192
+    max_documents: int = 256
+
+
+# -- pure: request -> prompt tokens, chunks -> wire -----------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    tokens: bytes  # packed LE uint32
+    hashes: list[int]
+
+    @property
+    def count(self) -> int:
+        return len(self.tokens) // 4
+
+
+class Renderer:
+    """Request bodies -> prompt tokens and block hashes, the gateway's way."""
+
+    def __init__(self, model: str, block_size: int, normalize: bool) -> None:
+        self.tokenizer = Bytes4Tokenizer()
+        self.block_size = block_size
+        self.normalize = normalize
+        self.root = Namespace(model, "", block_size, self.tokenizer.name).root()
+
+    def tokens(self, req: ParsedRequest) -> bytes:
+        if req.document_ids:
+            raise invalid(
+                "document_ids are resolved by the gateway; send 'documents' to a node", "document_ids"
+            )
+        try:
+            if req.kind == "chat":
+                layout = render_chat(
+                    req.messages, documents=req.documents, tools=req.tools, normalize=self.normalize
+                )
+            elif req.prompt_token_ids is not None:
+                return pack_ids(req.prompt_token_ids)
+            else:
+                layout = render_completion(
+                    req.prompt or "", documents=req.documents, normalize=self.normalize
+                )
+        except NormalizationError as e:
+            raise invalid(str(e), e.param) from None
+        return self.tokenizer.encode(layout.text)
+
+    def text_tokens(self, text: str) -> bytes:
+        return self.tokenizer.encode(render_completion(text, normalize=self.normalize).text)
+
+    def prompt(self, tokens: bytes) -> Prompt:
+        if not tokens:
+            raise invalid("the prompt is empty", "prompt")
+        return Prompt(tokens, block_hashes(tokens, self.block_size, self.root))
+
+
+def sampling_of(req: ParsedRequest) -> Sampling:
+    s = req.sampling
+    return Sampling.normalized(s.max_tokens, s.temperature, s.top_p, s.seed, s.stop)
+
+
+def usage(chunk: Chunk) -> dict[str, Any]:
+    return {
+        "prompt_tokens": chunk.prompt_tokens,
+        "completion_tokens": chunk.completion_tokens,
+        "total_tokens": chunk.prompt_tokens + chunk.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": chunk.cached_tokens},
+    }
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+class Wire:
+    """OpenAI response objects for one request (chat or text completion)."""
+
+    def __init__(self, kind: str, model: str, include_usage: bool) -> None:
+        self.chat = kind == "chat"
+        rid = uuid.uuid4().hex
+        self.base = {
+            "id": f"chatcmpl-{rid}" if self.chat else f"cmpl-{rid}",
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "system_fingerprint": "prefixgate-node",
+        }
+        self.include_usage = include_usage
+
+    def chunk(self, text: str, finish: str, first: bool) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+            if not first and not text:
+                delta = {}
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish or None}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish or None}
+        choice["logprobs"] = None
+        out: dict[str, Any] = {**self.base, "choices": [choice]}
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, last: Chunk) -> dict[str, Any]:
+        return {**self.base, "choices": [], "usage": usage(last)}
+
+    def whole(self, text: str, last: Chunk) -> dict[str, Any]:
+        if self.chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": last.finish_reason or "length",
+                "logprobs": None,
+            }
+            obj = "chat.completion"
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "finish_reason": last.finish_reason or "length",
+                "logprobs": None,
+            }
+            obj = "text_completion"
+        return {**self.base, "object": obj, "choices": [choice], "usage": usage(last)}
+
+
+def sglang_sampling(body: Mapping[str, Any]) -> Sampling:
+    """``sampling_params`` of SGLang's ``/generate``."""
+    sp = body.get("sampling_params") or {}
+    if not isinstance(sp, Mapping):
+        raise invalid("'sampling_params' must be an object", "sampling_params")
+    try:
+        max_new = int(sp.get("max_new_tokens", 128))
+        temperature = float(sp.get("temperature", 1.0))
+        top_p = float(sp.get("top_p", 1.0))
+    except (TypeError, ValueError):
+        raise invalid("sampling_params: numbers expected", "sampling_params") from None
+    stop = sp.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else [s for s in stop if isinstance(s, str)]
+    seed = sp.get("sampling_seed")
+    return Sampling.normalized(
+        max(1, max_new), temperature, top_p, seed if isinstance(seed, int) else None, stop
+    )
+
+
+# -- the app ------------------------------------------------------------------------------------
+
+
+class JSON(Response):
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+Gen = AsyncGenerator[Chunk, None]
+
+
+def _node_error(e: NodeError) -> APIError:
+    status = _STATUS.get(e.code, 500)
+    return APIError(status, e.message, code=e.stage, retry_after=1 if status in (429, 503) else None)
+
+
+def _guard(handler: Handler) -> Handler:
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except APIError as e:
+            return e.response()
+        except NodeError as e:
+            return _node_error(e).response()
+
+    return wrapped
+
+
+class NodeAPI:
+    """The HTTP handlers over one ``Node``."""
+
+    def __init__(self, node: Node, options: HTTPOptions | None = None) -> None:
+        self.node = node
+        self.options = options or HTTPOptions()
+        self.renderer = Renderer(self.options.model, node.block_size, self.options.normalize)
+
+    # -- helpers
+
+    async def _json(self, request: Request) -> dict[str, Any]:
+        limit = self.options.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"request body is {declared} bytes; the limit is {limit}")
+        parts: list[bytes] = []
+        total = 0
+        async for part in request.stream():
+            total += len(part)
+            if total > limit:
+                raise APIError(413, f"request body exceeds the limit of {limit} bytes")
+            parts.append(part)
+        return parse_json(b"".join(parts))
+
+    def _parse(self, body: Mapping[str, Any], kind: str) -> ParsedRequest:
+        o = self.options
+        model = body.get("model")
+        models = {o.model, model} if isinstance(model, str) and model else {o.model}
+        return parse_request(
+            body,
+            kind,
+            models=models,
+            default_max_tokens=o.default_max_tokens,
+            max_tokens_limit=o.max_tokens_limit,
+            max_documents=o.max_documents,
+        )
+
+    def _headers(self, first: Chunk) -> dict[str, str]:
+        return {
+            "x-prefixgate-node": self.node.node_id,
+            "x-prefixgate-cached-tokens": str(first.cached_tokens),
+        }
+
+    async def _start(self, prompt: Prompt, sampling: Sampling) -> tuple[Gen, Chunk]:
+        """Begin generation and wait for the first chunk, so a refusal is an HTTP status."""
+        gen = cast(Gen, self.node.generate(prompt.tokens, prompt.hashes, sampling))
+        try:
+            first = await anext(gen)
+        except BaseException:
+            await gen.aclose()
+            raise
+        return gen, first
+
+    # -- OpenAI
+
+    async def completions(self, request: Request, kind: str) -> Response:
+        body = await self._json(request)
+        req = self._parse(body, kind)
+        prompt = self.renderer.prompt(self.renderer.tokens(req))
+        gen, first = await self._start(prompt, sampling_of(req))
+        wire = Wire(kind, req.model, req.include_usage)
+        if req.stream:
+            return StreamingResponse(
+                self._stream(wire, gen, first),
+                media_type="text/event-stream",
+                headers={**self._headers(first), "cache-control": "no-cache"},
+            )
+        parts: list[str] = [first.text]
+        last = first
+        try:
+            async for c in gen:
+                parts.append(c.text)
+                last = c
+        finally:
+            await gen.aclose()
+        return JSON(wire.whole("".join(parts), last), headers=self._headers(first))
+
+    async def _stream(self, wire: Wire, gen: Gen, first: Chunk) -> AsyncIterator[bytes]:
+        last = first
+        try:
+            yield sse(wire.chunk(first.text, first.finish_reason, True))
+            async for c in gen:
+                last = c
+                if c.text or c.finish_reason:
+                    yield sse(wire.chunk(c.text, c.finish_reason, False))
+            if wire.include_usage:
+                yield sse(wire.usage_chunk(last))
+            yield DONE
+        finally:
+            await gen.aclose()
+
+    async def chat(self, request: Request) -> Response:
+        return await self.completions(request, "chat")
+
+    async def text(self, request: Request) -> Response:
+        return await self.completions(request, "completion")
+
+    # -- SGLang native
+
+    async def generate(self, request: Request) -> Response:
+        body = await self._json(request)
+        ids = body.get("input_ids")
+        text = body.get("text")
+        if isinstance(text, list) and len(text) == 1:
+            text = text[0]
+        if isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids):
+            tokens = pack_ids(ids)
+        elif isinstance(text, str):
+            tokens = self.renderer.text_tokens(text)
+        else:
+            raise invalid("'text' (a string) or 'input_ids' is required", "text")
+        prompt = self.renderer.prompt(tokens)
+        gen, first = await self._start(prompt, sglang_sampling(body))
+        rid = str(body.get("rid") or uuid.uuid4().hex)
+
+        def meta(c: Chunk) -> dict[str, Any]:
+            return {
+                "id": rid,
+                "finish_reason": {"type": c.finish_reason} if c.finish_reason else None,
+                "prompt_tokens": c.prompt_tokens,
+                "completion_tokens": c.completion_tokens,
+                "cached_tokens": c.cached_tokens,
+            }
+
+        if body.get("stream"):
+
+            async def events() -> AsyncIterator[bytes]:
+                acc = first.text
+                try:
+                    yield sse({"text": acc, "meta_info": meta(first)})
+                    async for c in gen:
+                        acc += c.text
+                        yield sse({"text": acc, "meta_info": meta(c)})
+                    yield DONE
+                finally:
+                    await gen.aclose()
+
+            return StreamingResponse(events(), media_type="text/event-stream", headers=self._headers(first))
+        parts, last = [first.text], first
+        try:
+            async for c in gen:
+                parts.append(c.text)
+                last = c
+        finally:
+            await gen.aclose()
+        return JSON({"text": "".join(parts), "meta_info": meta(last)}, headers=self._headers(first))
+
+    # -- tokens for routers
+
+    async def render(self, request: Request) -> Response:
+        body = await self._json(request)
+        kind = "chat" if request.url.path.startswith("/v1/chat/") else "completion"
+        req = self._parse(body, kind)
+        ids = unpack_ids(self.renderer.tokens(req))
+        out = {
+            "request_id": uuid.uuid4().hex,
+            "model": req.model,
+            "token_ids": ids,
+            "prompt_token_ids": ids,
+            "sampling_params": {
+                "max_tokens": req.sampling.max_tokens,
+                "temperature": req.sampling.temperature,
+            },
+            "stream": req.stream,
+        }
+        return JSON(out if kind == "chat" else [out])
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await self._json(request)
+        if "messages" in body:
+            tokens = self.renderer.tokens(self._parse({"model": self.options.model, **body}, "chat"))
+        else:
+            prompt = body.get("prompt", body.get("text", ""))
+            if not isinstance(prompt, str):
+                raise invalid("'prompt' must be a string", "prompt")
+            tokens = self.renderer.text_tokens(prompt)
+        ids = unpack_ids(tokens)
+        return JSON({"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids, "token_strs": None})
+
+    # -- probes
+
+    async def health(self, request: Request) -> Response:
+        return Response(b"", status_code=200)
+
+    async def models(self, request: Request) -> Response:
+        m = self.options.model
+        data = [
+            {
+                "id": m,
+                "object": "model",
+                "created": 0,
+                "owned_by": "prefixgate",
+                "max_model_len": MAX_MODEL_LEN,
+            }
+        ]
+        return JSON({"object": "list", "data": data})
+
+    async def server_info(self, request: Request) -> Response:
+        s = self.node.snapshot()
+        return JSON(
+            {
+                "served_model_name": self.options.model,
+                "dp_size": 1,
+                "tp_size": 1,
+                "disaggregation_mode": "null",
+                "context_length": MAX_MODEL_LEN,
+                "max_total_num_tokens": s.capacity_blocks * self.node.block_size,
+                "page_size": self.node.block_size,
+                "version": "prefixgate-node",
+                "status": "ready",
+                "internal_states": [{"load": s.running_requests + s.queued_requests}],
+            }
+        )
+
+    async def model_info(self, request: Request) -> Response:
+        return JSON({"is_generation": True, "model_type": "prefixgate-sim", "weight_version": "default"})
+
+    async def get_load(self, request: Request) -> Response:
+        s = self.node.snapshot()
+        return JSON(
+            [
+                {
+                    "dp_rank": 0,
+                    "num_reqs": s.running_requests + s.queued_requests,
+                    "num_waiting_reqs": s.queued_requests,
+                    "num_tokens": s.queued_tokens,
+                }
+            ]
+        )
+
+    async def metrics(self, request: Request) -> Response:
+        s = self.node.snapshot()
+        m = self.options.model
+        text = (
+            f'vllm:num_requests_running{{model_name="{m}"}} {s.running_requests}\n'
+            f'vllm:num_requests_waiting{{model_name="{m}"}} {s.queued_requests}\n'
+            f"prefixgate_node_prompt_tokens_total {s.prompt_tokens}\n"
+            f"prefixgate_node_prefix_hit_tokens_total {s.prefix_hit_tokens}\n"
+        )
+        return Response(text, media_type="text/plain; version=0.0.4")
+
+    async def version(self, request: Request) -> Response:
+        return JSON({"version": "prefixgate-node"})
+
+    async def flush_cache(self, request: Request) -> Response:
+        n = len(self.node.evict(everything=True))
+        return JSON({"evicted_blocks": n})
+
+    def routes(self) -> list[Route]:
+        g = _guard
+        return [
+            Route("/v1/chat/completions", g(self.chat), methods=["POST"]),
+            Route("/v1/completions", g(self.text), methods=["POST"]),
+            Route("/generate", g(self.generate), methods=["POST"]),
+            Route("/v1/chat/completions/render", g(self.render), methods=["POST"]),
+            Route("/v1/completions/render", g(self.render), methods=["POST"]),
+            Route("/tokenize", g(self.tokenize), methods=["POST"]),
+            Route("/flush_cache", g(self.flush_cache), methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            *(Route(p, self.health, methods=["GET"]) for p in ("/health", "/health_generate", "/ping")),
+            *(Route(p, self.server_info, methods=["GET"]) for p in ("/server_info", "/get_server_info")),
+            *(Route(p, self.model_info, methods=["GET"]) for p in ("/model_info", "/get_model_info")),
+            Route("/get_load", self.get_load, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/version", self.version, methods=["GET"]),
+        ]
+
+
+def create_app(node: Node, options: HTTPOptions | None = None) -> Starlette:
+    return Starlette(routes=NodeAPI(node, options).routes())
+
+
+# -- serving in the node's loop -------------------------------------------------------------------
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without signal capture: the node process owns SIGINT/SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+class NodeHTTP:
+    """The HTTP endpoint of a node, served on the running loop. ``start`` returns the port."""
+
+    def __init__(
+        self, node: Node, host: str = "127.0.0.1", port: int = 0, options: HTTPOptions | None = None
+    ):
+        self.node = node
+        self.host = host
+        self.port = port
+        self.options = options or HTTPOptions()
+        self._server: _Server | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}"
+
+    async def start(self) -> int:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError:
+            sock.close()
+            raise
+        sock.listen(2048)
+        sock.setblocking(False)
+        self.port = int(sock.getsockname()[1])
+        config = uvicorn.Config(
+            create_app(self.node, self.options),
+            http="httptools",
+            lifespan="off",
+            log_level="error",
+            access_log=False,
+            timeout_graceful_shutdown=1,
+            backlog=2048,
+        )
+        self._server = _Server(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="node-http")
+        deadline = time.monotonic() + 10.0
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()
+                raise OSError(f"node HTTP endpoint on {self.address} did not start")
+            if time.monotonic() > deadline:
+                raise OSError(f"node HTTP endpoint on {self.address} did not start in 10 s")
+            await asyncio.sleep(0.01)
+        return self.port
+
+    async def stop(self) -> None:
+        if self._server is None or self._task is None:
+            return
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(self._task, 5.0)
+        except (TimeoutError, asyncio.CancelledError):
+            self._task.cancel()
+        self._server, self._task = None, None
