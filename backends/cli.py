@@ -33,7 +33,11 @@ def add_node_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", choices=ROLES, required=True, help="what the gateway uses this node for")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=0, help="gRPC port (default 0: a free one)")
-    parser.add_argument("--engine", default="sim", choices=["sim"], help="compute engine (default sim)")
+    parser.add_argument(
+        "--engine",
+        default="sim",
+        help="compute engine: sim (default), or tiny[:key=value,...] (a numpy transformer, real compute)",
+    )
     parser.add_argument(
         "--profile",
         choices=sorted(PROFILES),

@@ -236,7 +236,11 @@ def make_engine(
         return SimEngine(
             get_profile(profile, role), block_size=block_size, time_scale=time_scale, kv_scale=kv_scale
         )
-    raise ValueError(f"unknown engine {engine!r}: available: sim")
+    if engine == "tiny" or engine.startswith("tiny:"):
+        from backends.tiny.engine import make_engine as make_tiny
+
+        return make_tiny(engine, block_size=block_size, profile=profile)
+    raise ValueError(f"unknown engine {engine!r}: available: sim, tiny[:key=value,...]")
 
 
 def _host_port(host: str, port: int) -> str:
