@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import httpx
@@ -60,12 +61,8 @@ def test_nodes_lists_every_node_with_health_circuit_load_and_kv(stack: AdminStac
 
 def test_lookup_explains_the_route_the_next_request_takes(stack: AdminStack) -> None:
     doc = {"id": "handbook", "text": document(11, 3000)}
-    body = {
-        "model": MODEL,
-        "messages": _messages("Who signs the forms?"),
-        "documents": [doc],
-        "max_tokens": 4,
-    }
+    messages = _messages("Who signs the forms?")
+    body = {"model": MODEL, "messages": messages, "documents": [doc], "max_tokens": 4}
     with stack.admin() as c:
         # A prompt nobody has seen: the policy breaks the tie, and explain must predict how.
         loads_before = [n["load"] for n in c.get("/admin/nodes").json()["data"]]
@@ -74,7 +71,7 @@ def test_lookup_explains_the_route_the_next_request_takes(stack: AdminStack) -> 
         assert [n["load"] for n in c.get("/admin/nodes").json()["data"]] == loads_before
     assert fresh["decision"]["mode"] == "disaggregated"
     assert fresh["decision"]["prefill_node"] == again["decision"]["prefill_node"]  # explain changed nothing
-    first = chat(stack, body["messages"], [doc])
+    first = chat(stack, messages, [doc])
     assert first.headers["x-prefixgate-prefill-node"] == fresh["decision"]["prefill_node"]
     assert first.headers["x-prefixgate-decode-node"] == fresh["decision"]["decode_node"]
 
@@ -94,7 +91,7 @@ def test_lookup_explains_the_route_the_next_request_takes(stack: AdminStack) -> 
     kinds = [s["kind"] for s in segs]
     assert kinds[0] == "system" and "document" in kinds and "conversation" in kinds
     assert segs[0]["tokens"][0] == 0 and segs[-1]["tokens"][1] == n_tokens
-    for a, b in zip(segs, segs[1:], strict=False):
+    for a, b in itertools.pairwise(segs):
         assert a["tokens"][1] == b["tokens"][0]  # contiguous token spans
     handbook = next(s for s in segs if s["kind"] == "document")
     assert handbook["label"] == "handbook" and handbook["token_count"] > 2900
@@ -109,7 +106,7 @@ def test_lookup_explains_the_route_the_next_request_takes(stack: AdminStack) -> 
     assert other["hit_blocks"] == 0
     assert other["estimated_ttft_ms"] > chosen["estimated_ttft_ms"]
 
-    second = chat(stack, body["messages"], [doc])
+    second = chat(stack, messages, [doc])
     assert second.headers["x-prefixgate-prefill-node"] == d["prefill_node"]
     assert int(second.headers["x-prefixgate-cached-tokens"]) == d["predicted_cached_tokens"]
 
@@ -360,10 +357,12 @@ def test_metrics_show_ttft_prefill_transfer_and_hit_ratio(stack: AdminStack) -> 
         fams = _families(c.get("/metrics").text)
 
     def value(family: str, sample: str, **labels: str) -> float:
-        return sum(
-            s.value
-            for s in fams[family].samples
-            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())
+        return float(
+            sum(
+                s.value
+                for s in fams[family].samples
+                if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())
+            )
         )
 
     assert value("prefixgate_ttft_seconds", "prefixgate_ttft_seconds_count", route="disaggregated") >= 3
