@@ -1,0 +1,63 @@
+"""The gRPC request -> OpenAI body mapping and the HTTP status -> gRPC code mapping (pure)."""
+
+from __future__ import annotations
+
+import grpc
+
+from gateway.errors import APIError
+from gateway.grpc_front import request_body, status_of
+from prefixgate.v1 import gateway_pb2
+
+
+def test_chat_request_maps_every_field() -> None:
+    req = gateway_pb2.CompletionRequest(
+        model="m",
+        messages=[gateway_pb2.ChatMessage(role="user", content="hi", name="ann")],
+        max_tokens=9,
+        temperature=0.7,
+        top_p=0.9,
+        seed=42,
+        stop=["\n"],
+        user="u1",
+        documents=[gateway_pb2.Document(id="a", text="A"), gateway_pb2.Document(text="B")],
+        document_ids=["reg"],
+        tools_json='[{"type": "function", "function": {"name": "f"}}]',
+    )
+    body, kind = request_body(req)
+    assert kind == "chat"
+    assert body == {
+        "model": "m",
+        "max_tokens": 9,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "seed": 42,
+        "stop": ["\n"],
+        "user": "u1",
+        "documents": [{"id": "a", "text": "A"}, {"id": None, "text": "B"}],
+        "document_ids": ["reg"],
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "messages": [{"role": "user", "content": "hi", "name": "ann"}],
+    }
+
+
+def test_unset_optional_fields_stay_unset() -> None:
+    body, kind = request_body(gateway_pb2.CompletionRequest(model="m", prompt="p"))
+    assert kind == "completion" and body == {"model": "m", "prompt": "p"}
+    body, _ = request_body(gateway_pb2.CompletionRequest(model="m", prompt="p", temperature=0.0, seed=0))
+    assert body["temperature"] == 0.0 and body["seed"] == 0
+
+
+def test_status_codes() -> None:
+    expected = {
+        400: grpc.StatusCode.INVALID_ARGUMENT,
+        401: grpc.StatusCode.UNAUTHENTICATED,
+        404: grpc.StatusCode.NOT_FOUND,
+        413: grpc.StatusCode.INVALID_ARGUMENT,
+        429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+        502: grpc.StatusCode.UNAVAILABLE,
+        503: grpc.StatusCode.UNAVAILABLE,
+        500: grpc.StatusCode.INTERNAL,
+        507: grpc.StatusCode.INTERNAL,
+    }
+    for status, code in expected.items():
+        assert status_of(APIError(status, "x")) == code
