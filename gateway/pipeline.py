@@ -703,7 +703,9 @@ class Pipeline:
             queue_ms=round(t.queue_s * 1000, 2),
             prefill_ms=round(t.prefill_s * 1000, 2),
             transfer_ms=round(t.transfer_s * 1000, 2),
+            first_token_ms=round(max(0.0, ttft - t.queue_s - t.prefill_s - t.transfer_s) * 1000, 2),
             total_ms=round((time.perf_counter() - t.start) * 1000, 2),
+            reason=ex.reason,
         )
 
     async def close(self) -> None:
