@@ -52,3 +52,43 @@ def test_sigterm_finishes_inflight_streams_and_refuses_new_work() -> None:
         assert c.gateway.proc.wait(15) == 0
     finally:
         c.stop()
+
+
+def _running(address: str) -> int:
+    import grpc
+
+    from prefixgate.v1 import node_pb2, node_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        st = node_pb2_grpc.NodeStub(ch).Stats(node_pb2.StatsRequest(), timeout=5)
+    return int(st.running_requests + st.queued_requests)
+
+
+def test_client_disconnect_cancels_the_work_on_the_nodes() -> None:
+    c = Cluster.create(1, 1, ["--time-scale", "1.0"])
+    c.start()
+    try:
+        body = {
+            "model": MODEL,
+            "max_tokens": 800,
+            "stream": True,
+            "messages": [{"role": "user", "content": "a very long answer please " * 40}],
+        }
+        for stream in (True, False):
+            with httpx.Client(timeout=30) as http:
+                if stream:
+                    with http.stream("POST", c.url + "/v1/chat/completions", json=body) as r:
+                        for line in r.iter_lines():
+                            if line.startswith("data: "):
+                                break  # first chunk seen: hang up mid-stream
+                else:
+                    try:
+                        http.post(c.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=1.0)
+                    except httpx.ReadTimeout:
+                        pass  # the client gave up while the node was generating
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline and _running(c.decode[0].address) > 0:
+                time.sleep(0.05)
+            assert _running(c.decode[0].address) == 0, f"decode still running after hang-up (stream={stream})"
+    finally:
+        c.stop()
