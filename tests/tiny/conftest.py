@@ -1,0 +1,47 @@
+"""Tiny-engine nodes on 127.0.0.1 (small preset, 16-token blocks) and Node stubs."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+import pytest
+
+from backends.server import NodeServer, start_node
+from prefixgate.v1 import node_pb2_grpc
+from tests.tiny.support import BS, SMALL, StartNode
+
+
+@pytest.fixture
+async def nodes() -> AsyncIterator[StartNode]:
+    """``await nodes(role, engine=SMALL, block_size=BS, **start_node options)``; stopped after the test."""
+    started: list[NodeServer] = []
+
+    async def make(role: str = "monolithic", **options: Any) -> NodeServer:
+        options.setdefault("engine", SMALL)
+        options.setdefault("block_size", BS)
+        ns = await start_node(role, "127.0.0.1", 0, **options)
+        started.append(ns)
+        return ns
+
+    yield make
+    for ns in started:
+        await ns.stop(grace=0.2)
+
+
+@pytest.fixture
+async def stub() -> AsyncIterator[Callable[[str], Any]]:
+    """``stub(address)``: a Node stub on a channel closed after the test."""
+    channels: list[grpc.aio.Channel] = []
+
+    def make(address: str) -> Any:
+        ch = grpc.aio.insecure_channel(address)
+        channels.append(ch)
+        return node_pb2_grpc.NodeStub(ch)
+
+    yield make
+    for ch in channels:
+        await ch.close()
+
+
