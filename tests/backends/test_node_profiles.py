@@ -62,6 +62,6 @@ def test_instant_costs_nothing_and_reports_finite_rates() -> None:
 def test_profile_lookup() -> None:
     assert get_profile(None, "prefill") is S5000
     assert get_profile("", "decode") is ASTAR
-    assert get_profile("cpu").prefill_seconds(10, 0) == 0
+    assert get_profile("instant").prefill_seconds(10, 0) == 0
     with pytest.raises(ValueError, match="unknown profile"):
         get_profile("h100")
