@@ -13,7 +13,7 @@ def _index(args: argparse.Namespace) -> int:
 
 
 def add_bench_parser(sub: Any) -> None:
-    """Add ``bench replay``, ``bench hotpath`` and ``bench index`` to a subparsers object."""
+    """Add ``bench replay``, ``hotpath``, ``index``, ``peers`` and ``overhead`` to a subparsers object."""
     from bench import hotpath, replay
 
     bench = sub.add_parser("bench", help="run a benchmark (prints a table; --json FILE writes the figures)")
@@ -30,3 +30,17 @@ def add_bench_parser(sub: Any) -> None:
     ix = inner.add_parser("index", help="index lookup latency, write throughput, Redis memory per block")
     ix.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of python -m bench.index_bench")
     ix.set_defaults(func=_index)
+
+    from bench import overhead, peers
+
+    pe = inner.add_parser(
+        "peers", help="prefixgate vs sglang-router / vllm-router / LiteLLM, live, same nodes"
+    )
+    peers.add_arguments(pe)
+    pe.set_defaults(func=peers.run)
+
+    ov = inner.add_parser(
+        "overhead", help="latency and CPU a router adds: client->node vs client->router->node"
+    )
+    overhead.add_arguments(ov)
+    ov.set_defaults(func=overhead.run)

@@ -1,0 +1,441 @@
+"""Processes for the live benchmarks: simulated nodes, a gateway, peer routers; their CPU time.
+
+Every child runs in its own session (process group) on loopback, with its output in a log
+file under a run directory, dies with the benchmark (``PR_SET_PDEATHSIG``), and is stopped by
+its process-group id: SIGTERM, then SIGKILL after a grace period.
+
+Peer routers are not dependencies of prefixgate: they are looked up in a directory of venvs
+made by the commands in the README (``venv-sglang``, ``venv-vllmr``, ``venv-litellm`` under
+``--peers-venv``, default ``$PREFIXGATE_PEERS`` or ``$TMPDIR/prefixgate-peers``). Launch flags
+follow their documented loopback-safe forms (explicit ``--host``/``--prometheus-host``
+127.0.0.1, a 1 s shutdown grace for sglang-router, a master key and the local price map for
+LiteLLM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import secrets
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+PR_SET_PDEATHSIG = 1
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+MODEL = "prefixgate-sim"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def run_dir(prefix: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=f"prefixgate-{prefix}-"))
+
+
+@dataclass
+class Child:
+    """A started process (the leader of its own process group)."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    url: str = ""  # HTTP base URL, when it serves one
+    address: str = ""  # gRPC host:port, for nodes
+    headers: dict[str, str] = field(default_factory=dict)  # what clients must send (auth)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def spawn(
+    name: str,
+    cmd: Sequence[str],
+    logs: Path,
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    stdout_pipe: bool = False,
+) -> Child:
+    log = logs / f"{name}.log"
+    with log.open("ab") as f:
+        proc = subprocess.Popen(
+            list(cmd),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if stdout_pipe else f,
+            stderr=f,
+            env={**os.environ, **(env or {})},
+            cwd=cwd,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+    return Child(name, proc, log)
+
+
+def stop(children: Sequence[Child], grace: float = 5.0) -> None:
+    """SIGTERM every process group, wait up to ``grace`` s, then SIGKILL what is left."""
+    for c in children:
+        if c.alive():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(c.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for c in children:
+        try:
+            c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(c.pid, signal.SIGKILL)
+            c.proc.wait(timeout=5)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(c.pid, signal.SIGKILL)  # stragglers of the group (worker processes)
+        if c.proc.stdout is not None:
+            c.proc.stdout.close()
+
+
+# -- CPU time -------------------------------------------------------------------------------------
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text[text.rfind(")") + 2 :].split()  # fields after the command name
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of one process (all its threads), in seconds."""
+    f = _stat_fields(pid)
+    return (int(f[11]) + int(f[12])) / CLK_TCK if f else 0.0
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """utime + stime of every live process in a process group."""
+    total = 0
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            f = _stat_fields(int(d))
+            if f and int(f[2]) == pgid:
+                total += int(f[11]) + int(f[12])
+    return total / CLK_TCK
+
+
+# -- nodes ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class NodeOptions:
+    role: str = "monolithic"
+    profile: str = "s5000"
+    time_scale: float = 1.0
+    capacity_blocks: int = 20_000
+    block_size: int = 64
+    kv_scale: str = "1/163840"  # one byte a token: monolithic nodes ship no KV, keep memory small
+    max_queue: int = 256
+    max_concurrency: int = 1
+    max_decode_streams: int = 1024
+    http: bool = True
+
+
+def node_command(node_id: str, o: NodeOptions) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "node",
+        "--role",
+        o.role,
+        "--port",
+        "0",
+        "--node-id",
+        node_id,
+        "--profile",
+        o.profile,
+        "--time-scale",
+        str(o.time_scale),
+        "--capacity-blocks",
+        str(o.capacity_blocks),
+        "--block-size",
+        str(o.block_size),
+        "--kv-scale",
+        o.kv_scale,
+        "--max-queue",
+        str(o.max_queue),
+        "--max-concurrency",
+        str(o.max_concurrency),
+        "--max-decode-streams",
+        str(o.max_decode_streams),
+        "--log-level",
+        "warning",
+        "--ready-line",
+    ]
+    return [*cmd, "--http-port", "0"] if o.http else cmd
+
+
+def _ready_line(child: Child, deadline: float) -> dict[str, str]:
+    assert child.proc.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(child.proc.stdout, selectors.EVENT_READ)
+    buf = b""
+    try:
+        while time.monotonic() < deadline:
+            if sel.select(timeout=0.2):
+                part = os.read(child.proc.stdout.fileno(), 4096)
+                if not part:
+                    break
+                buf += part
+                if b"\n" in buf:
+                    line: dict[str, str] = json.loads(buf.split(b"\n", 1)[0])
+                    return line
+            elif not child.alive():
+                break
+    finally:
+        sel.close()
+    raise RuntimeError(f"node {child.name} not ready (exit {child.proc.poll()}):\n{child.tail()}")
+
+
+def start_nodes(count: int, options: NodeOptions, logs: Path, timeout: float = 60.0) -> list[Child]:
+    """``count`` nodes with gRPC and (``options.http``) HTTP on free loopback ports."""
+    children = [
+        spawn(f"node-{i + 1}", node_command(f"node-{i + 1}", options), logs, stdout_pipe=True)
+        for i in range(count)
+    ]
+    try:
+        deadline = time.monotonic() + timeout
+        for c in children:
+            line = _ready_line(c, deadline)
+            c.address = line["address"]
+            if "http_address" in line:
+                c.url = f"http://{line['http_address']}"
+    except BaseException:
+        stop(children)
+        raise
+    return children
+
+
+# -- gateway --------------------------------------------------------------------------------------
+
+
+def wait_http(url: str, timeout: float, child: Child | None = None, path: str = "/readyz") -> None:
+    deadline = time.monotonic() + timeout
+    last = ""
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            if child is not None and not child.alive():
+                raise RuntimeError(f"{child.name} exited ({child.proc.poll()}):\n{child.tail()}")
+            try:
+                r = client.get(url + path)
+                if r.status_code == 200:
+                    return
+                last = f"HTTP {r.status_code}"
+            except httpx.HTTPError as e:
+                last = repr(e)
+            time.sleep(0.1)
+    raise TimeoutError(f"{url}{path} not ready after {timeout:.0f} s ({last})")
+
+
+def start_gateway(
+    logs: Path,
+    *,
+    monolithic: Sequence[str] = (),
+    prefill: Sequence[str] = (),
+    decode: Sequence[str] = (),
+    policy: str = "prefixgate",
+    name: str = "prefixgate",
+    env: Mapping[str, str] | None = None,
+    timeout: float = 60.0,
+) -> Child:
+    port = free_port()
+    cmd = [sys.executable, "-m", "gateway.cli", "gateway", "--port", str(port), "--policy", policy]
+    for flag, addrs in (("--monolithic", monolithic), ("--prefill", prefill), ("--decode", decode)):
+        for a in addrs:
+            cmd += [flag, a]
+    child = spawn(name, cmd, logs, env={"PREFIXGATE_LOG_FORMAT": "json", **(env or {})})
+    child.url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(child.url, timeout, child)
+    except BaseException:
+        stop([child])
+        raise
+    return child
+
+
+# -- peers ----------------------------------------------------------------------------------------
+
+PEERS = ("sglang", "vllm", "litellm")
+PEER_LABELS = {
+    "sglang": "sglang-router 0.3.2 cache_aware",
+    "vllm": "vllm-router 0.1.17 cache_aware",
+    "litellm": "LiteLLM proxy simple-shuffle",
+}
+_VENVS = {"sglang": "venv-sglang", "vllm": "venv-vllmr", "litellm": "venv-litellm"}
+_BINARIES = {"sglang": "bin/python", "vllm": "bin/vllm-router", "litellm": "bin/litellm"}
+
+
+def default_peers_dir() -> Path:
+    env = os.environ.get("PREFIXGATE_PEERS")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("TMPDIR") or tempfile.gettempdir()) / "prefixgate-peers"
+
+
+def peer_missing(name: str, venvs: Path) -> str:
+    """Why peer ``name`` cannot run from ``venvs`` ("" when it can)."""
+    if name not in _VENVS:
+        return f"unknown peer {name!r} (choose from {', '.join(PEERS)})"
+    exe = venvs / _VENVS[name] / _BINARIES[name]
+    if not exe.exists():
+        return f"not installed ({exe} missing; see README, Benchmarks)"
+    if name == "sglang" and not any((venvs / _VENVS[name]).glob("lib/python*/site-packages/sglang_router")):
+        return f"not installed (sglang_router missing in {venvs / _VENVS[name]})"
+    return ""
+
+
+def _litellm_config(workers: Sequence[str], path: Path) -> None:
+    lines = ["model_list:"]
+    for w in workers:
+        lines += [
+            f"  - model_name: {MODEL}",
+            f'    litellm_params: {{model: openai/{MODEL}, api_base: "{w}/v1", api_key: "none", '
+            "input_cost_per_token: 1.0e-9, output_cost_per_token: 1.0e-9}",
+        ]
+    lines += [
+        "router_settings:",
+        "  routing_strategy: simple-shuffle",
+        "  num_retries: 0",
+        "litellm_settings:",
+        "  telemetry: false",
+        "  drop_params: false",
+        "  request_timeout: 600",
+        "  set_verbose: false",
+        "general_settings:",
+        "  disable_spend_logs: true",
+        "  disable_reset_budget: true",
+    ]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def start_peer(name: str, venvs: Path, workers: Sequence[str], logs: Path, timeout: float = 120.0) -> Child:
+    """Start peer ``name`` in front of ``workers`` (node HTTP base URLs); wait for a routed request."""
+    venv = venvs / _VENVS[name]
+    port, prom = free_port(), free_port()
+    env: dict[str, str] = {}
+    headers: dict[str, str] = {}
+    cwd = None
+    if name == "sglang":
+        cmd = [
+            str(venv / "bin/python"),
+            "-m",
+            "sglang_router.launch_router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(prom),
+            "--shutdown-grace-period-secs",
+            "1",
+            "--log-level",
+            "warn",
+            "--policy",
+            "cache_aware",
+            "--worker-urls",
+            *workers,
+        ]
+    elif name == "vllm":
+        cmd = [
+            str(venv / "bin/vllm-router"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(prom),
+            "--log-level",
+            "warning",
+            "--policy",
+            "cache_aware",
+            "--worker-urls",
+            *workers,
+        ]
+    else:
+        cfg = logs / "litellm_config.yaml"
+        _litellm_config(workers, cfg)
+        key = "sk-local-" + secrets.token_hex(12)
+        env = {"LITELLM_MASTER_KEY": key, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"}
+        headers = {"authorization": f"Bearer {key}"}
+        cwd = logs
+        cmd = [
+            str(venv / "bin/litellm"),
+            "--config",
+            str(cfg),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--num_workers",
+            "1",
+        ]
+    child = spawn(name, cmd, logs, env=env, cwd=cwd)
+    child.url = f"http://127.0.0.1:{port}"
+    child.headers = headers
+    try:
+        wait_routed(child, timeout)
+    except BaseException:
+        stop([child])
+        raise
+    return child
+
+
+def wait_routed(child: Child, timeout: float) -> None:
+    """Until a chat request through ``child`` succeeds (its workers are registered)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+    deadline = time.monotonic() + timeout
+    last = ""
+    with httpx.Client(timeout=5.0, headers=child.headers) as client:
+        while time.monotonic() < deadline:
+            if not child.alive():
+                raise RuntimeError(f"{child.name} exited ({child.proc.poll()}):\n{child.tail()}")
+            try:
+                r = client.post(child.url + "/v1/chat/completions", json=body)
+                if r.status_code == 200:
+                    return
+                last = f"HTTP {r.status_code}: {r.text[:200]}"
+            except httpx.HTTPError as e:
+                last = repr(e)
+            time.sleep(0.2)
+    raise TimeoutError(f"{child.name} routed no request in {timeout:.0f} s ({last}):\n{child.tail()}")

@@ -1,0 +1,410 @@
+"""``prefixgate bench overhead``: what a router adds, client -> node vs client -> router -> node.
+
+One simulated node with a zero-cost engine (``--profile instant``) serves every target, so
+what remains is software: HTTP, parsing, rendering, hashing, routing, the extra hop. Targets:
+``direct`` (the node's own OpenAI-compatible endpoint), ``prefixgate`` (the gateway with the
+node as its monolithic node, gRPC ``Generate``) and every installed peer router (HTTP to the
+node). For each cell (concurrent clients x prompt size x streaming or not) a closed loop of
+``clients`` httpx clients sends unique chat prompts (8 output tokens) for ``--seconds``
+after a short warm-up, and reports latency p50/p99 (whole response), TTFT p50/p99 (first SSE
+event with a choice), req/s, errors, and the router's CPU time per request (utime + stime of
+its process group, /proc) — the figure that transfers best to other machines. "Added" is the
+target's figure minus ``direct``'s in the same cell.
+
+Targets checked (prefixgate): added p50 at 1 client (2 KB, JSON) <= sglang-router's; CPU per
+request <= 0.4 ms (2 KB cells); streaming TTFT added <= 1 ms (1 client, 2 KB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+import time
+from collections.abc import Coroutine, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+from rich.console import Console
+from rich.table import Table
+
+from bench import launch
+from bench.report import percentile
+from bench.textgen import segment_text
+
+CLIENTS = (1, 32, 256)
+SIZES = (2_048, 262_144)
+QUICK_CLIENTS = (1, 32)
+QUICK_SIZES = (2_048,)
+OUTPUT_TOKENS = 8
+TARGET_CPU_MS = 0.4
+TARGET_STREAM_TTFT_MS = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    clients: int
+    prompt_bytes: int
+    stream: bool
+
+    @property
+    def name(self) -> str:
+        size = f"{self.prompt_bytes // 1024} KB" if self.prompt_bytes >= 1024 else f"{self.prompt_bytes} B"
+        return f"{'SSE' if self.stream else 'JSON'} {size} c={self.clients}"
+
+
+@dataclass(slots=True)
+class Sample:
+    latencies: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    errors: int = 0
+    error_kinds: dict[str, int] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+    def error(self, kind: str) -> None:
+        self.errors += 1
+        self.error_kinds[kind] = self.error_kinds.get(kind, 0) + 1
+
+
+class Prompts:
+    """Unique prompts of a given size: a unique tag first (no prefix is ever shared), then text."""
+
+    def __init__(self) -> None:
+        self._base: dict[int, str] = {}
+        self.counter = 0
+
+    def make(self, size: int) -> str:
+        if size not in self._base:
+            self._base[size] = segment_text(7, max(1, size // 4), "overhead", line_words=16)
+        self.counter += 1
+        tag = f"[request {self.counter:09d}] "
+        return tag + self._base[size][: max(0, size - len(tag))]
+
+
+def body(prompt: str, stream: bool, model: str = launch.MODEL) -> bytes:
+    b: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": OUTPUT_TOKENS,
+        "temperature": 0,
+    }
+    if stream:
+        b["stream"] = True
+        b["stream_options"] = {"include_usage": True}
+    return orjson.dumps(b)
+
+
+async def one(client: httpx.AsyncClient, payload: bytes, stream: bool, out: Sample) -> None:
+    t0 = time.perf_counter()
+    ttft = 0.0
+    try:
+        async with client.stream(
+            "POST", "/v1/chat/completions", content=payload, headers={"content-type": "application/json"}
+        ) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                out.error(f"HTTP {resp.status_code}")
+                return
+            if stream:
+                done = False
+                async for line in resp.aiter_lines():
+                    if not ttft and line.startswith("data: {") and '"choices":[{' in line:
+                        ttft = time.perf_counter() - t0
+                    if line.startswith("data: [DONE]"):
+                        done = True
+                if not done:
+                    out.error("stream without [DONE]")
+                    return
+            else:
+                await resp.aread()
+    except httpx.HTTPError as e:
+        out.error(type(e).__name__)
+        return
+    dt = time.perf_counter() - t0
+    out.latencies.append(dt)
+    out.ttfts.append(ttft or dt)
+
+
+async def closed_loop(
+    url: str,
+    headers: Mapping[str, str],
+    cell: Cell,
+    seconds: float,
+    max_requests: int,
+    prompts: Prompts,
+    timeout: float,
+) -> Sample:
+    """``cell.clients`` clients back to back for ``seconds`` (or ``max_requests``)."""
+    out = Sample()
+    limits = httpx.Limits(max_connections=cell.clients, max_keepalive_connections=cell.clients)
+    async with httpx.AsyncClient(
+        base_url=url, headers=dict(headers), limits=limits, timeout=httpx.Timeout(timeout, connect=10.0)
+    ) as client:
+        budget = [max_requests]
+        t0 = time.perf_counter()
+        end = t0 + seconds
+
+        async def worker() -> None:
+            while time.perf_counter() < end and budget[0] > 0:
+                budget[0] -= 1
+                await one(client, body(prompts.make(cell.prompt_bytes), cell.stream), cell.stream, out)
+
+        await asyncio.wait_for(
+            asyncio.gather(*(worker() for _ in range(cell.clients))), seconds + timeout + 5
+        )
+        out.wall_s = time.perf_counter() - t0
+    return out
+
+
+def cell_json(target: str, cell: Cell, s: Sample, cpu_s: float | None, node_cpu_s: float) -> dict[str, Any]:
+    lat = sorted(s.latencies)
+    ttft = sorted(s.ttfts)
+    n = len(lat)
+    out: dict[str, Any] = {
+        "target": target,
+        "clients": cell.clients,
+        "prompt_bytes": cell.prompt_bytes,
+        "stream": cell.stream,
+        "ok": n,
+        "errors": s.errors,
+        "error_kinds": s.error_kinds,
+        "wall_s": round(s.wall_s, 3),
+        "req_per_s": round(n / s.wall_s, 1) if s.wall_s > 0 else 0.0,
+        "p50_ms": round(percentile(lat, 50) * 1e3, 3),
+        "p99_ms": round(percentile(lat, 99) * 1e3, 3),
+        "ttft_p50_ms": round(percentile(ttft, 50) * 1e3, 3),
+        "ttft_p99_ms": round(percentile(ttft, 99) * 1e3, 3),
+        "node_cpu_ms_per_req": round(node_cpu_s * 1e3 / max(1, n + s.errors), 4),
+    }
+    out["cpu_ms_per_req"] = round(cpu_s * 1e3 / max(1, n + s.errors), 4) if cpu_s is not None else None
+    return out
+
+
+def add_deltas(rows: list[dict[str, Any]]) -> None:
+    """``added_*_ms``: a target's figure minus ``direct``'s in the same cell."""
+    base = {(r["clients"], r["prompt_bytes"], r["stream"]): r for r in rows if r["target"] == "direct"}
+    for r in rows:
+        b = base.get((r["clients"], r["prompt_bytes"], r["stream"]))
+        for k in ("p50_ms", "p99_ms", "ttft_p50_ms", "ttft_p99_ms"):
+            r[f"added_{k}"] = round(r[k] - b[k], 3) if b is not None and r["target"] != "direct" else None
+
+
+def _find(rows: Sequence[dict[str, Any]], target: str, clients: int, size: int, stream: bool) -> Any:
+    for r in rows:
+        if (r["target"], r["clients"], r["prompt_bytes"], r["stream"]) == (target, clients, size, stream):
+            return r
+    return None
+
+
+def verdicts(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The three overhead targets, for prefixgate; None where a cell was not run."""
+    small = min((r["prompt_bytes"] for r in rows), default=2048)
+    pg = _find(rows, "prefixgate", 1, small, False)
+    sg = _find(rows, "sglang", 1, small, False)
+    pg_stream = _find(rows, "prefixgate", 1, small, True)
+    cpu = [r["cpu_ms_per_req"] for r in rows if r["target"] == "prefixgate" and r["prompt_bytes"] == small]
+    out: dict[str, Any] = {
+        "added_p50_ms_1_client": pg["added_p50_ms"] if pg else None,
+        "sglang_added_p50_ms_1_client": sg["added_p50_ms"] if sg else None,
+        "cpu_ms_per_req_small_prompts": round(max(cpu), 4) if cpu else None,
+        "stream_added_ttft_p50_ms_1_client": pg_stream["added_ttft_p50_ms"] if pg_stream else None,
+    }
+    out["added_p50_le_sglang"] = (
+        pg["added_p50_ms"] <= sg["added_p50_ms"] if pg and sg and pg["added_p50_ms"] is not None else None
+    )
+    out["cpu_le_0.4_ms"] = max(cpu) <= TARGET_CPU_MS if cpu else None
+    ttft = out["stream_added_ttft_p50_ms_1_client"]
+    out["stream_ttft_added_le_1_ms"] = ttft <= TARGET_STREAM_TTFT_MS if ttft is not None else None
+    return out
+
+
+def render(rows: Sequence[dict[str, Any]], labels: Mapping[str, str]) -> Table:
+    t = Table(title="router overhead (1 node, instant engine, 8 output tokens), ms", title_justify="left")
+    cols = [
+        "cell",
+        "target",
+        "p50",
+        "p99",
+        "+p50",
+        "+p99",
+        "TTFT p50",
+        "+TTFT p50",
+        "req/s",
+        "CPU/req",
+        "errors",
+    ]
+    for c in cols:
+        t.add_column(c, justify="left" if c in ("cell", "target") else "right")
+
+    def f(v: Any, sign: bool = False) -> str:
+        if v is None:
+            return "-"
+        return f"{v:+.2f}" if sign else f"{v:.2f}"
+
+    last = None
+    for r in rows:
+        cell = Cell(r["clients"], r["prompt_bytes"], r["stream"]).name
+        t.add_row(
+            cell if cell != last else "",
+            labels.get(r["target"], r["target"]),
+            f(r["p50_ms"]),
+            f(r["p99_ms"]),
+            f(r.get("added_p50_ms"), True),
+            f(r.get("added_p99_ms"), True),
+            f(r["ttft_p50_ms"]) if r["stream"] else "-",
+            f(r.get("added_ttft_p50_ms"), True) if r["stream"] else "-",
+            f"{r['req_per_s']:.0f}",
+            f(r.get("cpu_ms_per_req")),
+            str(r["errors"]),
+        )
+        last = cell
+    return t
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--peers",
+        default=",".join(launch.PEERS),
+        help="comma-separated peers to measure too: sglang,vllm,litellm (default all installed; '' none)",
+    )
+    p.add_argument(
+        "--peers-venv", default=str(launch.default_peers_dir()), help="directory of the peer venvs"
+    )
+    p.add_argument(
+        "--clients", type=int, nargs="+", default=None, help=f"concurrent clients (default {CLIENTS})"
+    )
+    p.add_argument("--sizes", type=int, nargs="+", default=None, help=f"prompt bytes (default {SIZES})")
+    p.add_argument("--modes", nargs="+", choices=("json", "stream"), default=["json", "stream"])
+    p.add_argument("--seconds", type=float, default=None, help="measured seconds per cell (default 2)")
+    p.add_argument("--max-requests", type=int, default=20_000, help="requests per cell at most")
+    p.add_argument("--request-timeout", type=float, default=30.0)
+    p.add_argument(
+        "--quick", action="store_true", help="a smoke run: 1 and 32 clients, 2 KB, 0.4 s a cell, no peers"
+    )
+    p.add_argument("--json", dest="json_out", help="write the figures as JSON to this file")
+
+
+def _loop_run(main: Coroutine[Any, Any, Sample]) -> Sample:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console(width=max(130, Console().width))
+    clients = args.clients or (QUICK_CLIENTS if args.quick else CLIENTS)
+    sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
+    seconds = args.seconds or (0.4 if args.quick else 2.0)
+    warmup = min(0.5, seconds / 2)
+    peer_names = [] if args.quick and args.peers == ",".join(launch.PEERS) else args.peers.split(",")
+    skipped: dict[str, str] = {}
+    peers: list[str] = []
+    for name in (x.strip() for x in peer_names):
+        if name:
+            reason = launch.peer_missing(name, Path(args.peers_venv))
+            if reason:
+                skipped[name] = reason
+                console.print(f"[yellow]skipped[/] {name}: {reason}")
+            else:
+                peers.append(name)
+    cells = [Cell(c, s, m == "stream") for m in args.modes for s in sizes for c in clients]
+    logs = launch.run_dir("overhead")
+    node_opts = launch.NodeOptions(
+        profile="instant",
+        capacity_blocks=300_000,
+        max_queue=4096,
+        max_decode_streams=4096,
+    )
+    labels = {"direct": "direct (node)", "prefixgate": "prefixgate", **launch.PEER_LABELS}
+    console.print(
+        f"overhead: {len(cells)} cells x {1 + 1 + len(peers)} targets, {seconds:g} s a cell; logs in {logs}"
+    )
+    rows: list[dict[str, Any]] = []
+    failed: dict[str, str] = {}
+    prompts = Prompts()
+    nodes = launch.start_nodes(1, node_opts, logs)
+    node = nodes[0]
+    try:
+        for target in ["direct", "prefixgate", *peers]:
+            router: launch.Child | None = None
+            try:
+                if target == "prefixgate":
+                    router = launch.start_gateway(logs, monolithic=[node.address])
+                elif target != "direct":
+                    router = launch.start_peer(target, Path(args.peers_venv), [node.url], logs)
+            except (OSError, RuntimeError, TimeoutError) as e:
+                failed[target] = str(e).splitlines()[0][:300]
+                console.print(f"[red]failed[/] {target}: {failed[target]}")
+                continue
+            url = router.url if router else node.url
+            headers = router.headers if router else {}
+            try:
+                for cell in cells:
+                    _loop_run(closed_loop(url, headers, cell, warmup, 1000, prompts, args.request_timeout))
+                    cpu0 = launch.group_cpu_seconds(router.pid) if router else None
+                    ncpu0 = launch.cpu_seconds(node.pid)
+                    sample = _loop_run(
+                        closed_loop(
+                            url, headers, cell, seconds, args.max_requests, prompts, args.request_timeout
+                        )
+                    )
+                    cpu = launch.group_cpu_seconds(router.pid) - cpu0 if router and cpu0 is not None else None
+                    rows.append(cell_json(target, cell, sample, cpu, launch.cpu_seconds(node.pid) - ncpu0))
+                    console.print(
+                        f"  {labels.get(target, target)} {cell.name}: p50 {rows[-1]['p50_ms']:.2f} ms, "
+                        f"{rows[-1]['req_per_s']:.0f} req/s, errors {sample.errors}"
+                    )
+            finally:
+                if router is not None:
+                    launch.stop([router], grace=3.0)
+    finally:
+        launch.stop(nodes, grace=3.0)
+    add_deltas(rows)
+    rows.sort(key=lambda r: (r["stream"], r["prompt_bytes"], r["clients"]))
+    console.print(render(rows, labels))
+    v = verdicts(rows)
+    console.print(
+        "prefixgate: added p50 at 1 client "
+        f"{v['added_p50_ms_1_client']} ms (sglang-router {v['sglang_added_p50_ms_1_client']} ms); "
+        f"CPU/request {v['cpu_ms_per_req_small_prompts']} ms (target <= {TARGET_CPU_MS}); "
+        f"streaming TTFT added {v['stream_added_ttft_p50_ms_1_client']} ms "
+        f"(target <= {TARGET_STREAM_TTFT_MS})"
+    )
+    report = {
+        "config": {
+            "engine_profile": "instant",
+            "output_tokens": OUTPUT_TOKENS,
+            "clients": list(clients),
+            "prompt_bytes": list(sizes),
+            "modes": list(args.modes),
+            "seconds_per_cell": seconds,
+            "warmup_s": warmup,
+            "keepalive": True,
+            "quick": bool(args.quick),
+        },
+        "cells": rows,
+        "targets": v,
+        "skipped": skipped,
+        "failed": failed,
+    }
+    if args.json_out:
+        Path(args.json_out).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+        console.print(f"wrote {args.json_out}")
+    return 0 if rows else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="prefixgate bench overhead", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())
