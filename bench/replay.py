@@ -36,7 +36,12 @@ DEFAULT_TIME_SCALE = {"mooncake": 10.0, "azure": 60.0}
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", help="trace file (default: the shared trace of --format)")
     p.add_argument("--format", choices=FORMATS, help="workload format (default: from --trace, else mooncake)")
-    p.add_argument("--mode", choices=("sim",), default="sim", help="sim: virtual-time simulator")
+    p.add_argument(
+        "--mode",
+        choices=("sim", "live"),
+        default="sim",
+        help="sim: virtual-time simulator; live: send the requests to a running server at --url",
+    )
     p.add_argument("--prefill-nodes", type=int, default=4)
     p.add_argument(
         "--capacity-tokens",
@@ -78,6 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="queue-wait estimate beyond which a request falls back",
     )
     p.add_argument("--json", dest="json_out", help="write the figures as JSON to this file")
+    from bench import live
+
+    live.add_arguments(p)
 
 
 def options(args: argparse.Namespace, fmt: str, normalize: bool = True) -> WorkloadOptions:
@@ -166,7 +174,11 @@ def run(args: argparse.Namespace) -> int:
     console = Console(width=max(160, Console().width))
     fmt = workload_format(args)
     try:
-        if args.normalize == "both" and fmt in GENERATED_FORMATS:
+        if args.mode == "live":
+            from bench import live
+
+            report = live.run_replay(build_workload(args, args.normalize != "off"), args, console)
+        elif args.normalize == "both" and fmt in GENERATED_FORMATS:
             report = run_sim(build_workload(args, True), args, console)
             report["without_normalization"] = run_sim(build_workload(args, False), args, console)
         else:
