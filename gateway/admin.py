@@ -20,7 +20,7 @@ from starlette.routing import Route
 from gateway import cache_ops
 from gateway.app import ORJSONResponse, _guard, _svc, authenticate, read_body, request_id_of
 from gateway.errors import APIError, invalid
-from gateway.logging import bind_request
+from gateway.logging import current_request_id
 from gateway.metrics import HitCounts
 from gateway.nodes import ROLES, Node
 from gateway.pipeline import Prepared
@@ -53,7 +53,6 @@ def require_admin(handler: Handler) -> Handler:
                     "the admin API without an admin token answers loopback clients only",
                     code="admin_loopback_only",
                 )
-        bind_request(request_id_of(request), admin=request.url.path)
         return await handler(request)
 
     return _guard(wrapped)
@@ -97,7 +96,7 @@ def admin_tenant(svc: GatewayService, body: Mapping[str, Any], parsed: ParsedReq
 
 
 def _prepare(svc: GatewayService, parsed: ParsedRequest, tenant: str, request: Request) -> Prepared:
-    return svc.pipeline.prepare(parsed, tenant, request_id_of(request))
+    return svc.pipeline.prepare(parsed, tenant, current_request_id() or request_id_of(request))
 
 
 def _nodes_param(body: Mapping[str, Any]) -> list[str] | int | None:
@@ -345,7 +344,6 @@ async def cache_pin(request: Request) -> Response:
 async def prefill_service(request: Request) -> Response:
     """``POST /v1/prefill``: warm (and optionally pin) a prompt or document set for a tenant."""
     svc = _svc(request)
-    bind_request(request_id_of(request), path=request.url.path)
     if svc.draining:
         raise APIError(503, "the gateway is shutting down", code="shutting_down", retry_after=1)
     key_tenant = authenticate(svc, request)

@@ -126,7 +126,7 @@ async def _watch_disconnect(request: Request, work: Awaitable[Response]) -> Resp
 async def completions(request: Request, kind: str) -> Response:
     svc = _svc(request)
     s = svc.settings
-    rid = bind_request(request_id_of(request), path=request.url.path)
+    rid = current_request_id() or bind_request(request_id_of(request), path=request.url.path)
     if svc.draining:
         raise APIError(503, "the gateway is shutting down", code="shutting_down", retry_after=1)
     key_tenant = authenticate(svc, request)
@@ -341,6 +341,7 @@ def _guard(handler: Handler) -> Handler:
     """Turn APIError (and anything unexpected) into an OpenAI-shaped error response."""
 
     async def wrapped(request: Request) -> Response:
+        bind_request(request_id_of(request), path=request.url.path)  # in every line of this request
         try:
             return await handler(request)
         except APIError as e:

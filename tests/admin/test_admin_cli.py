@@ -116,7 +116,7 @@ def test_request_id_is_in_every_log_line_of_the_request(stack: AdminStack) -> No
     assert summary["request_id"] == rid and summary["route"] == "disaggregated"
     for key in ("prefill_node", "decode_node", "cached_tokens", "computed_tokens", "ttft_ms", "queue_ms"):
         assert key in summary, key
-    assert {"prefill_ms", "transfer_ms", "outcome"} <= set(summary)
+    assert {"prefill_ms", "transfer_ms", "first_token_ms", "reason", "outcome"} <= set(summary)
     failed = next(line for line in lines if line.get("event") == "request_failed")
     assert failed["request_id"] == rid + "-bad" and failed["status"] == 404
     # No per-request gateway line of the whole run lacks its request id.
