@@ -258,8 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="write the figures to this file")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
+    repeat = max(1, args.repeat)
     runs = asyncio.run(
-        measure(args.engine, args.sizes, args.block_size, args.new_tokens, args.decode_tokens, max(1, args.repeat))
+        measure(args.engine, args.sizes, args.block_size, args.new_tokens, args.decode_tokens, repeat)
     )
     fit = fit_profile(runs)
     shown = medians(runs)
@@ -270,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         doc: dict[str, Any] = {
             "engine": args.engine,
             "block_size": args.block_size,
-            "repeat": args.repeat,
+            "repeat": repeat,
             "median_runs": [{**asdict(r), "transfer_mb_s": r.transfer_mb_s} for r in shown],
             "runs": [{**asdict(r), "transfer_mb_s": r.transfer_mb_s} for r in runs],
             "cpu_profile": asdict(fit),
