@@ -228,6 +228,9 @@ def print_table(runs: Sequence[Run], fit: Fit, engine: str, console: Console) ->
             f"{r.transfer_mb_s:,.0f}", f"{r.decode_per_token_s * 1e3:.2f}",
         )  # fmt: skip
     console.print(t)
+    if len({r.prompt_tokens for r in runs}) < 2:
+        console.print("(the cpu profile fit needs two prompt sizes or more)")
+        return
     console.print(
         "fitted cpu profile: "
         f"prefill_tokens_per_s={fit.prefill_tokens_per_s:,.0f} "
