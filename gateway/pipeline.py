@@ -139,9 +139,29 @@ def _rpc_failure(node: Node, stage: str, err: BaseException) -> NodeFailure:
     return NodeFailure(node, stage, None, repr(err))
 
 
+STAGE_KEY = "x-prefixgate-stage"
+KV_FORMAT_FIELDS = ("model_fingerprint", "block_size", "dtype", "layout", "bytes_per_token")
+
+
+def kv_format_mismatch(want: node_pb2.KVFormat, node: node_pb2.NodeStats | None) -> str:
+    """Which KV format fields differ, in the words the nodes use."""
+    if node is None:
+        return "KV format unknown"
+    diffs = [
+        f"{f} {getattr(want, f)!r} != {getattr(node.kv_format, f)!r}"
+        for f in KV_FORMAT_FIELDS
+        if getattr(want, f) != getattr(node.kv_format, f)
+    ]
+    return "KV format mismatch: " + ", ".join(diffs)
+
+
 def _transfer_failed(err: grpc.aio.AioRpcError) -> bool:
-    """The prefill node reports a failed push to the decode node with this marker."""
-    return "transfer" in (err.details() or "").lower() and "decode" in (err.details() or "").lower()
+    """Did the prefill node fail to push KV to the decode node (rather than fail itself)?"""
+    for key, value in err.trailing_metadata() or ():
+        if key == STAGE_KEY:
+            return bool(value == "transfer")
+    details = (err.details() or "").lower()
+    return "transfer" in details and "decode" in details
 
 
 class Execution:
@@ -345,9 +365,23 @@ class Pipeline:
             (n for n in self.pool.routable("decode") if n.id not in exclude), key=lambda n: n.decode_load()
         )
 
+    def _model_fingerprint(self) -> str | None:
+        """The model the prefill pool serves (None when no prefill node has reported)."""
+        for n in self.pool.role("prefill"):
+            if n.stats is not None and n.stats.kv_format.model_fingerprint:
+                return n.stats.kv_format.model_fingerprint
+        return None
+
     def _monolithic_candidates(self, exclude: set[str]) -> list[Node]:
-        mono = [n for n in self.pool.routable("monolithic") if n.id not in exclude]
-        return mono or [n for n in self.pool.routable("decode") if n.id not in exclude]
+        """Nodes that may serve the whole request: the monolithic pool, else the decode nodes,
+        never one running another model than the prefill pool (it would answer wrongly)."""
+        model = self._model_fingerprint()
+
+        def same_model(n: Node) -> bool:
+            return model is None or n.stats is None or n.stats.kv_format.model_fingerprint == model
+
+        mono = [n for n in self.pool.routable("monolithic") if n.id not in exclude and same_model(n)]
+        return mono or [n for n in self.pool.routable("decode") if n.id not in exclude and same_model(n)]
 
     def decide(self, prep: Prepared, hits: dict[str, int], exclude: set[str] | None = None) -> Plan:
         """Pure given the node views: which mode, which nodes, and why."""
@@ -373,8 +407,18 @@ class Pipeline:
             queue_wait_s=queue_wait,
             ttft_budget_s=self.settings.ttft_budget_s,
         )
-        if mode.mode == DISAGGREGATED and not decode_nodes:
-            mode = ModeDecision(FALLBACK, "no decode node can take the request")
+        if mode.mode == DISAGGREGATED and decision is not None:
+            # Pages are only accepted by a node with the identical KV format: pair accordingly.
+            pnode = self.pool.by_id(decision.node_id or "")
+            fmt = pnode.stats.kv_format if pnode is not None and pnode.stats is not None else None
+            if fmt is not None:
+                refused = [d for d in decode_nodes if d.stats is None or d.stats.kv_format != fmt]
+                decode_nodes = [d for d in decode_nodes if d not in refused]
+                if not decode_nodes:
+                    why = "; ".join(f"{d.id}: {kv_format_mismatch(fmt, d.stats)}" for d in refused)
+                    mode = ModeDecision(
+                        FALLBACK, f"no decode node accepts the prefill node's KV pages ({why})"
+                    )
         plan = Plan(mode, hits, decision)
         if mode.mode == DISAGGREGATED:
             plan.decode_node = decode_nodes[0].id
@@ -423,7 +467,7 @@ class Pipeline:
         """Bounded attempts, exponential backoff with jitter, within the request's deadline."""
         return AsyncRetrying(
             stop=stop_after_attempt(MAX_ATTEMPTS) | _stop_at(deadline),
-            wait=wait_exponential_jitter(initial=0.02, max=0.5, jitter=0.05),
+            wait=wait_exponential_jitter(multiplier=0.02, max=0.5, jitter=0.05),
             retry=retry_if_exception_type(NodeFailure),
             reraise=True,
         )
@@ -496,7 +540,7 @@ class Pipeline:
         self.metrics.requests.labels(route, "failed").inc()
         if failures and all(f.code == grpc.StatusCode.RESOURCE_EXHAUSTED for f in failures):
             raise APIError(429, "every node is at capacity; retry shortly", code="overloaded", retry_after=1)
-        detail = "; ".join(str(f) for f in failures[-3:]) or "no node is reachable"
+        detail = "; ".join(str(f) for f in failures[-3:]) or f"no node can serve it: {plan.mode.reason}"
         raise APIError(503, f"no node could serve the request ({detail})", code="unavailable", retry_after=2)
 
     def _note_failure(self, f: NodeFailure) -> None:
