@@ -12,6 +12,12 @@ def _index(args: argparse.Namespace) -> int:
     return int(index_bench.main(list(args.rest)) or 0)
 
 
+def _tiny(args: argparse.Namespace) -> int:
+    from bench import tiny_bench
+
+    return int(tiny_bench.main(list(args.rest)) or 0)
+
+
 def add_bench_parser(sub: Any) -> None:
     """Add ``bench replay``, ``hotpath``, ``index``, ``peers`` and ``overhead`` to a subparsers object."""
     from bench import hotpath, replay
@@ -30,6 +36,10 @@ def add_bench_parser(sub: Any) -> None:
     ix = inner.add_parser("index", help="index lookup latency, write throughput, Redis memory per block")
     ix.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of python -m bench.index_bench")
     ix.set_defaults(func=_index)
+
+    tb = inner.add_parser("tiny", help="tiny engine: TTFT with and without a prefix hit, KV transfer")
+    tb.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of python -m bench.tiny_bench")
+    tb.set_defaults(func=_tiny)
 
     from bench import overhead, peers
 
