@@ -653,8 +653,13 @@ class Pipeline:
         attempts: int,
     ) -> Execution:
         predicted = decision.cached_blocks * self.settings.block_size
+        uncached = max(0, prep.prompt_tokens - predicted)
         timings = Timings()
         node.breaker.on_dispatch()
+        # Counted as ours until its prefill is done, as on the split path: between two stats polls
+        # the policy otherwise sees none of the requests it just sent and piles them on one node.
+        node.local_requests += 1
+        node.local_tokens += uncached
         call = node.stub.Generate(
             node_pb2.GenerateRequest(
                 request_id=prep.request_id,
@@ -670,6 +675,9 @@ class Pipeline:
         except grpc.aio.AioRpcError as e:
             call.cancel()
             raise _rpc_failure(node, "generate", e) from e
+        finally:
+            node.local_requests -= 1
+            node.local_tokens -= uncached
         if chunk is grpc.aio.EOF:
             call.cancel()
             raise NodeFailure(node, "generate", grpc.StatusCode.UNKNOWN, "stream ended before any token")
