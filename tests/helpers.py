@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -70,9 +71,29 @@ class Proc:
 def spawn(args: list[str], env: dict[str, str] | None = None) -> Proc:
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFIXGATE_LOG_FORMAT": "json", **(env or {})}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", *args], cwd=REPO, env=full_env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        [sys.executable, "-m", "gateway.cli", *args],
+        cwd=REPO,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     p = Proc(proc)
     p.start_reader()
     return p
+
+
+WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november".split()
+
+
+def document(seed: int, tokens: int) -> str:
+    """Deterministic prose of about ``tokens`` tokens (the bytes4 tokenizer: 4 bytes a token)."""
+    rng = random.Random(seed)
+    out: list[str] = []
+    size = 0
+    while size < tokens * 4:
+        w = rng.choice(WORDS)
+        out.append(w)
+        size += len(w) + 1
+    return " ".join(out)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,19 +16,6 @@ from tests.helpers import Proc, free_port, spawn
 
 MODEL = "prefixgate-sim"
 ADMIN_TOKEN = "admin-secret-for-tests"
-WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november".split()
-
-
-def document(seed: int, tokens: int) -> str:
-    """Deterministic prose of about ``tokens`` tokens (4 bytes a token)."""
-    rng = random.Random(seed)
-    out: list[str] = []
-    size = 0
-    while size < tokens * 4:
-        w = rng.choice(WORDS)
-        out.append(w)
-        size += len(w) + 1
-    return " ".join(out)
 
 
 @dataclass

@@ -11,8 +11,8 @@ from starlette.testclient import TestClient
 from gateway.app import create_app
 from gateway.config import Settings
 from gateway.service import GatewayService
-from tests.admin.conftest import MODEL, AdminStack, chat, document, wait_until
-from tests.helpers import spawn
+from tests.admin.conftest import MODEL, AdminStack, chat, wait_until
+from tests.helpers import document, spawn
 
 SYSTEM = {"role": "system", "content": "Answer from the documents."}
 

@@ -6,8 +6,8 @@ import json
 import subprocess
 import sys
 
-from tests.admin.conftest import ADMIN_TOKEN, MODEL, AdminStack, chat, document, wait_until
-from tests.helpers import REPO
+from tests.admin.conftest import ADMIN_TOKEN, MODEL, AdminStack, chat, wait_until
+from tests.helpers import REPO, document
 
 
 def admin_cli(

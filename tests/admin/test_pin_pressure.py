@@ -12,7 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.admin.conftest import MODEL, document, start_stack, stop_stack
+from tests.admin.conftest import MODEL, start_stack, stop_stack
+from tests.helpers import document
 
 CAPACITY = 256
 

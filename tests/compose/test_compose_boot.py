@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import re
 import signal
 import time
@@ -27,13 +26,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.compose.localrun import LocalCompose
 from tests.compose.topology import REPO, container_ports, load_compose, local_plan, services
-from tests.helpers import free_port
+from tests.helpers import document, free_port
 
 pytestmark = pytest.mark.redis
 
 REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
 DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "prefixgate.json"
-WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november".split()
 PROMPT_TOKENS = 4_000  # the default tokenizer counts 4 bytes a token
 
 
@@ -113,23 +111,12 @@ def booted() -> Iterator[Booted]:
     assert not remaining, f"Redis keys left under {prefix}: {len(remaining)}"
 
 
-def _document(seed: int, tokens: int) -> str:
-    rng = random.Random(seed)
-    out: list[str] = []
-    size = 0
-    while size < tokens * 4:
-        word = rng.choice(WORDS)
-        out.append(word)
-        size += len(word) + 1
-    return " ".join(out)
-
-
 def test_openai_client_gets_a_cache_hit_through_the_compose_stack(booted: Booted) -> None:
     client = booted.client()
     model = client.models.list().data[0].id
     messages: Any = [
         {"role": "system", "content": "Answer from the report."},
-        {"role": "user", "content": _document(7, PROMPT_TOKENS) + "\n\nWhat does the report say?"},
+        {"role": "user", "content": document(7, PROMPT_TOKENS) + "\n\nWhat does the report say?"},
     ]
     first = client.chat.completions.with_raw_response.create(model=model, messages=messages, max_tokens=8)
     answer = first.parse()
@@ -174,7 +161,7 @@ def test_dashboard_queries_name_metrics_the_gateway_exports(booted: Booted) -> N
     client = booted.client()
     model = client.models.list().data[0].id
     for i in range(2):
-        client.completions.create(model=model, prompt=_document(100 + i, 600), max_tokens=4)
+        client.completions.create(model=model, prompt=document(100 + i, 600), max_tokens=4)
     text = httpx.get(booted.root + "/metrics", timeout=10).text
     exported, values = _exported_series(text)
 

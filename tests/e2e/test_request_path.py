@@ -4,26 +4,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import math
-import random
 
 import httpx
 from openai.types.chat import ChatCompletionMessageParam
 
 from tests.e2e.conftest import MODEL, Stack
-
-WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november".split()
-
-
-def document(seed: int, tokens: int) -> str:
-    """Deterministic prose of about ``tokens`` tokens (4 bytes a token)."""
-    rng = random.Random(seed)
-    out: list[str] = []
-    size = 0
-    while size < tokens * 4:
-        w = rng.choice(WORDS)
-        out.append(w)
-        size += len(w) + 1
-    return " ".join(out)
+from tests.helpers import document
 
 
 def test_streamed_and_plain_chat_completions(stack: Stack) -> None:

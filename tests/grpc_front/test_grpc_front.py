@@ -10,8 +10,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from prefixgate.v1 import gateway_pb2
-from tests.admin.conftest import MODEL, document
+from tests.admin.conftest import MODEL
 from tests.grpc_front.conftest import GrpcStack
+from tests.helpers import document
 
 
 def _request(**kw: object) -> gateway_pb2.CompletionRequest:
