@@ -53,22 +53,32 @@ class PrefixGatePolicy:
         self.affinity = affinity
         self._turn = 0
 
-    def load_bound(self, nodes: Sequence[NodeView]) -> int:
-        """Most outstanding requests a node may have after taking this one."""
-        n = len(nodes)
+    def load_bound(self, nodes: Sequence[NodeView], node: NodeView | None = None) -> int:
+        """Most outstanding requests ``node`` may have after taking this one.
+
+        Each node's share is weighted by its prefill throughput (equal nodes share equally), so
+        a node that runs slower than the others, or than it claims, is not handed a full share.
+        """
         total = sum(v.outstanding_requests for v in nodes)
-        return max(1, math.ceil(self.load_factor * (total + 1) / n), (total + 1) // n + self.min_headroom)
+        speed = sum(v.prefill_tokens_per_s for v in nodes)
+        share = (node.prefill_tokens_per_s / speed) if node is not None and speed > 0 else 1 / len(nodes)
+        fair = (total + 1) * share
+        return max(1, math.ceil(self.load_factor * fair - 1e-9), int(fair + 1e-9) + self.min_headroom)
 
     def choose(self, inp: RouteInput, nodes: Sequence[NodeView]) -> Decision:
         if not nodes:
             return Decision(None, "no routable node")
         n = len(nodes)
-        bound = self.load_bound(nodes)
-        work_cap = self.token_factor * (sum(v.outstanding_tokens for v in nodes) + inp.prompt_tokens) / n
+        speed = sum(v.prefill_tokens_per_s for v in nodes)
+        # Work bound in seconds of queued prefill: tokens weighed by each node's speed.
+        work_cap_s = (
+            self.token_factor * (sum(v.outstanding_tokens for v in nodes) + inp.prompt_tokens) / speed
+        )
         estimates: list[Estimate] = []
         for v in nodes:
-            e = estimate_ttft(v, inp, bound)
-            if not e.within_bound and v.outstanding_tokens + inp.prompt_tokens - e.cached_tokens <= work_cap:
+            e = estimate_ttft(v, inp, self.load_bound(nodes, v))
+            work_s = (v.outstanding_tokens + inp.prompt_tokens - e.cached_tokens) / v.prefill_tokens_per_s
+            if not e.within_bound and work_s <= work_cap_s:
                 e = replace(e, within_bound=True)
             estimates.append(e)
         eligible = [e for e in estimates if e.within_bound] or estimates

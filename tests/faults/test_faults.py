@@ -158,7 +158,7 @@ def test_slow_prefill_node_loses_traffic(cluster: Cluster) -> None:
         f"second half {share:.0%} (after {windows[len(windows) // 2][0]:.1f}s)",
     )
     assert t.failed == 0
-    assert share < 0.3, t.note
+    assert share < 0.15, t.note
 
 
 def test_flood_beyond_capacity_gets_429_with_retry_after() -> None:
