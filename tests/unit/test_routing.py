@@ -64,3 +64,18 @@ def test_mode_decision() -> None:
     assert choose_mode(disaggregation=True, uncached_tokens=5000, **kw).mode == FALLBACK  # type: ignore[arg-type]
     kw["prefill_routable"], kw["queue_wait_s"] = 2, 9.0
     assert choose_mode(disaggregation=True, uncached_tokens=5000, **kw).mode == FALLBACK  # type: ignore[arg-type]
+
+
+def test_a_slow_node_gets_a_share_matching_its_speed() -> None:
+    p = make_policy("prefixgate")
+    speeds = {"fast": 100_000.0, "slow": 10_000.0}
+    loads = {"fast": 0, "slow": 0}
+    for _ in range(20):
+        nodes = [
+            NodeView(n, outstanding_requests=ld, outstanding_tokens=ld * 4000, prefill_tokens_per_s=speeds[n])
+            for n, ld in loads.items()
+        ]
+        d = p.choose(RouteInput(4000, 64, {}), nodes)
+        assert d.node_id is not None
+        loads[d.node_id] += 1
+    assert loads["slow"] <= 3, loads
