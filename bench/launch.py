@@ -294,9 +294,14 @@ def start_gateway(
 
 PEERS = ("sglang", "vllm", "litellm")
 PEER_LABELS = {
-    "sglang": "sglang-router 0.3.2 cache_aware",
-    "vllm": "vllm-router 0.1.17 cache_aware",
-    "litellm": "LiteLLM proxy simple-shuffle",
+    "sglang": "sglang-router cache_aware",
+    "vllm": "vllm-router cache_aware",
+    "litellm": "LiteLLM simple-shuffle",
+}
+PEER_VERSIONS = {
+    "sglang": "sglang-router==0.3.2",
+    "vllm": "vllm-router==0.1.17",
+    "litellm": "litellm[proxy]==1.108.7",
 }
 _VENVS = {"sglang": "venv-sglang", "vllm": "venv-vllmr", "litellm": "venv-litellm"}
 _BINARIES = {"sglang": "bin/python", "vllm": "bin/vllm-router", "litellm": "bin/litellm"}

@@ -274,6 +274,8 @@ def summary(run: LiveRun, node_work: Mapping[str, float] | None = None) -> dict[
         out.pop(key, None)
     if node_work:
         out["work_per_node"] = {k: round(v, 3) for k, v in work.items()}
+    if not per_node:  # the server does not say which node served a request
+        out["requests_per_node"] = {}
     latency = sorted(r.latency_s for r in ok)
     late = sorted(r.late_s for r in run.records)
     errors = Counter(_error_kind(r) for r in run.records if not r.ok)
@@ -304,11 +306,16 @@ def bound(requests: Iterable[Request], capacity_blocks: int, block_size: int) ->
     return {k: round(v, 6) for k, v in b.items()}
 
 
-def render(title: str, results: Mapping[str, Mapping[str, Any]], extra: Sequence[str] = ()) -> Table:
+def render(
+    title: str,
+    results: Mapping[str, Mapping[str, Any]],
+    extra: Sequence[str] = (),
+    extra_labels: Sequence[str] = (),
+) -> Table:
     """One row per target: hit rate, TTFT, throughput, errors (+ ``extra`` keys as columns)."""
     t = Table(title=title, title_justify="left")
     cols = ["target", "ok", "errors", "hit rate", "TTFT p50", "p95", "p99", "latency p50", "req/s"]
-    cols += ["imbalance", "req/node", *extra]
+    cols += ["imbalance", "req/node", *(extra_labels or extra)]
     for c in cols:
         t.add_column(c, justify="left" if c in ("target", "req/node") else "right")
     for name, s in results.items():

@@ -171,7 +171,7 @@ def targets_of(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
 
 
 def label(target: str, policy: str) -> str:
-    return f"prefixgate ({policy})" if target == "prefixgate" else launch.PEER_LABELS[target]
+    return f"prefixgate {policy}" if target == "prefixgate" else launch.PEER_LABELS[target]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -215,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
         f"{workload.name}: live, same {args.nodes} nodes, same requests",
         results,
         extra=("router_cpu_ms_per_req",),
+        extra_labels=("CPU ms/req",),
     )
     table.caption = (
         f"global-LRU bound over the first {sent} requests at the same total capacity: "

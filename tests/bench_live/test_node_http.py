@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 from openai import AsyncOpenAI
+from openai.types.chat import ChatCompletionMessageParam
 
 from backends.http_api import HTTPOptions, NodeHTTP
 from backends.server import NodeServer, start_node
@@ -36,9 +37,12 @@ def client(http: NodeHTTP) -> AsyncOpenAI:
 
 async def test_chat_non_stream_and_stream_with_cached_tokens(node: tuple[NodeServer, NodeHTTP]) -> None:
     _, http = node
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "How do I reset it?"}]
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "How do I reset it?"},
+    ]
     async with client(http) as c:
-        first = await c.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)  # type: ignore[arg-type]
+        first = await c.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)
         assert first.choices[0].message.content
         assert first.choices[0].finish_reason in ("length", "stop")
         assert first.usage is not None and first.usage.prompt_tokens > 64
@@ -47,7 +51,7 @@ async def test_chat_non_stream_and_stream_with_cached_tokens(node: tuple[NodeSer
 
         stream = await c.chat.completions.create(
             model=MODEL,
-            messages=messages,  # type: ignore[arg-type]
+            messages=messages,
             max_tokens=5,
             stream=True,
             stream_options={"include_usage": True},
@@ -91,7 +95,9 @@ async def test_router_probes(node: tuple[NodeServer, NodeHTTP]) -> None:
         assert (await h.get("/get_load")).json()[0]["dp_rank"] == 0
 
         messages = [{"role": "user", "content": "hello there"}]
-        rendered = (await h.post("/v1/chat/completions/render", json={"model": MODEL, "messages": messages})).json()
+        rendered = (
+            await h.post("/v1/chat/completions/render", json={"model": MODEL, "messages": messages})
+        ).json()
         expected = unpack_ids(Bytes4Tokenizer().encode(render_chat(messages, normalize=False).text))
         assert rendered["token_ids"] == expected
         comp = (await h.post("/v1/completions/render", json={"model": MODEL, "prompt": "abcdabcd"})).json()
@@ -99,7 +105,9 @@ async def test_router_probes(node: tuple[NodeServer, NodeHTTP]) -> None:
         tok = (await h.post("/tokenize", json={"prompt": "abcdabcd"})).json()
         assert tok["count"] == 2
 
-        gen = (await h.post("/generate", json={"text": "abcd" * 40, "sampling_params": {"max_new_tokens": 3}})).json()
+        gen = (
+            await h.post("/generate", json={"text": "abcd" * 40, "sampling_params": {"max_new_tokens": 3}})
+        ).json()
         assert gen["meta_info"]["completion_tokens"] == 3 and gen["text"]
 
         bad = await h.post("/v1/chat/completions", json={"model": MODEL, "messages": []})

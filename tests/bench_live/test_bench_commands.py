@@ -1,0 +1,64 @@
+"""``prefixgate bench overhead --quick`` and ``bench peers`` (no peer installed) end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers import REPO
+
+
+def bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "bench", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_overhead_quick_writes_every_figure(tmp_path: Path) -> None:
+    out = tmp_path / "overhead.json"
+    r = bench("overhead", "--quick", "--seconds", "0.3", "--json", str(out))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    report = json.loads(out.read_text())
+    cells = report["cells"]
+    assert {c["target"] for c in cells} == {"direct", "prefixgate"}
+    assert {(c["clients"], c["stream"]) for c in cells} == {(1, False), (32, False), (1, True), (32, True)}
+    for c in cells:
+        assert c["ok"] > 0 and c["errors"] == 0
+        for key in ("p50_ms", "p99_ms", "ttft_p50_ms", "ttft_p99_ms", "req_per_s", "node_cpu_ms_per_req"):
+            assert c[key] > 0, key
+        if c["target"] == "prefixgate":
+            assert c["cpu_ms_per_req"] > 0 and c["added_p50_ms"] is not None
+    t = report["targets"]
+    for key in (
+        "added_p50_ms_1_client",
+        "cpu_ms_per_req_small_prompts",
+        "stream_added_ttft_p50_ms_1_client",
+        "cpu_le_0.4_ms",
+        "stream_ttft_added_le_1_ms",
+    ):
+        assert key in t
+    assert t["added_p50_le_sglang"] is None  # no peer measured in a quick run
+    assert "router overhead" in r.stdout
+
+
+def test_peers_runs_prefixgate_and_skips_missing_peers(tmp_path: Path) -> None:
+    out = tmp_path / "peers.json"
+    r = bench(
+        "peers", "--format", "chat", "--requests", "30", "--time-scale", "20", "--nodes", "2",
+        "--duration", "4", "--max-output-tokens", "4", "--node-time-scale", "0.05",
+        "--peers", "sglang,vllm", "--peers-venv", str(tmp_path / "no-venvs"), "--json", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert set(report["skipped"]) == {"sglang", "vllm"}
+    assert "not installed" in report["skipped"]["sglang"]
+    assert "skipped" in r.stdout
+    s = report["policies"]["prefixgate prefixgate"]
+    assert s["ok"] > 0 and s["errors"] == 0 and s["hit_rate"] > 0
+    assert len(s["work_per_node"]) == 2 and s["router_cpu_ms_per_req"] > 0
