@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -98,29 +97,36 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
+class ClientGone(Exception):
+    """The client disconnected before the response was ready."""
+
+
 async def _watch_disconnect(request: Request, work: Awaitable[Response]) -> Response:
-    """Run ``work``; cancel it if the client goes away first (nothing left running)."""
-    task = asyncio.ensure_future(work)
+    """Run ``work`` in this task; if the client goes away first, cancel it (nothing left running).
 
-    async def disconnected() -> None:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
+    One watcher task per request: it cancels the handler's own task on ``http.disconnect``.
+    """
+    handler = asyncio.current_task()
+    assert handler is not None
+    gone = False
 
-    watcher = asyncio.ensure_future(disconnected())
+    async def watch() -> None:
+        nonlocal gone
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        handler.cancel()
+
+    watcher = asyncio.get_running_loop().create_task(watch())
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-        return Response(status_code=499)
+        return await work
+    except asyncio.CancelledError:
+        if gone:
+            handler.uncancel()
+            return Response(status_code=499)
+        raise
     finally:
         watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
 
 
 async def completions(request: Request, kind: str) -> Response:

@@ -252,7 +252,8 @@ class Execution:
         if self._done:
             return
         self._done = True
-        self._call.cancel()
+        if not self._call.done():  # a finished call has nothing to cancel (and cancel() is not free)
+            self._call.cancel()
         self.decode_node.active_streams -= 1
         self.pipeline.finished(self)
 
