@@ -112,16 +112,16 @@ async def one(client: httpx.AsyncClient, payload: bytes, stream: bool, out: Samp
             if stream:
                 done = False
                 async for line in resp.aiter_lines():
-                    if not ttft and line.startswith("data: {") and '"choices":[{' in line:
-                        ttft = time.perf_counter() - t0
                     if line.startswith("data: [DONE]"):
                         done = True
+                    elif not ttft and line.startswith("data:") and orjson.loads(line[5:]).get("choices"):
+                        ttft = time.perf_counter() - t0
                 if not done:
                     out.error("stream without [DONE]")
                     return
             else:
                 await resp.aread()
-    except httpx.HTTPError as e:
+    except (httpx.HTTPError, orjson.JSONDecodeError) as e:
         out.error(type(e).__name__)
         return
     dt = time.perf_counter() - t0
