@@ -404,6 +404,7 @@ def run(args: argparse.Namespace) -> int:
             "warmup_s": warmup,
             "keepalive": True,
             "quick": bool(args.quick),
+            "peers": {t: launch.PEER_VERSIONS[t] for t in peers},
         },
         "cells": rows,
         "targets": v,

@@ -241,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
             "max_output_tokens": args.max_output_tokens,
             "keepalive": not args.no_keepalive,
             "node_http_normalization": False,
+            "peers": {t: launch.PEER_VERSIONS[t] for t in targets if t in launch.PEER_VERSIONS},
         },
         "policies": results,
         "bound": bound,
