@@ -401,6 +401,7 @@ class Pipeline:
         mono = self._choose(mono_nodes, self._route_input(prep, hits, transfer=False)) if mono_nodes else None
         mode = choose_mode(
             disaggregation=self.switches.disaggregation,
+            prefill_configured=bool(self.pool.role("prefill")),
             prefill_routable=len(prefill_nodes),
             decode_routable=len(decode_nodes) + len(self.pool.routable("monolithic")),
             uncached_tokens=prep.prompt_tokens - (mono.cached_blocks * bs if mono else 0),

@@ -18,6 +18,7 @@ class ModeDecision:
 def choose_mode(
     *,
     disaggregation: bool,
+    prefill_configured: bool = True,
     prefill_routable: int,
     decode_routable: int,
     uncached_tokens: int,
@@ -28,6 +29,8 @@ def choose_mode(
     """Serve split only when it can and when it pays; otherwise say why not."""
     if not disaggregation:
         return ModeDecision(MONOLITHIC, "disaggregation switched off")
+    if not prefill_configured:
+        return ModeDecision(MONOLITHIC, "no prefill pool configured: monolithic serving")
     if decode_routable == 0:
         return ModeDecision(FALLBACK, "no decode node can take the request")
     if prefill_routable == 0:

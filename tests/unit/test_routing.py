@@ -79,3 +79,20 @@ def test_a_slow_node_gets_a_share_matching_its_speed() -> None:
         assert d.node_id is not None
         loads[d.node_id] += 1
     assert loads["slow"] <= 3, loads
+
+
+def test_no_prefill_pool_is_monolithic_not_fallback() -> None:
+    def mode(configured: bool) -> str:
+        return choose_mode(
+            disaggregation=True,
+            prefill_configured=configured,
+            prefill_routable=0,
+            decode_routable=4,
+            uncached_tokens=9000,
+            min_disagg_tokens=0,
+            queue_wait_s=0.0,
+            ttft_budget_s=5.0,
+        ).mode
+
+    assert mode(False) == MONOLITHIC
+    assert mode(True) == FALLBACK
