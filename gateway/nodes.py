@@ -19,6 +19,8 @@ from prefixgate.v1 import node_pb2, node_pb2_grpc
 log = structlog.get_logger("prefixgate.nodes")
 
 ROLES = ("prefill", "decode", "monolithic")
+MIN_TIMED_PREFILL_S = 0.005
+SLOWNESS_DEADBAND = 1.5
 _CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -77,11 +79,20 @@ class Node:
         return self.reachable and self.serving and self.breaker.state == "closed"
 
     def observe_prefill(self, estimated_s: float, observed_s: float, alpha: float = 0.3) -> None:
-        """Learn how much slower (or faster) the node is than its profile claims."""
-        if estimated_s <= 1e-4 or observed_s <= 0:
+        """Learn how much slower (or faster) the node is than its profile claims.
+
+        Prefills too short to time well (scheduler jitter dominates) teach nothing.
+        """
+        if estimated_s < MIN_TIMED_PREFILL_S or observed_s <= 0:
             return
         ratio = min(100.0, max(0.1, observed_s / estimated_s))
         self.slowness = (1 - alpha) * self.slowness + alpha * ratio
+
+    @property
+    def speed_factor(self) -> float:
+        """The learned slowness, with a dead band so equal nodes with noisy timings stay equal."""
+        s = self.slowness
+        return s if s > SLOWNESS_DEADBAND or s < 1 / SLOWNESS_DEADBAND else 1.0
 
     @property
     def capacity_blocks(self) -> int:
@@ -111,9 +122,11 @@ class Node:
             outstanding_requests=self.local_requests + remote_reqs,
             outstanding_tokens=self.local_tokens + remote_tokens,
             prefill_tokens_per_s=(
-                prof.prefill_tokens_per_s / self.slowness if prof and prof.prefill_tokens_per_s > 0 else 1e9
+                prof.prefill_tokens_per_s / self.speed_factor
+                if prof and prof.prefill_tokens_per_s > 0
+                else 1e9
             ),
-            attention_coeff_s=(prof.attention_coeff_s * self.slowness) if prof else 0.0,
+            attention_coeff_s=(prof.attention_coeff_s * self.speed_factor) if prof else 0.0,
             transfer_bytes_per_s=prof.transfer_bytes_per_s if prof else 0.0,
             kv_bytes_per_token=fmt.bytes_per_token if fmt else 0,
             capacity_blocks=self.capacity_blocks,

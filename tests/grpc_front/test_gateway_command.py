@@ -23,7 +23,7 @@ def test_gateway_command_serves_grpc_from_its_lifespan() -> None:
                 gateway_pb2.CompletionRequest(model=MODEL, prompt="Hello", max_tokens=3), timeout=30
             )
         assert done.text and done.decode_node == "solo"
-        assert done.route == "fallback"  # no prefill pool: served whole by the decode node
+        assert done.route == "monolithic"  # no prefill pool: served whole by the decode node
         assert httpx.get(f"http://127.0.0.1:{http_port}/healthz", timeout=10).status_code == 200
         assert gw.stop() == 0
         assert any("grpc_front_stopped" in line for line in gw.lines)
