@@ -147,24 +147,7 @@ async def completions(request: Request, kind: str) -> Response:
     )
     tenant = parsed.user if key_tenant is None else key_tenant
     prep = svc.pipeline.prepare(parsed, tenant, rid)
-    if svc.pipeline.inflight >= s.max_inflight:
-        svc.metrics.requests.labels("none", "rejected").inc()
-        raise APIError(
-            429,
-            f"too many requests in flight ({s.max_inflight}); retry shortly",
-            code="rate_limit_exceeded",
-            retry_after=1,
-        )
-    svc.pipeline.inflight += 1
-    svc.metrics.inflight.set(svc.pipeline.inflight)
-    released = False
-
-    def release() -> None:
-        nonlocal released
-        if not released:
-            released = True
-            svc.pipeline.inflight -= 1
-            svc.metrics.inflight.set(svc.pipeline.inflight)
+    release = svc.pipeline.admit()
 
     try:
         if parsed.stream:

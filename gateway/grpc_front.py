@@ -155,20 +155,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise APIError(503, "the gateway is shutting down", code="shutting_down", retry_after=1)
         parsed = self._parse(req)
         prep = svc.pipeline.prepare(parsed, self._tenant(md, parsed.user), rid)
-        if svc.pipeline.inflight >= svc.settings.max_inflight:
-            svc.metrics.requests.labels("none", "rejected").inc()
-            raise APIError(429, f"too many requests in flight ({svc.settings.max_inflight}); retry shortly")
-        svc.pipeline.inflight += 1
-        svc.metrics.inflight.set(svc.pipeline.inflight)
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                svc.pipeline.inflight -= 1
-                svc.metrics.inflight.set(svc.pipeline.inflight)
-
+        release = svc.pipeline.admit()
         try:
             ex = await svc.pipeline.execute(prep)
         except BaseException:

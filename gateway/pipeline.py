@@ -283,6 +283,32 @@ class Pipeline:
         self.on_mispredict: Callable[[Node], None] | None = None
         self.inflight = 0
 
+    # -- admission ---------------------------------------------------------------------------
+
+    def admit(self) -> Callable[[], None]:
+        """Take an in-flight slot or refuse with 429; returns the (idempotent) release."""
+        limit = self.settings.max_inflight
+        if self.inflight >= limit:
+            self.metrics.requests.labels("none", "rejected").inc()
+            raise APIError(
+                429,
+                f"too many requests in flight ({limit}); retry shortly",
+                code="rate_limit_exceeded",
+                retry_after=1,
+            )
+        self.inflight += 1
+        self.metrics.inflight.set(self.inflight)
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.inflight -= 1
+                self.metrics.inflight.set(self.inflight)
+
+        return release
+
     # -- prepare ---------------------------------------------------------------------------
 
     def namespace(self, model: str, tenant: str) -> Namespace:

@@ -5,12 +5,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import grpc
 import pytest
 
 from backends.server import NodeServer, start_node
 from cachetier.hashing import Namespace, block_hashes
-from prefixgate.v1 import node_pb2_grpc
 
 StartNode = Callable[..., Awaitable[NodeServer]]
 
@@ -29,21 +27,6 @@ async def nodes() -> AsyncIterator[StartNode]:
     yield make
     for ns in started:
         await ns.stop(grace=0.2)
-
-
-@pytest.fixture
-async def stub() -> AsyncIterator[Callable[[str], Any]]:
-    """``stub(address)``: a Node stub on a channel closed after the test."""
-    channels: list[grpc.aio.Channel] = []
-
-    def make(address: str) -> Any:
-        ch = grpc.aio.insecure_channel(address)
-        channels.append(ch)
-        return node_pb2_grpc.NodeStub(ch)
-
-    yield make
-    for ch in channels:
-        await ch.close()
 
 
 @pytest.fixture

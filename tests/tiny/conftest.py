@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
-import grpc
 import pytest
 
 from backends.server import NodeServer, start_node
-from prefixgate.v1 import node_pb2_grpc
 from tests.tiny.support import BS, SMALL, StartNode
 
 
@@ -28,20 +26,3 @@ async def nodes() -> AsyncIterator[StartNode]:
     yield make
     for ns in started:
         await ns.stop(grace=0.2)
-
-
-@pytest.fixture
-async def stub() -> AsyncIterator[Callable[[str], Any]]:
-    """``stub(address)``: a Node stub on a channel closed after the test."""
-    channels: list[grpc.aio.Channel] = []
-
-    def make(address: str) -> Any:
-        ch = grpc.aio.insecure_channel(address)
-        channels.append(ch)
-        return node_pb2_grpc.NodeStub(ch)
-
-    yield make
-    for ch in channels:
-        await ch.close()
-
-
