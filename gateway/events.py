@@ -23,6 +23,16 @@ log = structlog.get_logger("prefixgate.events")
 KIND = node_pb2.KVEvent
 
 
+INDEX_CAPACITY_HEADROOM = 1.25
+
+
+def index_capacity(pool_blocks: int) -> int:
+    """The index's own bound for a node: above the node's pool, so the node's REMOVED events
+    (which know about pins and blocks in use) decide what goes, and the index's LRU is only a
+    safety net against lost events."""
+    return int(pool_blocks * INDEX_CAPACITY_HEADROOM) + 1
+
+
 def snapshot_chains(event: node_pb2.KVEvent) -> list[list[int]]:
     """Turn a SNAPSHOT (blocks with parents, parents first) into root-first chains."""
     chains: list[list[int]] = []
@@ -98,7 +108,7 @@ class EventSync:
         if ev.kind == KIND.SNAPSHOT:
             await self.index.replace_node(node_id, snapshot_chains(ev))
             if node.stats is not None and node.stats.capacity_blocks:
-                await self.index.set_capacity(node_id, node.stats.capacity_blocks)
+                await self.index.set_capacity(node_id, index_capacity(node.stats.capacity_blocks))
             self.metrics.resyncs.labels("snapshot").inc()
         elif prev_instance != ev.instance_id or last is None or ev.seq != last + 1:
             # Restart or gap: ask for a snapshot by reconnecting from zero.
