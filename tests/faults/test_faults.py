@@ -128,6 +128,10 @@ def test_decode_node_killed_mid_stream(cluster: Cluster) -> None:
 def test_slow_prefill_node_loses_traffic(cluster: Cluster) -> None:
     before = cluster.metric("prefixgate_retries_total")
     slow = cluster.prefill[0]
+    healthy = asyncio.run(
+        drive(cluster.url, [body(3900 + j, tokens=6000, max_tokens=2) for j in range(16)], 8)
+    )
+    share_before = sum(r.prefill_node == slow.node_id for r in healthy) / len(healthy)
     slow.signal(signal.SIGUSR1)
     try:
         started = time.monotonic()
@@ -154,10 +158,11 @@ def test_slow_prefill_node_loses_traffic(cluster: Cluster) -> None:
         results,
         cluster,
         before,
-        note=f"slow node's share: first 16 req {early.count(slow.node_id)}/16, "
-        f"second half {share:.0%} (after {windows[len(windows) // 2][0]:.1f}s)",
+        note=f"slow node's share: before {share_before:.0%}, first 16 after {early.count(slow.node_id)}/16, "
+        f"from {windows[len(windows) // 2][0]:.1f}s on {share:.0%}",
     )
     assert t.failed == 0
+    assert share_before >= 0.25, "both nodes take work while healthy"
     assert share < 0.15, t.note
 
 
