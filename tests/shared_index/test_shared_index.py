@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from cachetier.hashing import Namespace, block_hashes
+from cachetier.index import StoreOp
 from cachetier.redis_index import RedisIndex, connect
 from cachetier.tokenizer import Bytes4Tokenizer
 from gateway.normalize import Document, render_chat
@@ -185,5 +186,54 @@ def test_node_side_eviction_reaches_the_index_within_a_second(
                 break
             time.sleep(0.05)
         assert gone, "evicted blocks still in the index after 1 s"
+    finally:
+        assert c.stop() == 0
+
+
+def test_a_node_whose_hits_keep_missing_the_prediction_is_resynced(
+    redis_server: tuple[int, subprocess.Popen[bytes]],
+) -> None:
+    """Entries the node does not hold (events lost, say) are caught by predicted vs reported."""
+    port, _ = redis_server
+    prefix = f"prefixgate-test-{uuid.uuid4().hex[:8]}:"
+    c = Cluster.create(
+        1,
+        1,
+        ["--time-scale", "0.05"],
+        gateway_args=["--redis", f"redis://127.0.0.1:{port}/0"],
+        gateway_env={"PREFIXGATE_REDIS_PREFIX": prefix},
+    )
+    c.start()
+    try:
+        node = c.prefill[0].node_id
+        bodies = [doc_body(500 + i, 2000) for i in range(4)]
+
+        def chain(body: dict[str, Any]) -> list[int]:
+            docs = [Document(d["id"], d["text"]) for d in body["documents"]]
+            text = render_chat(body["messages"], documents=docs).text
+            return block_hashes(Bytes4Tokenizer().encode(text), 64, Namespace(MODEL, block_size=64).root())
+
+        async def plant_and_read(chains: list[list[int]]) -> set[int]:
+            idx = RedisIndex(connect(f"redis://127.0.0.1:{port}/0"), prefix=prefix)
+            try:
+                if chains:
+                    await idx.store([StoreOp(node, tuple(ch)) for ch in chains])
+                return await idx.node_hashes(node)
+            finally:
+                await idx.close()
+
+        ghost = chain(bodies[3])  # never sent: only a wrong index would hold it
+        asyncio.run(plant_and_read([chain(b) for b in bodies[:3]] + [ghost]))
+        before = c.metric("prefixgate_index_resyncs_total", reason="mispredicted")
+        for b in bodies[:3]:
+            r = post(c.url, b)
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # predicted, not there
+        deadline = time.monotonic() + 5
+        held = asyncio.run(plant_and_read([]))
+        while time.monotonic() < deadline and ghost[0] in held:
+            time.sleep(0.1)
+            held = asyncio.run(plant_and_read([]))
+        assert c.metric("prefixgate_index_resyncs_total", reason="mispredicted") == before + 1
+        assert ghost[0] not in held, "the resync should have replaced the node's set with what it holds"
     finally:
         assert c.stop() == 0
