@@ -13,13 +13,18 @@ import sys
 import uuid
 from typing import Any
 
+import orjson
 import structlog
+
+
+def _dumps(obj: Any, **_: Any) -> str:
+    return orjson.dumps(obj, default=str).decode()
 
 
 def _renderer(fmt: str) -> structlog.typing.Processor:
     use_json = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
     if use_json:
-        return structlog.processors.JSONRenderer()
+        return structlog.processors.JSONRenderer(serializer=_dumps)
     return structlog.dev.ConsoleRenderer(colors=False)
 
 
@@ -35,7 +40,7 @@ def configure_logging(fmt: str = "auto", level: str = "info") -> None:
         processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=False,
+        cache_logger_on_first_use=True,
     )
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
