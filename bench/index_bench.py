@@ -192,6 +192,22 @@ async def check_answers(index: BlockIndex, reference: MemoryIndex, work: Workloa
                 raise SystemExit(f"lookup mismatch between {index.backend} and memory: {got} != {want}")
 
 
+async def redis_footprint(index: RedisIndex, nodes: Sequence[str]) -> tuple[int, int, dict[str, int]]:
+    """MEMORY USAGE summed over every key of the nodes (buckets, minima, meta), blocks held,
+    and how many keys use each encoding."""
+    usage = 0
+    encodings: dict[str, int] = {}
+    for name in nodes:
+        async for key in index.client.scan_iter(match=index.keys.node_pattern(name), count=1000):
+            usage += int(await index.client.memory_usage(key, samples=0) or 0)
+            raw = await index.client.object("encoding", key)
+            enc = raw.decode() if isinstance(raw, bytes) else str(raw)
+            encodings[enc] = encodings.get(enc, 0) + 1
+    occupancy = (await index.stats()).nodes
+    held = sum(occupancy[n].blocks for n in nodes if n in occupancy)
+    return usage, held, encodings
+
+
 async def run(args: argparse.Namespace) -> Results:
     rng = random.Random(args.seed)
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -217,14 +233,8 @@ async def run(args: argparse.Namespace) -> Results:
             if args.write_rate > 0:
                 row = await lookups_under_writes(rindex, "redis", work, args.samples, rng, args.write_rate)
                 res.lookups.append(row)
-            usage = 0
-            held = 0
-            for name in work.nodes:
-                key = rindex.keys.blocks(name)
-                usage += int(await client.memory_usage(key, samples=0) or 0)
-                held += int(await client.zcard(key))
-                enc = await client.object("encoding", key)
-                res.redis_encoding = enc.decode() if isinstance(enc, bytes) else str(enc)
+            usage, held, encodings = await redis_footprint(rindex, work.nodes)
+            res.redis_encoding = ", ".join(f"{n} {enc}" for enc, n in sorted(encodings.items()))
             res.redis_blocks_held = held
             res.redis_bytes_per_block = usage / held if held else None
             res.redis_bytes_per_block_info = (after - before) / held if held else None

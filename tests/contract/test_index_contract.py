@@ -140,7 +140,8 @@ async def _memory() -> BlockIndex:
 
 
 async def _redis() -> BlockIndex:
-    return RedisIndex.from_url(redis_url(), prefix=test_prefix(), default_capacity=CAPACITY)
+    # two blocks per bucket: eight buckets at CAPACITY, so evictions and resizes cross buckets
+    return RedisIndex.from_url(redis_url(), prefix=test_prefix(), default_capacity=CAPACITY, bucket_blocks=2)
 
 
 async def _resilient() -> BlockIndex:
