@@ -29,6 +29,8 @@ from cachetier.redis_index import RedisIndex, connect
 from cachetier.resilient import ResilientIndex
 from cachetier.writer import IndexWriter
 
+DEFAULT_BATCH_BLOCKS = 2048  # IndexWriter's default batch_blocks
+
 TARGET_REDIS_P99_MS = 2.0
 TARGET_MEMORY_P99_MS = 0.2
 TARGET_BYTES_PER_BLOCK = 100.0
@@ -145,12 +147,21 @@ def lookup_row(backend: str, size: int, times: list[float]) -> LookupRow:
 
 
 async def lookups_under_writes(
-    index: BlockIndex, backend: str, work: Workload, samples: int, rng: random.Random, rate: int
+    index: BlockIndex,
+    backend: str,
+    work: Workload,
+    samples: int,
+    rng: random.Random,
+    rate: int,
+    batch_blocks: int = DEFAULT_BATCH_BLOCKS,
 ) -> LookupRow:
-    """Lookups of the longest prompts while an IndexWriter re-stores chains at ``rate`` blocks/s."""
+    """Lookups of the longest prompts while an IndexWriter re-stores chains at ``rate`` blocks/s.
+
+    A lookup waits behind a store script in progress, so the writer's batch size sets the tail.
+    """
     size = max(work.prompts)
     stop = asyncio.Event()
-    writer = IndexWriter(index)
+    writer = IndexWriter(index, batch_blocks=batch_blocks)
     chains = [op for op in work.ops if len(op.hashes) <= 2048]  # request-sized chains
 
     async def write_load() -> None:
@@ -181,7 +192,10 @@ async def lookups_under_writes(
         stop.set()
         await load
         await writer.close()
-    return lookup_row(f"{backend} + {rate // 1000}k blk/s writes", size, times)
+    label = f"{backend} + {rate // 1000}k blk/s writes"
+    if batch_blocks != DEFAULT_BATCH_BLOCKS:
+        label += f", batches <= {batch_blocks}"
+    return lookup_row(label, size, times)
 
 
 async def check_answers(index: BlockIndex, reference: MemoryIndex, work: Workload) -> None:
@@ -231,8 +245,11 @@ async def run(args: argparse.Namespace) -> Results:
             resilient = ResilientIndex(rindex, mirror=False, lookup_timeout=0.05)
             res.lookups += await measure_lookups(resilient, "redis+resilient", work, args.samples, rng)
             if args.write_rate > 0:
-                row = await lookups_under_writes(rindex, "redis", work, args.samples, rng, args.write_rate)
-                res.lookups.append(row)
+                for batch in (DEFAULT_BATCH_BLOCKS, 512):
+                    row = await lookups_under_writes(
+                        rindex, "redis", work, args.samples, rng, args.write_rate, batch
+                    )
+                    res.lookups.append(row)
             usage, held, encodings = await redis_footprint(rindex, work.nodes)
             res.redis_encoding = ", ".join(f"{n} {enc}" for enc, n in sorted(encodings.items()))
             res.redis_blocks_held = held

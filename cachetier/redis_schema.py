@@ -4,24 +4,26 @@ Keys, under a configurable prefix ``P`` (``prefixgate:`` by default); ``{node}``
 hash tag, so all of one node's keys live in one slot:
 
 - ``P{node}:z:<b>`` — ZSET bucket ``b`` of the node's blocks: member = the block hash as 8 bytes
-  little-endian, score = the node's LRU tick (higher = more recent). ``b`` is the hash modulo the
-  node's bucket count ``n`` (a power of two sized from the capacity), so every bucket stays
-  small enough for the compact listpack encoding (≈ 20 B/block instead of ≈ 104 in a skiplist).
+  little-endian, score = the node's LRU tick (higher = more recent); plus a sentinel member
+  ``''`` at ``+inf`` so the bucket never empties (Redis would delete it, TTL and all). ``b`` is
+  the hash modulo the node's bucket count ``n`` (a power of two sized from the capacity), so
+  every bucket stays small enough for the compact listpack encoding (≈ 20 B/block instead of
+  ≈ 104 in a skiplist).
 - ``P{node}:b`` — ZSET of bucket minima: member = bucket id, score = a lower bound of the lowest
-  tick in that bucket (exact after eviction looked at it; writes only lower it); eviction
-  checks its head until it is exact, which is then the node's least recent block. Its members
-  include every non-empty bucket (clear, TTL refresh, listing).
+  tick in that bucket (``+inf`` when it holds no block; writes only lower it, eviction makes it
+  exact before trusting it), so its head leads to the node's least recent block. It lists every
+  bucket of the node (creation, clear, TTL refresh, listing).
 - ``P{node}:m`` — HASH: ``c`` capacity in blocks, ``k`` blocks held, ``n`` bucket count, ``t``
   the rising LRU tick (chains from the root), ``l`` the falling tick (fragments enter as least
   recent), ``e`` unix time of the last TTL refresh of every bucket.
 - ``Pnodes`` — ZSET registry of known nodes: member = node name, score = unix time of the last
   write; entries older than the TTL are ignored and pruned.
 
-TTL: a write expires the buckets it touches and ``P{node}:b`` after ``ttl``; every bucket and the
-meta hash are refreshed together at most every ``ttl/8`` s. The meta hash thus never outlives a
-bucket: a node whose meta is gone counts as empty, and the next write deletes what is left, so a
-partly expired node is never visible. Block hashes already embed model, tenant salt and block
-size (see ``hashing.py``), so tenants never share a member even though they share a node's keys.
+TTL: a bucket gets it when created, the minima ZSET at every write, and every bucket together
+with the meta hash at most every ``ttl/8`` s. The meta hash thus never outlives a bucket: a node
+whose meta is gone counts as empty, and the next write deletes what is left, so a partly
+expired node is never visible. Block hashes already embed model, tenant salt and block size
+(see ``hashing.py``), so tenants never share a member even though they share a node's keys.
 """
 
 from __future__ import annotations
