@@ -215,3 +215,16 @@ async def test_replicas_sharing_a_prefix_route_as_one(url: str) -> None:
         await a.purge()
         await a.close()
         await b.close()
+
+
+async def test_keys_of_the_one_zset_layout_are_replaced(rindex: RedisIndex) -> None:
+    """A node written by the one-ZSET layout (``P{node}:z``, meta without ``n``) reads as empty;
+    the first write drops the old ZSET and keeps the capacity."""
+    old = f"{rindex.keys.prefix}{{n}}:z"
+    await rindex.client.zadd(old, {pack_hash(1): 2, pack_hash(2): 1})
+    await rindex.client.hset(rindex.keys.meta("n"), mapping={"c": 50, "t": 2})
+    assert await rindex.lookup([1, 2], ["n"]) == {"n": 0}
+    assert await rindex.store([StoreOp("n", (1, 2, 3))]) == [True]
+    assert not await rindex.client.exists(old)
+    assert await rindex.lookup([1, 2, 3], ["n"]) == {"n": 3}
+    assert (await rindex.stats()).nodes["n"].capacity == 50
