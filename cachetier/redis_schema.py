@@ -165,42 +165,47 @@ local function create_missing(ids, ttl)
     end
   end
 end
--- ZADD/ZREM members grouped by bucket, in chunks (Lua's unpack has a stack limit). `items` holds
--- (score, member) pairs for ZADD, members for ZREM. ZADD also lowers each bucket's entry in the
--- minima ZSET to its lowest new score (one ZADD LT for all buckets), so that entry stays a lower
--- bound of the bucket's minimum; eviction checks it before trusting it. Returns the count changed.
-local function grouped(cmd, flag, nb, items, step, ttl)
-  local groups, lows, ids = {}, {}, {}
+-- Members grouped by bucket: put() files (score, member) for ZADD or a bare member for ZREM;
+-- apply() sends one command per bucket, in chunks (Lua's unpack has a stack limit). After
+-- ZADD it lowers each bucket's entry in the minima ZSET to its lowest new score (one ZADD LT
+-- for all buckets), so that entry stays a lower bound of the bucket's minimum; eviction checks
+-- it before trusting it. Scores go to Redis as Lua numbers: integers, exact in a double.
+local function new_batch()
+  return {groups = {}, ids = {}, lows = {}}
+end
+local function put(batch, nb, score, member)
+  local b1, b2 = string.byte(member, 1, 2)
+  local id = (b1 + 256 * b2) % nb
+  local g = batch.groups[id]
+  if not g then
+    g = {}
+    batch.groups[id] = g
+    batch.ids[#batch.ids + 1] = id
+    batch.lows[id] = score
+  end
+  if score then
+    g[#g + 1] = score
+    if score < batch.lows[id] then batch.lows[id] = score end
+  end
+  g[#g + 1] = member
+end
+local function apply(batch, cmd, flag, ttl)
   local changed = 0
-  local function flush(id, args)
-    local key = base .. id
-    if flag then
-      changed = changed + redis.call(cmd, key, flag, unpack(args))
-    else
-      changed = changed + redis.call(cmd, key, unpack(args))
-    end
-  end
-  for i = 1, #items, step do
-    local id = bucket_of(items[i + step - 1], nb)
-    local g = groups[id]
-    if not g then g = {}; groups[id] = g; ids[#ids + 1] = id end
-    for j = i, i + step - 1 do g[#g + 1] = items[j] end
-    if step == 2 then
-      local score = tonumber(items[i])
-      if not lows[id] or score < lows[id] then lows[id] = score end
-    end
-  end
-  if step == 2 then create_missing(ids, ttl) end
+  if cmd == 'ZADD' then create_missing(batch.ids, ttl) end
   local args = {}
-  for _, id in ipairs(ids) do
-    local g = groups[id]
-    if #g <= 1000 then
-      flush(id, g)
-    else
-      for i = 1, #g, 1000 do flush(id, {unpack(g, i, math.min(i + 999, #g))}) end
+  for _, id in ipairs(batch.ids) do
+    local key, g = base .. id, batch.groups[id]
+    for i = 1, #g, 1000 do
+      local chunk = g
+      if #g > 1000 then chunk = {unpack(g, i, math.min(i + 999, #g))} end
+      if flag then
+        changed = changed + redis.call(cmd, key, flag, unpack(chunk))
+      else
+        changed = changed + redis.call(cmd, key, unpack(chunk))
+      end
     end
-    if step == 2 then
-      args[#args + 1] = string.format('%d', lows[id])
+    if cmd == 'ZADD' then
+      args[#args + 1] = batch.lows[id]
       args[#args + 1] = id
       if #args >= 1000 then redis.call('ZADD', bz, 'LT', unpack(args)); args = {} end
     end
@@ -309,17 +314,16 @@ for i = 5, #ARGV, 2 do
       local n = math.min(#blob / 8, cap)
       local protect = 0
       if n > 0 then
-        local items = {}
+        local batch = new_batch()
         if parent == '' then
           -- touch in reverse (root last): a parent is always more recent than its children
           local top = redis.call('HINCRBY', m, 't', n)
           local score = top - n
           for j = n, 1, -1 do
             score = score + 1
-            items[#items + 1] = string.format('%d', score)
-            items[#items + 1] = string.sub(blob, j * 8 - 7, j * 8)
+            put(batch, nb, score, string.sub(blob, j * 8 - 7, j * 8))
           end
-          size = size + grouped('ZADD', nil, nb, items, 2, ttl)
+          size = size + apply(batch, 'ZADD', nil, ttl)
           protect = n
         else
           -- new blocks enter as the least recent, deepest lowest; held ones keep their score
@@ -327,10 +331,9 @@ for i = 5, #ARGV, 2 do
           local score = low + n
           for j = 1, n do
             score = score - 1
-            items[#items + 1] = string.format('%d', score)
-            items[#items + 1] = string.sub(blob, j * 8 - 7, j * 8)
+            put(batch, nb, score, string.sub(blob, j * 8 - 7, j * 8))
           end
-          size = size + grouped('ZADD', 'NX', nb, items, 2, ttl)
+          size = size + apply(batch, 'ZADD', 'NX', ttl)
         end
       end
       -- evict least recent first (leaves before parents), never the chain just stored
@@ -359,19 +362,16 @@ if k > 0 then size = size - evict(k) end
 redis.call('HSET', m, 'k', size)
 local nb = nbuckets(cap, per)
 if nb ~= tonumber(redis.call('HGET', m, 'n')) then
-  local items = {}
+  local batch = new_batch()
   for _, id in ipairs(redis.call('ZRANGE', bz, 0, -1)) do
     local pairs_ = redis.call('ZRANGE', base .. id, 0, -1, 'WITHSCORES')
     for j = 1, #pairs_, 2 do
-      if pairs_[j] ~= '' then
-        items[#items + 1] = pairs_[j + 1]
-        items[#items + 1] = pairs_[j]
-      end
+      if pairs_[j] ~= '' then put(batch, nb, tonumber(pairs_[j + 1]), pairs_[j]) end
     end
   end
   drop_all()
   redis.call('HSET', m, 'n', nb)
-  grouped('ZADD', nil, nb, items, 2, ttl)
+  apply(batch, 'ZADD', nil, ttl)
 end
 expire_all(ttl, true)
 return math.max(k, 0)
@@ -384,9 +384,9 @@ REMOVE_LUA = (
     + """
 local nb = tonumber(redis.call('HGET', m, 'n') or '0')
 if nb == 0 then return 0 end
-local blob, items = ARGV[2], {}
-for j = 1, #blob / 8 do items[j] = string.sub(blob, j * 8 - 7, j * 8) end
-local removed = grouped('ZREM', nil, nb, items, 1, 0)
+local blob, batch = ARGV[2], new_batch()
+for j = 1, #blob / 8 do put(batch, nb, nil, string.sub(blob, j * 8 - 7, j * 8)) end
+local removed = apply(batch, 'ZREM', nil, 0)
 redis.call('HINCRBY', m, 'k', 0 - removed)  -- not -removed: Lua prints -0
 expire_all(tonumber(ARGV[1]), false)
 return removed
