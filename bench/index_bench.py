@@ -29,8 +29,6 @@ from cachetier.redis_index import RedisIndex, connect
 from cachetier.resilient import ResilientIndex
 from cachetier.writer import IndexWriter
 
-DEFAULT_BATCH_BLOCKS = 2048  # IndexWriter's default batch_blocks
-
 TARGET_REDIS_P99_MS = 2.0
 TARGET_MEMORY_P99_MS = 0.2
 TARGET_BYTES_PER_BLOCK = 100.0
@@ -147,21 +145,12 @@ def lookup_row(backend: str, size: int, times: list[float]) -> LookupRow:
 
 
 async def lookups_under_writes(
-    index: BlockIndex,
-    backend: str,
-    work: Workload,
-    samples: int,
-    rng: random.Random,
-    rate: int,
-    batch_blocks: int = DEFAULT_BATCH_BLOCKS,
+    index: BlockIndex, backend: str, work: Workload, samples: int, rng: random.Random, rate: int
 ) -> LookupRow:
-    """Lookups of the longest prompts while an IndexWriter re-stores chains at ``rate`` blocks/s.
-
-    A lookup waits behind a store script in progress, so the writer's batch size sets the tail.
-    """
+    """Lookups of the longest prompts while an IndexWriter re-stores chains at ``rate`` blocks/s."""
     size = max(work.prompts)
     stop = asyncio.Event()
-    writer = IndexWriter(index, batch_blocks=batch_blocks)
+    writer = IndexWriter(index)
     chains = [op for op in work.ops if len(op.hashes) <= 2048]  # request-sized chains
 
     async def write_load() -> None:
@@ -192,10 +181,7 @@ async def lookups_under_writes(
         stop.set()
         await load
         await writer.close()
-    label = f"{backend} + {rate // 1000}k blk/s writes"
-    if batch_blocks != DEFAULT_BATCH_BLOCKS:
-        label += f", batches <= {batch_blocks}"
-    return lookup_row(label, size, times)
+    return lookup_row(f"{backend} + {rate // 1000}k blk/s writes", size, times)
 
 
 async def check_answers(index: BlockIndex, reference: MemoryIndex, work: Workload) -> None:
@@ -204,22 +190,6 @@ async def check_answers(index: BlockIndex, reference: MemoryIndex, work: Workloa
             got, want = await index.lookup(p, work.nodes), await reference.lookup(p, work.nodes)
             if got != want:
                 raise SystemExit(f"lookup mismatch between {index.backend} and memory: {got} != {want}")
-
-
-async def redis_footprint(index: RedisIndex, nodes: Sequence[str]) -> tuple[int, int, dict[str, int]]:
-    """MEMORY USAGE summed over every key of the nodes (buckets, minima, meta), blocks held,
-    and how many keys use each encoding."""
-    usage = 0
-    encodings: dict[str, int] = {}
-    for name in nodes:
-        async for key in index.client.scan_iter(match=index.keys.node_pattern(name), count=1000):
-            usage += int(await index.client.memory_usage(key, samples=0) or 0)
-            raw = await index.client.object("encoding", key)
-            enc = raw.decode() if isinstance(raw, bytes) else str(raw)
-            encodings[enc] = encodings.get(enc, 0) + 1
-    occupancy = (await index.stats()).nodes
-    held = sum(occupancy[n].blocks for n in nodes if n in occupancy)
-    return usage, held, encodings
 
 
 async def run(args: argparse.Namespace) -> Results:
@@ -245,13 +215,16 @@ async def run(args: argparse.Namespace) -> Results:
             resilient = ResilientIndex(rindex, mirror=False, lookup_timeout=0.05)
             res.lookups += await measure_lookups(resilient, "redis+resilient", work, args.samples, rng)
             if args.write_rate > 0:
-                for batch in (DEFAULT_BATCH_BLOCKS, 512):
-                    row = await lookups_under_writes(
-                        rindex, "redis", work, args.samples, rng, args.write_rate, batch
-                    )
-                    res.lookups.append(row)
-            usage, held, encodings = await redis_footprint(rindex, work.nodes)
-            res.redis_encoding = ", ".join(f"{n} {enc}" for enc, n in sorted(encodings.items()))
+                row = await lookups_under_writes(rindex, "redis", work, args.samples, rng, args.write_rate)
+                res.lookups.append(row)
+            usage = 0
+            held = 0
+            for name in work.nodes:
+                key = rindex.keys.blocks(name)
+                usage += int(await client.memory_usage(key, samples=0) or 0)
+                held += int(await client.zcard(key))
+                enc = await client.object("encoding", key)
+                res.redis_encoding = enc.decode() if isinstance(enc, bytes) else str(enc)
             res.redis_blocks_held = held
             res.redis_bytes_per_block = usage / held if held else None
             res.redis_bytes_per_block_info = (after - before) / held if held else None

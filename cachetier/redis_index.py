@@ -1,9 +1,8 @@
 """Redis implementation of ``BlockIndex``: one index shared by every gateway replica.
 
-Key schema and scripts: ``redis_schema.py`` and ``cachetier/README.md``. A node's blocks sit in
-small hash-bucketed ZSETs (listpack-encoded, ≈ 20 B/block). A lookup is one EVALSHA (one round
-trip) that binary-searches every node's buckets; a store batch is one MULTI/EXEC holding one
-script call per node, so no half-written batch is ever visible.
+Key schema and scripts: ``redis_schema.py`` and ``cachetier/README.md``. A lookup is one
+EVALSHA (one round trip) that binary-searches every node's ZSET; a store batch is one
+MULTI/EXEC holding one script call per node, so no half-written batch is ever visible.
 """
 
 from __future__ import annotations
@@ -21,12 +20,8 @@ from redis.exceptions import NoScriptError
 
 from cachetier.index import DEFAULT_CAPACITY_BLOCKS, IndexStats, NodeOccupancy, StoreOp
 from cachetier.redis_schema import (
-    CLEAR_LUA,
-    DEFAULT_BUCKET_BLOCKS,
     DEFAULT_PREFIX,
     LOOKUP_LUA,
-    MEMBERS_LUA,
-    REMOVE_LUA,
     SET_CAPACITY_LUA,
     STORE_LUA,
     KeySchema,
@@ -37,6 +32,7 @@ from cachetier.redis_schema import (
 
 DEFAULT_TTL_SECONDS = 3600
 _Call = tuple[str, list[str], list[Any]]  # script name, keys, args
+_REMOVE_CHUNK = 4096
 
 
 def connect(url: str, *, max_connections: int = 64, timeout: float = 2.0) -> aioredis.Redis:
@@ -70,18 +66,14 @@ class RedisIndex:
         ttl_seconds: int = DEFAULT_TTL_SECONDS,
         nodes_refresh: float = 1.0,
         owns_client: bool = True,
-        bucket_blocks: int = DEFAULT_BUCKET_BLOCKS,
     ) -> None:
         if ttl_seconds <= 0:
             raise ValueError("ttl_seconds must be positive")
-        if not 1 <= bucket_blocks <= 100:
-            raise ValueError("bucket_blocks must be in 1..100 (buckets must stay listpack-encoded)")
         self.client = client
         self.keys = KeySchema(prefix)
         self.default_capacity = max(0, default_capacity)
         self.ttl_seconds = ttl_seconds
         self.nodes_refresh = nodes_refresh
-        self.bucket_blocks = bucket_blocks
         self._owns_client = owns_client
         self._scripts = {name: (text, _sha1(text)) for name, text in _SCRIPTS.items()}
         self._known: set[str] = set()
@@ -99,7 +91,7 @@ class RedisIndex:
             return {}
         if not hashes:
             return dict.fromkeys(names, 0)
-        keys = [self.keys.meta(n) for n in names]
+        keys = [self.keys.blocks(n) for n in names]
         runs = await self._eval("lookup", keys, [pack_hashes(hashes)])
         return {n: int(r) for n, r in zip(names, runs, strict=True)}
 
@@ -114,7 +106,7 @@ class RedisIndex:
         return sorted(self._known)
 
     async def node_hashes(self, node: str) -> set[int]:
-        members = await self._eval("members", list(self.keys.node_keys(node)), [])
+        members = await self.client.zrange(self.keys.blocks(node), 0, -1)
         return {unpack_hash(_bytes(m)) for m in members}
 
     async def stats(self) -> IndexStats:
@@ -122,12 +114,13 @@ class RedisIndex:
         names = await self.known_nodes()
         pipe = self.client.pipeline(transaction=False)
         for n in names:
-            pipe.hmget(self.keys.meta(n), "k", "c")
+            pipe.zcard(self.keys.blocks(n))
+            pipe.hget(self.keys.meta(n), "c")
         raw = await pipe.execute()
         occ: dict[str, NodeOccupancy] = {}
-        for n, (held, cap) in zip(names, raw, strict=True):
-            blocks = int(held) if held is not None else 0
-            occ[n] = NodeOccupancy(n, blocks, int(cap) if cap is not None else self.default_capacity)
+        for i, n in enumerate(names):
+            cap = raw[2 * i + 1]
+            occ[n] = NodeOccupancy(n, int(raw[2 * i]), int(cap) if cap is not None else self.default_capacity)
         return IndexStats(self.backend, sum(o.blocks for o in occ.values()), occ)
 
     async def ping(self) -> None:
@@ -143,12 +136,12 @@ class RedisIndex:
             by_node[op.node].append(i)
         calls: list[_Call] = []
         for node, idx in by_node.items():
-            args = self._store_args("s")
+            args: list[bytes | str | int] = [self.default_capacity, self.ttl_seconds, "s"]
             for i in idx:
                 op = ops[i]
                 args.append(pack_hash(op.parent) if op.parent else b"")
                 args.append(pack_hashes(op.hashes))
-            calls.append(("store", list(self.keys.node_keys(node)), args))
+            calls.append(("store", [self.keys.blocks(node), self.keys.meta(node)], args))
         results = await self._transaction(calls, register=list(by_node))
         out = [False] * len(ops)
         for (_, idx), res in zip(by_node.items(), results, strict=False):
@@ -157,24 +150,38 @@ class RedisIndex:
         return out
 
     async def replace_node(self, node: str, chains: Sequence[Sequence[int]]) -> None:
-        args = self._store_args("r")
+        args: list[bytes | str | int] = [self.default_capacity, self.ttl_seconds, "r"]
         for chain in chains:
             args += [b"", pack_hashes(chain)]
-        await self._transaction([("store", list(self.keys.node_keys(node)), args)], register=[node])
+        await self._transaction(
+            [("store", [self.keys.blocks(node), self.keys.meta(node)], args)], register=[node]
+        )
 
     async def set_capacity(self, node: str, blocks: int) -> None:
-        args = [max(0, blocks), self.ttl_seconds, self.default_capacity, self.bucket_blocks]
-        await self._transaction([("set_capacity", list(self.keys.node_keys(node)), args)], register=[node])
+        args = [max(0, blocks), self.ttl_seconds]
+        await self._transaction(
+            [("set_capacity", [self.keys.blocks(node), self.keys.meta(node)], args)], register=[node]
+        )
 
     async def remove(self, node: str, hashes: Iterable[int]) -> int:
-        distinct = list(dict.fromkeys(hashes))
-        if not distinct:
+        members = list(dict.fromkeys(pack_hash(h) for h in hashes))
+        if not members:
             return 0
-        args = [self.ttl_seconds, pack_hashes(distinct)]
-        return int(await self._eval("remove", list(self.keys.node_keys(node)), args))
+        key = self.keys.blocks(node)
+        pipe = self.client.pipeline(transaction=True)
+        for i in range(0, len(members), _REMOVE_CHUNK):
+            pipe.zrem(key, *members[i : i + _REMOVE_CHUNK])
+        pipe.expire(key, self.ttl_seconds)
+        pipe.expire(self.keys.meta(node), self.ttl_seconds)
+        raw = await pipe.execute()
+        return sum(int(r) for r in raw[:-2])
 
     async def clear_node(self, node: str) -> int:
-        return int(await self._eval("clear", list(self.keys.node_keys(node)), []))
+        pipe = self.client.pipeline(transaction=True)
+        pipe.zcard(self.keys.blocks(node))
+        pipe.delete(self.keys.blocks(node))
+        raw = await pipe.execute()
+        return int(raw[0])
 
     async def purge(self) -> int:
         """Delete every key under this prefix (tests, benchmarks, an operator's reset)."""
@@ -195,9 +202,6 @@ class RedisIndex:
             await self.client.aclose()
 
     # -- plumbing ------------------------------------------------------------------------
-
-    def _store_args(self, mode: str) -> list[bytes | str | int]:
-        return [self.default_capacity, self.ttl_seconds, mode, self.bucket_blocks]
 
     async def _eval(self, script: str, keys: list[str], args: list[Any]) -> Any:
         text, sha = self._scripts[script]
@@ -245,11 +249,4 @@ def _sha1(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()
 
 
-_SCRIPTS = {
-    "lookup": LOOKUP_LUA,
-    "store": STORE_LUA,
-    "set_capacity": SET_CAPACITY_LUA,
-    "remove": REMOVE_LUA,
-    "clear": CLEAR_LUA,
-    "members": MEMBERS_LUA,
-}
+_SCRIPTS = {"lookup": LOOKUP_LUA, "store": STORE_LUA, "set_capacity": SET_CAPACITY_LUA}

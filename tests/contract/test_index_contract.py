@@ -140,8 +140,7 @@ async def _memory() -> BlockIndex:
 
 
 async def _redis() -> BlockIndex:
-    # two blocks per bucket: eight buckets at CAPACITY, so evictions and resizes cross buckets
-    return RedisIndex.from_url(redis_url(), prefix=test_prefix(), default_capacity=CAPACITY, bucket_blocks=2)
+    return RedisIndex.from_url(redis_url(), prefix=test_prefix(), default_capacity=CAPACITY)
 
 
 async def _resilient() -> BlockIndex:
