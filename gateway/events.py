@@ -106,9 +106,9 @@ class EventSync:
         prev_instance = self.instance.get(node.address)
         last = self.last_seq.get(node.address)
         if ev.kind == KIND.SNAPSHOT:
-            await self.index.replace_node(node_id, snapshot_chains(ev))
-            if node.stats is not None and node.stats.capacity_blocks:
+            if node.stats is not None and node.stats.capacity_blocks:  # bound first, then fill
                 await self.index.set_capacity(node_id, index_capacity(node.stats.capacity_blocks))
+            await self.index.replace_node(node_id, snapshot_chains(ev))
             self.metrics.resyncs.labels("snapshot").inc()
         elif prev_instance != ev.instance_id or last is None or ev.seq != last + 1:
             # Restart or gap: ask for a snapshot by reconnecting from zero.
