@@ -218,7 +218,15 @@ def medians(runs: Sequence[Run]) -> list[Run]:
 def print_table(runs: Sequence[Run], fit: Fit, engine: str, console: Console) -> None:
     t = Table(title=f"tiny engine ({engine}): split path, prefill node -> KV pages over gRPC -> decode node")
     for col in (
-        "prompt", "case", "cached", "TTFT ms", "prefill ms", "KV MiB", "transfer ms", "MiB/s", "decode ms/tok"
+        "prompt",
+        "case",
+        "cached",
+        "TTFT ms",
+        "prefill ms",
+        "KV MiB",
+        "transfer ms",
+        "MiB/s",
+        "decode ms/tok",
     ):
         t.add_column(col, justify="right")
     for r in runs:

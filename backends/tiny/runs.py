@@ -115,4 +115,3 @@ class DecodeRun:
             if time.perf_counter() - t0 >= budget_s:
                 break
         return out
-

@@ -55,9 +55,7 @@ async def generate(stub: Any, node: NodeServer, tokens: bytes, hashes: list[int]
     return Output(ids, text, last.finish_reason, last.cached_tokens)
 
 
-async def split(
-    stub: Any, p: NodeServer, d: NodeServer, tokens: bytes, hashes: list[int], sp: Any
-) -> Output:
+async def split(stub: Any, p: NodeServer, d: NodeServer, tokens: bytes, hashes: list[int], sp: Any) -> Output:
     """Prefill on ``p`` pushing KV pages to ``d``, then Decode on ``d``."""
     r = await stub(p.address).Prefill(
         node_pb2.PrefillRequest(
