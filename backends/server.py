@@ -355,43 +355,18 @@ async def serve(
     host: str = "127.0.0.1",
     port: int = 0,
     *,
-    engine: str = "sim",
-    profile: str | None = None,
-    capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS,
-    block_size: int = 64,
-    time_scale: float = 1.0,
-    kv_scale: float = DEFAULT_KV_SCALE,
-    node_id: str | None = None,
-    max_queue: int = 64,
-    max_concurrency: int = 1,
-    max_decode_streams: int = 256,
-    handle_ttl_s: float = 60.0,
     on_ready: Callable[[NodeServer], None] | None = None,
     http_port: int | None = None,
     http_options: HTTPOptions | None = None,
+    **node_options: Any,
 ) -> None:
     """Run one node until SIGINT/SIGTERM (or cancellation), then stop it cleanly.
 
-    Same options as ``start_node``; ``on_ready(server)`` is called once the port is bound.
+    ``node_options`` are ``start_node``'s; ``on_ready(server)`` is called once the port is bound.
     ``http_port`` (0: a free one) also serves the OpenAI-compatible endpoint of
     ``backends.http_api`` on the same host, in this loop.
     """
-    ns = await start_node(
-        role,
-        host,
-        port,
-        engine=engine,
-        profile=profile,
-        capacity_blocks=capacity_blocks,
-        block_size=block_size,
-        time_scale=time_scale,
-        kv_scale=kv_scale,
-        node_id=node_id,
-        max_queue=max_queue,
-        max_concurrency=max_concurrency,
-        max_decode_streams=max_decode_streams,
-        handle_ttl_s=handle_ttl_s,
-    )
+    ns = await start_node(role, host, port, **node_options)
     if http_port is not None:
         from backends.http_api import NodeHTTP
 

@@ -13,14 +13,12 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import orjson
 from rich.console import Console
 from rich.table import Table
 
-from bench.report import percentile
+from bench.report import percentile, write_json
 from bench.textgen import segment_text
 from cachetier.hashing import Namespace, block_hashes
 from cachetier.tokenizer import Bytes4Tokenizer
@@ -152,8 +150,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.json_out:
         out = {"results": [r.as_json() for r in results], "targets": verdict}
-        Path(args.json_out).write_bytes(orjson.dumps(out, option=orjson.OPT_INDENT_2))
-        console.print(f"wrote {args.json_out}")
+        write_json(args.json_out, out, console)
     return 0
 
 

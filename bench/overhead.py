@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench import launch
-from bench.report import percentile
+from bench.report import percentile, write_json
 from bench.textgen import segment_text
 
 CLIENTS = (1, 32, 256)
@@ -412,8 +412,7 @@ def run(args: argparse.Namespace) -> int:
         "failed": failed,
     }
     if args.json_out:
-        Path(args.json_out).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
-        console.print(f"wrote {args.json_out}")
+        write_json(args.json_out, report, console)
     return 0 if rows else 1
 
 

@@ -34,11 +34,11 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import orjson
 from rich.console import Console
 
 from bench import launch, live
 from bench.replay import build_workload, workload_format
+from bench.report import write_json
 from bench.workloads import FORMATS, Workload
 from prefixgate.v1 import node_pb2, node_pb2_grpc
 
@@ -249,8 +249,7 @@ def run(args: argparse.Namespace) -> int:
         "failed": failed,
     }
     if args.json_out:
-        Path(args.json_out).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
-        console.print(f"wrote {args.json_out}")
+        write_json(args.json_out, report, console)
     return 0 if results else 1
 
 

@@ -19,11 +19,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import orjson
 from rich.console import Console
 
 from bench.profile import PROFILES, get_profile
-from bench.report import PolicySummary, print_table
+from bench.report import PolicySummary, print_table, write_json
 from bench.simulator import SimConfig, global_lru_bound, parse_policy, simulate
 from bench.workloads import FORMATS, GENERATED_FORMATS, Workload, WorkloadOptions, guess_format, load_workload
 
@@ -187,8 +186,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"[red]error:[/] {e}")
         return 2
     if args.json_out:
-        Path(args.json_out).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
-        console.print(f"wrote {args.json_out}")
+        write_json(args.json_out, report, console)
     return 0
 
 

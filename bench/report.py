@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import orjson
 from rich.console import Console
 from rich.table import Table
 
@@ -169,3 +171,9 @@ def print_table(
     console: Console | None = None,
 ) -> None:
     (console or Console(width=max(160, Console().width))).print(render_table(title, policies, bound))
+
+
+def write_json(path: str, report: Any, console: Console) -> None:
+    """The ``--json FILE`` of every bench: the same figures as the table, indented."""
+    Path(path).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    console.print(f"wrote {path}")
