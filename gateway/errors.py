@@ -6,6 +6,22 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from gateway.exceptions import (
+    Conflict,
+    DeadlineExceeded,
+    Draining,
+    Forbidden,
+    GatewayError,
+    InvalidRequest,
+    NotFound,
+    Overloaded,
+    QuotaExceeded,
+    StreamBroken,
+    TooLarge,
+    Unauthenticated,
+    Unavailable,
+)
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -58,3 +74,32 @@ class APIError(Exception):
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+_STATUS: tuple[tuple[type[GatewayError], int], ...] = (
+    (InvalidRequest, 400),
+    (Unauthenticated, 401),
+    (Forbidden, 403),
+    (NotFound, 404),
+    (Conflict, 409),
+    (TooLarge, 413),
+    (QuotaExceeded, 429),
+    (Overloaded, 429),
+    (Draining, 503),
+    (Unavailable, 503),
+    (DeadlineExceeded, 504),
+    (StreamBroken, 502),
+)
+
+
+def http_status(e: GatewayError) -> int:
+    """The HTTP status a domain error is answered with (500 for anything unmapped)."""
+    for cls, status in _STATUS:
+        if isinstance(e, cls):
+            return status
+    return 500
+
+
+def from_domain(e: GatewayError) -> APIError:
+    """The OpenAI-format HTTP error for a domain error: the one place the two meet."""
+    return APIError(http_status(e), e.message, param=e.param, code=e.code, retry_after=e.retry_after)
