@@ -47,7 +47,8 @@ def test_retry_after_and_param_survive_the_mapping() -> None:
 
 
 def test_vocabulary_keeps_string_values() -> None:
-    assert Role.PREFILL == "prefill"
+    assert Role("prefill") is Role.PREFILL
+    assert str(Role.PREFILL) == "prefill"
     assert f"{Mode.FALLBACK}" == "fallback"
     assert not FailureKind.INVALID.retryable
     assert FailureKind.TIMEOUT.retryable
