@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from bench.textgen import segment_text
-from bench.workloads import Request, Workload, WorkloadOptions, sample
+from bench.workload_types import Request, Workload, WorkloadOptions, sample
 from cachetier.hashing import block_hashes
 from cachetier.tokenizer import Bytes4Tokenizer
 from gateway.normalize import Document, render_chat

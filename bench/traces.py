@@ -21,7 +21,7 @@ from pathlib import Path
 import orjson
 
 from bench.textgen import Span, span_hashes
-from bench.workloads import Request, Workload, WorkloadOptions, sample
+from bench.workload_types import Request, Workload, WorkloadOptions, sample
 
 TRACE_BLOCK = 512
 MOONCAKE_SALT = "mooncake"
