@@ -5,10 +5,10 @@ file under a run directory, dies with the benchmark (``PR_SET_PDEATHSIG``), and 
 its process-group id: SIGTERM, then SIGKILL after a grace period.
 
 Peer routers are not dependencies of prefixgate: they are looked up in a directory of venvs
-made by the commands in the README (``venv-sglang``, ``venv-vllmr``, ``venv-litellm`` under
+made by the commands in the README (``venv-smg``, ``venv-sglang``, ``venv-vllmr``, ``venv-litellm`` under
 ``--peers-venv``, default ``$PREFIXGATE_PEERS`` or ``$TMPDIR/prefixgate-peers``). Launch flags
 follow their documented loopback-safe forms (explicit ``--host``/``--prometheus-host``
-127.0.0.1, a 1 s shutdown grace for sglang-router, a master key and the local price map for
+127.0.0.1, a 1 s shutdown grace for smg and sglang-router, a master key and the local price map for
 LiteLLM).
 """
 
@@ -292,19 +292,21 @@ def start_gateway(
 
 # -- peers ----------------------------------------------------------------------------------------
 
-PEERS = ("sglang", "vllm", "litellm")
+PEERS = ("smg", "sglang", "vllm", "litellm")
 PEER_LABELS = {
+    "smg": "smg cache_aware",
     "sglang": "sglang-router cache_aware",
     "vllm": "vllm-router cache_aware",
     "litellm": "LiteLLM simple-shuffle",
 }
 PEER_VERSIONS = {
+    "smg": "smg==1.13.0",
     "sglang": "sglang-router==0.3.2",
     "vllm": "vllm-router==0.1.17",
     "litellm": "litellm[proxy]==1.108.7",
 }
-_VENVS = {"sglang": "venv-sglang", "vllm": "venv-vllmr", "litellm": "venv-litellm"}
-_BINARIES = {"sglang": "bin/python", "vllm": "bin/vllm-router", "litellm": "bin/litellm"}
+_VENVS = {"smg": "venv-smg", "sglang": "venv-sglang", "vllm": "venv-vllmr", "litellm": "venv-litellm"}
+_BINARIES = {"smg": "bin/smg", "sglang": "bin/python", "vllm": "bin/vllm-router", "litellm": "bin/litellm"}
 
 
 def default_peers_dir() -> Path:
@@ -357,11 +359,19 @@ def start_peer(name: str, venvs: Path, workers: Sequence[str], logs: Path, timeo
     env: dict[str, str] = {}
     headers: dict[str, str] = {}
     cwd = None
-    if name == "sglang":
+    if name in ("smg", "sglang"):
+        # smg launch takes sglang-router's flags (smg is its successor).
+        launcher = (
+            [str(venv / "bin/smg"), "launch"]
+            if name == "smg"
+            else [
+                str(venv / "bin/python"),
+                "-m",
+                "sglang_router.launch_router",
+            ]
+        )
         cmd = [
-            str(venv / "bin/python"),
-            "-m",
-            "sglang_router.launch_router",
+            *launcher,
             "--host",
             "127.0.0.1",
             "--port",

@@ -11,8 +11,9 @@ event with a choice), req/s, errors, and the router's CPU time per request (utim
 its process group, /proc) — the figure that transfers best to other machines. "Added" is the
 target's figure minus ``direct``'s in the same cell.
 
-Targets checked (prefixgate): added p50 at 1 client (2 KB, JSON) <= sglang-router's; CPU per
-request <= 0.4 ms (2 KB cells); streaming TTFT added <= 1 ms (1 client, 2 KB).
+Targets checked (prefixgate), against smg (the reference Rust gateway) in the same run: added
+p50 at 1 client (2 KB, JSON) <= smg's; streaming TTFT added at 1 client (2 KB) <= smg's; req/s at
+32 clients (2 KB, JSON) >= smg's; and CPU per request <= 0.5 ms (2 KB cells).
 """
 
 from __future__ import annotations
@@ -41,8 +42,7 @@ SIZES = (2_048, 262_144)
 QUICK_CLIENTS = (1, 32)
 QUICK_SIZES = (2_048,)
 OUTPUT_TOKENS = 8
-TARGET_CPU_MS = 0.4
-TARGET_STREAM_TTFT_MS = 1.0
+TARGET_CPU_MS = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,25 +211,30 @@ def _find(rows: Sequence[dict[str, Any]], target: str, clients: int, size: int, 
     return None
 
 
-def verdicts(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The three overhead targets, for prefixgate; None where a cell was not run."""
+def verdicts(rows: Sequence[dict[str, Any]], reference: str = "smg") -> dict[str, Any]:
+    """prefixgate's targets against ``reference`` in the same run; None where a cell was not run."""
     small = min((r["prompt_bytes"] for r in rows), default=2048)
-    pg = _find(rows, "prefixgate", 1, small, False)
-    sg = _find(rows, "sglang", 1, small, False)
-    pg_stream = _find(rows, "prefixgate", 1, small, True)
+
+    def cell(target: str, clients: int, stream: bool, key: str) -> Any:
+        r = _find(rows, target, clients, small, stream)
+        return r.get(key) if r else None
+
     cpu = [r["cpu_ms_per_req"] for r in rows if r["target"] == "prefixgate" and r["prompt_bytes"] == small]
-    out: dict[str, Any] = {
-        "added_p50_ms_1_client": pg["added_p50_ms"] if pg else None,
-        "sglang_added_p50_ms_1_client": sg["added_p50_ms"] if sg else None,
-        "cpu_ms_per_req_small_prompts": round(max(cpu), 4) if cpu else None,
-        "stream_added_ttft_p50_ms_1_client": pg_stream["added_ttft_p50_ms"] if pg_stream else None,
-    }
-    out["added_p50_le_sglang"] = (
-        pg["added_p50_ms"] <= sg["added_p50_ms"] if pg and sg and pg["added_p50_ms"] is not None else None
-    )
-    out["cpu_le_0.4_ms"] = max(cpu) <= TARGET_CPU_MS if cpu else None
-    ttft = out["stream_added_ttft_p50_ms_1_client"]
-    out["stream_ttft_added_le_1_ms"] = ttft <= TARGET_STREAM_TTFT_MS if ttft is not None else None
+    out: dict[str, Any] = {"reference": reference}
+    for name, clients, stream, key, better in (
+        ("added_p50_ms_1_client", 1, False, "added_p50_ms", "le"),
+        ("stream_added_ttft_p50_ms_1_client", 1, True, "added_ttft_p50_ms", "le"),
+        ("req_s_32_clients", 32, False, "req_per_s", "ge"),
+    ):
+        ours, theirs = cell("prefixgate", clients, stream, key), cell(reference, clients, stream, key)
+        out[name] = ours
+        out[f"{reference}_{name}"] = theirs
+        met = None
+        if ours is not None and theirs is not None:
+            met = ours <= theirs if better == "le" else ours >= theirs
+        out[f"{name}_{better}_{reference}"] = met
+    out["cpu_ms_per_req_small_prompts"] = round(max(cpu), 4) if cpu else None
+    out[f"cpu_le_{TARGET_CPU_MS}_ms"] = max(cpu) <= TARGET_CPU_MS if cpu else None
     return out
 
 
@@ -280,7 +285,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--peers",
         default=",".join(launch.PEERS),
-        help="comma-separated peers to measure too: sglang,vllm,litellm (default all installed; '' none)",
+        help="comma-separated peers to measure too: smg,sglang,vllm,litellm (default all installed; '' none)",
     )
     p.add_argument(
         "--peers-venv", default=str(launch.default_peers_dir()), help="directory of the peer venvs"
@@ -335,6 +340,7 @@ def run(args: argparse.Namespace) -> int:
     labels = {
         "direct": "direct (node)",
         "prefixgate": "prefixgate",
+        "smg": "smg",
         "sglang": "sglang-router",
         "vllm": "vllm-router",
     }
@@ -387,11 +393,12 @@ def run(args: argparse.Namespace) -> int:
     console.print(render(rows, labels))
     v = verdicts(rows)
     console.print(
-        "prefixgate: added p50 at 1 client "
-        f"{v['added_p50_ms_1_client']} ms (sglang-router {v['sglang_added_p50_ms_1_client']} ms); "
-        f"CPU/request {v['cpu_ms_per_req_small_prompts']} ms (target <= {TARGET_CPU_MS}); "
+        "prefixgate vs smg, same run: added p50 at 1 client "
+        f"{v['added_p50_ms_1_client']} ms (smg {v['smg_added_p50_ms_1_client']}); "
         f"streaming TTFT added {v['stream_added_ttft_p50_ms_1_client']} ms "
-        f"(target <= {TARGET_STREAM_TTFT_MS})"
+        f"(smg {v['smg_stream_added_ttft_p50_ms_1_client']}); "
+        f"req/s at 32 clients {v['req_s_32_clients']} (smg {v['smg_req_s_32_clients']}); "
+        f"CPU/request {v['cpu_ms_per_req_small_prompts']} ms (target <= {TARGET_CPU_MS})"
     )
     report = {
         "config": {

@@ -9,7 +9,8 @@ everything stopped. Targets:
   --monolithic ADDR...``, gRPC ``Generate``), routing with its default policy. This is the
   like-for-like comparison: the same nodes, each serving whole requests. (The split
   prefill/decode mode needs other nodes and is not compared here.)
-- ``sglang``: sglang-router 0.3.2 ``--policy cache_aware``; ``vllm``: vllm-router 0.1.17
+- ``smg``: smg 1.13.0 ``--policy cache_aware``; ``sglang``: sglang-router 0.3.2
+  ``--policy cache_aware``; ``vllm``: vllm-router 0.1.17
   ``--policy cache_aware`` (asks every node for token ids via ``/v1/*/render``);
   ``litellm``: LiteLLM proxy, ``simple-shuffle`` (no cache-aware strategy exists). They talk
   HTTP to the nodes' OpenAI-compatible endpoint (``backends.http_api``).
@@ -124,13 +125,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--peers",
         default=",".join(launch.PEERS),
-        help="comma-separated peers to run besides prefixgate: sglang,vllm,litellm (default all; '' none)",
+        help="peers besides prefixgate, comma-separated: smg,sglang,vllm,litellm (default all; '' none)",
     )
     p.add_argument("--no-prefixgate", action="store_true", help="run the peers only")
     p.add_argument(
         "--peers-venv",
         default=str(launch.default_peers_dir()),
-        help="directory holding venv-sglang, venv-vllmr, venv-litellm (default $PREFIXGATE_PEERS "
+        help="directory holding venv-smg, venv-sglang, venv-vllmr, venv-litellm (default $PREFIXGATE_PEERS "
         "or $TMPDIR/prefixgate-peers)",
     )
     p.add_argument("--policy", default="prefixgate", help="prefixgate's routing policy (default prefixgate)")
