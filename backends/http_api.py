@@ -48,7 +48,8 @@ from backends.generation import Chunk
 from backends.node import Node
 from cachetier.hashing import Namespace, block_hashes
 from cachetier.tokenizer import Bytes4Tokenizer, pack_ids, unpack_ids
-from gateway.errors import APIError, invalid
+from gateway.errors import APIError, from_domain, invalid
+from gateway.exceptions import GatewayError
 from gateway.normalize import NormalizationError, render_chat, render_completion
 from gateway.schema import ParsedRequest, parse_json, parse_request
 
@@ -241,6 +242,8 @@ def _guard(handler: Handler) -> Handler:
             return await handler(request)
         except APIError as e:
             return e.response()
+        except GatewayError as e:
+            return from_domain(e).response()
         except NodeError as e:
             return _node_error(e).response()
 

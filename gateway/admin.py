@@ -7,10 +7,9 @@ as ``POST /admin/cache/pin``, for tenants. The operations live in ``gateway.cach
 
 from __future__ import annotations
 
-import hmac
 import re
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.requests import Request
@@ -18,44 +17,32 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway import cache_ops
-from gateway.app import ORJSONResponse, _guard, _svc, authenticate, read_body, request_id_of
-from gateway.errors import APIError, invalid
+from gateway.auth import check_admin
+from gateway.errors import invalid
+from gateway.exceptions import Conflict, NotFound
+from gateway.httpcommon import Handler, ORJSONResponse, caller_of, guard, read_body, request_id_of, service_of
 from gateway.logging import current_request_id
 from gateway.metrics import HitCounts
 from gateway.nodes import ROLES, Node
 from gateway.pipeline import Prepared
+from gateway.runner import Credentials, Identity
 from gateway.schema import ParsedRequest, parse_json, parse_request
 from gateway.service import GatewayService
 
-Handler = Callable[[Request], Awaitable[Response]]
-LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 SWITCHES = ("disaggregation", "prefix_routing", "normalization")
 ADMIN_BODY_LIMIT = 64 * 1024
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):\d{1,5}$")
 
 
 def require_admin(handler: Handler) -> Handler:
+    """The admin's routes: the admin token, or loopback clients when none is set."""
+
     async def wrapped(request: Request) -> Response:
-        token = _svc(request).settings.admin_token
-        if token:
-            scheme, _, given = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
-                raise APIError(
-                    401,
-                    "admin token required: send 'Authorization: Bearer <admin token>'",
-                    code="invalid_admin_token",
-                )
-        else:
-            client = request.client.host if request.client else ""
-            if client not in LOOPBACK and not client.startswith("127."):
-                raise APIError(
-                    403,
-                    "the admin API without an admin token answers loopback clients only",
-                    code="admin_loopback_only",
-                )
+        caller = caller_of(request)
+        check_admin(service_of(request).settings.admin_token, caller.authorization, caller.client_host)
         return await handler(request)
 
-    return _guard(wrapped)
+    return guard(wrapped)
 
 
 # -- request bodies ------------------------------------------------------------------------------
@@ -82,6 +69,8 @@ def parse_completion(svc: GatewayService, body: Mapping[str, Any]) -> ParsedRequ
         default_max_tokens=s.default_max_tokens,
         max_tokens_limit=s.max_tokens_limit,
         max_documents=s.max_documents,
+        max_messages=s.max_messages,
+        max_content_parts=s.max_content_parts,
     )
 
 
@@ -130,7 +119,7 @@ def _pin_seconds(body: Mapping[str, Any], *, required: bool) -> float:
 def _node(svc: GatewayService, node_id: str) -> Node:
     node = svc.pool.by_id(node_id)
     if node is None:
-        raise APIError(404, f"no node {node_id!r}", code="node_not_found")
+        raise NotFound(f"no node {node_id!r}", code="node_not_found")
     return node
 
 
@@ -189,14 +178,14 @@ async def _index_blocks(svc: GatewayService) -> dict[str, int]:
 
 
 async def list_nodes(request: Request) -> Response:
-    svc = _svc(request)
+    svc = service_of(request)
     held = await _index_blocks(svc)
     nodes = sorted(svc.pool.nodes.values(), key=lambda n: (ROLES.index(n.role), n.id))
     return ORJSONResponse({"object": "list", "data": [node_json(n, held.get(n.id, 0)) for n in nodes]})
 
 
 async def add_node(request: Request) -> Response:
-    svc = _svc(request)
+    svc = service_of(request)
     body = await _body(request)
     role, address = body.get("role"), body.get("address")
     if role not in ROLES:
@@ -204,13 +193,13 @@ async def add_node(request: Request) -> Response:
     if not isinstance(address, str) or not _ADDRESS.match(address):
         raise invalid("'address' must be host:port of the node's gRPC server", "address")
     if address in svc.pool.nodes:
-        raise APIError(409, f"node {address} is already registered", param="address", code="node_exists")
+        raise Conflict(f"node {address} is already registered", param="address", code="node_exists")
     node = await svc.add_node(str(role), address)
     return ORJSONResponse(node_json(node, 0), status_code=201)
 
 
 async def remove_node(request: Request) -> Response:
-    svc = _svc(request)
+    svc = service_of(request)
     node = _node(svc, request.path_params["node_id"])
     in_flight = node.local_requests + node.active_streams
     forgotten = await svc.remove_node(node)
@@ -227,7 +216,7 @@ async def remove_node(request: Request) -> Response:
 
 async def drain_node(request: Request) -> Response:
     """Drained: no new work; what runs on the node finishes. ``{"drain": false}`` undoes it."""
-    svc = _svc(request)
+    svc = service_of(request)
     node = _node(svc, request.path_params["node_id"])
     body = await _body(request, optional=True)
     drain = body.get("drain", True)
@@ -239,7 +228,7 @@ async def drain_node(request: Request) -> Response:
 
 
 async def cache_view(request: Request) -> Response:
-    svc = _svc(request)
+    svc = service_of(request)
     stats = await svc.index.stats()
     hits = svc.metrics.per_node
     rows: list[dict[str, Any]] = []
@@ -286,7 +275,7 @@ async def cache_view(request: Request) -> Response:
 
 
 async def cache_lookup(request: Request) -> Response:
-    svc = _svc(request)
+    svc = service_of(request)
     body = await _body(request, svc.settings.max_body_bytes)
     parsed = parse_completion(svc, body)
     prep = _prepare(svc, parsed, admin_tenant(svc, body, parsed), request)
@@ -294,7 +283,7 @@ async def cache_lookup(request: Request) -> Response:
 
 
 async def cache_evict(request: Request) -> Response:
-    svc = _svc(request)
+    svc = service_of(request)
     body = await _body(request, svc.settings.max_body_bytes)
     node_id = body.get("node")
     if node_id is not None and not isinstance(node_id, str):
@@ -333,35 +322,43 @@ async def cache_evict(request: Request) -> Response:
 
 
 async def cache_pin(request: Request) -> Response:
-    svc = _svc(request)
-    body = await _body(request, svc.settings.max_body_bytes)
-    parsed = parse_completion(svc, body)
-    prep = _prepare(svc, parsed, admin_tenant(svc, body, parsed), request)
-    result = await cache_ops.warm(svc, prep, _nodes_param(body), _pin_seconds(body, required=True))
-    return ORJSONResponse(result)
+    """``POST /admin/cache/pin``: warm and pin a prefix on nodes the admin may name."""
+    svc = service_of(request)
+    body: dict[str, Any] = {}
+
+    async def prepare(identity: Identity) -> Prepared:
+        body.update(await _body(request, svc.settings.max_body_bytes))
+        parsed = parse_completion(svc, body)
+        return svc.pipeline.prepare(parsed, admin_tenant(svc, body, parsed), identity.request_id)
+
+    async with svc.runner.admitted(caller_of(request), prepare, Credentials.ADMIN) as prep:
+        pin_seconds = _pin_seconds(body, required=True)
+        return ORJSONResponse(await cache_ops.warm(svc, prep, _nodes_param(body), pin_seconds))
 
 
 async def prefill_service(request: Request) -> Response:
     """``POST /v1/prefill``: warm (and optionally pin) a prompt or document set for a tenant."""
-    svc = _svc(request)
-    if svc.draining:
-        raise APIError(503, "the gateway is shutting down", code="shutting_down", retry_after=1)
-    key_tenant = authenticate(svc, request)
-    body = await _body(request, svc.settings.max_body_bytes)
-    parsed = parse_completion(svc, body)
-    tenant = parsed.user if key_tenant is None else key_tenant
-    parsed.pin_seconds = _pin_seconds(body, required=False)
-    prep = _prepare(svc, parsed, tenant, request)
-    return ORJSONResponse(await cache_ops.warm(svc, prep, _nodes_param(body), parsed.pin_seconds))
+    svc = service_of(request)
+    body: dict[str, Any] = {}
+
+    async def prepare(identity: Identity) -> Prepared:
+        body.update(await _body(request, svc.settings.max_body_bytes))
+        parsed = parse_completion(svc, body)
+        parsed.pin_seconds = _pin_seconds(body, required=False)
+        return svc.pipeline.prepare(parsed, identity.tenant(parsed.user), identity.request_id)
+
+    async with svc.runner.admitted(caller_of(request), prepare) as prep:
+        pin_seconds = _pin_seconds(body, required=False)  # validated in prepare
+        return ORJSONResponse(await cache_ops.warm(svc, prep, _nodes_param(body), pin_seconds))
 
 
 async def get_switches(request: Request) -> Response:
-    sw = _svc(request).pipeline.switches
+    sw = service_of(request).pipeline.switches
     return ORJSONResponse({name: getattr(sw, name) for name in SWITCHES})
 
 
 async def put_switches(request: Request) -> Response:
-    svc = _svc(request)
+    svc = service_of(request)
     body = await _body(request)
     unknown = set(body) - set(SWITCHES)
     if unknown:
@@ -388,5 +385,5 @@ def admin_routes() -> list[Route]:
         Route("/admin/cache/pin", require_admin(cache_pin), methods=["POST"]),
         Route("/admin/switches", require_admin(get_switches), methods=["GET"]),
         Route("/admin/switches", require_admin(put_switches), methods=["PUT"]),
-        Route("/v1/prefill", _guard(prefill_service), methods=["POST"]),
+        Route("/v1/prefill", guard(prefill_service), methods=["POST"]),
     ]

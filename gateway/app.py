@@ -1,87 +1,55 @@
-"""The HTTP front end: OpenAI-compatible API on Starlette."""
+"""The HTTP front end: OpenAI-compatible API on Starlette.
+
+Completions are served through the request runner (``gateway.runner``); the plumbing shared
+with the admin API (error mapping, body reading, request ids) is in ``gateway.httpcommon``.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
 import orjson
 import structlog
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from gateway.errors import APIError, invalid
-from gateway.logging import bind_request, current_request_id
-from gateway.pipeline import Execution, StreamBroken
+from gateway.admin import admin_routes
+from gateway.errors import APIError, from_domain, invalid
+from gateway.exceptions import NotFound, StreamBroken
+from gateway.grpc_front import GrpcFront
+from gateway.httpcommon import (
+    DisconnectWatch,
+    Endpoint,
+    ORJSONResponse,
+    Respond,
+    caller_of,
+    guard,
+    read_body,
+    service_of,
+)
+from gateway.pipeline import Execution, Prepared
+from gateway.runner import Identity, deltas
 from gateway.schema import ParsedRequest, parse_json, parse_request
 from gateway.service import GatewayService
 
 log = structlog.get_logger("prefixgate.http")
 
-Handler = Callable[[Request], Awaitable[Response]]
-
-
-class ORJSONResponse(JSONResponse):
-    def render(self, content: Any) -> bytes:
-        return orjson.dumps(content)
-
-
-def _svc(request: Request) -> GatewayService:
-    svc: GatewayService = request.app.state.service
-    return svc
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refusing more than ``limit`` bytes before reading them all."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            size = int(declared)
-        except ValueError:
-            raise invalid("invalid Content-Length header") from None
-        if size > limit:
-            raise APIError(413, f"request body is {size} bytes; the limit is {limit}", code="body_too_large")
-    chunks: list[bytes] = []
-    total = 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
 
 def authenticate(svc: GatewayService, request: Request) -> str | None:
     """The caller's tenant when API keys are configured (401 otherwise); None without keys."""
-    keys = svc.settings.api_key_map()
-    if not keys:
-        return None
-    auth = request.headers.get("authorization", "")
-    scheme, _, token = auth.partition(" ")
-    if scheme.lower() != "bearer" or not token:
-        raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
-    tenant = keys.get(token.strip())
-    if tenant is None:
-        raise APIError(401, "incorrect API key provided", code="invalid_api_key")
-    return tenant
+    return svc.runner.authenticate(caller_of(request))
 
 
 def tenant_of(svc: GatewayService, request: Request, user: str) -> str:
     """The key's tenant, or the ``user`` field when no keys are configured."""
     tenant = authenticate(svc, request)
     return user if tenant is None else tenant
-
-
-def request_id_of(request: Request) -> str | None:
-    rid = request.headers.get("x-prefixgate-request-id") or request.headers.get("x-request-id")
-    if rid and len(rid) <= 128 and rid.isascii() and rid.isprintable():
-        return rid
-    return None
 
 
 def _usage(ex: Execution) -> dict[str, Any]:
@@ -97,83 +65,76 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-class ClientGone(Exception):
-    """The client disconnected before the response was ready."""
-
-
-async def _watch_disconnect(request: Request, work: Awaitable[Response]) -> Response:
-    """Run ``work`` in this task; if the client goes away first, cancel it (nothing left running).
-
-    One watcher task per request: it cancels the handler's own task on ``http.disconnect``.
-    """
-    handler = asyncio.current_task()
-    assert handler is not None
-    gone = False
-
-    async def watch() -> None:
-        nonlocal gone
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        gone = True
-        handler.cancel()
-
-    watcher = asyncio.get_running_loop().create_task(watch())
-    try:
-        return await work
-    except asyncio.CancelledError:
-        if gone:
-            handler.uncancel()
-            return Response(status_code=499)
-        raise
-    finally:
-        watcher.cancel()
-
-
-async def completions(request: Request, kind: str) -> Response:
-    svc = _svc(request)
+def parse_completion_body(svc: GatewayService, raw: bytes, kind: str) -> ParsedRequest:
+    """Parse and validate a client body (cheap limits first, then the full schema)."""
     s = svc.settings
-    rid = current_request_id() or bind_request(request_id_of(request), path=request.url.path)
-    if svc.draining:
-        raise APIError(503, "the gateway is shutting down", code="shutting_down", retry_after=1)
-    key_tenant = authenticate(svc, request)
-    body = parse_json(await read_body(request, s.max_body_bytes))
-    parsed = parse_request(
-        body,
+    return parse_request(
+        parse_json(raw),
         kind,
         models=svc.models,
         default_max_tokens=s.default_max_tokens,
         max_tokens_limit=s.max_tokens_limit,
         max_documents=s.max_documents,
+        max_messages=s.max_messages,
+        max_content_parts=s.max_content_parts,
     )
-    tenant = parsed.user if key_tenant is None else key_tenant
-    prep = svc.pipeline.prepare(parsed, tenant, rid)
-    release = svc.pipeline.admit()
+
+
+async def completions(request: Request, respond: Respond, kind: str) -> None:
+    """Serve one completion through the runner; the slot is held until the response is sent.
+
+    A non-streaming request is cancelled (work on the nodes included) when the client leaves
+    before its answer; a streaming one too, until its first byte is sent.
+    """
+    svc = service_of(request)
+    runner = svc.runner
+    watch = DisconnectWatch(request)
+    parsed: ParsedRequest | None = None
+
+    async def prepare(identity: Identity) -> Prepared:
+        nonlocal parsed
+        raw = await read_body(request, svc.settings.max_body_bytes)
+        watch.arm()
+
+        def build() -> tuple[ParsedRequest, Prepared]:
+            req = parse_completion_body(svc, raw, kind)
+            return req, svc.pipeline.prepare(req, identity.tenant(req.user), identity.request_id)
+
+        parsed, prep = await runner.compute(build, len(raw))
+        return prep
 
     try:
-        if parsed.stream:
-            ex = await svc.pipeline.execute(prep)
-            headers = ex.headers() if s.response_headers else {}
-            return StreamingResponse(
-                _stream(ex, parsed, kind, release),
-                media_type="text/event-stream",
-                headers={**headers, "cache-control": "no-cache"},
-            )
-        return await _watch_disconnect(request, _complete(svc, prep, parsed, kind))
+        async with runner.run(caller_of(request), prepare) as ex:
+            assert parsed is not None
+            headers = ex.headers() if svc.settings.response_headers else {}
+            if parsed.stream:
+                watch.disarm()  # from here the streaming response watches the connection
+                async with aclosing(_stream(ex, parsed, kind)) as body:
+                    await respond(
+                        StreamingResponse(
+                            body,
+                            media_type="text/event-stream",
+                            headers={**headers, "cache-control": "no-cache"},
+                        )
+                    )
+                return
+            response = await _complete(ex, parsed, kind, headers)
+            watch.disarm()
+            await respond(response)
+    except asyncio.CancelledError:
+        if watch.gone:  # the client left: its work was cancelled, there is no one to answer
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            log.info("client_disconnected", path=request.url.path)
+            return
+        raise
     finally:
-        if not parsed.stream:
-            release()
+        watch.disarm()
 
 
-async def _complete(svc: GatewayService, prep: Any, parsed: ParsedRequest, kind: str) -> Response:
-    ex = await svc.pipeline.execute(prep)
-    parts: list[str] = []
-    try:
-        async for d in ex.stream():
-            parts.append(d.text)
-    except StreamBroken as e:
-        raise APIError(502, f"generation failed after it started: {e}", code="stream_broken") from e
-    finally:
-        await ex.close()
+async def _complete(ex: Execution, parsed: ParsedRequest, kind: str, headers: dict[str, str]) -> Response:
+    parts = [d.text async for d in deltas(ex)]
     text = "".join(parts)
     created = int(time.time())
     if kind == "chat":
@@ -196,13 +157,11 @@ async def _complete(svc: GatewayService, prep: Any, parsed: ParsedRequest, kind:
         "usage": _usage(ex),
         "system_fingerprint": "prefixgate",
     }
-    headers = ex.headers() if svc.settings.response_headers else {}
     return ORJSONResponse(payload, headers=headers)
 
 
-async def _stream(
-    ex: Execution, parsed: ParsedRequest, kind: str, release: Callable[[], None]
-) -> AsyncIterator[bytes]:
+async def _stream(ex: Execution, parsed: ParsedRequest, kind: str) -> AsyncGenerator[bytes, None]:
+    """The SSE body; a failure after the first token ends it with an error event (no [DONE])."""
     created = int(time.time())
     chat = kind == "chat"
     rid = f"chatcmpl-{ex.request_id}" if chat else f"cmpl-{ex.request_id}"
@@ -230,7 +189,7 @@ async def _stream(
 
     try:
         first = True
-        async for d in ex.stream():
+        async for d in deltas(ex):
             if d.text or first or d.finish_reason:
                 yield _sse(chunk(d.text, d.finish_reason or None, first))
                 first = False
@@ -238,23 +197,19 @@ async def _stream(
             yield _sse({**base, "choices": [], "usage": _usage(ex)})
         yield b"data: [DONE]\n\n"
     except StreamBroken as e:
-        err = APIError(502, f"generation failed after it started: {e}", code="stream_broken")
-        yield _sse(err.body())
-    finally:
-        await ex.close()
-        release()
+        yield _sse(from_domain(e).body())
 
 
-async def chat_completions(request: Request) -> Response:
-    return await completions(request, "chat")
+async def chat_completions(request: Request, respond: Respond) -> None:
+    await completions(request, respond, "chat")
 
 
-async def text_completions(request: Request) -> Response:
-    return await completions(request, "completion")
+async def text_completions(request: Request, respond: Respond) -> None:
+    await completions(request, respond, "completion")
 
 
 async def list_models(request: Request) -> Response:
-    svc = _svc(request)
+    svc = service_of(request)
     authenticate(svc, request)
     data = [{"id": m, "object": "model", "created": 0, "owned_by": "prefixgate"} for m in sorted(svc.models)]
     return ORJSONResponse({"object": "list", "data": data})
@@ -263,7 +218,7 @@ async def list_models(request: Request) -> Response:
 async def openapi(request: Request) -> Response:
     from gateway.openapi import openapi_spec
 
-    return ORJSONResponse(openapi_spec(sorted(_svc(request).models)))
+    return ORJSONResponse(openapi_spec(sorted(service_of(request).models)))
 
 
 async def healthz(request: Request) -> Response:
@@ -271,7 +226,7 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    svc = _svc(request)
+    svc = service_of(request)
     pool = svc.pool
     prefill, decode = pool.routable("prefill"), pool.routable("decode")
     mono = pool.routable("monolithic")
@@ -287,7 +242,7 @@ async def readyz(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    svc = _svc(request)
+    svc = service_of(request)
     try:  # index occupancy is read at scrape time; a slow or absent index leaves the last values
         svc.metrics.refresh_index(await asyncio.wait_for(svc.index.stats(), 1.0))
     except Exception as e:
@@ -296,7 +251,7 @@ async def metrics(request: Request) -> Response:
 
 
 async def documents_create(request: Request) -> Response:
-    svc = _svc(request)
+    svc = service_of(request)
     authenticate(svc, request)
     body = parse_json(await read_body(request, svc.settings.max_body_bytes))
     text, doc_id = body.get("text"), body.get("id")
@@ -311,57 +266,32 @@ async def documents_create(request: Request) -> Response:
 
 
 async def documents_get(request: Request) -> Response:
-    svc = _svc(request)
+    svc = service_of(request)
     tenant = tenant_of(svc, request, request.query_params.get("user", ""))
     doc = svc.documents.get(tenant, request.path_params["doc_id"])
     return ORJSONResponse({"id": doc.id, "object": "document", "text": doc.text})
 
 
 async def documents_delete(request: Request) -> Response:
-    svc = _svc(request)
+    svc = service_of(request)
     tenant = tenant_of(svc, request, request.query_params.get("user", ""))
     doc_id = request.path_params["doc_id"]
     if not svc.documents.delete(tenant, doc_id):
-        raise APIError(404, f"document {doc_id!r} not found", code="document_not_found")
+        raise NotFound(f"document {doc_id!r} not found", code="document_not_found")
     return ORJSONResponse({"id": doc_id, "object": "document", "deleted": True})
-
-
-def _guard(handler: Handler) -> Handler:
-    """Turn APIError (and anything unexpected) into an OpenAI-shaped error response."""
-
-    async def wrapped(request: Request) -> Response:
-        bind_request(request_id_of(request), path=request.url.path)  # in every line of this request
-        try:
-            return await handler(request)
-        except APIError as e:
-            rid = current_request_id()
-            if e.status >= 500 or request.url.path.startswith("/v1/"):  # one line per failed request
-                log.info(
-                    "request_failed",
-                    path=request.url.path,
-                    status=e.status,
-                    code=e.code,
-                    error=e.message[:200],
-                )
-            return e.response({"x-prefixgate-request-id": rid} if rid else None)
-        except Exception:
-            log.exception("unhandled_error", path=request.url.path)
-            return APIError(500, "internal error in the gateway", code="internal_error").response()
-
-    return wrapped
 
 
 def routes() -> list[Route]:
     return [
-        Route("/v1/chat/completions", _guard(chat_completions), methods=["POST"]),
-        Route("/v1/completions", _guard(text_completions), methods=["POST"]),
-        Route("/v1/models", _guard(list_models), methods=["GET"]),
-        Route("/v1/documents", _guard(documents_create), methods=["POST"]),
-        Route("/v1/documents/{doc_id:str}", _guard(documents_get), methods=["GET"]),
-        Route("/v1/documents/{doc_id:str}", _guard(documents_delete), methods=["DELETE"]),
+        Route("/v1/chat/completions", Endpoint(chat_completions), methods=["POST"]),
+        Route("/v1/completions", Endpoint(text_completions), methods=["POST"]),
+        Route("/v1/models", guard(list_models), methods=["GET"]),
+        Route("/v1/documents", guard(documents_create), methods=["POST"]),
+        Route("/v1/documents/{doc_id:str}", guard(documents_get), methods=["GET"]),
+        Route("/v1/documents/{doc_id:str}", guard(documents_delete), methods=["DELETE"]),
         Route("/openapi.json", openapi, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
-        Route("/readyz", _guard(readyz), methods=["GET"]),
+        Route("/readyz", guard(readyz), methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
 
@@ -379,8 +309,6 @@ async def _method_not_allowed(request: Request, exc: Exception) -> Response:
 def create_app(service: GatewayService) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        from gateway.grpc_front import GrpcFront
-
         await service.start()
         front = None
         try:
@@ -392,8 +320,6 @@ def create_app(service: GatewayService) -> Starlette:
             if front is not None:
                 await front.stop()
             await service.stop()
-
-    from gateway.admin import admin_routes
 
     app = Starlette(
         routes=routes() + admin_routes(),

@@ -19,7 +19,7 @@ import structlog
 
 from cachetier.index import StoreOp
 from cachetier.tokenizer import Tokenizer
-from gateway.errors import APIError, invalid
+from gateway.exceptions import InvalidRequest, NotFound, Overloaded, Unavailable
 from gateway.nodes import ROLES, Node
 from gateway.normalize import Layout
 from gateway.pipeline import REQUEST_ID_KEY, Plan, Prepared
@@ -50,7 +50,9 @@ def parse_hash(value: Any, param: str) -> int:
                 return int(text, 16)
             except ValueError:
                 pass
-    raise invalid("a block hash is 16 hex digits (as /admin/cache/lookup shows) or an integer", param)
+    raise InvalidRequest(
+        "a block hash is 16 hex digits (as /admin/cache/lookup shows) or an integer", param=param
+    )
 
 
 # -- explain -------------------------------------------------------------------------------------
@@ -283,7 +285,7 @@ def warm_targets(svc: GatewayService, plan: Plan, nodes: list[str] | int | None)
         for i, name in enumerate(nodes):
             node = pool.by_id(name)
             if node is None:
-                raise APIError(404, f"no node {name!r}", param=f"nodes[{i}]", code="node_not_found")
+                raise NotFound(f"no node {name!r}", param=f"nodes[{i}]", code="node_not_found")
             if node not in out:
                 out.append(node)
         return out
@@ -291,7 +293,7 @@ def warm_targets(svc: GatewayService, plan: Plan, nodes: list[str] | int | None)
     decision = routed(plan)
     first = pool.by_id(decision.node_id) if decision is not None and decision.node_id else None
     if first is None:
-        raise APIError(503, "no node can take the prompt now", code="unavailable", retry_after=2)
+        raise Unavailable("no node can take the prompt now", retry_after=2)
     others = [n for n in pool.routable(first.role) if n is not first]
     others.sort(key=lambda n: (-plan.hits.get(n.id, 0), n.view().outstanding_requests, n.id))
     return [first, *others][:count]
@@ -358,10 +360,12 @@ async def warm(
 ) -> dict[str, Any]:
     """Prefill ``prep`` on the target nodes (no generation), pinned for ``pin_seconds`` if > 0.
 
-    Raises APIError when no node could take it (429 when every one was full, else 503).
+    Raises ``Overloaded`` when every node was full, ``Unavailable`` when none could take it.
     """
     if not 0 <= pin_seconds <= MAX_PIN_SECONDS:
-        raise invalid(f"'pin_seconds' must be between 0 and {MAX_PIN_SECONDS:.0f}", "pin_seconds")
+        raise InvalidRequest(
+            f"'pin_seconds' must be between 0 and {MAX_PIN_SECONDS:.0f}", param="pin_seconds"
+        )
     hits = await svc.index.lookup(prep.hashes) if prep.hashes else {}
     plan = svc.pipeline.preview(prep, hits)
     plan.hits = hits
@@ -380,10 +384,8 @@ async def warm(
     if failed and len(failed) == len(results):
         detail = "; ".join(f"{r.node}: {r.error}" for r in failed)
         if all(r.code == "RESOURCE_EXHAUSTED" for r in failed):
-            raise APIError(
-                429, f"no node had room for the prompt ({detail})", code="overloaded", retry_after=1
-            )
-        raise APIError(503, f"no node could take the prompt ({detail})", code="unavailable", retry_after=2)
+            raise Overloaded(f"no node had room for the prompt ({detail})", retry_after=1)
+        raise Unavailable(f"no node could take the prompt ({detail})", retry_after=2)
     return {
         "object": "prefill",
         "id": prep.request_id,

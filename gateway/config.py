@@ -36,6 +36,10 @@ class Settings:
     max_tokens_limit: int = 8_192
     max_inflight: int = 512
     max_documents: int = 256
+    # Checked before any per-message work, by both front ends (the gRPC front end also takes
+    # ``max_body_bytes`` as its largest message).
+    max_messages: int = 4096
+    max_content_parts: int = 16_384
     request_timeout_s: float = 300.0
     # Pipeline.
     # Serve monolithic when the best monolithic node would compute fewer uncached tokens than

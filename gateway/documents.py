@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from collections import OrderedDict
 
-from gateway.errors import APIError
+from gateway.exceptions import NotFound, TooLarge
 from gateway.normalize import Document
 
 
@@ -22,7 +22,7 @@ class DocumentStore:
         doc_id = doc_id or f"doc-{uuid.uuid4().hex[:16]}"
         size = len(text.encode("utf-8"))
         if size > self.max_bytes:
-            raise APIError(413, f"document is {size} bytes; the limit is {self.max_bytes}", param="text")
+            raise TooLarge(f"document is {size} bytes; the limit is {self.max_bytes}", param="text")
         key = (tenant, doc_id)
         old = self._docs.pop(key, None)
         if old is not None:
@@ -37,9 +37,7 @@ class DocumentStore:
     def get(self, tenant: str, doc_id: str) -> Document:
         text = self._docs.get((tenant, doc_id))
         if text is None:
-            raise APIError(
-                404, f"document {doc_id!r} not found", param="document_ids", code="document_not_found"
-            )
+            raise NotFound(f"document {doc_id!r} not found", param="document_ids", code="document_not_found")
         return Document(doc_id, text)
 
     def delete(self, tenant: str, doc_id: str) -> bool:

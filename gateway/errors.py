@@ -72,8 +72,9 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=hdrs)
 
 
-def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
+def invalid(message: str, param: str | None = None, code: str | None = None) -> InvalidRequest:
+    """A malformed request (HTTP 400, gRPC INVALID_ARGUMENT)."""
+    return InvalidRequest(message, param=param, code=code)
 
 
 _STATUS: tuple[tuple[type[GatewayError], int], ...] = (

@@ -1,8 +1,10 @@
 """The gRPC front end: ``prefixgate.v1.Gateway`` (Generate streams, Complete is unary).
 
 A request is turned into the same OpenAI-shaped body the HTTP API takes, validated by the same
-``parse_request`` and served by the same ``Pipeline.prepare``/``execute``; HTTP-style errors
-become gRPC status codes (``STATUS_CODES``) with the same messages. Standard health and
+``parse_request`` and served by the same request runner (``gateway.runner``) with the same
+auth and limits (its largest message is the HTTP body limit); domain errors become gRPC status
+codes (``STATUS_CODES``) with the same messages and codes (trailer
+``x-prefixgate-error-code``). Standard health and
 reflection are served beside it. It runs in the gateway's event loop, started and stopped with
 the HTTP app's lifespan, so one process serves both. A client that cancels cancels the work
 (the handler task is cancelled and the node call with it).
@@ -10,8 +12,7 @@ the HTTP app's lifespan, so one process serves both. A client that cancels cance
 
 from __future__ import annotations
 
-import hmac
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -20,10 +21,26 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gateway.auth import valid_request_id
 from gateway.errors import APIError, invalid
+from gateway.exceptions import (
+    Conflict,
+    DeadlineExceeded,
+    Forbidden,
+    GatewayError,
+    InvalidRequest,
+    NotFound,
+    Overloaded,
+    QuotaExceeded,
+    StreamBroken,
+    TooLarge,
+    Unauthenticated,
+    Unavailable,
+)
 from gateway.logging import bind_request
-from gateway.pipeline import Execution, StreamBroken
-from gateway.schema import ParsedRequest, parse_request
+from gateway.pipeline import Execution, Prepared
+from gateway.runner import Caller, Identity, deltas
+from gateway.schema import ParsedRequest, check_message_count, parse_request
 from gateway.service import GatewayService
 from prefixgate.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -32,30 +49,37 @@ log = structlog.get_logger("prefixgate.grpc")
 GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 REQUEST_ID_KEYS = ("x-prefixgate-request-id", "x-request-id")
-_MAX_MESSAGE = 64 * 1024 * 1024
+_SEND_LIMIT = 64 * 1024 * 1024  # answers are bounded by max_tokens; requests by max_body_bytes
 
-STATUS_CODES: dict[int, grpc.StatusCode] = {
-    400: grpc.StatusCode.INVALID_ARGUMENT,
-    401: grpc.StatusCode.UNAUTHENTICATED,
-    403: grpc.StatusCode.PERMISSION_DENIED,
-    404: grpc.StatusCode.NOT_FOUND,
-    408: grpc.StatusCode.DEADLINE_EXCEEDED,
-    409: grpc.StatusCode.ALREADY_EXISTS,
-    413: grpc.StatusCode.INVALID_ARGUMENT,
-    422: grpc.StatusCode.INVALID_ARGUMENT,
-    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    499: grpc.StatusCode.CANCELLED,
-    500: grpc.StatusCode.INTERNAL,
-    502: grpc.StatusCode.UNAVAILABLE,
-    503: grpc.StatusCode.UNAVAILABLE,
-    504: grpc.StatusCode.DEADLINE_EXCEEDED,
-}
+# Domain errors to gRPC status codes: the one mapping of this front end (most specific first).
+STATUS_CODES: tuple[tuple[type[GatewayError], grpc.StatusCode], ...] = (
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (TooLarge, grpc.StatusCode.INVALID_ARGUMENT),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (Forbidden, grpc.StatusCode.PERMISSION_DENIED),
+    (NotFound, grpc.StatusCode.NOT_FOUND),
+    (Conflict, grpc.StatusCode.ALREADY_EXISTS),
+    (QuotaExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (StreamBroken, grpc.StatusCode.UNAVAILABLE),
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+)
+# What the pipeline's execute still raises as an HTTP-shaped error, by status.
+_LEGACY_CODES: dict[int, type[GatewayError]] = {429: Overloaded, 503: Unavailable, 504: DeadlineExceeded}
 
 
-def status_of(e: APIError) -> grpc.StatusCode:
-    return STATUS_CODES.get(
-        e.status, grpc.StatusCode.INTERNAL if e.status >= 500 else grpc.StatusCode.UNKNOWN
-    )
+def status_of(e: GatewayError) -> grpc.StatusCode:
+    for cls, code in STATUS_CODES:
+        if isinstance(e, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def as_domain(e: APIError) -> GatewayError:
+    """An HTTP-shaped error from the core as the domain error it stands for."""
+    cls = _LEGACY_CODES.get(e.status, GatewayError)
+    return cls(e.message, param=e.param, code=e.code, retry_after=e.retry_after)
 
 
 def request_body(req: gateway_pb2.CompletionRequest) -> tuple[dict[str, Any], str]:
@@ -100,14 +124,6 @@ def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
     return out
 
 
-def _request_id(md: dict[str, str]) -> str | None:
-    for key in REQUEST_ID_KEYS:
-        rid = md.get(key)
-        if rid and len(rid) <= 128 and rid.isascii() and rid.isprintable():
-            return rid
-    return None
-
-
 def _usage(ex: Execution) -> gateway_pb2.Usage:
     return gateway_pb2.Usage(
         prompt_tokens=ex.prompt_tokens, completion_tokens=ex.completion_tokens, cached_tokens=ex.cached_tokens
@@ -115,25 +131,14 @@ def _usage(ex: Execution) -> gateway_pb2.Usage:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    """Translates between ``prefixgate.v1.Gateway`` and the pipeline."""
+    """Translates between ``prefixgate.v1.Gateway`` and the request runner."""
 
     def __init__(self, svc: GatewayService) -> None:
         self.svc = svc
 
-    def _tenant(self, md: dict[str, str], user: str) -> str:
-        keys = self.svc.settings.api_key_map()
-        if not keys:
-            return user
-        scheme, _, token = md.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            raise APIError(401, "missing API key: send metadata 'authorization: Bearer <key>'")
-        for key, tenant in keys.items():
-            if hmac.compare_digest(key.encode(), token.strip().encode()):
-                return tenant
-        raise APIError(401, "incorrect API key provided", code="invalid_api_key")
-
     def _parse(self, req: gateway_pb2.CompletionRequest) -> ParsedRequest:
         s = self.svc.settings
+        check_message_count(len(req.messages), s.max_messages)  # before any per-message work
         body, kind = request_body(req)
         return parse_request(
             body,
@@ -142,38 +147,36 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             default_max_tokens=s.default_max_tokens,
             max_tokens_limit=s.max_tokens_limit,
             max_documents=s.max_documents,
+            max_messages=s.max_messages,
+            max_content_parts=s.max_content_parts,
         )
 
-    async def _start(
-        self, req: gateway_pb2.CompletionRequest, context: grpc.aio.ServicerContext, rpc: str
-    ) -> tuple[Execution, Callable[[], None]]:
-        """Validate, admit and start the request; the caller must close it and call release."""
-        svc = self.svc
+    def _caller(self, context: grpc.aio.ServicerContext, rpc: str) -> Caller:
         md = _metadata(context)
-        rid = bind_request(_request_id(md), rpc=rpc)
-        if svc.draining:
-            raise APIError(503, "the gateway is shutting down", code="shutting_down", retry_after=1)
-        parsed = self._parse(req)
-        prep = svc.pipeline.prepare(parsed, self._tenant(md, parsed.user), rid)
-        release = svc.pipeline.admit()
-        try:
-            ex = await svc.pipeline.execute(prep)
-        except BaseException:
-            release()
-            raise
-        if svc.settings.response_headers:
-            await context.send_initial_metadata(tuple(ex.headers().items()))
-        return ex, release
+        rid = bind_request(valid_request_id(*(md.get(k) for k in REQUEST_ID_KEYS)), rpc=rpc)
+        return Caller(authorization=md.get("authorization", ""), request_id=rid)
 
-    async def _fail(self, context: grpc.aio.ServicerContext, e: APIError) -> None:
-        log.info("request_failed", status=e.status, code=e.code, error=e.message[:200])
-        trailer: list[tuple[str, str]] = []
-        if e.code:
-            trailer.append(("x-prefixgate-error-code", e.code))
+    def _preparer(self, req: gateway_pb2.CompletionRequest) -> Callable[[Identity], Awaitable[Prepared]]:
+        async def prepare(identity: Identity) -> Prepared:
+            def build() -> Prepared:
+                parsed = self._parse(req)
+                return self.svc.pipeline.prepare(parsed, identity.tenant(parsed.user), identity.request_id)
+
+            return await self.svc.runner.compute(build, req.ByteSize())
+
+        return prepare
+
+    async def _headers(self, context: grpc.aio.ServicerContext, ex: Execution) -> None:
+        if self.svc.settings.response_headers:
+            await context.send_initial_metadata(tuple(ex.headers().items()))
+
+    async def _fail(self, context: grpc.aio.ServicerContext, err: GatewayError | APIError) -> None:
+        e = as_domain(err) if isinstance(err, APIError) else err
+        log.info("request_failed", status=status_of(e).name, code=e.code, error=e.message[:200])
+        trailer: list[tuple[str, str]] = [("x-prefixgate-error-code", e.code)]
         if e.retry_after is not None:
             trailer.append(("retry-after", str(max(1, round(e.retry_after)))))
-        if trailer:
-            context.set_trailing_metadata(tuple(trailer))
+        context.set_trailing_metadata(tuple(trailer))
         message = f"{e.message} (param: {e.param})" if e.param else e.message
         await context.abort(status_of(e), message)
 
@@ -181,62 +184,45 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self, request: gateway_pb2.CompletionRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.CompletionChunk]:
         try:
-            ex, release = await self._start(request, context, "Generate")
-        except APIError as e:
+            async with self.svc.runner.run(self._caller(context, "Generate"), self._preparer(request)) as ex:
+                await self._headers(context, ex)
+                first = True
+                async for d in deltas(ex):
+                    if not (d.text or d.finish_reason or first):
+                        continue
+                    chunk = gateway_pb2.CompletionChunk(
+                        id=ex.request_id, text=d.text, finish_reason=d.finish_reason
+                    )
+                    if first or d.finish_reason:
+                        chunk.route = ex.route
+                        chunk.prefill_node = ex.prefill_node.id if ex.prefill_node else ""
+                        chunk.decode_node = ex.decode_node.id
+                    if d.finish_reason:
+                        chunk.usage.CopyFrom(_usage(ex))
+                    first = False
+                    yield chunk
+        except (GatewayError, APIError) as e:
             await self._fail(context, e)
-            return
-        try:
-            first = True
-            async for d in ex.stream():
-                if not (d.text or d.finish_reason or first):
-                    continue
-                chunk = gateway_pb2.CompletionChunk(
-                    id=ex.request_id, text=d.text, finish_reason=d.finish_reason
-                )
-                if first or d.finish_reason:
-                    chunk.route = ex.route
-                    chunk.prefill_node = ex.prefill_node.id if ex.prefill_node else ""
-                    chunk.decode_node = ex.decode_node.id
-                if d.finish_reason:
-                    chunk.usage.CopyFrom(_usage(ex))
-                first = False
-                yield chunk
-        except StreamBroken as e:
-            await self._fail(
-                context, APIError(502, f"generation failed after it started: {e}", code="stream_broken")
-            )
-        finally:
-            await ex.close()
-            release()
 
     async def Complete(
         self, request: gateway_pb2.CompletionRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.CompletionResponse:
         try:
-            ex, release = await self._start(request, context, "Complete")
-        except APIError as e:
+            async with self.svc.runner.run(self._caller(context, "Complete"), self._preparer(request)) as ex:
+                await self._headers(context, ex)
+                text = "".join([d.text async for d in deltas(ex)])
+                return gateway_pb2.CompletionResponse(
+                    id=ex.request_id,
+                    text=text,
+                    finish_reason=ex.finish_reason,
+                    usage=_usage(ex),
+                    route=ex.route,
+                    prefill_node=ex.prefill_node.id if ex.prefill_node else "",
+                    decode_node=ex.decode_node.id,
+                )
+        except (GatewayError, APIError) as e:
             await self._fail(context, e)
             raise  # not reached: abort raises
-        parts: list[str] = []
-        try:
-            async for d in ex.stream():
-                parts.append(d.text)
-        except StreamBroken as e:
-            await self._fail(
-                context, APIError(502, f"generation failed after it started: {e}", code="stream_broken")
-            )
-        finally:
-            await ex.close()
-            release()
-        return gateway_pb2.CompletionResponse(
-            id=ex.request_id,
-            text="".join(parts),
-            finish_reason=ex.finish_reason,
-            usage=_usage(ex),
-            route=ex.route,
-            prefill_node=ex.prefill_node.id if ex.prefill_node else "",
-            decode_node=ex.decode_node.id,
-        )
 
 
 class GrpcFront:
@@ -244,6 +230,7 @@ class GrpcFront:
 
     def __init__(self, svc: GatewayService, host: str, port: int) -> None:
         self.svc = svc
+        self.max_message_bytes = svc.settings.max_body_bytes  # the HTTP body limit, for one limit
         self.host = host
         self.port = port
         self.health = health.aio.HealthServicer()
@@ -258,8 +245,8 @@ class GrpcFront:
         """Bind and serve; returns the port (a free one when ``port`` is 0)."""
         server = grpc.aio.server(
             options=[
-                ("grpc.max_send_message_length", _MAX_MESSAGE),
-                ("grpc.max_receive_message_length", _MAX_MESSAGE),
+                ("grpc.max_send_message_length", _SEND_LIMIT),
+                ("grpc.max_receive_message_length", self.max_message_bytes),
                 ("grpc.so_reuseport", 0),
             ]
         )

@@ -32,7 +32,8 @@ from cachetier.tokenizer import Tokenizer, pack_ids
 from cachetier.writer import IndexWriter
 from gateway.config import Settings
 from gateway.documents import DocumentStore
-from gateway.errors import APIError, invalid
+from gateway.errors import APIError
+from gateway.exceptions import InvalidRequest, Overloaded
 from gateway.metrics import Metrics
 from gateway.nodes import Node, NodePool
 from gateway.normalize import Layout, NormalizationError, Segment, render_chat, render_completion
@@ -286,12 +287,14 @@ class Pipeline:
     # -- admission ---------------------------------------------------------------------------
 
     def admit(self) -> Callable[[], None]:
-        """Take an in-flight slot or refuse with 429; returns the (idempotent) release."""
+        """Take an in-flight slot or refuse (``Overloaded``); returns the (idempotent) release.
+
+        Front ends do not call this directly: ``gateway.runner`` pairs it with its release.
+        """
         limit = self.settings.max_inflight
         if self.inflight >= limit:
             self.metrics.requests.labels("none", "rejected").inc()
-            raise APIError(
-                429,
+            raise Overloaded(
                 f"too many requests in flight ({limit}); retry shortly",
                 code="rate_limit_exceeded",
                 retry_after=1,
@@ -331,25 +334,25 @@ class Pipeline:
                 layout = render_completion(req.prompt or "", documents=docs, normalize=normalize)
                 tokens = self.tokenizer.encode(layout.text)
         except NormalizationError as e:
-            raise invalid(str(e), e.param) from None
+            raise InvalidRequest(str(e), param=e.param) from None
         n = len(tokens) // 4
         if n == 0:
-            raise invalid("the prompt is empty", "messages" if req.kind == "chat" else "prompt")
+            raise InvalidRequest("the prompt is empty", param="messages" if req.kind == "chat" else "prompt")
         s = self.settings
         if n > s.max_prompt_tokens:
-            raise invalid(
+            raise InvalidRequest(
                 f"the prompt has {n} tokens; this model accepts at most {s.max_prompt_tokens}",
-                "messages" if req.kind == "chat" else "prompt",
+                param="messages" if req.kind == "chat" else "prompt",
                 code="context_length_exceeded",
             )
         sampling = req.sampling
         room = s.context_window - n
         if sampling.max_tokens > room:
             if req.max_tokens_given or room < 1:
-                raise invalid(
+                raise InvalidRequest(
                     f"prompt ({n} tokens) plus max_tokens ({sampling.max_tokens}) exceeds the context window "
                     f"of {s.context_window} tokens",
-                    "max_tokens",
+                    param="max_tokens",
                     code="context_length_exceeded",
                 )
             sampling.max_tokens = room

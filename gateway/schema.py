@@ -9,12 +9,15 @@ from typing import Any
 
 import orjson
 
-from gateway.errors import APIError, invalid
+from gateway.errors import invalid
+from gateway.exceptions import NotFound, TooLarge
 from gateway.normalize import Document
 
 MAX_STOP = 4
 MAX_STOP_LEN = 256
 MAX_SEED = 2**63 - 1
+MAX_MESSAGES = 4096
+MAX_CONTENT_PARTS = 16_384
 
 
 @dataclass(slots=True)
@@ -165,6 +168,34 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
         raise invalid("'logprobs' is not supported", "logprobs")
 
 
+def check_message_count(count: int, max_messages: int) -> None:
+    """Refuse too many messages before any work is done per message."""
+    if count > max_messages:
+        raise TooLarge(
+            f"'messages' has {count} entries; this gateway accepts at most {max_messages}",
+            param="messages",
+            code="too_many_messages",
+        )
+
+
+def check_messages(messages: list[Any], max_messages: int, max_content_parts: int) -> None:
+    """Cheap bounds on a chat's shape (count, content parts), before rendering it."""
+    check_message_count(len(messages), max_messages)
+    parts = 0
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise invalid("each message must be an object", f"messages[{i}]")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts += len(content)
+            if parts > max_content_parts:
+                raise TooLarge(
+                    f"the messages have more than {max_content_parts} content parts in all",
+                    param=f"messages[{i}].content",
+                    code="too_many_content_parts",
+                )
+
+
 def parse_request(
     body: Mapping[str, Any],
     kind: str,
@@ -173,13 +204,14 @@ def parse_request(
     default_max_tokens: int,
     max_tokens_limit: int,
     max_documents: int,
+    max_messages: int = MAX_MESSAGES,
+    max_content_parts: int = MAX_CONTENT_PARTS,
 ) -> ParsedRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("'model' is required and must be a string", "model")
     if model not in models:
-        raise APIError(
-            404,
+        raise NotFound(
             f"The model '{model}' does not exist; available: {', '.join(sorted(models))}",
             param="model",
             code="model_not_found",
@@ -230,9 +262,7 @@ def parse_request(
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise invalid("'messages' must be a non-empty array", "messages")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict):
-                raise invalid("each message must be an object", f"messages[{i}]")
+        check_messages(messages, max_messages, max_content_parts)
         req.messages = messages
     else:
         prompt = body.get("prompt")

@@ -18,6 +18,7 @@ from gateway.events import EventSync
 from gateway.metrics import Metrics, NodeSample
 from gateway.nodes import Node, NodePool
 from gateway.pipeline import Pipeline
+from gateway.runner import RequestRunner
 
 log = structlog.get_logger("prefixgate.gateway")
 
@@ -45,6 +46,7 @@ class GatewayService:
         self.events = EventSync(self.pool, self.index, self.metrics)
         self.pipeline.on_mispredict = self._resync_node
         self.metrics.bind_nodes(self.node_samples)
+        self.runner = RequestRunner(self)  # every front end serves requests through it
         self.draining = False
         self._started = False
 

@@ -1,10 +1,24 @@
-"""The gRPC request -> OpenAI body mapping and the HTTP status -> gRPC code mapping (pure)."""
+"""The gRPC request -> OpenAI body mapping and the domain error -> gRPC code mapping (pure)."""
 
 from __future__ import annotations
 
 import grpc
 
-from gateway.errors import APIError
+from gateway.exceptions import (
+    Conflict,
+    DeadlineExceeded,
+    Draining,
+    Forbidden,
+    GatewayError,
+    InvalidRequest,
+    NotFound,
+    Overloaded,
+    QuotaExceeded,
+    StreamBroken,
+    TooLarge,
+    Unauthenticated,
+    Unavailable,
+)
 from gateway.grpc_front import request_body, status_of
 from prefixgate.v1 import gateway_pb2
 
@@ -48,16 +62,20 @@ def test_unset_optional_fields_stay_unset() -> None:
 
 
 def test_status_codes() -> None:
-    expected = {
-        400: grpc.StatusCode.INVALID_ARGUMENT,
-        401: grpc.StatusCode.UNAUTHENTICATED,
-        404: grpc.StatusCode.NOT_FOUND,
-        413: grpc.StatusCode.INVALID_ARGUMENT,
-        429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-        502: grpc.StatusCode.UNAVAILABLE,
-        503: grpc.StatusCode.UNAVAILABLE,
-        500: grpc.StatusCode.INTERNAL,
-        507: grpc.StatusCode.INTERNAL,
-    }
-    for status, code in expected.items():
-        assert status_of(APIError(status, "x")) == code
+    expected: list[tuple[GatewayError, grpc.StatusCode]] = [
+        (InvalidRequest("x"), grpc.StatusCode.INVALID_ARGUMENT),
+        (TooLarge("x"), grpc.StatusCode.INVALID_ARGUMENT),
+        (Unauthenticated("x"), grpc.StatusCode.UNAUTHENTICATED),
+        (Forbidden("x"), grpc.StatusCode.PERMISSION_DENIED),
+        (NotFound("x"), grpc.StatusCode.NOT_FOUND),
+        (Conflict("x"), grpc.StatusCode.ALREADY_EXISTS),
+        (QuotaExceeded("x"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (Overloaded("x"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (StreamBroken("x"), grpc.StatusCode.UNAVAILABLE),
+        (Unavailable("x"), grpc.StatusCode.UNAVAILABLE),
+        (Draining("x"), grpc.StatusCode.UNAVAILABLE),
+        (DeadlineExceeded("x"), grpc.StatusCode.DEADLINE_EXCEEDED),
+        (GatewayError("x"), grpc.StatusCode.INTERNAL),
+    ]
+    for err, code in expected:
+        assert status_of(err) == code, err

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from gateway.config import load_settings
-from gateway.errors import APIError
+from gateway.errors import from_domain
+from gateway.exceptions import GatewayError
 from gateway.schema import parse_json, parse_request
 
 KW = dict(models={"m"}, default_max_tokens=16, max_tokens_limit=1000, max_documents=4)
@@ -38,9 +39,10 @@ def test_flags_beat_env_beat_file(tmp_path: Path) -> None:
     ],
 )
 def test_bad_json(raw: bytes, status: int, param: str | None) -> None:
-    with pytest.raises(APIError) as e:
+    with pytest.raises(GatewayError) as e:
         parse_json(raw)
-    assert e.value.status == status and e.value.body()["error"]["type"] == "invalid_request_error"
+    api = from_domain(e.value)
+    assert api.status == status and api.body()["error"]["type"] == "invalid_request_error"
 
 
 @pytest.mark.parametrize(
@@ -83,9 +85,9 @@ def test_bad_json(raw: bytes, status: int, param: str | None) -> None:
     ],
 )
 def test_bad_fields_name_their_param(body: dict[str, object], status: int, param: str) -> None:
-    with pytest.raises(APIError) as e:
+    with pytest.raises(GatewayError) as e:
         parse_request(body, "chat", **KW)  # type: ignore[arg-type]
-    assert e.value.status == status
+    assert from_domain(e.value).status == status
     assert e.value.param == param
 
 
@@ -94,7 +96,33 @@ def test_completion_prompt_forms() -> None:
     assert r.prompt_token_ids == [1, 2, 3]
     r = parse_request({"model": "m", "prompt": ["one"]}, "completion", **KW)  # type: ignore[arg-type]
     assert r.prompt == "one"
-    with pytest.raises(APIError):
+    with pytest.raises(GatewayError):
         parse_request({"model": "m", "prompt": ["a", "b"]}, "completion", **KW)  # type: ignore[arg-type]
     r = parse_request({"model": "m", "prompt": "p", "max_completion_tokens": 7}, "completion", **KW)  # type: ignore[arg-type]
     assert r.sampling.max_tokens == 7 and r.max_tokens_given
+
+
+@pytest.mark.parametrize(
+    ("messages", "param", "code"),
+    [
+        ([{"role": "user", "content": "x"}] * 11, "messages", "too_many_messages"),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": "x"}] * 4}] * 5,
+            "messages[4].content",
+            "too_many_content_parts",
+        ),
+    ],
+)
+def test_message_shape_limits_are_413_naming_the_field(
+    messages: list[dict[str, object]], param: str, code: str
+) -> None:
+    with pytest.raises(GatewayError) as e:
+        parse_request(
+            {"model": "m", "messages": messages},
+            "chat",
+            max_messages=10,
+            max_content_parts=16,
+            **KW,  # type: ignore[arg-type]
+        )
+    api = from_domain(e.value)
+    assert (api.status, api.param, api.code) == (413, param, code)

@@ -1,0 +1,128 @@
+"""One request runner for every front end: drain check, auth, request id, admission, execute, release.
+
+The HTTP API, the gRPC API and the admin/prefill endpoints all serve a request through
+``RequestRunner``, in that order, so none of them can skip a step or leak an in-flight slot::
+
+    async with runner.run(caller, prepare) as execution:
+        ...  # stream or collect; the slot is held until this block is left, however it is left
+
+``admitted`` is the same without ``execute``, for operations that are not a generation
+(warming and pinning a prefix). Errors are domain errors (``gateway.exceptions``); each front
+end maps them once.
+
+Preparing a large request (parse, render, tokenize, hash) is CPU work proportional to its size:
+above ``OFFLOAD_BYTES`` it runs in a worker thread, at most ``HEAVY_CONCURRENCY`` at a time, so a
+few clients sending huge bodies queue behind each other instead of stalling the event loop that
+serves every other request and the health checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING, TypeVar
+
+from gateway import pipeline
+from gateway.auth import KeyRing, check_admin
+from gateway.exceptions import Draining, StreamBroken
+
+if TYPE_CHECKING:
+    from gateway.pipeline import Delta, Execution, Prepared
+    from gateway.service import GatewayService
+
+T = TypeVar("T")
+OFFLOAD_BYTES = 64 * 1024
+HEAVY_CONCURRENCY = 2
+
+
+class Credentials(StrEnum):
+    """What a request must present: a client API key, or the admin's token (or loopback)."""
+
+    CLIENT = "client"
+    ADMIN = "admin"
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """What a front end read off its transport about the request, before any parsing."""
+
+    authorization: str = ""
+    request_id: str | None = None  # validated by ``auth.valid_request_id``; None: a new one
+    client_host: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who the runner let in: the API key's tenant (None without keys) and the request id."""
+
+    key_tenant: str | None
+    request_id: str
+
+    def tenant(self, user: str) -> str:
+        """The tenant the request runs as: the key's, or the body's ``user`` without keys."""
+        return user if self.key_tenant is None else self.key_tenant
+
+
+Prepare = Callable[[Identity], Awaitable["Prepared"]]
+
+
+class RequestRunner:
+    """The one path from an incoming request to an admitted, executing one."""
+
+    def __init__(self, svc: GatewayService) -> None:
+        self.svc = svc
+        self.keys = KeyRing(svc.settings.api_keys)
+        self._heavy = asyncio.Semaphore(HEAVY_CONCURRENCY)
+
+    def authenticate(self, caller: Caller, credentials: Credentials = Credentials.CLIENT) -> str | None:
+        """The API key's tenant (None in keyless mode or for the admin); raises when refused."""
+        if credentials is Credentials.ADMIN:
+            check_admin(self.svc.settings.admin_token, caller.authorization, caller.client_host)
+            return None
+        return self.keys.authenticate(caller.authorization)
+
+    async def compute(self, work: Callable[[], T], size: int) -> T:
+        """Run request-sized CPU work: inline when small, else on a worker thread, bounded."""
+        if size < OFFLOAD_BYTES:
+            return work()
+        async with self._heavy:
+            return await asyncio.to_thread(work)
+
+    @asynccontextmanager
+    async def admitted(
+        self, caller: Caller, prepare: Prepare, credentials: Credentials = Credentials.CLIENT
+    ) -> AsyncIterator[Prepared]:
+        """Drain check, auth, request id, prepare, admission; the slot is released on exit."""
+        if self.svc.draining:
+            raise Draining("the gateway is shutting down", retry_after=1)
+        identity = Identity(self.authenticate(caller, credentials), caller.request_id or uuid.uuid4().hex)
+        prep = await prepare(identity)
+        release = self.svc.pipeline.admit()
+        try:
+            yield prep
+        finally:
+            release()
+
+    @asynccontextmanager
+    async def run(self, caller: Caller, prepare: Prepare) -> AsyncIterator[Execution]:
+        """``admitted``, then execute; the execution is closed and the slot released on exit."""
+        async with self.admitted(caller, prepare) as prep:
+            execution = await self.svc.pipeline.execute(prep)
+            try:
+                yield execution
+            finally:
+                await execution.close()
+
+
+async def deltas(execution: Execution) -> AsyncIterator[Delta]:
+    """The execution's deltas. A node failure after the first token is ``StreamBroken``, with
+    the one message both front ends send (HTTP: an SSE error event or a 502; gRPC: UNAVAILABLE)."""
+    try:
+        async for delta in execution.stream():
+            yield delta
+    except pipeline.StreamBroken as e:
+        raise StreamBroken(f"generation failed after it started: {e}") from e
