@@ -26,7 +26,7 @@ from gateway.metrics import HitCounts
 from gateway.nodes import ROLES, Node
 from gateway.pipeline import Prepared
 from gateway.runner import Credentials, Identity
-from gateway.schema import ParsedRequest, parse_json, parse_request
+from gateway.schema import ParsedRequest, parse_request
 from gateway.service import GatewayService
 
 SWITCHES = ("disaggregation", "prefix_routing", "normalization")
@@ -52,7 +52,7 @@ async def _body(request: Request, limit: int = ADMIN_BODY_LIMIT, *, optional: bo
     raw = await read_body(request, limit)
     if optional and not raw.strip():
         return {}
-    return parse_json(raw)
+    return await service_of(request).runner.parse_body(raw)
 
 
 def parse_completion(svc: GatewayService, body: Mapping[str, Any]) -> ParsedRequest:

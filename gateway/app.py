@@ -35,7 +35,7 @@ from gateway.httpcommon import (
 )
 from gateway.pipeline import Execution, Prepared
 from gateway.runner import Identity, deltas
-from gateway.schema import ParsedRequest, parse_json, parse_request
+from gateway.schema import ParsedRequest, parse_request
 from gateway.service import GatewayService
 
 log = structlog.get_logger("prefixgate.http")
@@ -65,11 +65,11 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-def parse_completion_body(svc: GatewayService, raw: bytes, kind: str) -> ParsedRequest:
-    """Parse and validate a client body (cheap limits first, then the full schema)."""
+def parse_completion_body(svc: GatewayService, body: dict[str, Any], kind: str) -> ParsedRequest:
+    """Validate a client body (cheap limits first, then the full schema)."""
     s = svc.settings
     return parse_request(
-        parse_json(raw),
+        body,
         kind,
         models=svc.models,
         default_max_tokens=s.default_max_tokens,
@@ -95,9 +95,10 @@ async def completions(request: Request, respond: Respond, kind: str) -> None:
         nonlocal parsed
         raw = await read_body(request, svc.settings.max_body_bytes)
         watch.arm()
+        body = await runner.parse_body(raw)
 
         def build() -> tuple[ParsedRequest, Prepared]:
-            req = parse_completion_body(svc, raw, kind)
+            req = parse_completion_body(svc, body, kind)
             return req, svc.pipeline.prepare(req, identity.tenant(req.user), identity.request_id)
 
         parsed, prep = await runner.compute(build, len(raw))
@@ -253,7 +254,7 @@ async def metrics(request: Request) -> Response:
 async def documents_create(request: Request) -> Response:
     svc = service_of(request)
     authenticate(svc, request)
-    body = parse_json(await read_body(request, svc.settings.max_body_bytes))
+    body = await svc.runner.parse_body(await read_body(request, svc.settings.max_body_bytes))
     text, doc_id = body.get("text"), body.get("id")
     if not isinstance(text, str) or not text:
         raise invalid("'text' must be a non-empty string", "text")

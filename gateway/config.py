@@ -40,6 +40,7 @@ class Settings:
     # ``max_body_bytes`` as its largest message).
     max_messages: int = 4096
     max_content_parts: int = 16_384
+    max_json_values: int = 131_072  # a JSON body's values in all (its parsing cost)
     request_timeout_s: float = 300.0
     # Pipeline.
     # Serve monolithic when the best monolithic node would compute fewer uncached tokens than

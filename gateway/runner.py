@@ -10,10 +10,12 @@ The HTTP API, the gRPC API and the admin/prefill endpoints all serve a request t
 (warming and pinning a prefix). Errors are domain errors (``gateway.exceptions``); each front
 end maps them once.
 
-Preparing a large request (parse, render, tokenize, hash) is CPU work proportional to its size:
-above ``OFFLOAD_BYTES`` it runs in a worker thread, at most ``HEAVY_CONCURRENCY`` at a time, so a
-few clients sending huge bodies queue behind each other instead of stalling the event loop that
-serves every other request and the health checks.
+Preparing a large request is CPU work proportional to its size. Above ``OFFLOAD_BYTES`` its
+JSON is parsed in a worker process (``gateway.bodyparse``: the parser holds the interpreter
+lock, so a thread would not spare the event loop) and the rest (validate, render, tokenize,
+hash: bounded by the message, part and value limits) runs on a worker thread, at most
+``HEAVY_CONCURRENCY`` requests at a time: clients sending huge bodies queue behind each other
+instead of stalling the event loop that serves every other request and the health checks.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from gateway import pipeline
 from gateway.auth import KeyRing, check_admin
+from gateway.bodyparse import BodyParser
 from gateway.exceptions import Draining, StreamBroken
 
 if TYPE_CHECKING:
@@ -77,6 +80,10 @@ class RequestRunner:
         self.svc = svc
         self.keys = KeyRing(svc.settings.api_keys)
         self._heavy = asyncio.Semaphore(HEAVY_CONCURRENCY)
+        self.bodies = BodyParser(svc.settings.max_json_values, OFFLOAD_BYTES, HEAVY_CONCURRENCY)
+
+    def close(self) -> None:
+        self.bodies.close()
 
     def authenticate(self, caller: Caller, credentials: Credentials = Credentials.CLIENT) -> str | None:
         """The API key's tenant (None in keyless mode or for the admin); raises when refused."""
@@ -84,6 +91,13 @@ class RequestRunner:
             check_admin(self.svc.settings.admin_token, caller.authorization, caller.client_host)
             return None
         return self.keys.authenticate(caller.authorization)
+
+    async def parse_body(self, raw: bytes) -> dict[str, Any]:
+        """A JSON object body within the value bound; parsed off this process when large."""
+        if len(raw) < OFFLOAD_BYTES:
+            return await self.bodies.parse(raw)
+        async with self._heavy:
+            return await self.bodies.parse(raw)
 
     async def compute(self, work: Callable[[], T], size: int) -> T:
         """Run request-sized CPU work: inline when small, else on a worker thread, bounded."""

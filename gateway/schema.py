@@ -18,6 +18,7 @@ MAX_STOP_LEN = 256
 MAX_SEED = 2**63 - 1
 MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 16_384
+MAX_JSON_VALUES = 131_072
 
 
 @dataclass(slots=True)
@@ -47,7 +48,23 @@ class ParsedRequest:
     pin_seconds: float = 0.0
 
 
-def parse_json(raw: bytes) -> dict[str, Any]:
+def count_values(value: Any, limit: int) -> int:
+    """How many JSON values ``value`` holds (itself included), counting no further than ``limit + 1``."""
+    count = 0
+    pending = [value]
+    while pending and count <= limit:
+        v = pending.pop()
+        count += 1
+        if isinstance(v, dict):
+            pending.extend(v.values())
+        elif isinstance(v, list):
+            pending.extend(v)
+    return count + len(pending)
+
+
+def parse_json(raw: bytes, max_values: int = MAX_JSON_VALUES) -> dict[str, Any]:
+    """A JSON object body, holding at most ``max_values`` values in all (the cost of parsing and
+    validating a body grows with its values, not its bytes)."""
     if not raw:
         raise invalid("request body is empty; send a JSON object")
     try:
@@ -60,6 +77,8 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise invalid(f"request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise invalid("request body must be a JSON object")
+    if count_values(body, max_values) > max_values:
+        raise TooLarge(f"request body has more than {max_values} JSON values", code="too_many_values")
     return body
 
 

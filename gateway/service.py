@@ -128,6 +128,7 @@ class GatewayService:
         return forgotten
 
     async def stop(self) -> None:
+        self.runner.close()
         await self.pipeline.close()
         await self.events.close()
         await self.pool.close()

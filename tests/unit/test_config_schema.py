@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import orjson
 import pytest
 
 from gateway.config import load_settings
 from gateway.errors import from_domain
 from gateway.exceptions import GatewayError
-from gateway.schema import parse_json, parse_request
+from gateway.schema import count_values, parse_json, parse_request
 
 KW = dict(models={"m"}, default_max_tokens=16, max_tokens_limit=1000, max_documents=4)
 
@@ -126,3 +127,14 @@ def test_message_shape_limits_are_413_naming_the_field(
         )
     api = from_domain(e.value)
     assert (api.status, api.param, api.code) == (413, param, code)
+
+
+def test_json_values_are_counted_and_bounded() -> None:
+    assert count_values({"a": [1, {"b": None}], "c": "x"}, 100) == 6
+    assert count_values([[]] * 1000, 10) <= 1001  # stops counting past the bound
+    body = orjson.dumps({"model": "m", "junk": [{}] * 20})
+    assert parse_json(body, max_values=23)["junk"] == [{}] * 20
+    with pytest.raises(GatewayError) as e:
+        parse_json(body, max_values=22)
+    api = from_domain(e.value)
+    assert (api.status, api.code) == (413, "too_many_values")
