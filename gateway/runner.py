@@ -10,12 +10,13 @@ The HTTP API, the gRPC API and the admin/prefill endpoints all serve a request t
 (warming and pinning a prefix). Errors are domain errors (``gateway.exceptions``); each front
 end maps them once.
 
-Preparing a large request is CPU work proportional to its size. Above ``OFFLOAD_BYTES`` its
-JSON is parsed in a worker process (``gateway.bodyparse``: the parser holds the interpreter
-lock, so a thread would not spare the event loop) and the rest (validate, render, tokenize,
-hash: bounded by the message, part and value limits) runs on a worker thread, at most
-``HEAVY_CONCURRENCY`` requests at a time: clients sending huge bodies queue behind each other
-instead of stalling the event loop that serves every other request and the health checks.
+Preparing a large request is CPU work proportional to its size. A body of many JSON values
+is parsed in a worker process (``gateway.bodyparse``: the parser holds the interpreter lock,
+so a thread would not spare the event loop); above ``OFFLOAD_BYTES`` the rest (validate,
+render, tokenize, hash: bounded by the message, part and value limits) runs on a worker
+thread; at most ``HEAVY_CONCURRENCY`` requests at a time do either. Clients sending huge bodies
+queue behind each other instead of stalling the event loop that serves every other request and
+the health checks.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class RequestRunner:
         self.svc = svc
         self.keys = KeyRing(svc.settings.api_keys)
         self._heavy = asyncio.Semaphore(HEAVY_CONCURRENCY)
-        self.bodies = BodyParser(svc.settings.max_json_values, OFFLOAD_BYTES, HEAVY_CONCURRENCY)
+        self.bodies = BodyParser(svc.settings.max_json_values, workers=HEAVY_CONCURRENCY)
 
     def close(self) -> None:
         self.bodies.close()
@@ -93,8 +94,9 @@ class RequestRunner:
         return self.keys.authenticate(caller.authorization)
 
     async def parse_body(self, raw: bytes) -> dict[str, Any]:
-        """A JSON object body within the value bound; parsed off this process when large."""
-        if len(raw) < OFFLOAD_BYTES:
+        """A JSON object body within the value bound; parsed off this process when it may
+        hold many values."""
+        if self.bodies.inline(raw):
             return await self.bodies.parse(raw)
         async with self._heavy:
             return await self.bodies.parse(raw)

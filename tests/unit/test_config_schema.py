@@ -7,6 +7,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from gateway.bodyparse import values_bound
 from gateway.config import load_settings
 from gateway.errors import from_domain
 from gateway.exceptions import GatewayError
@@ -138,3 +139,14 @@ def test_json_values_are_counted_and_bounded() -> None:
         parse_json(body, max_values=22)
     api = from_domain(e.value)
     assert (api.status, api.code) == (413, "too_many_values")
+
+
+def test_the_bytes_bound_the_values_from_above() -> None:
+    bodies = [
+        {"a": [1, 2, {"b": [[], [[]], {}]}], "c": "x, [y] {z}"},
+        {"messages": [{"role": "user", "content": "hi"}] * 50, "n": None},
+        {"deep": [[[[[[1]]]]]]},
+    ]
+    for body in bodies:
+        raw = orjson.dumps(body)
+        assert values_bound(raw) >= count_values(body, 10**6)
