@@ -36,7 +36,9 @@ def parse_outcome(raw: bytes, max_values: int) -> Outcome:
 def values_bound(raw: bytes) -> int:
     """At least as many as the JSON values in ``raw``: each value but the root follows a ``,``
     or opens a container's contents (a ``[`` or ``{``); those bytes inside strings only add."""
-    return raw.count(b",") + raw.count(b"[") + raw.count(b"{") + 1
+    if len(raw) <= 2:
+        return 1
+    return len(raw) - len(raw.translate(None, b",[{")) + 1  # one pass over the bytes
 
 
 def _raise(error: tuple[str, str, str | None, str | None]) -> None:
@@ -55,8 +57,9 @@ class BodyParser:
         self._pool: ProcessPoolExecutor | None = None
 
     def inline(self, raw: bytes) -> bool:
-        """Cheap enough to parse on the event loop (a few ms at most)."""
-        return values_bound(raw) <= self.inline_values
+        """Cheap enough to parse on the event loop (a few ms at most). A JSON value takes two
+        bytes at least, so a short body needs no counting."""
+        return len(raw) <= 2 * self.inline_values or values_bound(raw) <= self.inline_values
 
     async def parse(self, raw: bytes) -> dict[str, Any]:
         if self.inline(raw):

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from gateway.service import GatewayService
 
 T = TypeVar("T")
-OFFLOAD_BYTES = 64 * 1024
+OFFLOAD_BYTES = 1024 * 1024  # more than the text of a prompt of max_prompt_tokens (bytes4)
 HEAVY_CONCURRENCY = 2
 
 
