@@ -12,7 +12,7 @@ the HTTP app's lifespan, so one process serves both. A client that cancels cance
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -39,7 +39,7 @@ from gateway.exceptions import (
 )
 from gateway.logging import bind_request
 from gateway.pipeline import Execution, Prepared
-from gateway.runner import Caller, Identity, deltas
+from gateway.runner import Caller, Identity, Prepare, deltas
 from gateway.schema import ParsedRequest, check_message_count, parse_request
 from gateway.service import GatewayService
 from prefixgate.v1 import gateway_pb2, gateway_pb2_grpc
@@ -156,7 +156,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         rid = bind_request(valid_request_id(*(md.get(k) for k in REQUEST_ID_KEYS)), rpc=rpc)
         return Caller(authorization=md.get("authorization", ""), request_id=rid)
 
-    def _preparer(self, req: gateway_pb2.CompletionRequest) -> Callable[[Identity], Awaitable[Prepared]]:
+    def _preparer(self, req: gateway_pb2.CompletionRequest) -> Prepare:
         async def prepare(identity: Identity) -> Prepared:
             def build() -> Prepared:
                 parsed = self._parse(req)
