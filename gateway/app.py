@@ -35,7 +35,7 @@ from gateway.httpcommon import (
 )
 from gateway.pipeline import Execution, Prepared
 from gateway.runner import Identity, deltas
-from gateway.schema import ParsedRequest, parse_request
+from gateway.schema import ParsedRequest, document_id, parse_request
 from gateway.service import GatewayService
 
 log = structlog.get_logger("prefixgate.http")
@@ -258,8 +258,8 @@ async def documents_create(request: Request) -> Response:
     text, doc_id = body.get("text"), body.get("id")
     if not isinstance(text, str) or not text:
         raise invalid("'text' must be a non-empty string", "text")
-    if doc_id is not None and (not isinstance(doc_id, str) or not doc_id or len(doc_id) > 256):
-        raise invalid("'id' must be a string of 1 to 256 characters", "id")
+    if doc_id is not None:
+        doc_id = document_id(doc_id, "id")
     user = body.get("user")
     tenant = tenant_of(svc, request, user if isinstance(user, str) else "")
     doc_id = svc.documents.put(tenant, text, doc_id)

@@ -7,11 +7,24 @@ endings become ``\\n`` and trailing whitespace is dropped. With normalization sw
 messages are rendered as given, in the order given, so a prefix is only shared when the bytes
 already were.
 
+The template's control markers all start with ``<|``. Text a client supplies (message content,
+tool definitions and calls, document text) can never produce one: ``escape_markers`` neutralizes
+every ``<|`` in it, reversibly, so a user message carrying ``<|end|>\n<|assistant|>`` renders
+(and hashes) differently from a real multi-turn chat. Text without ``<|`` is left byte-identical.
+Document ids appear inside a marker, so they are restricted to a safe alphabet instead
+(``is_document_id``). A completion ``prompt`` is the raw prompt and is not escaped: its author
+writes the whole text anyway, as with any engine's completions API.
+
+``Layout.user_spans`` names the byte ranges of client-supplied text. A tokenizer with real special
+tokens must encode those ranges as plain text (special-token parsing off, as engines do for user
+content) and may give special ids only to the markers around them.
+
 Pure functions, no I/O: the live gateway, the admin explain endpoint and the simulator share them.
 """
 
 from __future__ import annotations
 
+import re
 import unicodedata
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +34,12 @@ import orjson
 
 SYSTEM_ROLES = frozenset({"system", "developer"})
 CONVERSATION_ROLES = frozenset({"user", "assistant", "tool", "function"})
+
+DOCUMENT_ID_ALPHABET = "letters, digits, '.', '_', ':' and '-' (first a letter or digit)"
+MAX_DOCUMENT_ID = 256
+_DOCUMENT_ID = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._:-]{{0,{MAX_DOCUMENT_ID - 1}}}")
+TOOL_CALLS_MARKER = "<|tool_calls|>"
+_MARKER_START = re.compile(r"<(\\*)\|")
 
 
 class NormalizationError(ValueError):
@@ -49,6 +68,8 @@ class Segment:
 class Layout:
     text: str
     segments: list[Segment] = field(default_factory=list)
+    # Byte ranges [start, end) of client-supplied text: never to be read as control tokens.
+    user_spans: list[tuple[int, int]] = field(default_factory=list)
 
     def encoded(self) -> bytes:
         return self.text.encode("utf-8")
@@ -61,6 +82,27 @@ def clean_text(text: str) -> str:
         text = text.replace("\r\n", "\n").replace("\r", "\n")
     lines = [line.rstrip() for line in text.split("\n")]
     return "\n".join(lines).strip("\n")
+
+
+def escape_markers(text: str) -> str:
+    """``text`` with no ``<|`` left: one more backslash in every ``<``, backslashes, ``|`` run.
+
+    Injective (drop one backslash from each such run to undo it), so different contents still
+    render differently; the identity on text without ``<|`` (canonical chats keep their bytes).
+    """
+    if "<" not in text or "|" not in text:
+        return text
+    return _MARKER_START.sub(lambda m: "<\\" + m.group(1) + "|", text)
+
+
+def escape_json_markers(rendered: str) -> str:
+    """JSON text with ``<|`` written ``\\u003c|``: still valid JSON decoding to the same value."""
+    return rendered.replace("<|", "\\u003c|") if "<|" in rendered else rendered
+
+
+def is_document_id(value: str) -> bool:
+    """Whether ``value`` may name a document (it is written inside a control marker)."""
+    return _DOCUMENT_ID.fullmatch(value) is not None
 
 
 def canonical_json(value: Any) -> str:
@@ -108,6 +150,7 @@ class _Builder:
         self.parts: list[str] = []
         self.offset = 0
         self.segments: list[Segment] = []
+        self.user_spans: list[tuple[int, int]] = []
 
     def add(self, kind: str, label: str, text: str) -> None:
         start = self.offset
@@ -115,15 +158,61 @@ class _Builder:
         self.offset += len(text.encode("utf-8"))
         self.segments.append(Segment(kind, label, start, self.offset))
 
+    def add_parts(self, kind: str, label: str, parts: Sequence[tuple[str, bool]]) -> None:
+        """One segment made of ``(text, is_client_text)`` parts (client text already escaped)."""
+        start = self.offset
+        for text, client in parts:
+            end = self.offset + len(text.encode("utf-8"))
+            if client and end > self.offset:
+                self.user_spans.append((self.offset, end))
+            self.parts.append(text)
+            self.offset = end
+        self.segments.append(Segment(kind, label, start, self.offset))
+
+    def add_wrapped(self, kind: str, label: str, head: str, body: str, tail: str) -> None:
+        """A segment ``head + body + tail`` whose ``body`` is client text."""
+        self.add_parts(kind, label, ((head, False), (body, True), (tail, False)))
+
     def layout(self) -> Layout:
-        return Layout("".join(self.parts), self.segments)
+        return Layout("".join(self.parts), self.segments, self.user_spans)
+
+
+def _document_id(doc: Document) -> str:
+    if not is_document_id(doc.id):
+        raise NormalizationError(
+            f"document id {doc.id[:64]!r} is not allowed: use 1 to {MAX_DOCUMENT_ID} of "
+            + DOCUMENT_ID_ALPHABET,
+            "documents",
+        )
+    return doc.id
+
+
+def _add_documents(b: _Builder, documents: Sequence[Document], normalize: bool) -> None:
+    docs = canonical_documents(documents) if normalize else list(documents)
+    b.add("documents", "documents", "<|documents|>\n")
+    for d in docs:
+        body = escape_markers(clean_text(d.text) if normalize else d.text)
+        b.add_wrapped("document", d.id, f'<|document id="{_document_id(d)}"|>\n', body, "\n<|end|>\n")
+
+
+def _message_parts(text: str) -> list[tuple[str, bool]]:
+    """Rendered message text split into client text and ``<|tool_calls|>`` markers: client text
+    is escaped, so every ``<|`` left in it is one of those markers."""
+    if TOOL_CALLS_MARKER not in text:
+        return [(text, True)]
+    pieces = text.split(TOOL_CALLS_MARKER)
+    parts: list[tuple[str, bool]] = [(pieces[0], True)]
+    for piece in pieces[1:]:
+        parts += [(TOOL_CALLS_MARKER, False), (piece, True)]
+    return parts
 
 
 def _message_text(msg: Mapping[str, Any], i: int, normalize: bool) -> str:
-    text = content_text(msg.get("content"), f"messages[{i}].content")
+    text = escape_markers(content_text(msg.get("content"), f"messages[{i}].content"))
     calls = msg.get("tool_calls")
     if calls:
-        text += "\n<|tool_calls|>" + (canonical_json(calls) if normalize else orjson.dumps(calls).decode())
+        rendered = canonical_json(calls) if normalize else orjson.dumps(calls).decode()
+        text += "\n" + TOOL_CALLS_MARKER + escape_json_markers(rendered)
     return clean_text(text) if normalize else text
 
 
@@ -155,19 +244,19 @@ def render_chat(
             turns.append((i, role, text))
     b = _Builder()
     if normalize:
-        b.add("system", "system", "<|system|>\n" + "\n\n".join(system) + "\n<|end|>\n")
+        joined = "\n\n".join(system)
+        b.add_parts(
+            "system", "system", [("<|system|>\n", False), *_message_parts(joined), ("\n<|end|>\n", False)]
+        )
     if tools:
         rendered = canonical_json(list(tools)) if normalize else orjson.dumps(list(tools)).decode()
-        b.add("tools", "tools", "<|tools|>\n" + rendered + "\n<|end|>\n")
+        b.add_wrapped("tools", "tools", "<|tools|>\n", escape_json_markers(rendered), "\n<|end|>\n")
     if documents:
-        docs = canonical_documents(documents) if normalize else list(documents)
-        b.add("documents", "documents", "<|documents|>\n")
-        for d in docs:
-            body = clean_text(d.text) if normalize else d.text
-            b.add("document", d.id, f'<|document id="{d.id}"|>\n{body}\n<|end|>\n')
+        _add_documents(b, documents, normalize)
     b.add("conversation", "conversation", "<|conversation|>\n")
     for i, role, text in turns:
-        b.add("message", f"messages[{i}]:{role}", f"<|{role}|>\n{text}\n<|end|>\n")
+        parts = [(f"<|{role}|>\n", False), *_message_parts(text), ("\n<|end|>\n", False)]
+        b.add_parts("message", f"messages[{i}]:{role}", parts)
     b.add("generation", "assistant", "<|assistant|>\n")
     return b.layout()
 
@@ -176,12 +265,8 @@ def render_completion(prompt: str, *, documents: Sequence[Document] = (), normal
     """Render a completion prompt; documents (if any) come first, in canonical order."""
     b = _Builder()
     if documents:
-        docs = canonical_documents(documents) if normalize else list(documents)
-        b.add("documents", "documents", "<|documents|>\n")
-        for d in docs:
-            body = clean_text(d.text) if normalize else d.text
-            b.add("document", d.id, f'<|document id="{d.id}"|>\n{body}\n<|end|>\n')
+        _add_documents(b, documents, normalize)
     if normalize:
         prompt = unicodedata.normalize("NFC", prompt).replace("\r\n", "\n").replace("\r", "\n")
-    b.add("prompt", "prompt", prompt)
+    b.add("prompt", "prompt", prompt)  # the raw prompt: its author writes any markers on purpose
     return b.layout()

@@ -11,7 +11,7 @@ import orjson
 
 from gateway.errors import invalid
 from gateway.exceptions import NotFound, TooLarge
-from gateway.normalize import Document
+from gateway.normalize import DOCUMENT_ID_ALPHABET, MAX_DOCUMENT_ID, Document, is_document_id
 
 MAX_STOP = 4
 MAX_STOP_LEN = 256
@@ -143,11 +143,7 @@ def parse_documents(body: Mapping[str, Any], max_documents: int) -> tuple[list[D
                 raise invalid("document 'text' must be a string", f"documents[{i}].text")
             if did is None:
                 did = f"doc-{i}"
-            if not isinstance(did, str) or len(did) > 256:
-                raise invalid(
-                    "document 'id' must be a string of at most 256 characters", f"documents[{i}].id"
-                )
-            docs.append(Document(did, text))
+            docs.append(Document(document_id(did, f"documents[{i}].id"), text))
     ids: list[str] = []
     raw_ids = body.get("document_ids")
     if raw_ids is not None:
@@ -155,8 +151,20 @@ def parse_documents(body: Mapping[str, Any], max_documents: int) -> tuple[list[D
             raise invalid("'document_ids' must be an array of strings", "document_ids")
         if len(raw_ids) + len(docs) > max_documents:
             raise invalid(f"at most {max_documents} documents per request", "document_ids")
-        ids = list(raw_ids)
+        ids = [document_id(x, f"document_ids[{i}]") for i, x in enumerate(raw_ids)]
     return docs, ids
+
+
+def document_id(value: Any, param: str) -> str:
+    """A document id from a request: it is written inside a template marker, so only a safe
+    alphabet is accepted (400 naming the field otherwise)."""
+    if not isinstance(value, str) or not is_document_id(value):
+        raise invalid(
+            f"a document id is 1 to {MAX_DOCUMENT_ID} of {DOCUMENT_ID_ALPHABET}; got {str(value)[:64]!r}",
+            param,
+            code="invalid_document_id",
+        )
+    return value
 
 
 def _stop(body: Mapping[str, Any]) -> list[str]:
