@@ -356,10 +356,17 @@ async def _warm_node(
 
 
 async def warm(
-    svc: GatewayService, prep: Prepared, nodes: list[str] | int | None, pin_seconds: float
+    svc: GatewayService,
+    prep: Prepared,
+    nodes: list[str] | int | None,
+    pin_seconds: float,
+    *,
+    tenant_quota: bool = False,
 ) -> dict[str, Any]:
     """Prefill ``prep`` on the target nodes (no generation), pinned for ``pin_seconds`` if > 0.
 
+    With ``tenant_quota`` (a tenant's own pin, not an admin's) the pin is first reserved against
+    the tenant's pin quota (``gateway.quotas``), and given back on the nodes where it failed.
     Raises ``Overloaded`` when every node was full, ``Unavailable`` when none could take it.
     """
     if not 0 <= pin_seconds <= MAX_PIN_SECONDS:
@@ -370,9 +377,22 @@ async def warm(
     plan = svc.pipeline.preview(prep, hits)
     plan.hits = hits
     targets = warm_targets(svc, plan, nodes)
-    results = await asyncio.gather(
-        *(_warm_node(svc, prep, n, hits.get(n.id, 0), pin_seconds) for n in targets)
-    )
+    grant = None
+    if tenant_quota:
+        capacities = {n.id: n.stats.capacity_blocks if n.stats else 0 for n in targets}
+        grant = svc.pins.reserve(prep.tenant, capacities, prep.hashes, pin_seconds, time.monotonic())
+    try:
+        results = await asyncio.gather(
+            *(_warm_node(svc, prep, n, hits.get(n.id, 0), pin_seconds) for n in targets)
+        )
+    except BaseException:
+        if grant is not None:
+            grant.cancel_all()
+        raise
+    if grant is not None:
+        for r in results:
+            if r.error:
+                grant.cancel(r.node)
     log.info(
         "cache_warmed",
         nodes=[r.node for r in results],
