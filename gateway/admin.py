@@ -18,8 +18,9 @@ from starlette.routing import Route
 
 from gateway import cache_ops
 from gateway.auth import check_admin
+from gateway.config import KEYLESS_TENANT
 from gateway.errors import invalid
-from gateway.exceptions import Conflict, NotFound
+from gateway.exceptions import Conflict, Forbidden, NotFound
 from gateway.httpcommon import Handler, ORJSONResponse, caller_of, guard, read_body, request_id_of, service_of
 from gateway.logging import current_request_id
 from gateway.metrics import HitCounts
@@ -75,13 +76,13 @@ def parse_completion(svc: GatewayService, body: Mapping[str, Any]) -> ParsedRequ
 
 
 def admin_tenant(svc: GatewayService, body: Mapping[str, Any], parsed: ParsedRequest) -> str:
-    """The admin names the tenant (``tenant``); without API keys the tenant is ``user``."""
+    """The admin names the tenant (``tenant``); by default the keyless one (``user`` selects none)."""
     tenant = body.get("tenant")
     if tenant is not None:
         if not isinstance(tenant, str):
             raise invalid("'tenant' must be a string", "tenant")
         return tenant
-    return "" if svc.settings.api_key_map() else parsed.user
+    return KEYLESS_TENANT
 
 
 def _prepare(svc: GatewayService, parsed: ParsedRequest, tenant: str, request: Request) -> Prepared:
@@ -101,15 +102,21 @@ def _nodes_param(body: Mapping[str, Any]) -> list[str] | int | None:
     raise invalid("'nodes' must be a count or a non-empty array of node ids", "nodes")
 
 
-def _pin_seconds(body: Mapping[str, Any], *, required: bool) -> float:
+def _pin_seconds(
+    body: Mapping[str, Any], *, required: bool, limit: float = cache_ops.MAX_PIN_SECONDS, setting: str = ""
+) -> float:
     v = body.get("pin_seconds")
     if v is None:
         if required:
             raise invalid("'pin_seconds' is required: how long to keep the prefix pinned", "pin_seconds")
         return 0.0
-    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= cache_ops.MAX_PIN_SECONDS:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= limit:
+        named = f" ({setting})" if setting else ""
+        too_long = isinstance(v, int | float) and not isinstance(v, bool) and v > limit
         raise invalid(
-            f"'pin_seconds' must be a number between 0 and {cache_ops.MAX_PIN_SECONDS:.0f}", "pin_seconds"
+            f"'pin_seconds' must be a number between 0 and {limit:g}{named}",
+            "pin_seconds",
+            code="pin_too_long" if too_long else None,
         )
     if required and v <= 0:
         raise invalid("'pin_seconds' must be positive to pin", "pin_seconds")
@@ -341,15 +348,24 @@ async def prefill_service(request: Request) -> Response:
     svc = service_of(request)
     body: dict[str, Any] = {}
 
+    max_pin = min(svc.settings.pin_max_seconds, cache_ops.MAX_PIN_SECONDS)
+
     async def prepare(identity: Identity) -> Prepared:
         body.update(await _body(request, svc.settings.max_body_bytes))
+        if body.get("nodes") is not None:
+            raise Forbidden(
+                "choosing nodes is for the admin API (POST /admin/cache/pin); a tenant's prefill goes "
+                "to the node its requests are routed to",
+                param="nodes",
+                code="admin_only",
+            )
         parsed = parse_completion(svc, body)
-        parsed.pin_seconds = _pin_seconds(body, required=False)
-        return svc.pipeline.prepare(parsed, identity.tenant(parsed.user), identity.request_id)
+        parsed.pin_seconds = _pin_seconds(body, required=False, limit=max_pin, setting="pin_max_seconds")
+        return svc.pipeline.prepare(parsed, identity.tenant(), identity.request_id)
 
     async with svc.runner.admitted(caller_of(request), prepare) as prep:
-        pin_seconds = _pin_seconds(body, required=False)  # validated in prepare
-        return ORJSONResponse(await cache_ops.warm(svc, prep, _nodes_param(body), pin_seconds))
+        pin_seconds = _pin_seconds(body, required=False, limit=max_pin)  # validated in prepare
+        return ORJSONResponse(await cache_ops.warm(svc, prep, None, pin_seconds, tenant_quota=True))
 
 
 async def get_switches(request: Request) -> Response:

@@ -20,6 +20,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from gateway.admin import admin_routes
+from gateway.config import KEYLESS_TENANT
 from gateway.errors import APIError, from_domain, invalid
 from gateway.exceptions import NotFound, StreamBroken
 from gateway.grpc_front import GrpcFront
@@ -46,10 +47,10 @@ def authenticate(svc: GatewayService, request: Request) -> str | None:
     return svc.runner.authenticate(caller_of(request))
 
 
-def tenant_of(svc: GatewayService, request: Request, user: str) -> str:
-    """The key's tenant, or the ``user`` field when no keys are configured."""
+def tenant_of(svc: GatewayService, request: Request) -> str:
+    """The key's tenant; without keys the one shared tenant (``user`` is never an identity)."""
     tenant = authenticate(svc, request)
-    return user if tenant is None else tenant
+    return KEYLESS_TENANT if tenant is None else tenant
 
 
 def _usage(ex: Execution) -> dict[str, Any]:
@@ -99,7 +100,7 @@ async def completions(request: Request, respond: Respond, kind: str) -> None:
 
         def build() -> tuple[ParsedRequest, Prepared]:
             req = parse_completion_body(svc, body, kind)
-            return req, svc.pipeline.prepare(req, identity.tenant(req.user), identity.request_id)
+            return req, svc.pipeline.prepare(req, identity.tenant(), identity.request_id)
 
         parsed, prep = await runner.compute(build, len(raw))
         return prep
@@ -253,29 +254,27 @@ async def metrics(request: Request) -> Response:
 
 async def documents_create(request: Request) -> Response:
     svc = service_of(request)
-    authenticate(svc, request)
+    tenant = tenant_of(svc, request)
     body = await svc.runner.parse_body(await read_body(request, svc.settings.max_body_bytes))
     text, doc_id = body.get("text"), body.get("id")
     if not isinstance(text, str) or not text:
         raise invalid("'text' must be a non-empty string", "text")
     if doc_id is not None:
         doc_id = document_id(doc_id, "id")
-    user = body.get("user")
-    tenant = tenant_of(svc, request, user if isinstance(user, str) else "")
     doc_id = svc.documents.put(tenant, text, doc_id)
     return ORJSONResponse({"id": doc_id, "object": "document", "bytes": len(text.encode())}, status_code=201)
 
 
 async def documents_get(request: Request) -> Response:
     svc = service_of(request)
-    tenant = tenant_of(svc, request, request.query_params.get("user", ""))
+    tenant = tenant_of(svc, request)
     doc = svc.documents.get(tenant, request.path_params["doc_id"])
     return ORJSONResponse({"id": doc.id, "object": "document", "text": doc.text})
 
 
 async def documents_delete(request: Request) -> Response:
     svc = service_of(request)
-    tenant = tenant_of(svc, request, request.query_params.get("user", ""))
+    tenant = tenant_of(svc, request)
     doc_id = request.path_params["doc_id"]
     if not svc.documents.delete(tenant, doc_id):
         raise NotFound(f"document {doc_id!r} not found", code="document_not_found")

@@ -25,6 +25,14 @@ def _gateway_args(p: argparse.ArgumentParser, *, stack: bool) -> None:
     p.add_argument("--admin-token", default=None)
     p.add_argument("--api-key", action="append", dest="api_keys", default=None, metavar="KEY=TENANT")
     p.add_argument("--log-format", choices=["auto", "json", "console"], default=None)
+    quotas = p.add_argument_group("per-tenant quotas (also PREFIXGATE_* and the config file)")
+    quotas.add_argument("--pin-quota-blocks-per-node", type=int, default=None, metavar="N")
+    quotas.add_argument("--pin-quota-node-share", type=float, default=None, metavar="FRACTION")
+    quotas.add_argument("--pin-quota-blocks", type=int, default=None, metavar="N")
+    quotas.add_argument("--pin-max-seconds", type=float, default=None, metavar="S")
+    quotas.add_argument("--document-quota-count", type=int, default=None, metavar="N")
+    quotas.add_argument("--document-quota-bytes", type=int, default=None, metavar="BYTES")
+    quotas.add_argument("--document-store-bytes", type=int, default=None, metavar="BYTES")
     if not stack:
         p.add_argument(
             "--prefill", action="append", default=None, metavar="ADDR", help="prefill node host:port"
@@ -52,6 +60,13 @@ _GATEWAY_KEYS = (
     "admin_token",
     "api_keys",
     "log_format",
+    "pin_quota_blocks_per_node",
+    "pin_quota_node_share",
+    "pin_quota_blocks",
+    "pin_max_seconds",
+    "document_quota_count",
+    "document_quota_bytes",
+    "document_store_bytes",
     "prefill",
     "decode",
     "monolithic",

@@ -11,6 +11,9 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 ENV_PREFIX = "PREFIXGATE_"
+# Without API keys nobody is authenticated, so there is one tenant: every client shares its
+# documents, cache namespace and quotas, whatever ``user`` it sends.
+KEYLESS_TENANT = ""
 
 
 @dataclass(slots=True)
@@ -53,7 +56,18 @@ class Settings:
     prefix_routing: bool = True
     normalization: bool = True
     response_headers: bool = True
-    # Auth: "key=tenant" entries; empty = no keys, tenant taken from ``user``.
+    # Per-tenant quotas. Pins by tenants (``POST /v1/prefill``; admin pins are exempt): blocks
+    # held pinned on one node, blocks held pinned on all nodes together, and the longest pin.
+    pin_quota_blocks_per_node: int = 512
+    pin_quota_node_share: float = 0.25  # and at most this share of a node's KV pool
+    pin_quota_blocks: int = 1024
+    pin_max_seconds: float = 3600.0
+    # Registered documents: per tenant, and for the whole gateway; bytes are the memory a
+    # document really takes in the gateway (text, id and bookkeeping), not its UTF-8 length.
+    document_quota_count: int = 1000
+    document_quota_bytes: int = 64 * 1024 * 1024
+    document_store_bytes: int = 512 * 1024 * 1024
+    # Auth: "key=tenant" entries; empty = no keys: one shared tenant, ``user`` selects nothing.
     api_keys: list[str] = field(default_factory=list)
     admin_token: str = ""
     shared_namespaces: list[str] = field(default_factory=list)  # tenants that share one cache

@@ -160,7 +160,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         async def prepare(identity: Identity) -> Prepared:
             def build() -> Prepared:
                 parsed = self._parse(req)
-                return self.svc.pipeline.prepare(parsed, identity.tenant(parsed.user), identity.request_id)
+                return self.svc.pipeline.prepare(parsed, identity.tenant(), identity.request_id)
 
             return await self.svc.runner.compute(build, req.ByteSize())
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from gateway import pipeline
 from gateway.auth import KeyRing, check_admin
 from gateway.bodyparse import BodyParser
+from gateway.config import KEYLESS_TENANT
 from gateway.exceptions import Draining, StreamBroken
 
 if TYPE_CHECKING:
@@ -66,9 +67,10 @@ class Identity:
     key_tenant: str | None
     request_id: str
 
-    def tenant(self, user: str) -> str:
-        """The tenant the request runs as: the key's, or the body's ``user`` without keys."""
-        return user if self.key_tenant is None else self.key_tenant
+    def tenant(self) -> str:
+        """The tenant the request runs as: the key's; without keys the one shared tenant (a
+        ``user`` field anyone can type is OpenAI's end-user label, never an identity)."""
+        return KEYLESS_TENANT if self.key_tenant is None else self.key_tenant
 
 
 Prepare = Callable[[Identity], Awaitable["Prepared"]]

@@ -13,14 +13,20 @@ from cachetier.index import BlockIndex
 from cachetier.memory import MemoryIndex
 from cachetier.tokenizer import load_tokenizer
 from gateway.config import Settings
-from gateway.documents import DocumentStore
+from gateway.documents import DocumentLimits, DocumentStore
 from gateway.events import EventSync
 from gateway.metrics import Metrics, NodeSample
 from gateway.nodes import Node, NodePool
 from gateway.pipeline import Pipeline
+from gateway.quotas import PinLedger, PinLimits
 from gateway.runner import RequestRunner
 
 log = structlog.get_logger("prefixgate.gateway")
+
+KEYLESS_NOTICE = (
+    "none: no API keys, so no tenant isolation; every client shares one tenant (documents, "
+    "cache, quotas) and 'user' selects nothing; set --api-key KEY=TENANT to isolate tenants"
+)
 
 
 def open_index(
@@ -34,12 +40,19 @@ def open_index(
 
 class GatewayService:
     def __init__(self, settings: Settings, index: BlockIndex | None = None) -> None:
-        self.settings = settings
+        self.settings = s = settings
         self.metrics = Metrics()
         self.index = index if index is not None else open_index(settings, self._index_recovered)
         self.tokenizer = load_tokenizer(settings.tokenizer)
         self.pool = NodePool(settings.stats_interval_s)
-        self.documents = DocumentStore()
+        self.documents = DocumentStore(
+            DocumentLimits(s.document_quota_count, s.document_quota_bytes, s.document_store_bytes)
+        )
+        self.pins = PinLedger(
+            PinLimits(
+                s.pin_quota_blocks_per_node, s.pin_quota_node_share, s.pin_quota_blocks, s.pin_max_seconds
+            )
+        )
         self.pipeline = Pipeline(
             settings, self.pool, self.index, self.tokenizer, self.metrics, self.documents
         )
@@ -75,12 +88,14 @@ class GatewayService:
         for node in self.pool.nodes.values():
             self.events.watch(node)
         await self.pool.wait_ready(timeout=5.0)
+        tenants = len(set(s.api_key_map().values()))
         log.info(
             "gateway_started",
             prefill=len(s.prefill),
             decode=len(s.decode),
             monolithic=len(s.monolithic),
             index=self.index.backend,
+            auth=f"api keys, {tenants} tenant(s)" if tenants else KEYLESS_NOTICE,
         )
 
     def node_samples(self) -> list[NodeSample]:

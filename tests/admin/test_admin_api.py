@@ -277,7 +277,9 @@ def test_documents_registry(stack: AdminStack) -> None:
         auto = c.post("/v1/documents", json={"text": "short note", "user": "alice"}).json()["id"]
         assert auto.startswith("doc-")
         assert c.get("/v1/documents/policy-7", params={"user": "alice"}).json()["text"] == text
-        assert c.get("/v1/documents/policy-7", params={"user": "bob"}).status_code == 404  # per tenant
+        # Without API keys nobody is authenticated: one shared registry, 'user' selects nothing.
+        assert c.get("/v1/documents/policy-7", params={"user": "bob"}).json()["text"] == text
+        assert c.get("/v1/documents/policy-7").json()["text"] == text
         assert c.post("/v1/documents", json={"text": ""}).status_code == 400
 
         def ask(docs: dict[str, Any]) -> httpx.Response:
@@ -317,9 +319,8 @@ def test_prefill_service_warms_the_node_the_request_then_uses(stack: AdminStack)
         assert warmed["pinned_blocks"] == 0 and warmed["error"] is None
         bad = c.post("/v1/prefill", json={"model": MODEL, "prompt": "x", "pin_seconds": -1})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "pin_seconds"
-        assert (
-            c.post("/v1/prefill", json={"model": MODEL, "prompt": "x", "nodes": ["nope"]}).status_code == 404
-        )
+        chosen = c.post("/v1/prefill", json={"model": MODEL, "prompt": "x", "nodes": ["prefill-1"]})
+        assert chosen.status_code == 403 and chosen.json()["error"]["code"] == "admin_only"  # admin API only
     used = chat(stack, messages, [doc])
     assert used.headers["x-prefixgate-prefill-node"] == warmed["node"]
     assert used.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == out["blocks"] * 64
@@ -393,3 +394,24 @@ def test_metrics_show_ttft_prefill_transfer_and_hit_ratio(stack: AdminStack) -> 
     assert value("prefixgate_node_kv_capacity_blocks", "prefixgate_node_kv_capacity_blocks") == 4 * 4096
     assert value("prefixgate_index_blocks", "prefixgate_index_blocks") > 0
     assert value("prefixgate_index_total_blocks", "prefixgate_index_total_blocks") > 0
+
+
+def test_keyless_mode_says_so_and_shares_one_tenant(stack: AdminStack) -> None:
+    started = [line for line in stack.log_lines() if line.get("event") == "gateway_started"]
+    assert started and started[0]["auth"].startswith("none: no API keys, so no tenant isolation")
+    doc = {"id": "shared-note", "text": document(61, 600)}
+    messages = _messages("Who can see this?")
+    with stack.http() as c:
+        assert c.post("/v1/documents", json={**doc, "user": "alice"}).status_code == 201
+        first = c.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": messages, "document_ids": ["shared-note"], "user": "alice"},
+        )
+        assert first.status_code == 200, first.text
+        # Another 'user' is the same tenant: the same document, the same cache.
+        second = c.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": messages, "document_ids": ["shared-note"], "user": "bob"},
+        )
+        assert second.status_code == 200, second.text
+        assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 600 - 64

@@ -33,7 +33,7 @@ def _preparer(svc: GatewayService, seen: list[Identity]) -> Prepare:
             max_tokens_limit=16,
             max_documents=1,
         )
-        return svc.pipeline.prepare(parsed, identity.tenant(parsed.user), identity.request_id)
+        return svc.pipeline.prepare(parsed, identity.tenant(), identity.request_id)
 
     return prepare
 
