@@ -37,7 +37,8 @@ CONVERSATION_ROLES = frozenset({"user", "assistant", "tool", "function"})
 
 DOCUMENT_ID_ALPHABET = "letters, digits, '.', '_', ':' and '-' (first a letter or digit)"
 MAX_DOCUMENT_ID = 256
-_DOCUMENT_ID = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._:-]{{0,{MAX_DOCUMENT_ID - 1}}}")
+DOCUMENT_ID_PATTERN = rf"^[A-Za-z0-9][A-Za-z0-9._:-]{{0,{MAX_DOCUMENT_ID - 1}}}$"
+_DOCUMENT_ID = re.compile(DOCUMENT_ID_PATTERN)
 TOOL_CALLS_MARKER = "<|tool_calls|>"
 _MARKER_START = re.compile(r"<(\\*)\|")
 
@@ -102,7 +103,7 @@ def escape_json_markers(rendered: str) -> str:
 
 def is_document_id(value: str) -> bool:
     """Whether ``value`` may name a document (it is written inside a control marker)."""
-    return _DOCUMENT_ID.fullmatch(value) is not None
+    return _DOCUMENT_ID.fullmatch(value) is not None  # fullmatch: "$" alone lets "id\n" through
 
 
 def canonical_json(value: Any) -> str:

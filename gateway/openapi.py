@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from gateway.normalize import DOCUMENT_ID_PATTERN, MAX_DOCUMENT_ID
+
 _ERROR = {
     "type": "object",
     "required": ["error"],
@@ -21,10 +23,11 @@ _ERROR = {
     },
 }
 
+_DOCUMENT_ID = {"type": "string", "pattern": DOCUMENT_ID_PATTERN, "maxLength": MAX_DOCUMENT_ID}
 _DOCUMENT = {
     "type": "object",
     "required": ["text"],
-    "properties": {"id": {"type": "string", "maxLength": 256}, "text": {"type": "string"}},
+    "properties": {"id": _DOCUMENT_ID, "text": {"type": "string"}},
 }
 
 _COMMON = {
@@ -47,7 +50,7 @@ _COMMON = {
     "user": {"type": "string"},
     "n": {"type": "integer", "nullable": True},
     "documents": {"type": "array", "items": _DOCUMENT},
-    "document_ids": {"type": "array", "items": {"type": "string"}},
+    "document_ids": {"type": "array", "items": _DOCUMENT_ID},
 }
 
 _MESSAGE = {
@@ -163,7 +166,7 @@ def openapi_spec(models: list[str]) -> dict[str, Any]:
                                 }
                             },
                         },
-                        **_errors(400, 401, 413),
+                        **_errors(400, 401, 413, 429),
                     },
                 }
             },
