@@ -13,10 +13,18 @@ node's KV capacity. The gateway's clock and the node's differ by the network del
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gateway.exceptions import InvalidRequest, QuotaExceeded
+
+
+def _first_expiry(until: Iterable[float], now: float) -> float | None:
+    """Seconds until the first of these pins expires and gives blocks back (None: none held).
+    Only offered when the pin could fit once they have: retrying a pin too big for the quota
+    itself never helps."""
+    first = min(until, default=None)
+    return None if first is None else max(1.0, first - now)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +122,7 @@ class PinLedger:
                     f"pin_quota_node_share={lim.node_share:g} of {capacity or 'unknown'} blocks)",
                     param="pin_seconds",
                     code="pin_quota_exceeded",
+                    retry_after=_first_expiry(entries.values(), now) if len(wanted) <= limit else None,
                 )
             total += after - len(entries)
         if total > lim.blocks:
@@ -122,6 +131,9 @@ class PinLedger:
                 f"{lim.blocks} (pin_quota_blocks)",
                 param="pin_seconds",
                 code="pin_quota_exceeded",
+                retry_after=_first_expiry((u for e in nodes.values() for u in e.values()), now)
+                if len(wanted) * len(capacities) <= lim.blocks
+                else None,
             )
         until = grant.until = now + seconds
         for node_id in capacities:

@@ -20,6 +20,7 @@ def test_a_tenant_cannot_pin_most_of_a_node() -> None:
         ledger.reserve("a", {"p1": 512}, blocks(0, 494), 3600 / 60, now=0)
     assert e.value.code == "pin_quota_exceeded" and "pin_quota_blocks_per_node=100" in e.value.message
     assert ledger.held("a", now=0) == {}  # nothing recorded
+    assert e.value.retry_after is None  # too big for the quota itself: retrying never helps
     ledger.reserve("a", {"p1": 512}, blocks(0, 100), 30, now=0)
     assert ledger.held("a", now=1) == {"p1": 100}
 
@@ -56,8 +57,9 @@ def test_re_pinning_counts_a_block_once_and_extends_it() -> None:
 def test_expired_pins_give_their_quota_back() -> None:
     ledger = PinLedger(LIMITS)
     ledger.reserve("a", {"p1": 0}, blocks(0, 100), 10, now=0)
-    with pytest.raises(QuotaExceeded):
-        ledger.reserve("a", {"p1": 0}, blocks(500, 1), 10, now=9.9)
+    with pytest.raises(QuotaExceeded) as e:
+        ledger.reserve("a", {"p1": 0}, blocks(500, 1), 10, now=4)
+    assert e.value.retry_after == 6  # when the held pins expire
     ledger.reserve("a", {"p1": 0}, blocks(500, 100), 10, now=10.0)
     assert ledger.held("a", now=10.0) == {"p1": 100}
     assert ledger.held("a", now=20.0) == {}
