@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-
 from cachetier.index import DEFAULT_CAPACITY_BLOCKS, BlockIndex
 from cachetier.memory import MemoryIndex
-from cachetier.redis_index import DEFAULT_TTL_SECONDS, RedisIndex, connect
+from cachetier.redis_index import DEFAULT_TTL_SECONDS, RedisIndex
 from cachetier.redis_schema import DEFAULT_PREFIX
-from cachetier.resilient import ResilientIndex
+from cachetier.resilient import ResilientIndex, ResyncHook
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
@@ -25,7 +23,7 @@ def open_index(
     failures_to_degrade: int = 5,
     mirror: bool = True,
     max_connections: int = 64,
-    on_recovered: Callable[[], Awaitable[None] | None] | None = None,
+    on_resync: ResyncHook | None = None,
 ) -> BlockIndex:
     """None / "" / "memory" → ``MemoryIndex``; ``redis://…`` → ``ResilientIndex(RedisIndex)``.
 
@@ -36,8 +34,10 @@ def open_index(
         return MemoryIndex(default_capacity)
     if not url.startswith(REDIS_SCHEMES):
         raise ValueError(f"unsupported index URL {url!r}: use 'memory' or redis://host:port/db")
-    primary = RedisIndex(
-        connect(url, max_connections=max_connections, timeout=call_timeout),
+    primary = RedisIndex.from_url(  # single Redis or Cluster: asked of the server on first use
+        url,
+        max_connections=max_connections,
+        timeout=call_timeout,
         prefix=prefix,
         default_capacity=default_capacity,
         ttl_seconds=ttl_seconds,
@@ -50,5 +50,5 @@ def open_index(
         call_timeout=call_timeout,
         probe_interval=probe_interval,
         failures_to_degrade=failures_to_degrade,
-        on_recovered=on_recovered,
+        on_resync=on_resync,
     )

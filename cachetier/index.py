@@ -38,6 +38,7 @@ class IndexStats:
     total_blocks: int
     nodes: dict[str, NodeOccupancy] = field(default_factory=dict)
     degraded: bool = False
+    health: dict[str, int] = field(default_factory=dict)  # fault counters of a resilient wrapper
 
 
 @dataclass(frozen=True, slots=True)

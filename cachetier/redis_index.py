@@ -1,19 +1,32 @@
 """Redis implementation of ``BlockIndex``: one index shared by every gateway replica.
 
-Key schema and scripts: ``redis_schema.py`` and ``cachetier/README.md``. A lookup is one
-EVALSHA (one round trip) that binary-searches every node's ZSET; a store batch is one
-MULTI/EXEC holding one script call per node, so no half-written batch is ever visible.
+Key schema and scripts: ``redis_schema.py`` and ``cachetier/README.md``. Runs on a single Redis
+or a Redis Cluster, told apart by asking the server (``INFO cluster``) on first use:
+
+- single Redis: a lookup is one EVALSHA (one round trip) that binary-searches every node's
+  ZSET; a store batch is one MULTI/EXEC holding one script call per node, so no half-written
+  batch is ever visible;
+- Cluster: a lookup is one EVALSHA per node in one pipeline, which the cluster client sends as
+  one round trip per shard, to all shards in parallel; a store batch is one script call per
+  node (a node's keys share a hash tag, so each node's part is atomic; a batch spanning nodes
+  is not). ``MOVED``/``ASK``/failover are the cluster client's; ``NOSCRIPT`` is reloaded here.
+
+Every node's meta hash carries an epoch token; ``check`` compares it with the token last seen
+to find nodes whose data Redis lost (restart, flush, expiry, failover to a lagging replica).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import secrets
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError
@@ -21,6 +34,7 @@ from redis.exceptions import NoScriptError
 from cachetier.index import DEFAULT_CAPACITY_BLOCKS, IndexStats, NodeOccupancy, StoreOp
 from cachetier.redis_schema import (
     DEFAULT_PREFIX,
+    EPOCH_LUA,
     LOOKUP_LUA,
     SET_CAPACITY_LUA,
     STORE_LUA,
@@ -31,12 +45,13 @@ from cachetier.redis_schema import (
 )
 
 DEFAULT_TTL_SECONDS = 3600
+Client = aioredis.Redis | RedisCluster
 _Call = tuple[str, list[str], list[Any]]  # script name, keys, args
 _REMOVE_CHUNK = 4096
 
 
 def connect(url: str, *, max_connections: int = 64, timeout: float = 2.0) -> aioredis.Redis:
-    """A client for the index: bounded pool, short timeouts, one quick retry.
+    """A single-Redis client for the index: bounded pool, short timeouts, one quick retry.
 
     Callers (the resilient wrapper) put their own deadline on top; long client-side retries
     would only hold requests.
@@ -52,36 +67,99 @@ def connect(url: str, *, max_connections: int = 64, timeout: float = 2.0) -> aio
     return aioredis.Redis.from_pool(pool)
 
 
+def connect_cluster(url: str, *, max_connections: int = 64, timeout: float = 2.0) -> RedisCluster:
+    """A Redis Cluster client from the address of any one of its nodes (it learns the rest)."""
+    return RedisCluster.from_url(
+        url,
+        max_connections=max_connections,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        retry=Retry(NoBackoff(), 2),
+    )
+
+
+async def is_cluster(client: aioredis.Redis) -> bool:
+    """Whether the server behind ``client`` runs in cluster mode (``INFO cluster``)."""
+    info = await client.info("cluster")
+    return bool(int(info.get("cluster_enabled", 0)))
+
+
 class RedisIndex:
-    """``BlockIndex`` over Redis (see module docstring); all replicas see the same state."""
+    """``BlockIndex`` over Redis or Redis Cluster (see module docstring); all replicas agree."""
 
     backend = "redis"
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: Client,
         *,
         prefix: str = DEFAULT_PREFIX,
         default_capacity: int = DEFAULT_CAPACITY_BLOCKS,
         ttl_seconds: int = DEFAULT_TTL_SECONDS,
         nodes_refresh: float = 1.0,
         owns_client: bool = True,
+        url: str | None = None,
+        max_connections: int = 64,
+        timeout: float = 2.0,
     ) -> None:
+        """``url`` set: on first use, ask the server and switch to the cluster client if needed."""
         if ttl_seconds <= 0:
             raise ValueError("ttl_seconds must be positive")
-        self.client = client
+        self.client: Client = client
         self.keys = KeySchema(prefix)
         self.default_capacity = max(0, default_capacity)
         self.ttl_seconds = ttl_seconds
         self.nodes_refresh = nodes_refresh
         self._owns_client = owns_client
+        self._url = url
+        self._max_connections = max_connections
+        self._timeout = timeout
+        self._mode_known = isinstance(client, RedisCluster) or url is None
+        self._mode_lock: asyncio.Lock | None = None
         self._scripts = {name: (text, _sha1(text)) for name, text in _SCRIPTS.items()}
         self._known: set[str] = set()
         self._known_at = float("-inf")
+        self._epochs: dict[str, bytes] = {}  # node -> epoch last seen
+        self._capacity: dict[str, int] = {}  # node -> capacity last set (restored after data loss)
+        self._owners: dict[str, str] = {}  # Cluster: node -> primary serving its slot
+        self._lost: set[str] = set()
 
     @classmethod
-    def from_url(cls, url: str, **kwargs: Any) -> RedisIndex:
-        return cls(connect(url), **kwargs)
+    def from_url(
+        cls, url: str, *, max_connections: int = 64, timeout: float = 2.0, **kwargs: Any
+    ) -> RedisIndex:
+        """Single Redis or Cluster, whichever ``url`` points at (decided on first use)."""
+        return cls(
+            connect(url, max_connections=max_connections, timeout=timeout),
+            url=url,
+            max_connections=max_connections,
+            timeout=timeout,
+            **kwargs,
+        )
+
+    @property
+    def cluster(self) -> bool:
+        return isinstance(self.client, RedisCluster)
+
+    async def connected(self) -> Client:
+        """The client, after finding out (once) whether the server is a cluster node."""
+        if self._mode_known:
+            return self.client
+        if self._mode_lock is None:
+            self._mode_lock = asyncio.Lock()
+        async with self._mode_lock:
+            if not self._mode_known:
+                single = self.client
+                assert isinstance(single, aioredis.Redis) and self._url is not None
+                if await is_cluster(single):
+                    cluster = connect_cluster(
+                        self._url, max_connections=self._max_connections, timeout=self._timeout
+                    )
+                    await cluster.initialize()
+                    self.client = cluster
+                    await single.aclose()
+                self._mode_known = True
+        return self.client
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -91,28 +169,37 @@ class RedisIndex:
             return {}
         if not hashes:
             return dict.fromkeys(names, 0)
+        blob = pack_hashes(hashes)
+        client = await self.connected()
+        if isinstance(client, RedisCluster):
+            calls: list[_Call] = [("lookup", [self.keys.blocks(n)], [blob]) for n in names]
+            runs = await self._pipeline_scripts(client, calls)
+            return {n: int(r[0]) for n, r in zip(names, runs, strict=True)}
         keys = [self.keys.blocks(n) for n in names]
-        runs = await self._eval("lookup", keys, [pack_hashes(hashes)])
+        runs = await self._eval(client, "lookup", keys, [blob])
         return {n: int(r) for n, r in zip(names, runs, strict=True)}
 
     async def known_nodes(self) -> list[str]:
         """Nodes written within the TTL; cached for ``nodes_refresh`` s (own writes at once)."""
         now = time.monotonic()
         if now - self._known_at >= self.nodes_refresh:
+            client = await self.connected()
             since = time.time() - self.ttl_seconds
-            raw = await self.client.zrangebyscore(self.keys.registry, since, "+inf")
+            raw = await client.zrangebyscore(self.keys.registry, since, "+inf")
             self._known = {_text(m) for m in raw}
             self._known_at = now
         return sorted(self._known)
 
     async def node_hashes(self, node: str) -> set[int]:
-        members = await self.client.zrange(self.keys.blocks(node), 0, -1)
+        client = await self.connected()
+        members = await client.zrange(self.keys.blocks(node), 0, -1)
         return {unpack_hash(_bytes(m)) for m in members}
 
     async def stats(self) -> IndexStats:
         self._known_at = float("-inf")
         names = await self.known_nodes()
-        pipe = self.client.pipeline(transaction=False)
+        client = await self.connected()
+        pipe = client.pipeline(transaction=False)
         for n in names:
             pipe.zcard(self.keys.blocks(n))
             pipe.hget(self.keys.meta(n), "c")
@@ -124,7 +211,49 @@ class RedisIndex:
         return IndexStats(self.backend, sum(o.blocks for o in occ.values()), occ)
 
     async def ping(self) -> None:
-        await self.client.ping()
+        client = await self.connected()
+        if isinstance(client, RedisCluster):
+            await client.zcard(self.keys.registry)  # keyed: routed and re-routed like real traffic
+        else:
+            await client.ping()
+
+    async def check(self, *, write: bool = False) -> set[str]:
+        """Nodes whose data Redis lost since this client last saw them; ``write`` also proves
+        that Redis accepts writes (raises when it refuses them, e.g. out of memory)."""
+        nodes = list(self._epochs)
+        lost, self._lost = self._lost, set()
+        if not nodes:
+            if write:
+                await self.ping()
+            return lost
+        client = await self.connected()
+        calls = [("epoch", [self.keys.meta(n)], ["1" if write else "0"]) for n in nodes]
+        raw = await self._pipeline_scripts(client, calls)
+        for node, epoch in zip(nodes, raw, strict=True):
+            seen = self._epochs.get(node)
+            if not epoch:
+                self._epochs.pop(node, None)  # learnt again at the node's next write
+                lost.add(node)
+            elif seen is not None and epoch != seen:
+                self._epochs[node] = _bytes(epoch)
+                lost.add(node)
+        if isinstance(client, RedisCluster):
+            lost |= self._failed_over(client, nodes)
+        return lost
+
+    def _failed_over(self, client: RedisCluster, nodes: Iterable[str]) -> set[str]:
+        """Nodes whose slot is now served by another primary: writes the old one acknowledged
+        may never have reached the replica that took over."""
+        moved: set[str] = set()
+        for node in nodes:
+            key = self.keys.meta(node)
+            owner = client.get_node_from_key(key)
+            name = owner.name if owner is not None else ""
+            before = self._owners.get(node)
+            self._owners[node] = name
+            if before is not None and before != name:
+                moved.add(node)
+        return moved
 
     # -- writes --------------------------------------------------------------------------
 
@@ -136,39 +265,47 @@ class RedisIndex:
             by_node[op.node].append(i)
         calls: list[_Call] = []
         for node, idx in by_node.items():
-            args: list[bytes | str | int] = [self.default_capacity, self.ttl_seconds, "s"]
+            args = self._store_head(node, "s")
             for i in idx:
                 op = ops[i]
                 args.append(pack_hash(op.parent) if op.parent else b"")
                 args.append(pack_hashes(op.hashes))
             calls.append(("store", [self.keys.blocks(node), self.keys.meta(node)], args))
-        results = await self._transaction(calls, register=list(by_node))
+        results = await self._write_calls(calls, register=list(by_node))
         out = [False] * len(ops)
-        for (_, idx), res in zip(by_node.items(), results, strict=False):
-            for i, ok in zip(idx, res, strict=True):
+        for (node, idx), res in zip(by_node.items(), results, strict=True):
+            self._saw_epoch(node, res[-1])
+            for i, ok in zip(idx, res[:-1], strict=True):
                 out[i] = bool(ok)
         return out
 
     async def replace_node(self, node: str, chains: Sequence[Sequence[int]]) -> None:
-        args: list[bytes | str | int] = [self.default_capacity, self.ttl_seconds, "r"]
+        args = self._store_head(node, "r")
         for chain in chains:
             args += [b"", pack_hashes(chain)]
-        await self._transaction(
+        res = await self._write_calls(
             [("store", [self.keys.blocks(node), self.keys.meta(node)], args)], register=[node]
         )
+        self._epochs.pop(node, None)  # a replaced node is whole again, whatever its epoch was
+        self._lost.discard(node)
+        self._saw_epoch(node, res[0][-1])
 
     async def set_capacity(self, node: str, blocks: int) -> None:
-        args = [max(0, blocks), self.ttl_seconds]
-        await self._transaction(
+        blocks = max(0, blocks)
+        args = [blocks, self.ttl_seconds, _new_epoch()]
+        res = await self._write_calls(
             [("set_capacity", [self.keys.blocks(node), self.keys.meta(node)], args)], register=[node]
         )
+        self._capacity[node] = blocks
+        self._saw_epoch(node, res[0])
 
     async def remove(self, node: str, hashes: Iterable[int]) -> int:
         members = list(dict.fromkeys(pack_hash(h) for h in hashes))
         if not members:
             return 0
         key = self.keys.blocks(node)
-        pipe = self.client.pipeline(transaction=True)
+        client = await self.connected()
+        pipe = client.pipeline(transaction=True)  # one slot: a transaction on Cluster too
         for i in range(0, len(members), _REMOVE_CHUNK):
             pipe.zrem(key, *members[i : i + _REMOVE_CHUNK])
         pipe.expire(key, self.ttl_seconds)
@@ -177,7 +314,8 @@ class RedisIndex:
         return sum(int(r) for r in raw[:-2])
 
     async def clear_node(self, node: str) -> int:
-        pipe = self.client.pipeline(transaction=True)
+        client = await self.connected()
+        pipe = client.pipeline(transaction=True)
         pipe.zcard(self.keys.blocks(node))
         pipe.delete(self.keys.blocks(node))
         raw = await pipe.execute()
@@ -185,16 +323,16 @@ class RedisIndex:
 
     async def purge(self) -> int:
         """Delete every key under this prefix (tests, benchmarks, an operator's reset)."""
+        client = await self.connected()
+        keys = [k async for k in client.scan_iter(match=self.keys.pattern, count=1000)]
         n = 0
-        batch: list[bytes] = []
-        async for key in self.client.scan_iter(match=self.keys.pattern, count=1000):
-            batch.append(key)
-            if len(batch) >= 1000:
-                n += await self.client.unlink(*batch)
-                batch = []
-        if batch:
-            n += await self.client.unlink(*batch)
+        for i in range(0, len(keys), 1000):
+            pipe = client.pipeline(transaction=False)
+            for k in keys[i : i + 1000]:
+                pipe.unlink(k)
+            n += sum(int(r) for r in await pipe.execute())
         self._known = set()
+        self._epochs.clear()
         return n
 
     async def close(self) -> None:
@@ -203,18 +341,52 @@ class RedisIndex:
 
     # -- plumbing ------------------------------------------------------------------------
 
-    async def _eval(self, script: str, keys: list[str], args: list[Any]) -> Any:
+    def _store_head(self, node: str, mode: str) -> list[bytes | str | int]:
+        cap = self._capacity.get(node, self.default_capacity)
+        return [cap, self.ttl_seconds, mode, _new_epoch()]
+
+    def _saw_epoch(self, node: str, epoch: object) -> None:
+        """A write returned the node's epoch: another one than before means the data was lost."""
+        if not isinstance(epoch, bytes):
+            return
+        seen = self._epochs.get(node)
+        if seen is not None and seen != epoch:
+            self._lost.add(node)
+        self._epochs[node] = epoch
+
+    async def _eval(self, client: aioredis.Redis, script: str, keys: list[str], args: list[Any]) -> Any:
         text, sha = self._scripts[script]
         try:
-            return await self.client.evalsha(sha, len(keys), *keys, *args)
+            return await client.evalsha(sha, len(keys), *keys, *args)
         except NoScriptError:
-            await self.client.script_load(text)
-            return await self.client.evalsha(sha, len(keys), *keys, *args)
+            await client.script_load(text)
+            return await client.evalsha(sha, len(keys), *keys, *args)
 
-    async def _transaction(self, calls: list[_Call], register: list[str]) -> list[Any]:
-        """Run script calls and the registry update in one MULTI/EXEC (atomic batch)."""
+    async def _pipeline_scripts(self, client: Client, calls: list[_Call]) -> list[Any]:
+        """Script calls in one pipeline: one round trip (per shard, in parallel, on Cluster)."""
         for attempt in (0, 1):
-            pipe = self.client.pipeline(transaction=True)
+            pipe = client.pipeline(transaction=False)
+            for script, keys, args in calls:
+                pipe.evalsha(self._scripts[script][1], len(keys), *keys, *args)
+            try:
+                return list(await pipe.execute())
+            except NoScriptError:
+                if attempt:
+                    raise
+                await self._load_scripts(client)
+        raise AssertionError("unreachable")
+
+    async def _load_scripts(self, client: Client) -> None:
+        for text, _ in self._scripts.values():
+            await client.script_load(text)  # on Cluster: every primary
+
+    async def _write_calls(self, calls: list[_Call], register: list[str]) -> list[Any]:
+        """Script calls plus the registry update: one MULTI/EXEC on a single Redis (the batch is
+        atomic); on Cluster one pipeline (each node's script call is atomic by itself)."""
+        client = await self.connected()
+        cluster = isinstance(client, RedisCluster)
+        for attempt in (0, 1):
+            pipe = client.pipeline(transaction=not cluster)
             for script, keys, args in calls:
                 pipe.evalsha(self._scripts[script][1], len(keys), *keys, *args)
             now = time.time()
@@ -227,8 +399,7 @@ class RedisIndex:
             except NoScriptError:
                 if attempt:
                     raise
-                for text, _ in self._scripts.values():
-                    await self.client.script_load(text)
+                await self._load_scripts(client)
                 continue
             self._known.update(register)
             return list(raw[: len(calls)])
@@ -245,8 +416,13 @@ def _text(v: object) -> str:
     return _bytes(v).decode()
 
 
+def _new_epoch() -> str:
+    """The token a write puts into a node's meta if it has none: differs from any before."""
+    return secrets.token_hex(8)
+
+
 def _sha1(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()
 
 
-_SCRIPTS = {"lookup": LOOKUP_LUA, "store": STORE_LUA, "set_capacity": SET_CAPACITY_LUA}
+_SCRIPTS = {"lookup": LOOKUP_LUA, "store": STORE_LUA, "set_capacity": SET_CAPACITY_LUA, "epoch": EPOCH_LUA}

@@ -6,7 +6,9 @@ hash tag, so all of one node's keys live in one slot:
 - ``P{node}:z`` — ZSET, one member per block the node holds: the block hash as 8 bytes
   little-endian; score = the node's LRU tick (higher = more recent), so ZSET order is LRU order.
 - ``P{node}:m`` — HASH: ``c`` capacity in blocks, ``t`` the rising LRU tick (chains from the
-  root), ``l`` the falling tick (fragments enter as least recent).
+  root), ``l`` the falling tick (fragments enter as least recent), ``e`` the node's epoch: a
+  random token written when the hash is created. A client that saw another token (or none)
+  knows the node's data was lost (Redis restarted empty, flushed, keys expired) and resyncs it.
 - ``Pnodes`` — ZSET registry of known nodes: member = node name, score = unix time of the last
   write; entries older than the TTL are ignored and pruned.
 
@@ -97,11 +99,13 @@ return out
 # A chain from the root takes scores from the rising tick ``t`` (touched in reverse, root last);
 # a fragment after a parent adds only its new blocks, below every score, from the falling tick ``l``.
 # KEYS[1] block ZSET, KEYS[2] meta HASH.
-# ARGV[1] default capacity, ARGV[2] TTL seconds, ARGV[3] 'r' = replace (clear first) or 's',
-# ARGV[4..] pairs (parent member or '' for the root, packed chain). Returns 1/0 per pair.
+# ARGV[1] capacity if the node has none yet, ARGV[2] TTL seconds, ARGV[3] 'r' = replace (clear
+# first) or 's', ARGV[4] epoch token if the node has none yet, ARGV[5..] pairs (parent member or
+# '' for the root, packed chain). Returns 1/0 per pair, then the node's epoch.
 STORE_LUA = """
 local z, m = KEYS[1], KEYS[2]
 redis.call('HSETNX', m, 'c', ARGV[1])
+redis.call('HSETNX', m, 'e', ARGV[4])
 local cap = tonumber(redis.call('HGET', m, 'c'))
 if ARGV[3] == 'r' then redis.call('DEL', z) end
 local out = {}
@@ -112,7 +116,7 @@ local function zadd(flag, args)
     redis.call('ZADD', z, unpack(args))
   end
 end
-for i = 4, #ARGV, 2 do
+for i = 5, #ARGV, 2 do
   local parent, blob = ARGV[i], ARGV[i + 1]
   if parent ~= '' and not redis.call('ZSCORE', z, parent) then
     out[#out + 1] = 0
@@ -158,17 +162,29 @@ for i = 4, #ARGV, 2 do
 end
 redis.call('EXPIRE', z, ARGV[2])
 redis.call('EXPIRE', m, ARGV[2])
+out[#out + 1] = redis.call('HGET', m, 'e')
 return out
 """
 
-# KEYS[1] block ZSET, KEYS[2] meta HASH; ARGV[1] capacity (>= 0), ARGV[2] TTL seconds.
+# KEYS[1] block ZSET, KEYS[2] meta HASH; ARGV[1] capacity (>= 0), ARGV[2] TTL seconds,
+# ARGV[3] epoch token if the node has none yet. Returns the node's epoch.
 SET_CAPACITY_LUA = """
 local z, m = KEYS[1], KEYS[2]
 local cap = tonumber(ARGV[1])
 redis.call('HSET', m, 'c', cap)
+redis.call('HSETNX', m, 'e', ARGV[3])
 local k = redis.call('ZCARD', z) - cap
 if k > 0 then redis.call('ZPOPMIN', z, k) end
 redis.call('EXPIRE', z, ARGV[2])
 redis.call('EXPIRE', m, ARGV[2])
-return k
+return redis.call('HGET', m, 'e')
+"""
+
+# Epoch check of one node. KEYS[1] meta HASH; ARGV[1] '1' to also prove that Redis accepts
+# writes (a same-value HSET: refused under maxmemory + noeviction like any real write).
+# Returns the node's epoch, or false when the node's data is gone.
+EPOCH_LUA = """
+local e = redis.call('HGET', KEYS[1], 'e')
+if e and ARGV[1] == '1' then redis.call('HSET', KEYS[1], 'e', e) end
+return e
 """

@@ -196,6 +196,13 @@ class Metrics:
         self.index_degraded = Gauge(
             "prefixgate_index_degraded", "1 while the shared index is unreachable", registry=r
         )
+        self.index_faults = Gauge(
+            "prefixgate_index_faults",
+            "Shared-index fault counters since start: late_lookups, failed_writes, dropped_writes, "
+            "degraded_periods, recoveries, data_losses, resynced_nodes, ...",
+            ["kind"],
+            registry=r,
+        )
         self.events_applied = Counter(
             "prefixgate_kv_events", "Node KV events applied to the index", ["kind"], registry=r
         )
@@ -250,6 +257,8 @@ class Metrics:
         """Set the index occupancy gauges; nodes the index forgot disappear from the output."""
         self.index_total_blocks.set(stats.total_blocks)
         self.index_degraded.set(1 if stats.degraded else 0)
+        for kind, count in stats.health.items():
+            self.index_faults.labels(kind).set(count)
         for node in self._index_nodes - set(stats.nodes):
             self.index_blocks.remove(node)
         for node, occ in stats.nodes.items():

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Set
 
 import structlog
 
 import cachetier
 from cachetier.index import BlockIndex
 from cachetier.memory import MemoryIndex
+from cachetier.resilient import ResyncHook
 from cachetier.tokenizer import load_tokenizer
 from gateway.config import Settings
 from gateway.documents import DocumentLimits, DocumentStore
@@ -29,13 +30,11 @@ KEYLESS_NOTICE = (
 )
 
 
-def open_index(
-    settings: Settings, on_recovered: Callable[[], Awaitable[None] | None] | None = None
-) -> BlockIndex:
+def open_index(settings: Settings, on_resync: ResyncHook | None = None) -> BlockIndex:
     """Embedded index, or the shared Redis one behind its degraded-mode wrapper."""
     if not settings.redis:
         return MemoryIndex()
-    return cachetier.open_index(settings.redis, prefix=settings.redis_prefix, on_recovered=on_recovered)
+    return cachetier.open_index(settings.redis, prefix=settings.redis_prefix, on_resync=on_resync)
 
 
 class GatewayService:
@@ -66,11 +65,14 @@ class GatewayService:
     def _resync_node(self, node: Node) -> None:
         self.events.resync(node)
 
-    async def _index_recovered(self) -> None:
-        """Redis answers again: what it missed while degraded comes back from fresh snapshots."""
-        log.info("index_recovered_resyncing_nodes", nodes=len(self.pool.nodes))
-        self.metrics.resyncs.labels("index_recovered").inc()
-        for node in list(self.pool.nodes.values()):
+    async def _index_recovered(self, node_ids: Set[str], reason: str) -> None:
+        """Redis missed writes (degraded, failed) or lost data (restart, failover): exactly those
+        nodes come back from fresh snapshots, which also set their capacity again."""
+        nodes = [n for n in list(self.pool.nodes.values()) if n.id in node_ids]
+        log.info("index_resyncing_nodes", reason=reason, nodes=[n.id for n in nodes])
+        label = "index_recovered" if reason == "recovered" else f"index_{reason}"
+        for node in nodes:
+            self.metrics.resyncs.labels(label).inc()
             self.events.resync(node)
 
     @property
