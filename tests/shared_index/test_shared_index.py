@@ -13,11 +13,12 @@ import httpx
 import pytest
 
 from cachetier.hashing import Namespace, block_hashes
-from cachetier.index import StoreOp
+from cachetier.index import IndexStats, StoreOp
 from cachetier.redis_index import RedisIndex, connect
 from cachetier.tokenizer import Bytes4Tokenizer
+from gateway.events import index_capacity
 from gateway.normalize import Document, render_chat
-from tests.faults.cluster import Cluster, Tally, drive, start_redis
+from tests.faults.cluster import Cluster, Outcome, Tally, drive, start_redis
 from tests.faults.conftest import REPORT
 from tests.helpers import Proc, free_port, spawn
 
@@ -235,5 +236,122 @@ def test_a_node_whose_hits_keep_missing_the_prediction_is_resynced(
             held = asyncio.run(plant_and_read([]))
         assert c.metric("prefixgate_index_resyncs_total", reason="mispredicted") == before + 1
         assert ghost[0] not in held, "the resync should have replaced the node's set with what it holds"
+    finally:
+        assert c.stop() == 0
+
+
+def index_stats(port: int, prefix: str) -> IndexStats:
+    async def read() -> IndexStats:
+        idx = RedisIndex(connect(f"redis://127.0.0.1:{port}/0"), prefix=prefix)
+        try:
+            return await idx.stats()
+        finally:
+            await idx.close()
+
+    return asyncio.run(read())
+
+
+def tally_redis(name: str, results: list[Outcome], c: Cluster, note: str) -> Tally:
+    t = Tally(name, len(results))
+    t.succeeded = sum(1 for r in results if r.status == 200 and r.finish)
+    t.failed = sum(1 for r in results if r.status != 200)
+    t.note = note
+    REPORT.append(t)
+    return t
+
+
+def index_log_events(c: Cluster) -> dict[str, int]:
+    assert c.gateway is not None
+    counts: dict[str, int] = {}
+    for line in list(c.gateway.lines):
+        for event in ("index.write_failed", "index.degraded", "index.recovered", "index.data_lost"):
+            if f'"{event}"' in line:
+                counts[event] = counts.get(event, 0) + 1
+    return counts
+
+
+def test_redis_restarted_empty_is_noticed_and_the_index_rebuilt(
+    redis_server: tuple[int, subprocess.Popen[bytes]],
+) -> None:
+    """An idle restart used to leave the index empty (and capacities at the default) unnoticed."""
+    port, proc = redis_server
+    prefix = f"prefixgate-test-{uuid.uuid4().hex[:8]}:"
+    c = redis_cluster(port, prefix, ["--time-scale", "0.05", "--capacity-blocks", "4096"])
+    c.start()
+    restarted: list[subprocess.Popen[bytes]] = []
+    try:
+        results = asyncio.run(drive(c.url, [doc_body(700 + i, 1500, f"q{i}") for i in range(30)], 8))
+        time.sleep(0.5)
+        before = index_stats(port, prefix)
+        assert before.total_blocks > 0
+        assert {o.capacity for o in before.nodes.values()} == {index_capacity(4096)}
+        proc.kill()
+        proc.wait()
+        restarted.append(start_redis(port))  # idle: no request in flight
+        t0 = time.monotonic()
+        rebuilt = index_stats(port, prefix)
+        while time.monotonic() - t0 < 10 and rebuilt.total_blocks < before.total_blocks:
+            time.sleep(0.1)
+            rebuilt = index_stats(port, prefix)
+        took = time.monotonic() - t0
+        assert rebuilt.total_blocks == before.total_blocks, (before, rebuilt)
+        assert {o.capacity for o in rebuilt.nodes.values()} == {index_capacity(4096)}  # not 1,048,576
+        view = httpx.get(c.url + "/admin/cache", timeout=5).json()
+        assert view["index"]["total_blocks"] == before.total_blocks and not view["index"]["degraded"]
+        results += asyncio.run(drive(c.url, [doc_body(700 + i, 1500, f"r{i}") for i in range(30)], 8))
+        resynced = c.metric("prefixgate_index_resyncs_total", reason="index_data_lost")
+        events = index_log_events(c)
+        t = tally_redis(
+            "Redis restarted empty (data loss)",
+            results,
+            c,
+            f"index rebuilt in {took:.1f}s ({int(resynced)} nodes resynced); {events}",
+        )
+        assert t.failed == 0 and t.succeeded == 60
+        assert resynced == 4 and events.get("index.data_lost", 0) >= 1
+    finally:
+        assert c.stop() == 0
+        for p in restarted:
+            p.kill()
+            p.wait()
+
+
+def test_redis_out_of_memory_is_degraded_mode_and_fails_no_request(
+    redis_server: tuple[int, subprocess.Popen[bytes]],
+) -> None:
+    """maxmemory + noeviction: reads work, every index write is refused; that used to look healthy."""
+    port, _ = redis_server
+    prefix = f"prefixgate-test-{uuid.uuid4().hex[:8]}:"
+    c = redis_cluster(port, prefix)
+    c.start()
+
+    def cli(*args: str) -> str:
+        return subprocess.run(["redis-cli", "-p", str(port), *args], capture_output=True, text=True).stdout
+
+    try:
+        results = asyncio.run(drive(c.url, [doc_body(800 + i, 1500, f"q{i}") for i in range(10)], 4))
+        used = next(ln for ln in cli("info", "memory").splitlines() if ln.startswith("used_memory:"))
+        cli("config", "set", "maxmemory-policy", "noeviction")
+        cli("config", "set", "maxmemory", used.split(":")[1].strip())  # full from now on
+        results += asyncio.run(drive(c.url, [doc_body(900 + i, 1500, f"q{i}") for i in range(60)], 8))
+        degraded = c.metric("prefixgate_index_degraded")
+        failed_writes = c.metric("prefixgate_index_faults", kind="failed_writes")
+        cli("config", "set", "maxmemory", "0")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and c.metric("prefixgate_index_degraded") == 1:
+            post(c.url, doc_body(999, 1500))
+            time.sleep(0.2)
+        recovered = c.metric("prefixgate_index_degraded") == 0
+        events = index_log_events(c)
+        t = tally_redis(
+            "Redis out of memory (noeviction)",
+            results,
+            c,
+            f"{int(failed_writes)} index writes refused, degraded={int(degraded)}, "
+            f"{'recovered' if recovered else 'NOT recovered'} after maxmemory raised; {events}",
+        )
+        assert t.failed == 0 and t.succeeded == 70
+        assert degraded == 1 and failed_writes >= 5
+        assert recovered and events.get("index.recovered", 0) >= 1
     finally:
         assert c.stop() == 0
