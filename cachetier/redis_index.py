@@ -329,7 +329,7 @@ class RedisIndex:
         for i in range(0, len(keys), 1000):
             pipe = client.pipeline(transaction=False)
             for k in keys[i : i + 1000]:
-                pipe.unlink(k)
+                pipe.execute_command("UNLINK", k)
             n += sum(int(r) for r in await pipe.execute())
         self._known = set()
         self._epochs.clear()
@@ -367,7 +367,7 @@ class RedisIndex:
         for attempt in (0, 1):
             pipe = client.pipeline(transaction=False)
             for script, keys, args in calls:
-                pipe.evalsha(self._scripts[script][1], len(keys), *keys, *args)
+                pipe.execute_command("EVALSHA", self._scripts[script][1], len(keys), *keys, *args)
             try:
                 return list(await pipe.execute())
             except NoScriptError:
@@ -388,7 +388,7 @@ class RedisIndex:
         for attempt in (0, 1):
             pipe = client.pipeline(transaction=not cluster)
             for script, keys, args in calls:
-                pipe.evalsha(self._scripts[script][1], len(keys), *keys, *args)
+                pipe.execute_command("EVALSHA", self._scripts[script][1], len(keys), *keys, *args)
             now = time.time()
             reg = self.keys.registry
             pipe.zadd(reg, dict.fromkeys(register, now))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -146,6 +147,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _free_cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free too."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 50000)
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
 def wait_pong(port: int, proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -168,7 +184,11 @@ class RedisClusterHarness:
     def __init__(self, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 1000) -> None:
         self.masters, self.replicas = masters, replicas
         self.node_timeout_ms = node_timeout_ms
-        self.ports = [_free_port() for _ in range(masters * (1 + replicas))]
+        self.ports: list[int] = []
+        while len(self.ports) < masters * (1 + replicas):
+            port = _free_cluster_port()
+            if port not in self.ports:
+                self.ports.append(port)
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.dir = tempfile.mkdtemp(prefix="prefixgate-cluster-")
 

@@ -1,0 +1,209 @@
+"""The index on a real Redis Cluster (3 masters, 3 replicas on loopback, started once here).
+
+The contract suite runs against it, a gateway pointed at one cluster node routes by it, and a
+master is killed under load: its replica takes over, no lookup fails, degraded mode comes and
+goes, and the index is consistent after the resync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import structlog
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import run_state_machine_as_test
+from redis.asyncio.cluster import RedisCluster
+
+from cachetier import open_index
+from cachetier.index import BlockIndex, StoreOp
+from cachetier.redis_index import RedisIndex
+from cachetier.resilient import ResilientIndex
+from tests.cachetier.support import RedisClusterHarness, test_prefix
+from tests.contract.test_index_contract import CAPACITY, IndexContract
+from tests.faults.cluster import Cluster, Tally, drive
+from tests.faults.conftest import REPORT
+from tests.shared_index.test_shared_index import doc_body, post
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
+
+
+@pytest.fixture(scope="module")
+def redis_cluster() -> Iterator[RedisClusterHarness]:
+    harness = RedisClusterHarness().start()
+    try:
+        yield harness
+    finally:
+        harness.stop()
+
+
+async def test_a_plain_url_to_any_node_finds_the_cluster(redis_cluster: RedisClusterHarness) -> None:
+    url = f"redis://127.0.0.1:{redis_cluster.ports[-1]}"  # a replica, even
+    index = open_index(url, prefix=test_prefix(), lookup_timeout=1.0)
+    assert isinstance(index, ResilientIndex) and isinstance(index.primary, RedisIndex)
+    try:
+        nodes = [f"node-{i}" for i in range(12)]
+        assert await index.store([StoreOp(n, (1, 2, 3)) for n in nodes]) == [True] * 12
+        client = index.primary.client
+        assert isinstance(client, RedisCluster)
+        owners = {getattr(client.get_node_from_key(index.primary.keys.meta(n)), "name", "") for n in nodes}
+        assert len(owners) == 3  # the nodes really are spread over the three shards
+        assert await index.lookup([1, 2, 9], nodes) == dict.fromkeys(nodes, 2)
+        for port in redis_cluster.master_ports():  # NOSCRIPT everywhere: reloaded by itself
+            redis_cluster.cli(port, "script", "flush")
+        assert await index.lookup([1, 2, 3], nodes[:4]) == dict.fromkeys(nodes[:4], 3)
+        assert (await index.stats()).total_blocks == 36
+        assert index.counters.failed_calls == 0 and not index.degraded
+    finally:
+        await index.primary.purge()
+        await index.close()
+
+
+def test_index_contract_on_the_cluster(redis_cluster: RedisClusterHarness) -> None:
+    async def plain() -> BlockIndex:
+        return RedisIndex.from_url(redis_cluster.url, prefix=test_prefix(), default_capacity=CAPACITY)
+
+    async def resilient() -> BlockIndex:
+        return open_index(
+            redis_cluster.url, prefix=test_prefix(), default_capacity=CAPACITY, lookup_timeout=2.0
+        )
+
+    for name, factory, examples in (("cluster", plain, 20), ("resilient-cluster", resilient, 8)):
+        machine = type(f"IndexContract_{name}", (IndexContract,), {"factory": staticmethod(factory)})
+        run_state_machine_as_test(
+            machine,
+            settings=settings(
+                max_examples=examples,
+                stateful_step_count=30,
+                deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+                database=None,
+            ),
+        )
+
+
+def test_a_gateway_pointed_at_one_cluster_node_routes_by_the_shared_index(
+    redis_cluster: RedisClusterHarness,
+) -> None:
+    prefix = f"prefixgate-test-{uuid.uuid4().hex[:8]}:"
+    c = Cluster.create(
+        2,
+        2,
+        ["--time-scale", "0.05"],
+        gateway_args=["--redis", f"redis://127.0.0.1:{redis_cluster.ports[1]}"],
+        gateway_env={"PREFIXGATE_REDIS_PREFIX": prefix},
+    )
+    c.start()
+    try:
+        for seed in range(2):
+            first = post(c.url, doc_body(seed, question="first question"))
+            time.sleep(0.3)  # the writer batches off the hot path
+            again = post(c.url, doc_body(seed, question="another question"))
+            assert again.headers["x-prefixgate-prefill-node"] == first.headers["x-prefixgate-prefill-node"]
+            assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        view = httpx.get(c.url + "/admin/cache", timeout=5).json()
+        assert view["index"]["total_blocks"] > 0 and not view["index"]["degraded"]
+        assert c.metric("prefixgate_index_faults", kind="failed_calls") == 0
+        results = asyncio.run(drive(c.url, [doc_body(50 + i % 5, 1500, f"q{i}") for i in range(24)], 8))
+        assert all(r.status == 200 for r in results)
+    finally:
+        assert c.stop() == 0
+        cleanup = RedisIndex.from_url(redis_cluster.url, prefix=prefix)
+        asyncio.run(_purge(cleanup))
+
+
+async def _purge(index: RedisIndex) -> None:
+    try:
+        await index.purge()
+    finally:
+        await index.close()
+
+
+async def test_failover_drill_master_killed_under_load(redis_cluster: RedisClusterHarness) -> None:
+    """Runs last in the module: it leaves the cluster with one master fewer in reserve."""
+    nodes = [f"node-{i}" for i in range(12)]
+    depth = dict.fromkeys(nodes, 0)  # node n holds chain(n)[:depth[n]]: what its snapshot says
+
+    def chain(node: str, k: int) -> tuple[int, ...]:
+        base = (nodes.index(node) + 1) << 32
+        return tuple(range(base + 1, base + k + 1))
+
+    resynced: list[frozenset[str]] = []
+
+    async def resync(names: frozenset[str], reason: str) -> None:
+        """What the gateway does: each node's snapshot replaces its set in the index."""
+        resynced.append(names)
+        for n in names:
+            await index.replace_node(n, [chain(n, depth[n])])
+
+    index = open_index(redis_cluster.url, prefix=test_prefix(), call_timeout=0.5, probe_interval=0.1)
+    assert isinstance(index, ResilientIndex) and isinstance(index.primary, RedisIndex)
+    index.check_interval = 0.2
+    index.on_resync = resync
+    lookups = failures = 0
+    stop = asyncio.Event()
+
+    async def lookup_load() -> None:
+        nonlocal lookups, failures
+        while not stop.is_set():
+            n = nodes[lookups % len(nodes)]
+            try:
+                await index.lookup(chain(n, 64), nodes)
+            except Exception:  # would be a request failure in the gateway
+                failures += 1
+            lookups += 1
+            await asyncio.sleep(0.002)
+
+    async def write_load() -> None:
+        i = 0
+        while not stop.is_set():
+            n = nodes[i % len(nodes)]
+            depth[n] += 4
+            await index.store([StoreOp(n, chain(n, depth[n]))])
+            i += 1
+            await asyncio.sleep(0.005)
+
+    try:
+        with structlog.testing.capture_logs() as logs:
+            tasks = [asyncio.create_task(lookup_load()), asyncio.create_task(write_load())]
+            await asyncio.sleep(0.5)
+            victim = redis_cluster.master_ports()[0]
+            redis_cluster.kill(victim)
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 20 and not (
+                index.counters.recoveries >= 1
+                and not index.degraded
+                and victim not in redis_cluster.master_ports()
+            ):
+                await asyncio.sleep(0.1)
+            took = time.monotonic() - t0
+            await asyncio.sleep(0.5)  # load goes on after the failover
+            stop.set()
+            await asyncio.gather(*tasks)
+            await asyncio.sleep(1.0)  # the last checks and resyncs
+            assert not index.degraded
+            for n in nodes:  # consistent: Redis holds what every node holds
+                assert await index.primary.node_hashes(n) == set(chain(n, depth[n])), n
+        events = [e["event"] for e in logs]
+        assert failures == 0 and lookups > 100
+        assert events.count("index.degraded") >= 1 and events.count("index.recovered") >= 1, events
+        assert resynced, "the nodes that missed writes were resynced"
+        REPORT.append(
+            Tally(
+                "Redis Cluster master killed (index lookups)",
+                sent=lookups,
+                succeeded=lookups - failures,
+                failed=failures,
+                note=f"replica promoted; degraded {index.counters.degraded_periods}x, recovered after "
+                f"{took:.1f}s; {index.counters.dropped_writes} writes dropped, "
+                f"{sum(len(r) for r in resynced)} node resyncs, index consistent",
+            )
+        )
+    finally:
+        await index.primary.purge()
+        await index.close()
