@@ -6,12 +6,6 @@ import argparse
 from typing import Any
 
 
-def _index(args: argparse.Namespace) -> int:
-    from bench import index_bench
-
-    return int(index_bench.main(list(args.rest)) or 0)
-
-
 def _tiny(args: argparse.Namespace) -> int:
     from bench import tiny_bench
 
@@ -33,9 +27,11 @@ def add_bench_parser(sub: Any) -> None:
     hotpath.add_arguments(hp)
     hp.set_defaults(func=hotpath.run)
 
+    from bench import index_bench
+
     ix = inner.add_parser("index", help="index lookup latency, write throughput, Redis memory per block")
-    ix.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of python -m bench.index_bench")
-    ix.set_defaults(func=_index)
+    index_bench.add_arguments(ix)
+    ix.set_defaults(func=index_bench.run_args)
 
     tb = inner.add_parser("tiny", help="tiny engine: TTFT with and without a prefix hit, KV transfer")
     tb.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of python -m bench.tiny_bench")
