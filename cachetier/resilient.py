@@ -206,7 +206,11 @@ class ResilientIndex:
             self._note_late()  # Redis is far behind: do not pile more calls on it
             return FAILED
         task = asyncio.ensure_future(self._read(self.primary.lookup(hashes, nodes), "lookup"))
-        done, _ = await asyncio.wait((task,), timeout=self.lookup_timeout)
+        try:
+            done, _ = await asyncio.wait((task,), timeout=self.lookup_timeout)
+        except asyncio.CancelledError:  # the request went away: so does its lookup
+            task.cancel()
+            raise
         if done:
             res = task.result()
             if not isinstance(res, _Failed):
