@@ -6,8 +6,8 @@ or a Redis Cluster, told apart by asking the server (``INFO cluster``) on first 
 - single Redis: a lookup is one EVALSHA (one round trip) that binary-searches every node's
   ZSET; a store batch is one MULTI/EXEC holding one script call per node, so no half-written
   batch is ever visible;
-- Cluster: a lookup is one EVALSHA per node in one pipeline, which the cluster client sends as
-  one round trip per shard, to all shards in parallel; a store batch is one script call per
+- Cluster: a lookup is one EVALSHA per shard (its nodes' ZSETs, the prompt's hashes once), to
+  all shards in parallel: one round trip; a store batch is one script call per
   node (a node's keys share a hash tag, so each node's part is atomic; a batch spanning nodes
   is not). ``MOVED``/``ASK``/failover are the cluster client's; ``NOSCRIPT`` is reloaded here.
 
@@ -26,16 +26,17 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, SlotNotCoveredError
 
 from cachetier.index import DEFAULT_CAPACITY_BLOCKS, IndexStats, NodeOccupancy, StoreOp
 from cachetier.redis_schema import (
     DEFAULT_PREFIX,
     EPOCH_LUA,
     LOOKUP_LUA,
+    LOOKUP_SHARD_LUA,
     SET_CAPACITY_LUA,
     STORE_LUA,
     KeySchema,
@@ -172,12 +173,34 @@ class RedisIndex:
         blob = pack_hashes(hashes)
         client = await self.connected()
         if isinstance(client, RedisCluster):
-            calls: list[_Call] = [("lookup", [self.keys.blocks(n)], [blob]) for n in names]
-            runs = await self._pipeline_scripts(client, calls)
-            return {n: int(r[0]) for n, r in zip(names, runs, strict=True)}
+            return await self._lookup_by_shard(client, names, blob)
         keys = [self.keys.blocks(n) for n in names]
         runs = await self._eval(client, "lookup", keys, [blob])
         return {n: int(r) for n, r in zip(names, runs, strict=True)}
+
+    async def _lookup_by_shard(self, client: RedisCluster, names: list[str], blob: bytes) -> dict[str, int]:
+        """One script call per shard, all shards at once: one round trip, the prompt's hashes
+        sent once per shard."""
+        shards: dict[str, tuple[ClusterNode, list[str]]] = {}
+        for n in names:
+            primary = client.get_node_from_key(self.keys.blocks(n))
+            if primary is None:
+                raise SlotNotCoveredError(f"no primary serves node {n!r}")
+            shards.setdefault(primary.name, (primary, []))[1].append(n)
+        runs: dict[str, int] = {}
+
+        async def on_shard(primary: ClusterNode, nodes: list[str]) -> None:
+            keys = [self.keys.blocks(n) for n in nodes]
+            text, sha = self._scripts["lookup_shard"]
+            try:
+                res = await client.execute_command("EVALSHA", sha, 0, blob, *keys, target_nodes=primary)
+            except NoScriptError:
+                await client.script_load(text)
+                res = await client.execute_command("EVALSHA", sha, 0, blob, *keys, target_nodes=primary)
+            runs.update((n, int(r)) for n, r in zip(nodes, res, strict=True))
+
+        await asyncio.gather(*(on_shard(primary, nodes) for primary, nodes in shards.values()))
+        return {n: runs[n] for n in names}
 
     async def known_nodes(self) -> list[str]:
         """Nodes written within the TTL; cached for ``nodes_refresh`` s (own writes at once)."""
@@ -425,4 +448,10 @@ def _sha1(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()
 
 
-_SCRIPTS = {"lookup": LOOKUP_LUA, "store": STORE_LUA, "set_capacity": SET_CAPACITY_LUA, "epoch": EPOCH_LUA}
+_SCRIPTS = {
+    "lookup": LOOKUP_LUA,
+    "lookup_shard": LOOKUP_SHARD_LUA,
+    "store": STORE_LUA,
+    "set_capacity": SET_CAPACITY_LUA,
+    "epoch": EPOCH_LUA,
+}

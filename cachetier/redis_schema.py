@@ -70,13 +70,12 @@ class KeySchema:
 
 
 # Leading run per node by binary search over the prompt's blob (prefix-closed sets).
-# KEYS: the nodes' block ZSETs. ARGV[1]: packed hashes. Returns one integer per key.
-LOOKUP_LUA = """
-local blob = ARGV[1]
+# ``blob``: packed hashes; ``zsets``: the nodes' block ZSETs. Returns one integer per ZSET.
+_LOOKUP_BODY = """
 local n = #blob / 8
 local out = {}
-for k = 1, #KEYS do
-  local z = KEYS[k]
+for k = 1, #zsets do
+  local z = zsets[k]
   local run = 0
   if n > 0 and redis.call('ZSCORE', z, string.sub(blob, 1, 8)) then
     local lo, hi = 1, n
@@ -94,6 +93,17 @@ for k = 1, #KEYS do
 end
 return out
 """
+
+# Single Redis: KEYS the nodes' block ZSETs, ARGV[1] packed hashes.
+LOOKUP_LUA = "local blob = ARGV[1]\nlocal zsets = KEYS\n" + _LOOKUP_BODY
+
+# Cluster, one call per shard: ARGV[1] packed hashes, ARGV[2..] the block ZSETs of the nodes
+# whose slots this shard serves (several slots: they cannot be declared as KEYS, and a key of
+# another shard fails the call, which the caller treats like any failed lookup).
+LOOKUP_SHARD_LUA = (
+    "#!lua flags=no-writes,allow-cross-slot-keys\nlocal blob = ARGV[1]\nlocal zsets = {unpack(ARGV, 2)}\n"
+    + _LOOKUP_BODY
+)
 
 # Store chains on one node, in order; mirrors ``NodeBlocks.store`` exactly.
 # A chain from the root takes scores from the rising tick ``t`` (touched in reverse, root last);
