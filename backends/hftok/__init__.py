@@ -30,12 +30,17 @@ class ShippedTokenizer:
     texts: tuple[str, ...]  # text of each id decoded alone ("" for special ids)
 
     def clean_ids(self) -> list[int]:
-        """Ids whose text stands alone (no partial UTF-8, not special, not empty), in id order."""
-        return [i for i, t in enumerate(self.texts) if t and "\ufffd" not in t and i not in self.special_ids]
+        """Ids whose text stands alone and shows (not empty, no partial UTF-8, no control
+        characters but newline and tab, not special), in id order."""
+        return [i for i, t in enumerate(self.texts) if i not in self.special_ids and _shows(t)]
 
     def id_of(self, text: str) -> int | None:
         """The id whose whole text is ``text`` (None when no single token is)."""
         return _text_index(self).get(text)
+
+
+def _shows(text: str) -> bool:
+    return bool(text) and "\ufffd" not in text and all(c.isprintable() or c in "\n\t" for c in text)
 
 
 @lru_cache(maxsize=4)
