@@ -22,21 +22,23 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import grpc
 import structlog
+import xxhash
 from google.protobuf import struct_pb2, timestamp_pb2
 from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2, sglang_scheduler_pb2_grpc
 
 from backends.bootstrap import DEFAULT_BOOTSTRAP_TIMEOUT_S, BootstrapServer, handshake
 from backends.engine import Sampling
 from backends.errors import FailedPrecondition, InvalidArgument, NodeError
+from backends.events import EventKind
 from backends.generation import Chunk
 from backends.hftok import ShippedTokenizer, bundle
-from backends.node import Node, PrefillCall
+from backends.node import Node, PrefillCall, PrefillResult
 from backends.smg_convert import (
     TokenMap,
     chunked,
@@ -100,6 +102,15 @@ async def _abortable(it: AsyncIterator[T], abort: asyncio.Event) -> AsyncIterato
         aclose = getattr(it, "aclose", None)
         if aclose is not None:
             await aclose()
+
+
+def _choice(sampling: Sampling, tokens: bytes, index: int) -> Sampling:
+    """Choice ``index`` of n: its own sampling stream (index 0 is the request as sent), so the
+    choices differ when sampling is random, as an engine's parallel samples do."""
+    if index == 0 or sampling.temperature <= 0:
+        return sampling
+    base = sampling.seed if sampling.seed is not None else xxhash.xxh3_64_intdigest(tokens)
+    return replace(sampling, seed=(base + index) & ((1 << 64) - 1))
 
 
 class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):  # type: ignore[misc]
@@ -182,9 +193,7 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
                 if n != 1:
                     raise InvalidArgument("n must be 1 for a disaggregated request (one pair per choice)")
                 if self.node.config.role == "prefill":
-                    async for msg in self._prefill_leg(
-                        rid, tokens, hashes, sampling, dp, request.stream, abort
-                    ):
+                    async for msg in self._prefill_leg(rid, tokens, hashes, sampling, dp, abort):
                         yield msg
                 else:
                     leg = self._decode_leg(rid, sampling, dp, stop_ids, len(ids))
@@ -192,7 +201,7 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
                         yield msg
                 return
             for index in range(n):
-                chunks = self._local(tokens, hashes, sampling, stop_ids, len(ids), index)
+                chunks = self._local(tokens, hashes, _choice(sampling, tokens, index), stop_ids, len(ids))
                 async for msg in self._respond(rid, index, chunks, request.stream, abort):
                     yield msg
         except NodeError as e:
@@ -212,7 +221,6 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
         sampling: Sampling,
         stop_ids: frozenset[int],
         prompt: int,
-        index: int,
     ) -> AsyncIterator[_Outcome]:
         async for out in self._translate(self.node.generate(tokens, hashes, sampling), stop_ids, prompt, []):
             yield out
@@ -241,7 +249,6 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
         """Node chunks (engine ids, cumulative usage) -> outcomes holding only the new wire ids;
         the last one carries the finish. ``lead``: engine ids produced before ``chunks`` (the
         prefill's first token, on a decode leg)."""
-        total = 0
         pending = list(lead)
         eos = self.node.engine.eos_token
         try:
@@ -260,7 +267,6 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
                     out.finish_reason = chunk.finish_reason
                     if chunk.finish_reason == "stop":
                         out.matched_token_id = self.tokens.wire(eos)
-                total += len(out.ids)
                 yield out
                 if out.finish_reason:
                     return
@@ -302,37 +308,39 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
         yield pb.GenerateResponse(request_id=rid, complete=complete)
 
     async def _prefill_leg(
-        self,
-        rid: str,
-        tokens: bytes,
-        hashes: list[int],
-        sampling: Sampling,
-        dp: Any,
-        stream: bool,
-        abort: asyncio.Event,
+        self, rid: str, tokens: bytes, hashes: list[int], sampling: Sampling, dp: Any, abort: asyncio.Event
     ) -> AsyncIterator[Any]:
         if self.bootstrap is None:
             raise FailedPrecondition("this prefill node has no bootstrap port (--bootstrap-port)")
-        peer = await self.bootstrap.wait_decode(dp.bootstrap_room, rid)
+        work = asyncio.ensure_future(self._hand_off(rid, tokens, hashes, sampling, dp.bootstrap_room))
+        aborted = asyncio.ensure_future(abort.wait())
         try:
-            call = PrefillCall(
-                request_id=rid,
-                tokens=tokens,
-                block_hashes=hashes,
-                sampling=sampling,
-                decode_address=peer.kv_address,
-            )
-            prefill = asyncio.ensure_future(self.node.prefill(call))
-            aborted = asyncio.ensure_future(abort.wait())
-            try:
-                await asyncio.wait({prefill, aborted}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                aborted.cancel()
-            if not prefill.done():
-                prefill.cancel()
-                await asyncio.gather(prefill, return_exceptions=True)
-                raise Aborted
-            r = prefill.result()
+            await asyncio.wait({work, aborted}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            aborted.cancel()
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+        if work.cancelled():
+            raise Aborted
+        r = work.result()
+        counters = {
+            "prompt_tokens": r.prompt_tokens,
+            "completion_tokens": 0,
+            "cached_tokens": r.cached_tokens,
+        }
+        complete = pb.GenerateComplete(finish_reason="length", **counters)
+        yield pb.GenerateResponse(request_id=rid, complete=complete)
+
+    async def _hand_off(
+        self, rid: str, tokens: bytes, hashes: list[int], sampling: Sampling, room: int
+    ) -> PrefillResult:
+        """Wait for the decode leg of ``room``, prefill, push the pages to it, tell it the handle."""
+        assert self.bootstrap is not None
+        peer = await self.bootstrap.wait_decode(room, rid)
+        call = PrefillCall(rid, tokens, hashes, sampling, decode_address=peer.kv_address)
+        try:
+            r = await self.node.prefill(call)
         except NodeError as e:
             peer.reply({"error": e.message, "code": e.code.name})
             raise
@@ -352,13 +360,7 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
             }
         )
         log.debug("prefill leg handed off", transfer_s=round(r.transfer_seconds, 6), bytes=r.transfer_bytes)
-        counters = {
-            "prompt_tokens": r.prompt_tokens,
-            "completion_tokens": 0,
-            "cached_tokens": r.cached_tokens,
-        }
-        complete = pb.GenerateComplete(finish_reason="length", **counters)
-        yield pb.GenerateResponse(request_id=rid, complete=complete)
+        return r
 
     # -- control -----------------------------------------------------------------------------
 
@@ -527,7 +529,7 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
                 except StopAsyncIteration:
                     return
                 nxt = None
-                if rec.kind == 3:  # SNAPSHOT
+                if rec.kind == EventKind.SNAPSHOT:
                     if first:
                         first = False
                         continue

@@ -429,3 +429,29 @@ def test_block_hash_chain_is_over_packed_u32_ids() -> None:
     packed = pack_ids(LONG)
     assert len(packed) == 4 * len(LONG) and packed[:4] == LONG[0].to_bytes(4, "little")
     assert len(block_hashes(packed, BS, 1)) == len(LONG) // BS
+
+
+async def test_pd_prefill_leg_waiting_for_its_decode_can_be_aborted(nodes: StartNode) -> None:
+    pre = await nodes("prefill", engine=TINY, block_size=BS, bootstrap_port=0, bootstrap_timeout_s=20)
+    assert pre.bootstrap is not None
+    async with grpc.aio.insecure_channel(pre.address) as pch:
+        p = pb_grpc.SglangSchedulerStub(pch)
+        leg = asyncio.ensure_future(
+            collect(p, pd_request(LONG, {"bootstrap_port": pre.bootstrap.port}, 9, False, "w"))
+        )
+        await asyncio.sleep(0.3)
+        assert not leg.done()
+        t0 = time.monotonic()
+        assert (await p.Abort(pb.AbortRequest(request_id="w"), timeout=5)).success
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await asyncio.wait_for(leg, 5)
+        assert e.value.code() == grpc.StatusCode.INTERNAL and time.monotonic() - t0 < 1.0
+
+
+async def test_n_choices_sample_apart(tiny: tuple[NodeServer, pb_grpc.SglangSchedulerStub]) -> None:
+    _, stub = tiny
+    msgs = await collect(stub, request(LONG, max_new=8, n=2, temperature=1.0))
+    outs = {m.complete.index: list(m.complete.output_ids) for m in msgs}
+    assert outs[0] != outs[1]
+    again = await collect(stub, request(LONG, max_new=8, n=2, temperature=1.0))
+    assert {m.complete.index: list(m.complete.output_ids) for m in again} == outs  # deterministic
