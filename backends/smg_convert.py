@@ -8,9 +8,13 @@ it (``TokenMap``). Prompts are any uint32 ids, packed little-endian for the node
 
 from __future__ import annotations
 
+import array
+import struct
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import xxhash
 from smg_grpc_proto.generated import common_pb2
 
 from backends.engine import MAX_TOKENS_LIMIT, Engine, Sampling
@@ -112,10 +116,42 @@ def event_batch_events(
     return []
 
 
-def _unpack(tokens: bytes) -> list[int]:
-    from cachetier.tokenizer import unpack_ids
+_LITTLE = sys.byteorder == "little"
+_LE64 = struct.Struct("<Q")
+HASH_SEED = 0x736D67  # "smg": this protocol's block chain, apart from the gateway's namespaces
 
-    return unpack_ids(tokens)
+
+def pack_ids(ids: Sequence[int]) -> bytes:
+    """Token ids as the node core's packed little-endian u32."""
+    arr = array.array("I", ids)
+    if not _LITTLE:
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def _unpack(tokens: bytes) -> list[int]:
+    arr = array.array("I")
+    arr.frombytes(tokens)
+    if not _LITTLE:
+        arr.byteswap()
+    return arr.tolist()
+
+
+def chain_root(model: str, block_size: int, tokenizer: str) -> int:
+    return xxhash.xxh3_64_intdigest(f"smg\0{model}\0{block_size}\0{tokenizer}".encode(), seed=HASH_SEED)
+
+
+def chain_hashes(tokens: bytes, block_size: int, root: int) -> list[int]:
+    """The pool keys of a prompt's full blocks: ``h_i = xxh3_64(LE64(h_{i-1}) || block)``, so a
+    key names the whole prefix up to its block (never 0: the pool reserves it)."""
+    stride = 4 * block_size
+    out: list[int] = []
+    h = root
+    view = memoryview(tokens)
+    for i in range(len(tokens) // stride):
+        h = xxhash.xxh3_64_intdigest(_LE64.pack(h) + view[i * stride : (i + 1) * stride], seed=HASH_SEED) or 1
+        out.append(h)
+    return out
 
 
 def engine_load(s: NodeSnapshot, block_size: int, max_running: int, sample: int, load_only: bool) -> object:

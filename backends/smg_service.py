@@ -41,15 +41,16 @@ from backends.hftok import ShippedTokenizer, bundle
 from backends.node import Node, PrefillCall, PrefillResult
 from backends.smg_convert import (
     TokenMap,
+    chain_hashes,
+    chain_root,
     chunked,
     engine_load,
     event_batch_events,
     first_stop,
+    pack_ids,
     sampling_from_sglang,
     token_map,
 )
-from cachetier.hashing import Namespace, block_hashes
-from cachetier.tokenizer import pack_ids
 
 log = structlog.get_logger("prefixgate.node")
 
@@ -135,9 +136,7 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
         self.bootstrap_timeout_s = bootstrap_timeout_s
         self.tokens: TokenMap = token_map(node.engine, tokenizer)
         bs = node.block_size
-        self.root = Namespace(
-            model=served_model_name, block_size=bs, tokenizer="smg:" + tokenizer.path.name
-        ).root()
+        self.root = chain_root(served_model_name, bs, tokenizer.path.name)
         self.max_context = max_context_tokens or node.pool.capacity * bs
         # block hash -> its tokens, for KV events (clients rebuild their index from token ids)
         self._tokens_of: OrderedDict[int, bytes] = OrderedDict()
@@ -150,7 +149,7 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
 
     def _hashes(self, tokens: bytes) -> list[int]:
         bs = self.node.block_size
-        hashes = block_hashes(tokens, bs, self.root)
+        hashes = chain_hashes(tokens, bs, self.root)
         stride = 4 * bs
         for i, h in enumerate(hashes):
             if h in self._tokens_of:

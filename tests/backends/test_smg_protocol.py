@@ -30,7 +30,6 @@ from tokenizers import Tokenizer
 from backends.hftok import TOKENIZER_DIR
 from backends.server import NodeServer
 from backends.smg_service import SGLANG_SERVICE
-from cachetier.hashing import block_hashes
 from prefixgate.v1 import node_pb2, node_pb2_grpc
 from tests.backends.conftest import StartNode
 
@@ -423,12 +422,14 @@ async def test_pd_refuses_kv_pages_of_another_model(nodes: StartNode) -> None:
 
 
 def test_block_hash_chain_is_over_packed_u32_ids() -> None:
-    """The node hashes SMG prompts as packed little-endian u32: the core needs no change."""
-    from cachetier.tokenizer import pack_ids
+    """The node hashes SMG prompts as packed little-endian u32 blocks: the core needs no change."""
+    from backends.smg_convert import chain_hashes, pack_ids
 
     packed = pack_ids(LONG)
     assert len(packed) == 4 * len(LONG) and packed[:4] == LONG[0].to_bytes(4, "little")
-    assert len(block_hashes(packed, BS, 1)) == len(LONG) // BS
+    hashes = chain_hashes(packed, BS, 1)
+    assert len(hashes) == len(LONG) // BS and 0 not in hashes
+    assert chain_hashes(packed[: 4 * BS], BS, 1) == hashes[:1]  # a key names its prefix
 
 
 async def test_pd_prefill_leg_waiting_for_its_decode_can_be_aborted(nodes: StartNode) -> None:
