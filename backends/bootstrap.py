@@ -7,13 +7,16 @@ node (``--bootstrap-port``) speaking one JSON line each way:
 
 - decode -> prefill: ``{"room": R, "request_id": ID, "kv_address": "host:port"}`` (where the
   decode node takes KV pages: its gRPC port, ``prefixgate.v1.Node/TransferKV``);
-- prefill -> decode, once the pages are there: ``{"kv_handle": ..., "first_token": ...,
+- prefill -> decode, when the prefill leg takes the room: ``{"status": "prefilling"}``; then,
+  once the pages are there: ``{"kv_handle": ..., "first_token": ...,
   "finished": ..., "finish_reason": ..., "cached_tokens": ..., "transfer_seconds": ...}`` or
   ``{"error": MESSAGE, "code": GRPC_CODE_NAME}``.
 
-Whichever leg arrives first waits for the other, bounded by a timeout; a bare connect and close
-(routers probe the port at registration) is ignored. The pages themselves move over the node's
-existing KV transfer, with its format fingerprint check and measured transfer time.
+Whichever leg arrives first waits for the other, bounded by the bootstrap timeout; once paired,
+the decode leg waits for the handoff (prefill compute and transfer) up to ``HANDOFF_TIMEOUT_S``.
+A bare connect and close (routers probe the port at registration) is ignored. The pages
+themselves move over the node's existing KV transfer, with its format fingerprint check and
+measured transfer time.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ log = structlog.get_logger("prefixgate.bootstrap")
 MAX_LINE = 64 << 10
 MAX_PENDING_ROOMS = 4096
 DEFAULT_BOOTSTRAP_TIMEOUT_S = 30.0
+HANDOFF_TIMEOUT_S = 600.0  # a paired decode leg waits this long for its pages at most
 
 
 @dataclass(slots=True)
@@ -44,6 +48,11 @@ class DecodePeer:
     request_id: str
     kv_address: str
     _reply: asyncio.Future[dict[str, Any]] = field(default_factory=asyncio.Future)
+    _taken: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def take(self) -> None:
+        """The prefill leg has the room: the decode leg now waits for the handoff itself."""
+        self._taken.set()
 
     def reply(self, message: dict[str, Any]) -> None:
         if not self._reply.done():
@@ -111,6 +120,7 @@ class BootstrapServer:
             raise InvalidArgument(
                 f"bootstrap room {room}: decode leg is request {peer.request_id!r}", stage="transfer"
             )
+        peer.take()
         return peer
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -145,19 +155,25 @@ class BootstrapServer:
         peer = DecodePeer(room, rid, address)
         fut.set_result(peer)
         gone = asyncio.ensure_future(reader.read(1))  # the decode leg hanging up aborts its wait
+        taken = asyncio.ensure_future(peer._taken.wait())
         try:
-            waiters: set[asyncio.Future[Any]] = {peer._reply, gone}
-            done, _ = await asyncio.wait(
-                waiters, timeout=self.timeout_s * 2, return_when=asyncio.FIRST_COMPLETED
-            )
+            waiters: set[asyncio.Future[Any]] = {peer._reply, gone, taken}
+            done, _ = await asyncio.wait(waiters, timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            if taken in done and not peer._reply.done() and gone not in done:
+                await _send(writer, {"status": "prefilling"})
+                waiters = {peer._reply, gone}
+                done, _ = await asyncio.wait(
+                    waiters, timeout=HANDOFF_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
+                )
         finally:
             gone.cancel()
+            taken.cancel()
         self._forget(room, fut)
         if peer._reply in done:
             await _send(writer, peer._reply.result())
-        elif not done:
+        elif gone not in done:
             await _send(
-                writer, {"error": f"prefill leg of room {room} never answered", "code": "UNAVAILABLE"}
+                writer, {"error": f"room {room}: no prefill leg answered", "code": "DEADLINE_EXCEEDED"}
             )
 
 
@@ -169,29 +185,43 @@ async def _send(writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
 async def handshake(
     host: str, port: int, room: int, request_id: str, kv_address: str, timeout: float
 ) -> dict[str, Any]:
-    """The decode leg: present ``room`` to the prefill node and wait for its KV handle."""
+    """The decode leg: present ``room`` to the prefill node and wait for its KV handle: up to
+    ``timeout`` for the prefill leg to take the room, then up to ``HANDOFF_TIMEOUT_S``."""
     try:
-        async with asyncio.timeout(timeout):
-            reader, writer = await asyncio.open_connection(host, port, limit=MAX_LINE)
-            try:
-                hello = {"room": room, "request_id": request_id, "kv_address": kv_address}
-                await _send(writer, hello)
-                line = await reader.readline()
-            finally:
-                writer.close()
-                with contextlib.suppress(Exception):
-                    await writer.wait_closed()
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=MAX_LINE), timeout)
     except TimeoutError:
-        raise NodeError(
-            f"bootstrap {host}:{port} room {room}: no KV handoff within {timeout:.1f}s",
-            stage="transfer",
-            code=grpc.StatusCode.DEADLINE_EXCEEDED,
+        raise Unavailable(
+            f"bootstrap {host}:{port}: no connection within {timeout:.1f}s", stage="transfer"
         ) from None
     except OSError as e:
         raise Unavailable(f"bootstrap {host}:{port} unreachable: {e}", stage="transfer") from None
-    if not line:
-        raise Unavailable(f"bootstrap {host}:{port} closed room {room} without an answer", stage="transfer")
-    reply: dict[str, Any] = json.loads(line)
+    try:
+        await _send(writer, {"room": room, "request_id": request_id, "kv_address": kv_address})
+        limit = timeout
+        while True:
+            try:
+                line = await asyncio.wait_for(reader.readline(), limit)
+            except TimeoutError:
+                raise NodeError(
+                    f"bootstrap {host}:{port} room {room}: no KV handoff within {limit:.1f}s",
+                    stage="transfer",
+                    code=grpc.StatusCode.DEADLINE_EXCEEDED,
+                ) from None
+            if not line:
+                raise Unavailable(
+                    f"bootstrap {host}:{port} closed room {room} without an answer", stage="transfer"
+                )
+            reply: dict[str, Any] = json.loads(line)
+            if reply.get("status") == "prefilling":
+                limit = HANDOFF_TIMEOUT_S
+                continue
+            break
+    except (ConnectionError, ValueError) as e:
+        raise Unavailable(f"bootstrap {host}:{port} room {room}: {e}", stage="transfer") from None
+    finally:
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
     if "error" in reply:
         code = getattr(grpc.StatusCode, str(reply.get("code", "")), grpc.StatusCode.UNAVAILABLE)
         raise NodeError(f"prefill leg failed: {reply['error']}", stage="transfer", code=code)

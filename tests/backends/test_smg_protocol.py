@@ -456,3 +456,29 @@ async def test_n_choices_sample_apart(tiny: tuple[NodeServer, pb_grpc.SglangSche
     assert outs[0] != outs[1]
     again = await collect(stub, request(LONG, max_new=8, n=2, temperature=1.0))
     assert {m.complete.index: list(m.complete.output_ids) for m in again} == outs  # deterministic
+
+
+async def test_pd_decode_waits_out_a_prefill_longer_than_the_bootstrap_timeout(nodes: StartNode) -> None:
+    """The bootstrap timeout bounds finding the peer; a paired decode leg waits for the pages."""
+    from backends.server import make_engine
+
+    scale = 1.5 / make_engine("sim", "prefill").prefill_seconds(len(LONG), 0)  # a 1.5 s prefill
+    pre = await nodes(
+        "prefill", engine="sim", block_size=BS, time_scale=scale, bootstrap_port=0, bootstrap_timeout_s=0.5
+    )
+    dec = await nodes("decode", engine="sim", block_size=BS, bootstrap_timeout_s=0.5)
+    assert pre.bootstrap is not None
+    info = {"bootstrap_port": pre.bootstrap.port}
+    async with (
+        grpc.aio.insecure_channel(pre.address) as pch,
+        grpc.aio.insecure_channel(dec.address) as dch,
+    ):
+        p, d = pb_grpc.SglangSchedulerStub(pch), pb_grpc.SglangSchedulerStub(dch)
+        t0 = time.monotonic()
+        pre_leg, dec_leg = await asyncio.gather(
+            collect(p, pd_request(LONG, info, 11, False, "slow")),
+            collect(d, pd_request(LONG, info, 11, False, "slow")),
+        )
+        assert time.monotonic() - t0 >= 1.4
+    assert pre_leg[-1].complete.finish_reason == "length"
+    assert dec_leg[-1].complete.completion_tokens > 0
