@@ -151,6 +151,15 @@ def nodes() -> Iterator[dict[str, dict[str, object]]]:
             p.stop(timeout=10)
 
 
+def _p50_ms(fn: object, n: int = 20) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()  # type: ignore[operator]
+        times.append(time.perf_counter() - t0)
+    return 1000 * sorted(times)[n // 2]
+
+
 def _direct(address: str, content: str, max_new: int) -> str:
     """Greedy text of our node for the chat, rendered with the shipped template (what smg does)."""
     rendered = f"<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"
@@ -196,6 +205,17 @@ def test_smg_single_pool_in_front_of_our_nodes(smg_exe: str, nodes: dict[str, di
     proc, base = _smg(smg_exe, "--worker-urls", f"grpc://{address}", "--policy", "cache_aware")
     try:
         _check_openai(base, expected)
+        # one small measurement, printed (-s): a cached 12-token chat, direct vs through smg
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": LONG}],
+            "max_tokens": 12,
+            "temperature": 0,
+        }
+        with httpx.Client(timeout=30) as http:
+            via = _p50_ms(lambda: http.post(f"{base}/v1/chat/completions", json=body).raise_for_status())
+        direct = _p50_ms(lambda: _direct(address, LONG, 12))
+        print(f"p50 of 20 (cached prompt, 12 tokens): direct gRPC {direct:.1f} ms, through smg {via:.1f} ms")
     finally:
         proc.stop(timeout=15)
 
