@@ -129,6 +129,24 @@ def pack_ids(ids: Sequence[int]) -> bytes:
     return arr.tobytes()
 
 
+def held_blocks_events(
+    pairs: Sequence[tuple[int, int]], tokens_of: dict[int, bytes], block_size: int
+) -> list[common_pb2.KvCacheEvent]:
+    """What the pool holds now (``(hash, parent)`` pairs, parents first) as stored events, one
+    block each, for a subscriber that starts with nothing; blocks of other namespaces left out."""
+    out = []
+    for h, parent in pairs:
+        tokens = tokens_of.get(h)
+        if tokens is None:
+            continue
+        block = common_pb2.KvBlock(block_hash=signed64(h), token_ids=_unpack(tokens), block_size=block_size)
+        stored = common_pb2.KvBlocksStored(blocks=[block])
+        if parent and parent in tokens_of:
+            stored.parent_block_hash = signed64(parent)
+        out.append(common_pb2.KvCacheEvent(event_id=0, stored=stored))
+    return out
+
+
 def _unpack(tokens: bytes) -> list[int]:
     arr = array.array("I")
     arr.frombytes(tokens)

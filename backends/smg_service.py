@@ -47,6 +47,7 @@ from backends.smg_convert import (
     engine_load,
     event_batch_events,
     first_stop,
+    held_blocks_events,
     pack_ids,
     sampling_from_sglang,
     token_map,
@@ -496,9 +497,10 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
         return engine_load(s, self.node.block_size, max_running, self._load_sample, load_only)
 
     async def SubscribeKvEvents(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        """Pool changes from now on, one batch each, numbered 0, 1, ... on this stream; a load
-        record on every batch and a ``load_only`` heartbeat each second of silence. A
-        subscriber that falls behind the node's event buffer gets DATA_LOSS (clear, resubscribe)."""
+        """What the pool holds (one batch, when it holds anything), then its changes, one batch
+        each, numbered 0, 1, ... on this stream; a load record on every batch and a
+        ``load_only`` heartbeat each second of silence. A subscriber that falls behind the
+        node's event buffer gets DATA_LOSS (clear, resubscribe)."""
         await context.send_initial_metadata(())  # at once: clients take a silent stream for dead
         if request.start_sequence_number != 0:
             await context.abort(
@@ -509,8 +511,14 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
         if request.load_records_before_first_batch:
             yield common_pb2.KvEventBatch(sequence_number=0, timestamp=time.time(), load=self._load(True))
         events = self.node.events
-        follow = events.follow(events.seq)
+        held = held_blocks_events(self.node.pool.snapshot(), self._tokens_of, self.node.block_size)
+        follow = events.follow(events.seq)  # no await since the snapshot: nothing falls between
         first = events.seq == 0  # follow(0) starts with a snapshot of the (empty) pool
+        if held:
+            seq += 1
+            yield common_pb2.KvEventBatch(
+                sequence_number=seq, timestamp=time.time(), events=held, load=self._load(False)
+            )
         nxt: asyncio.Future[Any] | None = None
         try:
             while True:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import json
 import secrets
 import sys
@@ -482,3 +483,24 @@ async def test_pd_decode_waits_out_a_prefill_longer_than_the_bootstrap_timeout(n
         assert time.monotonic() - t0 >= 1.4
     assert pre_leg[-1].complete.finish_reason == "length"
     assert dec_leg[-1].complete.completion_tokens > 0
+
+
+async def test_a_late_subscriber_first_gets_what_the_pool_holds(
+    tiny: tuple[NodeServer, pb_grpc.SglangSchedulerStub],
+) -> None:
+    _, stub = tiny
+    await collect(stub, request(LONG, max_new=2))
+    call = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())
+    held = await asyncio.wait_for(call.read(), 2)
+    assert held.sequence_number == 0 and held.events
+    blocks = [ev.stored for ev in held.events]
+    assert [t for st in blocks for b in st.blocks for t in b.token_ids] == LONG[: len(blocks) * BS]
+    assert len(blocks) == len(LONG) // BS and not blocks[0].HasField("parent_block_hash")
+    assert all(st.parent_block_hash == prev.blocks[0].block_hash for prev, st in itertools.pairwise(blocks))
+    await collect(stub, request([*LONG, *LONG[:BS]], max_new=2))
+    while True:  # then the changes, numbered on
+        b = await asyncio.wait_for(call.read(), 5)
+        if b.events:
+            break
+    assert b.sequence_number == 1 and b.events[0].stored.parent_block_hash == blocks[-1].blocks[0].block_hash
+    call.cancel()
