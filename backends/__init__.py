@@ -1,4 +1,5 @@
-"""Inference nodes: the gRPC ``prefixgate.v1.Node`` server and its engines.
+"""Inference nodes: the gRPC server (``prefixgate.v1.Node`` and the SMG engine protocol's
+``sglang.grpc.scheduler.SglangScheduler``) and its engines.
 
 - ``backends.server.start_node(role, host, port=0, ...) -> NodeServer`` starts a node in the
   running loop (``.port``, ``.address``, ``.node``, ``await .stop()``); ``serve(...)`` runs one
@@ -6,5 +7,9 @@
 - ``backends.node.Node``: what every rpc does, minus the wire (pool, queues, KV handles, events).
 - ``backends.pool.BlockPool``: the paged KV block pool (pure). ``backends.events.EventLog``:
   numbered pool changes. ``backends.profiles``: calibrated cost profiles.
-- ``backends.engine.Engine``: the compute contract; ``backends.sim.engine.SimEngine`` implements it.
+- ``backends.engine.Engine``: the compute contract; ``backends.sim.engine.SimEngine`` and
+  ``backends.tiny.engine.TinyEngine`` implement it.
+- ``backends.smg_service``: the SMG engine protocol over ``Node`` (``backends.smg_convert``: its
+  pure conversions; ``backends.bootstrap``: PD pairing by bootstrap room). ``backends.hftok``:
+  the Hugging Face tokenizer every node ships.
 """

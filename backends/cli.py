@@ -60,6 +60,23 @@ def add_node_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrency", type=int, default=1, help="prefills at once (default 1)")
     parser.add_argument("--max-decode-streams", type=int, default=256, help="decode streams at once")
     parser.add_argument("--handle-ttl", type=float, default=60.0, help="seconds a received KV handle waits")
+    parser.add_argument(
+        "--bootstrap-port",
+        type=int,
+        default=None,
+        help="PD bootstrap port of a prefill node on the SMG engine protocol (0: a free one; default none)",
+    )
+    parser.add_argument(
+        "--bootstrap-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a PD leg waits for its peer (default 30)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model name on the SMG engine protocol (default prefixgate-ENGINE)",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument(
         "--http-port",
@@ -109,6 +126,9 @@ def node_options(args: argparse.Namespace) -> dict[str, Any]:
         "max_concurrency": args.max_concurrency,
         "max_decode_streams": args.max_decode_streams,
         "handle_ttl_s": args.handle_ttl,
+        "bootstrap_port": getattr(args, "bootstrap_port", None),
+        "bootstrap_timeout_s": getattr(args, "bootstrap_timeout", 30.0),
+        "served_model_name": getattr(args, "served_model_name", None),
     }
 
 
@@ -129,7 +149,7 @@ def run_node(args: argparse.Namespace) -> int:
     def ready(ns: NodeServer) -> None:
         if args.port != 0 and not args.ready_line:
             return
-        line = {
+        line: dict[str, Any] = {
             "event": "node_ready",
             "node_id": ns.node.node_id,
             "address": ns.address,
@@ -138,6 +158,8 @@ def run_node(args: argparse.Namespace) -> int:
         }
         if ns.http is not None:
             line["http_address"] = ns.http.address
+        if ns.bootstrap is not None:
+            line["bootstrap_port"] = ns.bootstrap.port
         print(json.dumps(line), flush=True)
 
     try:

@@ -1,4 +1,7 @@
-"""The node's gRPC server: ``prefixgate.v1.Node`` + standard health + reflection, on grpc.aio.
+"""The node's gRPC server, on grpc.aio: ``prefixgate.v1.Node`` (the gateway's native protocol),
+``sglang.grpc.scheduler.SglangScheduler`` (the SMG engine protocol, ``backends.smg_service``),
+standard health and reflection, all on one port; a prefill node with a bootstrap port also
+listens there for PD handoffs (``backends.bootstrap``).
 
 Status codes (trailing metadata ``x-prefixgate-stage`` says where it failed):
 
@@ -36,6 +39,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from backends.bootstrap import DEFAULT_BOOTSTRAP_TIMEOUT_S, BootstrapServer
 from backends.convert import (
     chunk_to_proto,
     event_to_proto,
@@ -248,27 +252,59 @@ def _host_port(host: str, port: int) -> str:
 
 
 class NodeServer:
-    """A node and its gRPC server. ``start`` binds (port 0 = a free one) and returns the port."""
+    """A node and its gRPC server. ``start`` binds (port 0 = a free one) and returns the port.
 
-    def __init__(self, node: Node, host: str = "127.0.0.1", port: int = 0) -> None:
+    ``bootstrap_port`` (0: a free one; None: none) opens the PD bootstrap listener of a prefill
+    node; ``served_model_name`` names the model on the SMG engine protocol."""
+
+    def __init__(
+        self,
+        node: Node,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        bootstrap_port: int | None = None,
+        bootstrap_timeout_s: float = DEFAULT_BOOTSTRAP_TIMEOUT_S,
+        served_model_name: str | None = None,
+    ) -> None:
         self.node = node
         self.host = host
         self.port = port
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
         self.http: NodeHTTP | None = None  # the OpenAI-compatible HTTP endpoint, when served
+        self.bootstrap = (
+            BootstrapServer(host, bootstrap_port, bootstrap_timeout_s) if bootstrap_port is not None else None
+        )
+        self.bootstrap_timeout_s = bootstrap_timeout_s
+        self.served_model_name = served_model_name or f"prefixgate-{node.engine.name}"
 
     @property
     def address(self) -> str:
         return _host_port(self.host, self.port)
 
     async def start(self) -> int:
+        from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc
+
+        from backends.hftok import load as load_tokenizer
+        from backends.smg_service import SGLANG_SERVICE, SglangSchedulerService
+
         server = grpc.aio.server(options=SERVER_OPTIONS)
         node_pb2_grpc.add_NodeServicer_to_server(NodeService(self.node), server)
+        smg = SglangSchedulerService(
+            self.node,
+            load_tokenizer(),
+            served_model_name=self.served_model_name,
+            kv_address=lambda: self.address,
+            bootstrap=self.bootstrap,
+            bootstrap_timeout_s=self.bootstrap_timeout_s,
+        )
+        sglang_scheduler_pb2_grpc.add_SglangSchedulerServicer_to_server(smg, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (
                 NODE_SERVICE,
+                SGLANG_SERVICE,
                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                 reflection.SERVICE_NAME,
             ),
@@ -280,10 +316,12 @@ class NodeServer:
         self.port = bound
         if not self.node.node_id:
             self.node.node_id = self.address
+        if self.bootstrap is not None:
+            await self.bootstrap.start()
         await self.node.start()
         await server.start()
         self.server = server
-        for service in ("", NODE_SERVICE):
+        for service in ("", NODE_SERVICE, SGLANG_SERVICE):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info(
             "node started",
@@ -294,6 +332,7 @@ class NodeServer:
             profile=self.node.engine.profile.name,
             time_scale=self.node.engine.time_scale,
             instance_id=self.node.events.instance_id,
+            bootstrap_port=self.bootstrap.port if self.bootstrap is not None else None,
         )
         return bound
 
@@ -305,6 +344,8 @@ class NodeServer:
             http, self.http = self.http, None
             await http.stop()
         await self.health.enter_graceful_shutdown()
+        if self.bootstrap is not None:
+            await self.bootstrap.stop()
         self.node.events.close()  # end KVEvents streams so the grace period is not spent on them
         await server.stop(grace)
         await self.node.close()
@@ -331,6 +372,9 @@ async def start_node(
     max_concurrency: int = 1,
     max_decode_streams: int = 256,
     handle_ttl_s: float = 60.0,
+    bootstrap_port: int | None = None,
+    bootstrap_timeout_s: float = DEFAULT_BOOTSTRAP_TIMEOUT_S,
+    served_model_name: str | None = None,
 ) -> NodeServer:
     """Start a node in the running event loop; ``await server.stop()`` to stop it."""
     eng = make_engine(
@@ -345,7 +389,14 @@ async def start_node(
         max_decode_streams=max_decode_streams,
         handle_ttl_s=handle_ttl_s,
     )
-    ns = NodeServer(Node(eng, config, GrpcKVSender()), host, port)
+    ns = NodeServer(
+        Node(eng, config, GrpcKVSender()),
+        host,
+        port,
+        bootstrap_port=bootstrap_port,
+        bootstrap_timeout_s=bootstrap_timeout_s,
+        served_model_name=served_model_name,
+    )
     await ns.start()
     return ns
 

@@ -65,7 +65,7 @@ class Bytes4Tokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face ``tokenizer.json`` loaded from a local file (needs ``prefixgate[hf]``)."""
+    """A Hugging Face ``tokenizer.json`` loaded from a local file (``tokenizers`` is a core dependency)."""
 
     def __init__(self, path: str) -> None:
         from tokenizers import Tokenizer as _HF

@@ -1,12 +1,13 @@
-"""Token ids in and out of the tiny model. Pure.
+"""Token ids in and out of the tiny model. Pure (the vocabulary is read once, at import).
 
-In: any uint32 id (the gateway's ``bytes4`` tokenizer makes one of every four UTF-8 bytes) is
-hashed onto one of ``vocab`` embedding rows (Fibonacci hashing), so every prompt is valid input.
+In: any uint32 id (the shipped tokenizer's ids, or the ``bytes4`` tokenizer's of the native
+protocol) is hashed onto one of ``vocab`` embedding rows (Fibonacci hashing), so every prompt is
+valid input.
 
-Out: the model's head scores ``1 + 256`` classes: class 0 is the end token (id 0, never shown),
-class ``1 + i`` is the simulated engine's word ``i`` (a space and three letters: four UTF-8
-bytes, so its id is exactly what ``bytes4`` makes of its text, and output fed back as a prompt
-tokenizes to the same ids).
+Out: the model's vocabulary is the shipped Hugging Face tokenizer's (``backends.hftok``): the
+head scores class 0 = the end token (``<|im_end|>``, never shown) and one class per id whose text
+stands alone (no partial UTF-8, not special), so output text is the tokenizer's decode of the
+output ids and any client holding that tokenizer reads the same text.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ import numpy as np
 import xxhash
 from numpy.typing import NDArray
 
-from backends.sim import textgen
+from backends.hftok import load
 
-EOS_TOKEN = 0
-OUTPUT_IDS: NDArray[np.uint32] = np.array((EOS_TOKEN, *textgen.TOKEN_IDS), dtype=np.uint32)
+_TOKENIZER = load()
+EOS_TOKEN = _TOKENIZER.eos_token_id
+OUTPUT_IDS: NDArray[np.uint32] = np.array((EOS_TOKEN, *_TOKENIZER.clean_ids()), dtype=np.uint32)
 OUTPUT_CLASSES = len(OUTPUT_IDS)
-_TEXT: dict[int, str] = {EOS_TOKEN: "", **textgen.TEXT_OF}
-VOCAB_DIGEST = xxhash.xxh3_64_hexdigest(OUTPUT_IDS.tobytes())
+_TEXT: tuple[str, ...] = _TOKENIZER.texts
+VOCAB_DIGEST = xxhash.xxh3_64_hexdigest(OUTPUT_IDS.tobytes() + "\0".join(_TEXT).encode())
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _SHIFT = np.uint64(32)
@@ -43,4 +45,4 @@ def token_of_class(cls: int) -> int:
 
 
 def token_text(token: int) -> str:
-    return _TEXT.get(token, "")
+    return _TEXT[token] if 0 <= token < len(_TEXT) and token != EOS_TOKEN else ""

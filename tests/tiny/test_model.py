@@ -15,7 +15,6 @@ from backends.tiny.kvcache import KVCache
 from backends.tiny.model import TinyModel, load_model
 from backends.tiny.runs import chunk_bounds
 from backends.tiny.vocab import OUTPUT_CLASSES, OUTPUT_IDS, embedding_rows, token_ids, token_text
-from cachetier.tokenizer import Bytes4Tokenizer
 from tests.tiny.support import BS, SMALL, make_prompt
 
 CFG = PRESETS["small"]
@@ -57,13 +56,18 @@ def test_kv_format_and_fingerprint() -> None:
     assert e.prefill_seconds(1024, 0) > 0  # the calibrated cpu profile
 
 
-def test_output_ids_are_bytes4_text() -> None:
-    """Output token ids are what the gateway's tokenizer makes of their text."""
-    tok = Bytes4Tokenizer()
-    assert OUTPUT_CLASSES == 257 and OUTPUT_IDS[0] == 0 and token_text(0) == ""
-    for t in OUTPUT_IDS[1:]:
-        text = token_text(int(t))
-        assert len(text) == 4 and token_ids(tok.encode(text)).tolist() == [int(t)]
+def test_output_vocabulary_is_the_shipped_tokenizer() -> None:
+    """Output ids are the shipped tokenizer's, and their texts are its decode of them."""
+    from tokenizers import Tokenizer
+
+    from backends.hftok import TOKENIZER_DIR, load
+
+    hf = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
+    tok = load()
+    assert OUTPUT_IDS[0] == tok.eos_token_id and token_text(int(OUTPUT_IDS[0])) == ""
+    assert OUTPUT_CLASSES == 1 + len(tok.clean_ids()) and len(set(OUTPUT_IDS.tolist())) == OUTPUT_CLASSES
+    ids = [int(t) for t in OUTPUT_IDS[1:]]
+    assert "".join(token_text(t) for t in ids[::7]) == hf.decode(ids[::7])
     rows = embedding_rows(np.array([0, 1, 2, 0xFFFFFFFF], dtype=np.uint32), 512)
     assert rows.min() >= 0 and rows.max() < 512 and len(set(rows.tolist())) == 4
 

@@ -1,0 +1,234 @@
+"""Interop with a client nobody here wrote: ``smg`` 1.13.0 (the SGLang model gateway) in front of
+our tiny-engine nodes over the SMG gRPC engine protocol, single pool and PD, answering the
+``openai`` client streamed and not, with the text our nodes produce for the same tokens.
+
+``smg`` is never a project dependency. It is found as ``$PREFIXGATE_SMG`` (path of the ``smg``
+executable), on ``PATH``, or in ``$XDG_CACHE_HOME/prefixgate/smg-1.13.0`` (default
+``~/.cache``), where this test installs it with pip (about 25 s) when it is missing; the test
+skips, saying why, when none of that works.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from openai import OpenAI
+from openai.types.chat import ChatCompletionMessageParam
+from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
+from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+from tokenizers import Tokenizer
+
+from backends.hftok import TOKENIZER_DIR
+from tests.helpers import REPO, Proc, free_port
+
+SMG_VERSION = "1.13.0"
+TINY = "tiny:preset=small"
+BS = 16
+MODEL = "prefixgate-tiny"
+HF = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
+LONG = "Tell me about prefix caches, KV pages and the tokens they hold, in some detail. " * 3
+
+
+def _smg_executable() -> str:
+    explicit = os.environ.get("PREFIXGATE_SMG")
+    if explicit:
+        return explicit
+    found = shutil.which("smg")
+    if found:
+        return found
+    cache = (
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "prefixgate" / f"smg-{SMG_VERSION}"
+    )
+    exe = cache / "bin" / "smg"
+    if exe.exists():
+        return str(exe)
+    try:
+        subprocess.run(
+            [sys.executable, "-m", "venv", str(cache)], check=True, capture_output=True, timeout=120
+        )
+        subprocess.run(
+            [
+                str(cache / "bin" / "pip"),
+                "install",
+                "-q",
+                "--disable-pip-version-check",
+                f"smg=={SMG_VERSION}",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
+    except (subprocess.SubprocessError, OSError) as e:
+        shutil.rmtree(cache, ignore_errors=True)
+        detail = getattr(e, "stderr", b"") or b""
+        pytest.skip(f"smg {SMG_VERSION} is not installed and pip could not install it: {e} {detail[-300:]!r}")
+    return str(exe)
+
+
+def _start(argv: list[str], env: dict[str, str] | None = None) -> Proc:
+    proc = subprocess.Popen(
+        argv,
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    p = Proc(proc)
+    p.start_reader()
+    return p
+
+
+def _node(*args: str) -> tuple[Proc, dict[str, object]]:
+    cmd = [sys.executable, "-m", "backends", "--port", "0", "--engine", TINY, "--block-size", str(BS)]
+    p = _start([*cmd, "--log-level", "warning", *args])
+    m = p.wait_for(r'^(\{"event": "node_ready".*\})$', timeout=60)
+    return p, json.loads(m.group(1))
+
+
+def _wait_routed(base: str, proc: Proc, timeout: float = 90.0) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.proc.poll() is not None:
+            break
+        try:
+            if httpx.post(f"{base}/v1/chat/completions", json=body, timeout=10).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    tail = "\n".join(list(proc.lines)[-30:])
+    raise TimeoutError(f"smg at {base} never routed a request (exit={proc.proc.poll()}):\n{tail}")
+
+
+def _smg(exe: str, *workers: str) -> tuple[Proc, str]:
+    port, prom = free_port(), free_port()
+    argv = [exe, "launch", "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1"]
+    argv += ["--prometheus-port", str(prom), "--log-level", "warn", "--shutdown-grace-period-secs", "1"]
+    p = _start([*argv, *workers])
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_routed(base, p)
+    except BaseException:
+        p.stop(timeout=10)
+        raise
+    return p, base
+
+
+@pytest.fixture(scope="module")
+def smg_exe() -> str:
+    t0 = time.monotonic()
+    exe = _smg_executable()
+    print(f"smg {SMG_VERSION}: {exe} (found or installed in {time.monotonic() - t0:.1f}s)")
+    return exe
+
+
+@pytest.fixture(scope="module")
+def nodes() -> Iterator[dict[str, dict[str, object]]]:
+    procs: list[Proc] = []
+    try:
+        mono_p, mono = _node("--role", "monolithic")
+        procs.append(mono_p)
+        pre_p, pre = _node("--role", "prefill", "--bootstrap-port", "0")
+        procs.append(pre_p)
+        dec_p, dec = _node("--role", "decode")
+        procs.append(dec_p)
+        yield {"monolithic": mono, "prefill": pre, "decode": dec}
+    finally:
+        for p in procs:
+            p.stop(timeout=10)
+
+
+def _p50_ms(fn: object, n: int = 20) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()  # type: ignore[operator]
+        times.append(time.perf_counter() - t0)
+    return 1000 * sorted(times)[n // 2]
+
+
+def _direct(address: str, content: str, max_new: int) -> str:
+    """Greedy text of our node for the chat, rendered with the shipped template (what smg does)."""
+    rendered = f"<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"
+    ids = HF.encode(rendered, add_special_tokens=False).ids
+    req = pb.GenerateRequest(
+        request_id=f"direct-{time.monotonic_ns()}",
+        tokenized=pb.TokenizedInput(input_ids=ids),
+        sampling_params=pb.SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, max_new_tokens=max_new),
+    )
+    with grpc.insecure_channel(address) as ch:
+        out = [m.complete for m in pb_grpc.SglangSchedulerStub(ch).Generate(req, timeout=30)]
+    return str(HF.decode(list(out[-1].output_ids)))
+
+
+def _check_openai(base: str, expected: str) -> None:
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": LONG}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    assert first.choices[0].message.content == expected and first.choices[0].finish_reason == "length"
+    assert first.usage is not None and first.usage.completion_tokens == 12
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    parts, usage = [], None
+    for chunk in stream:
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert "".join(parts) == expected
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert (usage.prompt_tokens_details.cached_tokens or 0) > 0  # the repeated prompt hit the prefix cache
+
+
+def test_smg_single_pool_in_front_of_our_nodes(smg_exe: str, nodes: dict[str, dict[str, object]]) -> None:
+    address = str(nodes["monolithic"]["address"])
+    expected = _direct(address, LONG, 12)
+    proc, base = _smg(smg_exe, "--worker-urls", f"grpc://{address}", "--policy", "cache_aware")
+    try:
+        _check_openai(base, expected)
+        # one small measurement, printed (-s): a cached 12-token chat, direct vs through smg
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": LONG}],
+            "max_tokens": 12,
+            "temperature": 0,
+        }
+        with httpx.Client(timeout=30) as http:
+            via = _p50_ms(lambda: http.post(f"{base}/v1/chat/completions", json=body).raise_for_status())
+        direct = _p50_ms(lambda: _direct(address, LONG, 12))
+        print(f"p50 of 20 (cached prompt, 12 tokens): direct gRPC {direct:.1f} ms, through smg {via:.1f} ms")
+    finally:
+        proc.stop(timeout=15)
+
+
+def test_smg_pd_in_front_of_our_prefill_and_decode_nodes(
+    smg_exe: str, nodes: dict[str, dict[str, object]]
+) -> None:
+    pre, dec = nodes["prefill"], nodes["decode"]
+    expected = _direct(str(dec["address"]), LONG, 12)
+    workers = ["--pd-disaggregation", "--prefill", f"grpc://{pre['address']}", str(pre["bootstrap_port"])]
+    workers += ["--decode", f"grpc://{dec['address']}", "--policy", "cache_aware"]
+    proc, base = _smg(smg_exe, *workers)
+    try:
+        _check_openai(base, expected)
+    finally:
+        proc.stop(timeout=15)
