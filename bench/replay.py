@@ -23,8 +23,9 @@ from rich.console import Console
 
 from bench.profile import PROFILES, get_profile
 from bench.report import PolicySummary, print_table, write_json
-from bench.simulator import SimConfig, global_lru_bound, parse_policy, simulate
+from bench.simulator import SimConfig, global_lru_bound, simulate
 from bench.workloads import FORMATS, GENERATED_FORMATS, Workload, WorkloadOptions, guess_format, load_workload
+from gateway.routing import parse_policy
 
 DEFAULT_POLICIES = ("round_robin", "least_loaded", "consistent_hash", "longest_prefix", "prefixgate")
 DEFAULT_CAPACITY_TOKENS = 20_000 * 512  # the trace README's middle row: 20,000 blocks of 512 tokens
@@ -50,7 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--block-size", type=int, default=64, help="tokens per block (64 = the gateway default)")
     p.add_argument(
-        "--policies", nargs="+", default=list(DEFAULT_POLICIES), help="names, or name:key=value,..."
+        "--policies",
+        nargs="+",
+        default=list(DEFAULT_POLICIES),
+        help="names, or name:key=value,... (the gateway's --policy takes the same specs)",
     )
     p.add_argument(
         "--time-scale",
@@ -139,9 +143,10 @@ def run_sim(workload: Workload, args: argparse.Namespace, console: Console) -> d
         f"({config.profile.name}), capacity {args.capacity_tokens:,} tokens ({config.capacity_blocks:,} "
         f"blocks of {config.block_size}); offered load with no cache {load * 100:.0f} %"
     )
+    policies = {spec: parse_policy(spec) for spec in args.policies}  # every spec checked before any run
     results: dict[str, PolicySummary] = {}
-    for spec in args.policies:
-        results[spec] = simulate(reqs, parse_policy(spec)(), config)
+    for spec, policy in policies.items():
+        results[spec] = simulate(reqs, policy, config)
     bound = global_lru_bound(reqs, config.capacity_blocks, config.block_size)
     print_table(f"{workload.name}: simulated, {config.prefill_nodes} prefill nodes", results, bound, console)
     return {

@@ -12,8 +12,7 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-DISAGGREGATED = "disaggregated"
-FALLBACK = "fallback"
+from gateway.vocab import Mode
 
 
 @dataclass(slots=True)
@@ -22,7 +21,7 @@ class Outcome:
 
     index: int
     node: str  # prefill node ("" when it fell back)
-    route: str  # DISAGGREGATED | FALLBACK
+    route: str  # a Mode (live: the x-prefixgate-route header, "live" when absent)
     prompt_tokens: int
     cached_tokens: int
     queue_s: float
@@ -113,7 +112,7 @@ def summarize(
         queue_p99_s=percentile(queue, 99),
         imbalance=imbalance(busy),
         utilisation=total_busy / (len(nodes) * makespan_s) if makespan_s > 0 and nodes else 0.0,
-        fallbacks=sum(1 for o in outcomes if o.route == FALLBACK),
+        fallbacks=sum(1 for o in outcomes if o.route == Mode.FALLBACK),
         requests_per_node=per_node,
         busy_s_per_node=busy,
         makespan_s=makespan_s,

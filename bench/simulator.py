@@ -7,10 +7,11 @@ Model (no sleeping: an event heap of arrivals and prefill completions):
   pool is the ground truth; the router's view is the index ``IndexCore`` holding those very
   pools, i.e. a perfectly up-to-date index (node events applied instantly and losslessly).
 - On arrival the router looks up every node's leading hit, builds each node's ``NodeView``
-  (outstanding requests, outstanding uncached prefill tokens, the cost profile) and asks the
-  policy. The gateway's degrade rule (``gateway.routing.mode.choose_mode``) then falls back
-  to monolithic serving when the chosen node's estimated queue wait (outstanding tokens /
-  linear throughput, the same estimate for every policy) exceeds ``ttft_budget_s``.
+  (outstanding requests, outstanding uncached prefill tokens, the cost profile) and calls the
+  gateway's own planner (``gateway.routing.planner.plan``) with one idle decode node beside
+  them: the policy chooses the prefill node, and the request falls back to monolithic serving
+  when the chosen node's estimated queue wait (outstanding tokens / linear throughput, the
+  planner's estimate, the same for every policy) exceeds ``ttft_budget_s``.
 - A node serves its queue FIFO with at most ``concurrency`` requests at once sharing its
   compute equally (processor sharing; concurrency 1 = one prefill at a time). At the start
   of a prefill the node looks up its actual hit (touching those blocks); the prompt's blocks
@@ -27,17 +28,20 @@ from __future__ import annotations
 import heapq
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from bench.profile import S5000, CostProfile
-from bench.report import DISAGGREGATED, FALLBACK, Outcome, PolicySummary, summarize
+from bench.profile import S5000, SimProfile
+from bench.report import Outcome, PolicySummary, summarize
 from bench.workloads import Request
 from cachetier.memory import IndexCore, NodeBlocks
-from gateway.routing import POLICIES, Policy, RouteInput
+from gateway.routing import Policy
 from gateway.routing.base import NodeView, prefill_seconds
-from gateway.routing.mode import FALLBACK as MODE_FALLBACK
-from gateway.routing.mode import choose_mode
+from gateway.routing.planner import Plan, RequestView, Rules, plan
+from gateway.vocab import Mode, Role
+
+# The decode pool, assumed to have room: it takes every split request's KV and every fallback.
+DECODE_VIEW = NodeView("decode", role=Role.DECODE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +49,7 @@ class SimConfig:
     prefill_nodes: int = 4
     capacity_blocks: int = 160_000  # total over the prefill nodes
     block_size: int = 64
-    profile: CostProfile = S5000
+    profile: SimProfile = S5000
     concurrency: int = 1
     ttft_budget_s: float = 30.0
     transfer: bool = True
@@ -85,6 +89,7 @@ class Simulator:
         self.nodes = [_Node(f"p{i}", self.index.node(f"p{i}")) for i in range(n)]
         self.node_ids = [nd.node_id for nd in self.nodes]
         self._view = config.profile.view("_")
+        self.rules = Rules(ttft_budget_s=config.ttft_budget_s)
         self._heap: list[tuple[float, int, int, int]] = []  # (time, seq, node, version)
         self._seq = 0
         self.outcomes: list[Outcome] = []
@@ -150,7 +155,7 @@ class Simulator:
                 Outcome(
                     index=req.index,
                     node=nd.node_id,
-                    route=DISAGGREGATED,
+                    route=Mode.DISAGGREGATED,
                     prompt_tokens=req.prompt_tokens,
                     cached_tokens=job.cached,
                     queue_s=job.start - req.arrival_s,
@@ -171,40 +176,34 @@ class Simulator:
         for nd in self.nodes:
             self._advance(nd, now)
             out.append(
-                prof.view(nd.node_id, len(nd.queue) + len(nd.running), self._outstanding_tokens(nd), cap)
+                prof.view(
+                    nd.node_id,
+                    len(nd.queue) + len(nd.running),
+                    self._outstanding_tokens(nd),
+                    cap,
+                    transfer=self.cfg.transfer,
+                )
             )
         return out
+
+    def plan(self, req: Request, hits: Mapping[str, int], views: Sequence[NodeView]) -> Plan:
+        """The gateway's decision for ``req`` over ``views`` (a real one: the tie-break turn moves)."""
+        hashes = req.block_hashes
+        request = RequestView(req.prompt_tokens, self.cfg.block_size, hits, hashes[0] if hashes else 0)
+        decided = plan(request, views, self.policy, self.rules, turn=self.decisions)
+        self.decisions += 1
+        return decided
 
     def _arrive(self, req: Request, now: float) -> None:
         hashes = req.block_hashes
         hits = self.index.lookup(hashes, self.node_ids)
-        views = self._views(now)
-        inp = RouteInput(
-            prompt_tokens=req.prompt_tokens,
-            block_size=self.cfg.block_size,
-            hits=hits,
-            first_block=hashes[0] if hashes else 0,
-            transfer=self.cfg.transfer,
-        )
-        decision = self.policy.choose(inp, views)
-        self.decisions += 1
-        idx = self.node_ids.index(decision.node_id) if decision.node_id is not None else -1
-        predicted_new = req.prompt_tokens - min(hits.get(decision.node_id or "", 0), len(hashes)) * (
-            self.cfg.block_size
-        )
-        queue_wait = views[idx].outstanding_tokens / views[idx].prefill_tokens_per_s if idx >= 0 else 0.0
-        mode = choose_mode(
-            disaggregation=True,
-            prefill_routable=len(self.nodes) if idx >= 0 else 0,
-            decode_routable=1,
-            uncached_tokens=predicted_new,
-            min_disagg_tokens=0,
-            queue_wait_s=queue_wait,
-            ttft_budget_s=self.cfg.ttft_budget_s,
-        )
-        if mode.mode == MODE_FALLBACK or idx < 0:
+        decided = self.plan(req, hits, [*self._views(now), DECODE_VIEW])
+        node_id = decided.prefill.node_id if decided.prefill is not None else None
+        if decided.mode.mode != Mode.DISAGGREGATED or node_id is None:
             self._fallback(req)
             return
+        idx = self.node_ids.index(node_id)
+        predicted_new = req.prompt_tokens - min(hits.get(node_id, 0), len(hashes)) * self.cfg.block_size
         nd = self.nodes[idx]
         nd.queue.append(_Job(req, predicted_new))
         nd.queued_tokens += predicted_new
@@ -220,7 +219,7 @@ class Simulator:
             Outcome(
                 index=req.index,
                 node="",
-                route=FALLBACK,
+                route=Mode.FALLBACK,
                 prompt_tokens=req.prompt_tokens,
                 cached_tokens=0,
                 queue_s=0.0,
@@ -285,23 +284,6 @@ def global_lru_bound(requests: Sequence[Request], capacity_blocks: int, block_si
         "unbounded_hit_rate": ideal / prompt if prompt else 0.0,
         "capacity_blocks": float(capacity_blocks),
     }
-
-
-def parse_policy(spec: str) -> Callable[[], Policy]:
-    """``name`` or ``name:key=value,key=value`` (numbers only) -> a factory of fresh policies."""
-    name, _, args = spec.partition(":")
-    cls = POLICIES.get(name)
-    if cls is None:
-        raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICIES)}")
-    kwargs: dict[str, float] = {}
-    for part in filter(None, args.split(",")):
-        key, _, value = part.partition("=")
-        kwargs[key.strip()] = float(value)
-
-    def make() -> Policy:
-        return cls(**kwargs)  # type: ignore[call-arg]
-
-    return make
 
 
 def simulate(requests: Sequence[Request], policy: Policy, config: SimConfig) -> PolicySummary:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -22,11 +22,12 @@ from cachetier.tokenizer import Tokenizer
 from gateway.exceptions import InvalidRequest, NotFound, Overloaded, Unavailable
 from gateway.nodes import ROLES, Node
 from gateway.normalize import Layout
-from gateway.pipeline import REQUEST_ID_KEY, Plan, Prepared
+from gateway.pipeline import REQUEST_ID_KEY, Prepared
 from gateway.routing import Decision, RouteInput, estimate_ttft
 from gateway.routing.base import Estimate
-from gateway.routing.mode import DISAGGREGATED
+from gateway.routing.planner import Plan
 from gateway.service import GatewayService
+from gateway.vocab import Mode
 from prefixgate.v1 import node_pb2
 
 log = structlog.get_logger("prefixgate.cache")
@@ -60,7 +61,7 @@ def parse_hash(value: Any, param: str) -> int:
 
 def routed(plan: Plan) -> Decision | None:
     """The decision naming the node that computes the prompt: prefill when split, else monolithic."""
-    return plan.prefill if plan.mode.mode == DISAGGREGATED else plan.monolithic
+    return plan.prefill if plan.mode.mode == Mode.DISAGGREGATED else plan.monolithic
 
 
 def token_spans(layout: Layout, tokenizer: Tokenizer, prompt_tokens: int) -> list[tuple[int, int]]:
@@ -109,7 +110,7 @@ def _node_rows(svc: GatewayService, prep: Prepared, plan: Plan) -> list[dict[str
     for d in (plan.prefill, plan.monolithic):
         if d is not None:
             policy_estimates.update({e.node_id: e for e in d.estimates})
-    target, split = routed(plan), plan.mode.mode == DISAGGREGATED
+    target, split = routed(plan), plan.mode.mode == Mode.DISAGGREGATED
     rows: list[dict[str, Any]] = []
     for node in sorted(svc.pool.nodes.values(), key=lambda n: (ROLES.index(n.role), n.id)):
         hit = plan.hits.get(node.id, 0)
@@ -151,11 +152,11 @@ async def explain(svc: GatewayService, prep: Prepared) -> dict[str, Any]:
     if not svc.pipeline.switches.prefix_routing and prep.hashes:
         # Routing ignores the index; still show what it holds.
         shown = await svc.index.lookup(prep.hashes)
-        plan.hits = shown
+        plan = replace(plan, hits=shown)
     spans = token_spans(prep.layout, svc.tokenizer, prep.prompt_tokens)
     full = len(prep.hashes)
     target = routed(plan)
-    split = plan.mode.mode == DISAGGREGATED
+    split = plan.mode.mode == Mode.DISAGGREGATED
     target_hit = target.cached_blocks if target is not None else 0
     cached_upto = min(prep.prompt_tokens, target_hit * bs)
     segments = []
@@ -375,7 +376,6 @@ async def warm(
         )
     hits = await svc.index.lookup(prep.hashes) if prep.hashes else {}
     plan = svc.pipeline.preview(prep, hits)
-    plan.hits = hits
     targets = warm_targets(svc, plan, nodes)
     grant = None
     if tenant_quota:

@@ -21,7 +21,9 @@ def _gateway_args(p: argparse.ArgumentParser, *, stack: bool) -> None:
     )
     p.add_argument("--model", default=None, help="served model name")
     p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--policy", default=None, help="routing policy (default prefixgate)")
+    p.add_argument(
+        "--policy", default=None, help="routing policy: name or name:key=value,... (default prefixgate)"
+    )
     p.add_argument("--admin-token", default=None)
     p.add_argument("--api-key", action="append", dest="api_keys", default=None, metavar="KEY=TENANT")
     p.add_argument("--log-format", choices=["auto", "json", "console"], default=None)

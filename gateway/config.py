@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from gateway.routing import parse_policy
+
 ENV_PREFIX = "PREFIXGATE_"
 # Without API keys nobody is authenticated, so there is one tenant: every client shares its
 # documents, cache namespace and quotas, whatever ``user`` it sends.
@@ -29,6 +31,8 @@ class Settings:
     model: str = "prefixgate-sim"
     tokenizer: str = "bytes4"
     block_size: int = 64
+    # A policy spec, ``name`` or ``name:key=value,...`` (``prefixgate:affinity=5``), as ``bench
+    # replay --policies`` takes it; ``load_factor`` is the default of the policies that take one.
     policy: str = "prefixgate"
     load_factor: float = 1.25
     # Bounds.
@@ -132,4 +136,9 @@ def load_settings(
         if name not in hints:
             raise ValueError(f"unknown setting {name!r}")
         values[name] = _coerce(name, hints[name], raw)
-    return dataclasses.replace(Settings(), **values)
+    settings = dataclasses.replace(Settings(), **values)
+    try:
+        parse_policy(settings.policy, {"load_factor": settings.load_factor})
+    except ValueError as e:
+        raise ValueError(f"setting 'policy': {e}") from None
+    return settings

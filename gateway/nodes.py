@@ -13,7 +13,9 @@ import structlog
 from grpc_health.v1 import health_pb2_grpc
 
 from gateway.breaker import CircuitBreaker
-from gateway.routing import NodeView
+from gateway.routing import KVFormat, NodeView
+from gateway.routing.costmodel import prefill_seconds
+from gateway.vocab import Role
 from prefixgate.v1 import node_pb2, node_pb2_grpc
 
 log = structlog.get_logger("prefixgate.nodes")
@@ -101,11 +103,9 @@ class Node:
     def profile_prefill_s(self, new_tokens: int, context_tokens: int) -> float:
         """Prefill time the node's own profile predicts (before learned slowness)."""
         prof = self.stats.profile if self.stats is not None else None
-        if prof is None or prof.prefill_tokens_per_s <= 0 or new_tokens <= 0:
+        if prof is None or prof.prefill_tokens_per_s <= 0:
             return 0.0
-        return new_tokens / prof.prefill_tokens_per_s + prof.attention_coeff_s * new_tokens * (
-            context_tokens + new_tokens / 2
-        )
+        return prefill_seconds(prof.prefill_tokens_per_s, prof.attention_coeff_s, new_tokens, context_tokens)
 
     def view(self) -> NodeView:
         st = self.stats
@@ -131,6 +131,14 @@ class Node:
             kv_bytes_per_token=fmt.bytes_per_token if fmt else 0,
             capacity_blocks=self.capacity_blocks,
             routable=self.routable,
+            role=Role(self.role),
+            kv_format=KVFormat(
+                fmt.model_fingerprint, fmt.block_size, fmt.dtype, fmt.layout, fmt.bytes_per_token
+            )
+            if fmt is not None
+            else None,
+            streams=self.decode_load()[0],
+            used_blocks=st.used_blocks if st is not None else 0,
         )
 
     def decode_load(self) -> tuple[int, int, str]:

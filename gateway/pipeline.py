@@ -9,7 +9,6 @@ HTTP and gRPC front ends stream to the client.
 from __future__ import annotations
 
 import asyncio
-import copy
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -37,16 +36,17 @@ from gateway.exceptions import InvalidRequest, Overloaded
 from gateway.metrics import Metrics
 from gateway.nodes import Node, NodePool
 from gateway.normalize import Layout, NormalizationError, Segment, render_chat, render_completion
-from gateway.routing import Decision, NodeView, Policy, RouteInput, make_policy
-from gateway.routing.least_loaded import LeastLoadedPolicy
-from gateway.routing.mode import DISAGGREGATED, FALLBACK, MONOLITHIC, ModeDecision, choose_mode
+from gateway.routing import Decision, Policy, RouteInput, parse_policy, planner
+from gateway.routing.planner import Plan, RequestView, Rules
 from gateway.schema import ParsedRequest, Sampling
+from gateway.vocab import Mode
 from prefixgate.v1 import node_pb2
 
 log = structlog.get_logger("prefixgate.pipeline")
 
 MAX_ATTEMPTS = 3
 MISPREDICTIONS_BEFORE_RESYNC = 3
+TURN_WRAP = 1 << 30  # the tie-break turn counts decisions, modulo this
 REQUEST_ID_KEY = "x-prefixgate-request-id"
 _RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
@@ -82,15 +82,6 @@ class Prepared:
     @property
     def prompt_tokens(self) -> int:
         return len(self.tokens) // 4
-
-
-@dataclass(slots=True)
-class Plan:
-    mode: ModeDecision
-    hits: dict[str, int]
-    prefill: Decision | None = None
-    decode_node: str | None = None
-    monolithic: Decision | None = None
 
 
 @dataclass(slots=True)
@@ -141,19 +132,6 @@ def _rpc_failure(node: Node, stage: str, err: BaseException) -> NodeFailure:
 
 
 STAGE_KEY = "x-prefixgate-stage"
-KV_FORMAT_FIELDS = ("model_fingerprint", "block_size", "dtype", "layout", "bytes_per_token")
-
-
-def kv_format_mismatch(want: node_pb2.KVFormat, node: node_pb2.NodeStats | None) -> str:
-    """Which KV format fields differ, in the words the nodes use."""
-    if node is None:
-        return "KV format unknown"
-    diffs = [
-        f"{f} {getattr(want, f)!r} != {getattr(node.kv_format, f)!r}"
-        for f in KV_FORMAT_FIELDS
-        if getattr(want, f) != getattr(node.kv_format, f)
-    ]
-    return "KV format mismatch: " + ", ".join(diffs)
 
 
 def _transfer_failed(err: grpc.aio.AioRpcError) -> bool:
@@ -276,10 +254,8 @@ class Pipeline:
         self.metrics = metrics
         self.documents = documents
         self.switches = Switches(settings.disaggregation, settings.prefix_routing, settings.normalization)
-        self.policy: Policy = make_policy(settings.policy)
-        if hasattr(self.policy, "load_factor"):
-            self.policy.load_factor = settings.load_factor
-        self.fallback_policy = LeastLoadedPolicy()
+        self.policy: Policy = parse_policy(settings.policy, {"load_factor": settings.load_factor})
+        self.turn = 0  # decisions made: the policies' tie-break turn
         self.writer = IndexWriter(index)
         self.on_mispredict: Callable[[Node], None] | None = None
         self.inflight = 0
@@ -376,6 +352,18 @@ class Pipeline:
         self.metrics.index_lookup.labels(self.index.backend).observe(time.perf_counter() - t0)
         return hits
 
+    def _request(self, prep: Prepared, hits: dict[str, int]) -> RequestView:
+        return RequestView(
+            prompt_tokens=prep.prompt_tokens,
+            block_size=self.settings.block_size,
+            hits=hits,
+            first_block=prep.hashes[0] if prep.hashes else 0,
+        )
+
+    def _rules(self) -> Rules:
+        s, sw = self.settings, self.switches
+        return Rules(sw.disaggregation, sw.prefix_routing, s.min_disagg_tokens, s.ttft_budget_s)
+
     def _route_input(self, prep: Prepared, hits: dict[str, int], transfer: bool) -> RouteInput:
         return RouteInput(
             prompt_tokens=prep.prompt_tokens,
@@ -383,98 +371,39 @@ class Pipeline:
             hits=hits,
             first_block=prep.hashes[0] if prep.hashes else 0,
             transfer=transfer,
+            turn=self.turn,
         )
 
     def _choose(self, nodes: list[Node], inp: RouteInput) -> Decision:
-        views: list[NodeView] = [n.view() for n in nodes]
-        policy = self.policy if self.switches.prefix_routing else self.fallback_policy
-        return policy.choose(inp, views)
-
-    def _decode_candidates(self, exclude: set[str]) -> list[Node]:
-        return sorted(
-            (n for n in self.pool.routable("decode") if n.id not in exclude), key=lambda n: n.decode_load()
-        )
-
-    def _model_fingerprint(self) -> str | None:
-        """The model the prefill pool serves (None when no prefill node has reported)."""
-        for n in self.pool.role("prefill"):
-            if n.stats is not None and n.stats.kv_format.model_fingerprint:
-                return n.stats.kv_format.model_fingerprint
-        return None
+        policy = self.policy if self.switches.prefix_routing else planner.WITHOUT_PREFIX_ROUTING
+        return policy.choose(inp, [n.view() for n in nodes])
 
     def _monolithic_candidates(self, exclude: set[str]) -> list[Node]:
-        """Nodes that may serve the whole request: the monolithic pool, else the decode nodes,
-        never one running another model than the prefill pool (it would answer wrongly)."""
-        model = self._model_fingerprint()
+        """Nodes that may serve the whole request (``planner.monolithic_candidates``)."""
+        by_id = {n.id: n for n in self.pool.nodes.values()}
+        views = [n.view() for n in by_id.values()]
+        return [by_id[v.node_id] for v in planner.monolithic_candidates(views, exclude)]
 
-        def same_model(n: Node) -> bool:
-            return model is None or n.stats is None or n.stats.kv_format.model_fingerprint == model
-
-        mono = [n for n in self.pool.routable("monolithic") if n.id not in exclude and same_model(n)]
-        return mono or [n for n in self.pool.routable("decode") if n.id not in exclude and same_model(n)]
+    def _plan(self, prep: Prepared, hits: dict[str, int], exclude: set[str], turn: int) -> Plan:
+        views = [n.view() for n in self.pool.nodes.values()]
+        request = self._request(prep, hits)
+        return planner.plan(request, views, self.policy, self._rules(), exclude=exclude, turn=turn)
 
     def decide(self, prep: Prepared, hits: dict[str, int], exclude: set[str] | None = None) -> Plan:
-        """Pure given the node views: which mode, which nodes, and why."""
-        exclude = exclude or set()
-        bs = self.settings.block_size
-        prefill_nodes = [n for n in self.pool.routable("prefill") if n.id not in exclude]
-        decode_nodes = self._decode_candidates(exclude)
-        mono_nodes = self._monolithic_candidates(exclude)
-        decision = None
-        queue_wait = 0.0
-        if prefill_nodes:
-            decision = self._choose(prefill_nodes, self._route_input(prep, hits, transfer=True))
-            chosen = decision.chosen
-            if chosen is not None:
-                queue_wait = chosen.queue_s
-        mono = self._choose(mono_nodes, self._route_input(prep, hits, transfer=False)) if mono_nodes else None
-        mode = choose_mode(
-            disaggregation=self.switches.disaggregation,
-            prefill_configured=bool(self.pool.role("prefill")),
-            prefill_routable=len(prefill_nodes),
-            decode_routable=len(decode_nodes) + len(self.pool.routable("monolithic")),
-            uncached_tokens=prep.prompt_tokens - (mono.cached_blocks * bs if mono else 0),
-            min_disagg_tokens=self.settings.min_disagg_tokens,
-            queue_wait_s=queue_wait,
-            ttft_budget_s=self.settings.ttft_budget_s,
-        )
-        if mode.mode == DISAGGREGATED and decision is not None:
-            # Pages are only accepted by a node with the identical KV format: pair accordingly.
-            pnode = self.pool.by_id(decision.node_id or "")
-            fmt = pnode.stats.kv_format if pnode is not None and pnode.stats is not None else None
-            if fmt is not None:
-                refused = [d for d in decode_nodes if d.stats is None or d.stats.kv_format != fmt]
-                decode_nodes = [d for d in decode_nodes if d not in refused]
-                if not decode_nodes:
-                    why = "; ".join(f"{d.id}: {kv_format_mismatch(fmt, d.stats)}" for d in refused)
-                    mode = ModeDecision(
-                        FALLBACK, f"no decode node accepts the prefill node's KV pages ({why})"
-                    )
-        plan = Plan(mode, hits, decision)
-        if mode.mode == DISAGGREGATED:
-            plan.decode_node = decode_nodes[0].id
-        else:
-            plan.monolithic = mono
+        """Which mode, which nodes, and why: the nodes' views through ``planner.plan``.
+
+        A real decision: the policies' tie-break turn moves on.
+        """
+        plan = self._plan(prep, hits, exclude or set(), self.turn)
+        self.turn = (self.turn + 1) % TURN_WRAP
         return plan
 
     def preview(self, prep: Prepared, hits: dict[str, int]) -> Plan:
         """The plan the next ``execute`` of this request would follow, changing nothing.
 
-        The policies run on copies (their tie-break turn moves only for real requests), and
-        when the request would not be split, ``monolithic`` is chosen the way ``execute``
-        chooses it. The admin explain endpoint and prefill-as-a-service use this.
+        The admin explain endpoint and prefill-as-a-service use this.
         """
-        policy, fallback = self.policy, self.fallback_policy
-        self.policy, self.fallback_policy = copy.deepcopy(policy), copy.deepcopy(fallback)
-        try:
-            plan = self.decide(prep, hits)
-            if plan.mode.mode != DISAGGREGATED:
-                candidates = self._monolithic_candidates(set())
-                if candidates:
-                    plan.monolithic = self._choose(candidates, self._route_input(prep, hits, transfer=False))
-            return plan
-        finally:
-            self.policy, self.fallback_policy = policy, fallback
+        return self._plan(prep, hits, set(), self.turn)
 
     async def plan(self, prep: Prepared) -> Plan:
         return self.decide(prep, await self.lookup(prep))
@@ -523,13 +452,13 @@ class Pipeline:
             self._note_failure(f)
             self.metrics.retries.labels(f.stage).inc()
 
-        if plan.mode.mode == DISAGGREGATED:
+        if plan.mode.mode == Mode.DISAGGREGATED:
             try:
                 async for attempt in self._retrying(deadline):
                     with attempt:
                         pnode = self.pool.by_id(plan.prefill.node_id or "") if plan.prefill else None
                         dnode = self.pool.by_id(plan.decode_node or "")
-                        if plan.mode.mode != DISAGGREGATED or pnode is None or dnode is None:
+                        if plan.mode.mode != Mode.DISAGGREGATED or pnode is None or dnode is None:
                             break
                         attempts += 1
                         try:
@@ -541,13 +470,16 @@ class Pipeline:
             except NodeFailure:
                 pass
         if failures:
-            route, reason = FALLBACK, "split pipeline failed: " + "; ".join(str(f) for f in failures[-3:])
+            route, reason = (
+                Mode.FALLBACK,
+                "split pipeline failed: " + "; ".join(str(f) for f in failures[-3:]),
+            )
             self.metrics.fallbacks.labels("split_failed").inc()
-        elif plan.mode.mode == FALLBACK:
-            route, reason = FALLBACK, plan.mode.reason
+        elif plan.mode.mode == Mode.FALLBACK:
+            route, reason = Mode.FALLBACK, plan.mode.reason
             self.metrics.fallbacks.labels("unavailable").inc()
         else:
-            route, reason = MONOLITHIC, plan.mode.reason
+            route, reason = Mode.MONOLITHIC, plan.mode.reason
         # A prefill node that failed may still generate; a decode node that failed may not.
         mono_excluded = {f.node.id for f in failures if f.stage in ("decode", "transfer", "generate")}
         try:
@@ -661,7 +593,7 @@ class Pipeline:
         return Execution(
             self,
             prep,
-            route=DISAGGREGATED,
+            route=Mode.DISAGGREGATED,
             reason=plan.mode.reason,
             prefill_node=pnode,
             decode_node=dnode,

@@ -1,35 +1,23 @@
-"""Routing policies: pure functions of (prompt hits, node views) -> decision.
+"""Routing: pure policies over node views, and the planner that decides a request's whole route.
 
-One file per policy. The same code runs in the live gateway and in the trace simulator.
+One file per policy; ``planner.plan`` adds the mode, the decode node and the queue-wait estimate
+around them. Nothing here does I/O or keeps state between decisions (the caller passes the
+tie-break ``turn``), and the same code runs in the live gateway and in the trace simulator.
 """
 
-from gateway.routing.base import Decision, NodeView, Policy, RouteInput, estimate_ttft
+from gateway.routing.base import Decision, KVFormat, NodeView, Policy, RouteInput, estimate_ttft
 from gateway.routing.consistent_hash import ConsistentHashPolicy
 from gateway.routing.least_loaded import LeastLoadedPolicy
 from gateway.routing.longest_prefix import LongestPrefixPolicy
 from gateway.routing.prefixgate import PrefixGatePolicy
+from gateway.routing.registry import POLICIES, parse_policy, policy_parameters
 from gateway.routing.round_robin import RoundRobinPolicy
-
-POLICIES: dict[str, type[Policy]] = {
-    "round_robin": RoundRobinPolicy,
-    "least_loaded": LeastLoadedPolicy,
-    "consistent_hash": ConsistentHashPolicy,
-    "longest_prefix": LongestPrefixPolicy,
-    "prefixgate": PrefixGatePolicy,
-}
-
-
-def make_policy(name: str) -> Policy:
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICIES)}") from None
-
 
 __all__ = [
     "POLICIES",
     "ConsistentHashPolicy",
     "Decision",
+    "KVFormat",
     "LeastLoadedPolicy",
     "LongestPrefixPolicy",
     "NodeView",
@@ -38,5 +26,6 @@ __all__ = [
     "RoundRobinPolicy",
     "RouteInput",
     "estimate_ttft",
-    "make_policy",
+    "parse_policy",
+    "policy_parameters",
 ]

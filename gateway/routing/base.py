@@ -3,23 +3,55 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Protocol
+
+from gateway.routing import costmodel
+from gateway.vocab import Role
+
+
+@dataclass(frozen=True, slots=True)
+class KVFormat:
+    """The layout of a node's KV pages: pages move only between nodes whose formats are equal."""
+
+    model_fingerprint: str = ""
+    block_size: int = 0
+    dtype: str = ""
+    layout: str = ""
+    bytes_per_token: int = 0
+
+    def mismatch(self, other: KVFormat | None) -> str:
+        """Which fields differ, in the words the nodes use."""
+        if other is None:
+            return "KV format unknown"
+        diffs = [
+            f"{f.name} {getattr(self, f.name)!r} != {getattr(other, f.name)!r}"
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        ]
+        return "KV format mismatch: " + ", ".join(diffs)
 
 
 @dataclass(frozen=True, slots=True)
 class NodeView:
-    """A node as the router sees it at decision time (all times in wall-clock seconds)."""
+    """A node as the router sees it at decision time (all times in wall-clock seconds).
+
+    The cost figures default to the reference ``s5000`` (``costmodel.S5000``).
+    """
 
     node_id: str
     outstanding_requests: int = 0  # admitted to this node and not yet past prefill
     outstanding_tokens: int = 0  # prefill tokens still to compute for those requests
-    prefill_tokens_per_s: float = 95_920.0
-    attention_coeff_s: float = 0.0  # seconds per (new token x context token)
-    transfer_bytes_per_s: float = 50e9
-    kv_bytes_per_token: int = 0
+    prefill_tokens_per_s: float = costmodel.S5000.prefill_tokens_per_s
+    attention_coeff_s: float = costmodel.S5000.attention_coeff_s  # s per (new token x context token)
+    transfer_bytes_per_s: float = costmodel.S5000.transfer_bytes_per_s
+    kv_bytes_per_token: int = 0  # 0: unknown, no transfer term
     capacity_blocks: int = 0
     routable: bool = True
+    role: Role = Role.PREFILL
+    kv_format: KVFormat | None = None  # None: not reported yet
+    streams: int = 0  # decode/generate streams running or waiting on the node
+    used_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +61,7 @@ class RouteInput:
     hits: Mapping[str, int]  # node -> leading blocks held
     first_block: int = 0  # hash of the first block (0 when the prompt is shorter than a block)
     transfer: bool = True  # KV will travel to a decode node
+    turn: int = 0  # the caller's decision count: policies break ties round the nodes with it
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,11 +97,9 @@ class Decision:
 
 def prefill_seconds(node: NodeView, new_tokens: int, context_tokens: int) -> float:
     """Linear term plus attention over the context already cached and the new tokens."""
-    if new_tokens <= 0:
-        return 0.0
-    linear = new_tokens / node.prefill_tokens_per_s
-    attention = node.attention_coeff_s * new_tokens * (context_tokens + new_tokens / 2)
-    return linear + attention
+    return costmodel.prefill_seconds(
+        node.prefill_tokens_per_s, node.attention_coeff_s, new_tokens, context_tokens
+    )
 
 
 def estimate_ttft(node: NodeView, inp: RouteInput, load_bound: int | None = None) -> Estimate:
@@ -77,8 +108,10 @@ def estimate_ttft(node: NodeView, inp: RouteInput, load_bound: int | None = None
     queue = node.outstanding_tokens / node.prefill_tokens_per_s
     prefill = prefill_seconds(node, inp.prompt_tokens - cached, cached)
     transfer = 0.0
-    if inp.transfer and node.kv_bytes_per_token and node.transfer_bytes_per_s:
-        transfer = inp.prompt_tokens * node.kv_bytes_per_token / node.transfer_bytes_per_s
+    if inp.transfer:
+        transfer = costmodel.transfer_seconds(
+            inp.prompt_tokens, node.kv_bytes_per_token, node.transfer_bytes_per_s
+        )
     within = load_bound is None or node.outstanding_requests + 1 <= load_bound
     return Estimate(node.node_id, hit, cached, queue, prefill, transfer, node.outstanding_requests, within)
 
@@ -87,5 +120,8 @@ class Policy(Protocol):
     name: str
 
     def choose(self, inp: RouteInput, nodes: Sequence[NodeView]) -> Decision:
-        """Pick one of ``nodes`` (only routable ones are passed) or None when empty."""
+        """Pick one of ``nodes`` (only routable ones are passed) or None when empty.
+
+        Pure: the same input gives the same decision (ties are broken with ``inp.turn``).
+        """
         ...

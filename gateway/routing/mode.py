@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DISAGGREGATED = "disaggregated"
-MONOLITHIC = "monolithic"
-FALLBACK = "fallback"
+from gateway.vocab import Mode
 
 
 @dataclass(frozen=True, slots=True)
 class ModeDecision:
-    mode: str
+    mode: Mode
     reason: str
 
 
@@ -28,21 +26,22 @@ def choose_mode(
 ) -> ModeDecision:
     """Serve split only when it can and when it pays; otherwise say why not."""
     if not disaggregation:
-        return ModeDecision(MONOLITHIC, "disaggregation switched off")
+        return ModeDecision(Mode.MONOLITHIC, "disaggregation switched off")
     if not prefill_configured:
-        return ModeDecision(MONOLITHIC, "no prefill pool configured: monolithic serving")
+        return ModeDecision(Mode.MONOLITHIC, "no prefill pool configured: monolithic serving")
     if decode_routable == 0:
-        return ModeDecision(FALLBACK, "no decode node can take the request")
+        return ModeDecision(Mode.FALLBACK, "no decode node can take the request")
     if prefill_routable == 0:
-        return ModeDecision(FALLBACK, "no prefill node can take the request")
+        return ModeDecision(Mode.FALLBACK, "no prefill node can take the request")
     if uncached_tokens < min_disagg_tokens:
         return ModeDecision(
-            MONOLITHIC,
+            Mode.MONOLITHIC,
             f"only {uncached_tokens} uncached tokens on a monolithic node (< {min_disagg_tokens}): "
             "the split does not pay",
         )
     if queue_wait_s > ttft_budget_s:
         return ModeDecision(
-            FALLBACK, f"prefill queue wait {queue_wait_s:.2f}s exceeds the TTFT budget {ttft_budget_s:.2f}s"
+            Mode.FALLBACK,
+            f"prefill queue wait {queue_wait_s:.2f}s exceeds the TTFT budget {ttft_budget_s:.2f}s",
         )
-    return ModeDecision(DISAGGREGATED, "prefill pool available and the uncached part is large enough")
+    return ModeDecision(Mode.DISAGGREGATED, "prefill pool available and the uncached part is large enough")

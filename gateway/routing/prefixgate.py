@@ -19,7 +19,8 @@ long prefix sits on a node with a longer queue of small work still goes there.
 the extra prefill seconds this node costs over the best-cached eligible node. The recomputed
 tokens are paid again by every request queued behind them and the duplicated blocks evict
 other prefixes, so a session leaves its node only when the queue there is much longer. Ties go
-to the longer hit, then the lighter node, then round the nodes so idle nodes share new work.
+to the longer hit, then the lighter node, then round the nodes (by the caller's ``turn``) so idle
+nodes share new work.
 
 Tuned on the Mooncake conversation trace in the simulator (``bench/README.md``).
 """
@@ -51,7 +52,6 @@ class PrefixGatePolicy:
         self.token_factor = token_factor
         self.min_headroom = int(min_headroom)
         self.affinity = affinity
-        self._turn = 0
 
     def load_bound(self, nodes: Sequence[NodeView], node: NodeView | None = None) -> int:
         """Most outstanding requests ``node`` may have after taking this one.
@@ -84,7 +84,7 @@ class PrefixGatePolicy:
         eligible = [e for e in estimates if e.within_bound] or estimates
         least_prefill = min(e.prefill_s for e in eligible)
         affinity = self.affinity
-        turn = self._turn = (self._turn + 1) % n
+        turn = inp.turn % n
         best = eligible[0]
         best_key: tuple[float, int, int, int] | None = None
         for i, e in enumerate(estimates):

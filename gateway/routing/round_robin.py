@@ -8,14 +8,12 @@ from gateway.routing.base import Decision, NodeView, RouteInput
 
 
 class RoundRobinPolicy:
-    name = "round_robin"
+    """The ``turn``-th node: the caller counts decisions, so this holds no state."""
 
-    def __init__(self) -> None:
-        self._next = 0
+    name = "round_robin"
 
     def choose(self, inp: RouteInput, nodes: Sequence[NodeView]) -> Decision:
         if not nodes:
             return Decision(None, "no routable node")
-        node = nodes[self._next % len(nodes)]
-        self._next += 1
+        node = nodes[inp.turn % len(nodes)]
         return Decision(node.node_id, "round robin", inp.hits.get(node.node_id, 0))

@@ -65,3 +65,20 @@ def test_profile_lookup() -> None:
     assert get_profile("instant").prefill_seconds(10, 0) == 0
     with pytest.raises(ValueError, match="unknown profile"):
         get_profile("h100")
+
+
+def test_one_s5000_for_nodes_router_and_simulator() -> None:
+    from backends.kvpages import REFERENCE_MODEL
+    from bench.profile import S5000 as SIM_S5000
+    from gateway.routing import costmodel
+
+    assert S5000 is costmodel.S5000 and SIM_S5000.hardware is costmodel.S5000
+    # The simulator charges the link for the KV the nodes' reference model makes.
+    assert SIM_S5000.kv_bytes_per_token == REFERENCE_MODEL.kv_bytes_per_token == 163_840
+    assert SIM_S5000.transfer_s(1000) == pytest.approx(1000 * 163_840 / 40e9)
+    # A view with no figures of its own estimates with the same hardware.
+    view = NodeView("n")
+    assert prefill_seconds(view, 4096, 60_000) == pytest.approx(
+        S5000.prefill_seconds(4096, 60_000), rel=1e-12
+    )
+    assert view.transfer_bytes_per_s == S5000.transfer_bytes_per_s

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from bench.profile import S5000
-from bench.simulator import SimConfig, Simulator, global_lru_bound, parse_policy, simulate
+from bench.simulator import SimConfig, Simulator, global_lru_bound, simulate
 from bench.textgen import span_hashes
 from bench.traces import load_mooncake
 from bench.workloads import Request, WorkloadOptions
-from gateway.routing import POLICIES, PrefixGatePolicy, make_policy
+from gateway.routing import POLICIES, PrefixGatePolicy, parse_policy
 
 BS = 64
 ROOT = 12345
@@ -46,7 +46,7 @@ def test_every_request_is_accounted_and_time_advances() -> None:
     reqs = sessions_workload()
     cfg = SimConfig(prefill_nodes=3, capacity_blocks=30_000, block_size=BS)
     for name in POLICIES:
-        sim = Simulator(make_policy(name), cfg)
+        sim = Simulator(parse_policy(name), cfg)
         s = sim.run(reqs)
         assert s.requests == len(reqs) == len(sim.outcomes)
         assert sorted(o.index for o in sim.outcomes) == list(range(len(reqs)))
@@ -68,9 +68,9 @@ def test_every_request_is_accounted_and_time_advances() -> None:
 def test_prefix_aware_routing_beats_round_robin_on_shared_prefixes() -> None:
     reqs = sessions_workload()
     cfg = SimConfig(prefill_nodes=4, capacity_blocks=40_000, block_size=BS)
-    rr = simulate(reqs, make_policy("round_robin"), cfg)
-    lp = simulate(reqs, make_policy("longest_prefix"), cfg)
-    pg = simulate(reqs, make_policy("prefixgate"), cfg)
+    rr = simulate(reqs, parse_policy("round_robin"), cfg)
+    lp = simulate(reqs, parse_policy("longest_prefix"), cfg)
+    pg = simulate(reqs, parse_policy("prefixgate"), cfg)
     bound = global_lru_bound(reqs, cfg.capacity_blocks, BS)
     assert rr.hit_rate <= pg.hit_rate
     assert pg.hit_rate >= 0.9 * bound["hit_rate"]
@@ -85,7 +85,7 @@ def test_fifo_queue_and_cache_hit_in_virtual_time() -> None:
     b = req(1, 0.0, [(2, 6400)])
     c = req(2, 10.0, [(1, 6400), (3, 640)])  # extends a, long after both finished
     sim = Simulator(
-        make_policy("round_robin"), SimConfig(prefill_nodes=1, capacity_blocks=10_000, block_size=BS)
+        parse_policy("round_robin"), SimConfig(prefill_nodes=1, capacity_blocks=10_000, block_size=BS)
     )
     sim.run([a, b, c])
     oa, ob, oc = sim.outcomes
@@ -99,7 +99,7 @@ def test_fifo_queue_and_cache_hit_in_virtual_time() -> None:
 def test_processor_sharing_with_concurrency() -> None:
     a, b = req(0, 0.0, [(1, 6400)]), req(1, 0.0, [(2, 6400)])
     cfg = SimConfig(prefill_nodes=1, capacity_blocks=10_000, block_size=BS, concurrency=2)
-    sim = Simulator(make_policy("round_robin"), cfg)
+    sim = Simulator(parse_policy("round_robin"), cfg)
     s = sim.run([a, b])
     work = S5000.prefill_s(6400, 0)
     assert [o.queue_s for o in sim.outcomes] == [0.0, 0.0]
@@ -110,7 +110,7 @@ def test_processor_sharing_with_concurrency() -> None:
 def test_fallback_when_the_queue_exceeds_the_budget() -> None:
     reqs = [req(i, 0.0, [(i + 10, 64_000)]) for i in range(6)]
     cfg = SimConfig(prefill_nodes=2, capacity_blocks=10_000, block_size=BS, ttft_budget_s=0.5)
-    sim = Simulator(make_policy("least_loaded"), cfg)
+    sim = Simulator(parse_policy("least_loaded"), cfg)
     s = sim.run(reqs)
     assert s.fallbacks == 2  # two fit at once with no queue; two more queue < 0.5 s; the rest would not
     falls = [o for o in sim.outcomes if o.route == "fallback"]
@@ -128,7 +128,7 @@ def test_global_lru_bound() -> None:
 
 
 def test_parse_policy() -> None:
-    p = parse_policy("prefixgate:affinity=5,token_factor=2")()
+    p = parse_policy("prefixgate:affinity=5,token_factor=2")
     assert isinstance(p, PrefixGatePolicy) and p.affinity == 5.0 and p.token_factor == 2.0
     with pytest.raises(ValueError):
         parse_policy("nope")
@@ -137,7 +137,7 @@ def test_parse_policy() -> None:
 def test_mooncake_slice_in_the_simulator(mooncake_trace: Path) -> None:
     w = load_mooncake(mooncake_trace, WorkloadOptions(block_size=512, limit=500, time_scale=10.0))
     cfg = SimConfig(prefill_nodes=4, capacity_blocks=20_000, block_size=512)
-    res = {name: simulate(w.requests, make_policy(name), cfg) for name in POLICIES}
+    res = {name: simulate(w.requests, parse_policy(name), cfg) for name in POLICIES}
     bound = global_lru_bound(w.requests, cfg.capacity_blocks, 512)
     for s in res.values():
         assert s.requests == 500 and sum(s.requests_per_node.values()) + s.fallbacks == 500
