@@ -21,6 +21,7 @@ from prefixgate.v1 import node_pb2, node_pb2_grpc
 log = structlog.get_logger("prefixgate.nodes")
 
 ROLES = ("prefill", "decode", "monolithic")
+_ROLE = {r.value: r for r in Role}
 MIN_TIMED_PREFILL_S = 0.005
 SLOWNESS_DEADBAND = 1.5
 _CHANNEL_OPTIONS = [
@@ -111,10 +112,13 @@ class Node:
         st = self.stats
         remote_tokens = 0
         remote_reqs = 0
+        streams = self.active_streams
         if st is not None:
             # Work queued on the node by other gateways (ours is counted locally).
             remote_tokens = max(0, int(st.queued_tokens) - self.local_tokens)
-            remote_reqs = max(0, int(st.queued_requests + st.running_requests) - self.local_requests)
+            queued = int(st.queued_requests + st.running_requests)
+            remote_reqs = max(0, queued - self.local_requests)
+            streams += max(0, queued - self.active_streams)
         prof = st.profile if st is not None else None
         fmt = st.kv_format if st is not None else None
         return NodeView(
@@ -131,22 +135,15 @@ class Node:
             kv_bytes_per_token=fmt.bytes_per_token if fmt else 0,
             capacity_blocks=self.capacity_blocks,
             routable=self.routable,
-            role=Role(self.role),
+            role=_ROLE[self.role],
             kv_format=KVFormat(
                 fmt.model_fingerprint, fmt.block_size, fmt.dtype, fmt.layout, fmt.bytes_per_token
             )
             if fmt is not None
             else None,
-            streams=self.decode_load()[0],
+            streams=streams,
             used_blocks=st.used_blocks if st is not None else 0,
         )
-
-    def decode_load(self) -> tuple[int, int, str]:
-        st = self.stats
-        remote = 0
-        if st is not None:
-            remote = max(0, int(st.running_requests + st.queued_requests) - self.active_streams)
-        return (self.active_streams + remote, st.used_blocks if st is not None else 0, self.id)
 
 
 class NodePool:
