@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.config import load_settings
+from gateway.config import Settings, load_settings
 
 
 def _gateway_args(p: argparse.ArgumentParser, *, stack: bool) -> None:
@@ -75,11 +75,22 @@ _GATEWAY_KEYS = (
 )
 
 
+def _settings(args: argparse.Namespace, keys: Sequence[str]) -> Settings | None:
+    """The settings, or None after saying on stderr which one is wrong."""
+    try:
+        return load_settings(args.config, _overrides(args, keys))
+    except ValueError as e:
+        print(f"prefixgate {args.command}: {e}", file=sys.stderr)
+        return None
+
+
 def cmd_gateway(args: argparse.Namespace) -> int:
     from gateway.logging import configure_logging
     from gateway.server import run
 
-    settings = load_settings(args.config, _overrides(args, _GATEWAY_KEYS))
+    settings = _settings(args, _GATEWAY_KEYS)
+    if settings is None:
+        return 2
     configure_logging(settings.log_format, settings.log_level)
     if not (settings.decode or settings.monolithic):
         print("prefixgate gateway: give at least one --decode or --monolithic node", file=sys.stderr)
@@ -93,7 +104,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     from gateway.stack import StackOptions, run_stack
 
     stack_keys = [k for k in _GATEWAY_KEYS if k not in ("prefill", "decode", "monolithic")]
-    settings = load_settings(args.config, _overrides(args, stack_keys))
+    settings = _settings(args, stack_keys)
+    if settings is None:
+        return 2
     configure_logging(settings.log_format, settings.log_level)
     opts = StackOptions(
         host=settings.host,

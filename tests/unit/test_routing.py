@@ -154,3 +154,11 @@ def test_gateway_settings_take_the_same_specs(tmp_path: Path) -> None:
         load_settings(None, {"policy": "prefixgate:x=1"}, environ={})
     with pytest.raises(ValueError, match="setting 'policy': unknown policy 'fastest'"):
         load_settings(None, {}, environ={"PREFIXGATE_POLICY": "fastest"})
+
+
+def test_the_command_line_refuses_a_bad_policy_spec(capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.cli import main
+
+    assert main(["gateway", "--policy", "prefixgate:affinty=5", "--decode", "127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert "prefixgate gateway: setting 'policy': policy 'prefixgate' has no parameter 'affinty'" in err
