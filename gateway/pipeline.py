@@ -1,9 +1,10 @@
 """The request path: prepare (normalize, tokenize, hash) -> look up -> route -> prefill -> decode.
 
-``Pipeline.plan`` is read-only (the admin explain endpoint uses it); ``Pipeline.execute`` runs
-the request, retrying on other nodes before the first token and falling back to monolithic
-serving when the split pipeline cannot serve. The result is an ``Execution`` whose chunks the
-HTTP and gRPC front ends stream to the client.
+``Pipeline.decide`` routes through ``gateway.routing.planner`` over the nodes' views, and
+``Pipeline.preview`` shows the same plan without changing anything (the admin explain endpoint
+uses it). ``Pipeline.execute`` runs the request, retrying on other nodes before the first token
+and falling back to monolithic serving when the split pipeline cannot serve. The result is an
+``Execution`` whose chunks the HTTP and gRPC front ends stream to the client.
 """
 
 from __future__ import annotations
@@ -404,9 +405,6 @@ class Pipeline:
         The admin explain endpoint and prefill-as-a-service use this.
         """
         return self._plan(prep, hits, set(), self.turn)
-
-    async def plan(self, prep: Prepared) -> Plan:
-        return self.decide(prep, await self.lookup(prep))
 
     # -- execute -------------------------------------------------------------------------------
 
