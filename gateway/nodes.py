@@ -150,11 +150,13 @@ class NodePool:
         *,
         connect: Callable[[str], NodeClient] = nodeclient.connect,
         probe_timeout_s: float = PROBE_TIMEOUT_S,
+        poll: bool = True,
     ) -> None:
         self.nodes: dict[str, Node] = {}  # by address
         self.stats_interval_s = stats_interval_s
         self.probe_timeout_s = probe_timeout_s
         self._connect = connect
+        self._poll_nodes = poll  # False: no background probe (the caller refreshes)
         self._closed = False
 
     def add(self, role: str, address: str) -> Node:
@@ -164,7 +166,7 @@ class NodePool:
             raise ValueError(f"node {address} is already registered")
         node = Node(role=role, address=address, client=self._connect(address))
         self.nodes[address] = node
-        if not self._closed:
+        if self._poll_nodes and not self._closed:
             node.tasks.append(asyncio.create_task(self._poll(node), name=f"stats:{address}"))
         return node
 
