@@ -139,6 +139,7 @@ class Execution:
         timings: Timings,
         attempts: int,
         on_close: Callable[[Execution], None],
+        stall_timeout_s: float = 0.0,
     ) -> None:
         self.prep = prep
         self.route = route
@@ -156,6 +157,7 @@ class Execution:
         self.outcome = "incomplete"
         self.failure: NodeFailure | None = None  # what broke the stream after the first token
         self._on_close = on_close
+        self._stall_timeout_s = stall_timeout_s
         self._done = False
 
     @property
@@ -184,7 +186,7 @@ class Execution:
                 yield d
             while not self.finish_reason:
                 try:
-                    d = await self._stream.__anext__()
+                    d = await self._next()
                 except StopAsyncIteration:
                     break
                 self._account(d)
@@ -198,6 +200,21 @@ class Execution:
             raise StreamBroken(f"decode node {self.decode_node.id} failed mid-stream: {e.kind}") from e
         finally:
             await self.close()
+
+    async def _next(self) -> TokenDelta:
+        """The next delta, or a TIMEOUT failure of the decode node when it stalls."""
+        if self._stall_timeout_s <= 0:
+            return await self._stream.__anext__()
+        try:
+            async with asyncio.timeout(self._stall_timeout_s):
+                return await self._stream.__anext__()
+        except TimeoutError:
+            raise NodeFailure(
+                self.decode_node.id,
+                Stage.DECODE,
+                FailureKind.TIMEOUT,
+                f"no token for {self._stall_timeout_s:g}s",
+            ) from None
 
     def _account(self, d: TokenDelta) -> None:
         if d.completion_tokens:
@@ -539,6 +556,28 @@ class Pipeline:
             detail=f.error.detail[:200],
         )
 
+    async def _first(
+        self, stream: TokenStream, deadline: float, prefill_node: Node | None, node: Node
+    ) -> TokenDelta:
+        """The attempt's first delta, within ``first_token_timeout_s`` and the request deadline.
+
+        A silent attempt is charged to the node still computing: the prefill node while its leg
+        has not reported (a hung prefill is not the decode node's fault), else the node that
+        should be streaming. The caller closes the stream, which cancels the nodes' work.
+        """
+        limit = deadline - time.monotonic()
+        if self.settings.first_token_timeout_s > 0:
+            limit = min(limit, self.settings.first_token_timeout_s)
+        try:
+            async with asyncio.timeout(max(0.001, limit)):
+                return await _first_delta(stream)
+        except TimeoutError:
+            if prefill_node is not None and stream.prefill is None:
+                at, stage = prefill_node, Stage.PREFILL
+            else:
+                at, stage = node, (Stage.DECODE if prefill_node is not None else Stage.GENERATE)
+            raise NodeFailure(at.id, stage, FailureKind.TIMEOUT, f"no first token in {limit:.3g}s") from None
+
     @staticmethod
     def _prompt(prep: Prepared) -> Prompt:
         return Prompt(prep.request_id, prep.tokens, prep.hashes, prep.sampling)
@@ -569,7 +608,7 @@ class Pipeline:
             self._prompt(prep), pnode.client, dnode.client, timeout=max(0.01, deadline - time.monotonic())
         )
         try:
-            first = await _first_delta(stream)
+            first = await self._first(stream, deadline, pnode, dnode)
         except NodeFailure as e:
             await stream.aclose()
             blamed = self._blamed(e, pnode, dnode)
@@ -625,7 +664,7 @@ class Pipeline:
         node.local_tokens += uncached
         stream = node.client.generate(self._prompt(prep), timeout=max(0.01, deadline - time.monotonic()))
         try:
-            first = await _first_delta(stream)
+            first = await self._first(stream, deadline, None, node)
         except NodeFailure as e:
             await stream.aclose()
             return Failure(node, e)
@@ -668,6 +707,7 @@ class Pipeline:
             timings=timings,
             attempts=attempts,
             on_close=self.finished,
+            stall_timeout_s=self.settings.stall_timeout_s,
         )
 
     # -- bookkeeping ---------------------------------------------------------------------------

@@ -159,3 +159,67 @@ async def test_a_client_gone_during_prefill_cancels_the_node_work_and_releases_t
         node = h.node("d1")
         assert d1.streams[0].cancelled
         assert node.local_requests == 0 and node.local_tokens == 0 and not node.breaker.trial_in_flight
+
+
+def first_call_hangs() -> object:
+    calls = {"n": 0}
+
+    def script(prompt: Prompt) -> Reply:
+        calls["n"] += 1
+        return Tokens(delay_s=30.0) if calls["n"] == 1 else Tokens()
+
+    return script
+
+
+async def test_a_hung_prefill_fails_over_within_the_first_token_limit_and_spares_the_decode_node() -> None:
+    script = first_call_hangs()
+    p1 = FakeNodeClient("p1", prefill=script)  # type: ignore[arg-type]
+    p2 = FakeNodeClient("p2", prefill=script)  # type: ignore[arg-type]
+    async with harness(
+        ("prefill", p1), ("prefill", p2), ("decode", FakeNodeClient("d1")), first_token_timeout_s=0.1
+    ) as h:
+        t0 = asyncio.get_running_loop().time()
+        ex = await h.pipeline.execute(h.prep())
+        assert asyncio.get_running_loop().time() - t0 < 1.0
+        assert ex.route == DISAGGREGATED and ex.attempts == 2
+        (hung,) = [n for n in (h.node("p1"), h.node("p2")) if n.breaker.failures]
+        assert "prefill on" in hung.last_error and "timeout" in hung.last_error
+        assert h.node("d1").breaker.failures == 0 and not h.node("d1").breaker.trial_in_flight
+        await ex.close()
+
+
+async def test_silent_whole_request_nodes_are_left_for_another_and_their_work_cancelled() -> None:
+    calls = {"n": 0}
+
+    def two_hang(prompt: Prompt) -> Reply:
+        calls["n"] += 1
+        return Tokens(delay_s=30.0) if calls["n"] <= 2 else Tokens()
+
+    fakes = [FakeNodeClient(f"d{i}", generate=two_hang) for i in (1, 2, 3)]
+    async with harness(*(("decode", f) for f in fakes), first_token_timeout_s=0.05) as h:
+        ex = await h.pipeline.execute(h.prep())
+        assert ex.attempts == 3 and ex.decode_node.breaker.failures == 0
+        silent = [f for f in fakes if f.streams[0].reply.delay_s]
+        assert len(silent) == 2 and all(f.streams[0].cancelled for f in silent)
+        for f in silent:
+            node = h.node(f.address)
+            assert (
+                node.local_requests == 0 and node.breaker.failures == 1 and "generate on" in node.last_error
+            )
+        await ex.close()
+
+
+async def test_a_stream_that_stalls_after_the_first_token_ends_with_an_error_charged_to_the_decode_node() -> (
+    None
+):
+    d1 = FakeNodeClient("d1", decode=Tokens(texts=("a", "b", "c"), stall_s=30.0))
+    async with harness(("prefill", FakeNodeClient("p1")), ("decode", d1), stall_timeout_s=0.1) as h:
+        ex = await h.pipeline.execute(h.prep())
+        got: list[str] = []
+        with pytest.raises(StreamBroken, match="timeout"):
+            async for d in ex.stream():
+                got.append(d.text)
+        assert got == ["a"] and ex.outcome == "broken"
+        assert d1.streams[0].cancelled  # the node stops generating for a client that got an error
+        assert h.node("d1").breaker.failures == 1 and "no token for 0.1s" in h.node("d1").last_error
+        assert h.node("p1").breaker.failures == 0 and h.node("d1").active_streams == 0
