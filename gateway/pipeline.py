@@ -562,8 +562,10 @@ class Pipeline:
         """The attempt's first delta, within ``first_token_timeout_s`` and the request deadline.
 
         A silent attempt is charged to the node still computing: the prefill node while its leg
-        has not reported (a hung prefill is not the decode node's fault), else the node that
-        should be streaming. The caller closes the stream, which cancels the nodes' work.
+        has not reported (a hung prefill is not the decode node's fault) unless the decode node
+        fails its health probes meanwhile (then the prefill is most likely waiting to push pages
+        to it), else the node that should be streaming. The caller closes the stream, which
+        cancels the nodes' work.
         """
         limit = deadline - time.monotonic()
         if self.settings.first_token_timeout_s > 0:
@@ -572,8 +574,10 @@ class Pipeline:
             async with asyncio.timeout(max(0.001, limit)):
                 return await _first_delta(stream)
         except TimeoutError:
-            if prefill_node is not None and stream.prefill is None:
+            if prefill_node is not None and stream.prefill is None and node.reachable:
                 at, stage = prefill_node, Stage.PREFILL
+            elif prefill_node is not None and stream.prefill is None:
+                at, stage = node, Stage.TRANSFER
             else:
                 at, stage = node, (Stage.DECODE if prefill_node is not None else Stage.GENERATE)
             raise NodeFailure(at.id, stage, FailureKind.TIMEOUT, f"no first token in {limit:.3g}s") from None
@@ -614,7 +618,7 @@ class Pipeline:
             blamed = self._blamed(e, pnode, dnode)
             if blamed is pnode:
                 dnode.breaker.on_release()  # no verdict on a decode node the request never reached
-            elif stream.prefill is not None or e.stage == Stage.TRANSFER:
+            elif stream.prefill is not None:
                 pnode.breaker.on_success()  # the prefill node did its part; its partner failed
             else:
                 pnode.breaker.on_release()

@@ -223,3 +223,19 @@ async def test_a_stream_that_stalls_after_the_first_token_ends_with_an_error_cha
         assert d1.streams[0].cancelled  # the node stops generating for a client that got an error
         assert h.node("d1").breaker.failures == 1 and "no token for 0.1s" in h.node("d1").last_error
         assert h.node("p1").breaker.failures == 0 and h.node("d1").active_streams == 0
+
+
+async def test_a_split_stuck_while_the_decode_node_fails_its_probes_is_charged_to_the_decode_node() -> None:
+    p1 = FakeNodeClient("p1", prefill=first_call_hangs())  # type: ignore[arg-type]
+    d1, d2 = FakeNodeClient("d1"), FakeNodeClient("d2")
+    async with harness(("prefill", p1), ("decode", d1), ("decode", d2), first_token_timeout_s=0.2) as h:
+        task = asyncio.create_task(h.pipeline.execute(h.prep()))
+        await asyncio.sleep(0.05)  # the prefill is stuck pushing pages; the probe finds its target gone
+        target = h.node("d1")  # equal load: the decode nodes are taken in id order
+        assert p1.calls.count("prefill") == 1 and target.breaker.state == "closed"
+        target.reachable = False
+        ex = await task
+        assert ex.route == DISAGGREGATED and ex.attempts == 2 and ex.decode_node is not target
+        assert target.breaker.failures == 1 and "transfer on" in target.last_error
+        assert h.node("p1").breaker.failures == 0
+        await ex.close()
