@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 
 from gateway.exceptions import Overloaded, StreamBroken, Unavailable
 from gateway.nodeclient import Prompt
 from gateway.nodeclient.fake import FAKE_FORMAT, Fail, FakeNodeClient, Reply, Tokens, fake_status
+from gateway.pipeline import Execution
 from gateway.routing.mode import DISAGGREGATED, FALLBACK
 from gateway.vocab import FailureKind, Stage
 from tests.unit.seam_support import harness
@@ -18,7 +20,7 @@ from tests.unit.seam_support import harness
 pytestmark = pytest.mark.timeout(10)
 
 
-def first_call_fails(kind: FailureKind, stage: Stage | None = None) -> object:
+def first_call_fails(kind: FailureKind, stage: Stage | None = None) -> Callable[[Prompt], Reply]:
     """A script shared by several fakes: the first call anywhere fails, later ones succeed."""
     calls = {"n": 0}
 
@@ -29,14 +31,14 @@ def first_call_fails(kind: FailureKind, stage: Stage | None = None) -> object:
     return script
 
 
-async def drain(ex: object) -> list[str]:
-    return [d.text async for d in ex.stream()]  # type: ignore[attr-defined]
+async def drain(ex: Execution) -> list[str]:
+    return [d.text async for d in ex.stream()]
 
 
 async def test_a_failed_prefill_is_retried_on_the_other_prefill_node_before_the_first_token() -> None:
     script = first_call_fails(FailureKind.UNAVAILABLE)
-    p1 = FakeNodeClient("p1", prefill=script)  # type: ignore[arg-type]
-    p2 = FakeNodeClient("p2", prefill=script)  # type: ignore[arg-type]
+    p1 = FakeNodeClient("p1", prefill=script)
+    p2 = FakeNodeClient("p2", prefill=script)
     d1 = FakeNodeClient("d1")
     async with harness(("prefill", p1), ("prefill", p2), ("decode", d1)) as h:
         ex = await h.pipeline.execute(h.prep())
@@ -52,8 +54,8 @@ async def test_a_failed_prefill_is_retried_on_the_other_prefill_node_before_the_
 
 async def test_a_decode_node_that_lost_the_pages_is_retried_on_another_decode_node() -> None:
     script = first_call_fails(FailureKind.HANDLE_GONE)
-    d1 = FakeNodeClient("d1", decode=script)  # type: ignore[arg-type]
-    d2 = FakeNodeClient("d2", decode=script)  # type: ignore[arg-type]
+    d1 = FakeNodeClient("d1", decode=script)
+    d2 = FakeNodeClient("d2", decode=script)
     async with harness(("prefill", FakeNodeClient("p1")), ("decode", d1), ("decode", d2)) as h:
         ex = await h.pipeline.execute(h.prep())
         assert ex.route == DISAGGREGATED and ex.attempts == 2
@@ -161,7 +163,7 @@ async def test_a_client_gone_during_prefill_cancels_the_node_work_and_releases_t
         assert node.local_requests == 0 and node.local_tokens == 0 and not node.breaker.trial_in_flight
 
 
-def first_call_hangs() -> object:
+def first_call_hangs() -> Callable[[Prompt], Reply]:
     calls = {"n": 0}
 
     def script(prompt: Prompt) -> Reply:
@@ -173,8 +175,8 @@ def first_call_hangs() -> object:
 
 async def test_a_hung_prefill_fails_over_within_the_first_token_limit_and_spares_the_decode_node() -> None:
     script = first_call_hangs()
-    p1 = FakeNodeClient("p1", prefill=script)  # type: ignore[arg-type]
-    p2 = FakeNodeClient("p2", prefill=script)  # type: ignore[arg-type]
+    p1 = FakeNodeClient("p1", prefill=script)
+    p2 = FakeNodeClient("p2", prefill=script)
     async with harness(
         ("prefill", p1), ("prefill", p2), ("decode", FakeNodeClient("d1")), first_token_timeout_s=0.1
     ) as h:
@@ -226,7 +228,7 @@ async def test_a_stream_that_stalls_after_the_first_token_ends_with_an_error_cha
 
 
 async def test_a_split_stuck_while_the_decode_node_fails_its_probes_is_charged_to_the_decode_node() -> None:
-    p1 = FakeNodeClient("p1", prefill=first_call_hangs())  # type: ignore[arg-type]
+    p1 = FakeNodeClient("p1", prefill=first_call_hangs())
     d1, d2 = FakeNodeClient("d1"), FakeNodeClient("d2")
     async with harness(("prefill", p1), ("decode", d1), ("decode", d2), first_token_timeout_s=0.2) as h:
         task = asyncio.create_task(h.pipeline.execute(h.prep()))
