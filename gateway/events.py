@@ -80,16 +80,20 @@ class EventSync:
     async def _follow(self, node: Node) -> None:
         if not node.client.capabilities.kv_events:
             return  # the index learns this node's blocks from routing alone
+        quick = True  # a resync reconnects at once, unless the last one made no progress
         while True:
             events = None
             try:
                 events = node.client.kv_events(self.last_seq.get(node.address, 0))
                 async for ev in events:
                     await self._apply(node, ev)
+                    quick = quick or ev.kind != EventKind.SNAPSHOT  # progress past a snapshot
             except asyncio.CancelledError:
                 raise
             except _Resync:
-                continue
+                if quick:
+                    quick = False
+                    continue
             except NodeFailure as e:
                 if e.kind not in (FailureKind.UNAVAILABLE, FailureKind.CANCELLED):
                     log.warning("kv_events_error", node=node.id, kind=e.kind.value, detail=e.detail[:200])
