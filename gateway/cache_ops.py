@@ -225,10 +225,13 @@ async def _evict_node(
     svc: GatewayService, node: Node, hashes: Sequence[int], everything: bool
 ) -> NodeEviction:
     out = NodeEviction(node.id)
-    try:
-        out.evicted = await node.client.evict(hashes, everything=everything, timeout=NODE_RPC_TIMEOUT_S)
-    except NodeFailure as e:
-        out.error = f"{e.kind}: {e.detail}"
+    if not node.client.capabilities.evict:
+        out.error = "the node's protocol cannot evict blocks"
+    else:
+        try:
+            out.evicted = await node.client.evict(hashes, everything=everything, timeout=NODE_RPC_TIMEOUT_S)
+        except NodeFailure as e:
+            out.error = f"{e.kind}: {e.detail}"
     # The index forgets them even when the node could not be reached: stale hits cost more.
     if everything:
         out.index_removed = await svc.index.clear_node(node.id)
@@ -302,6 +305,11 @@ async def _warm_node(
 ) -> WarmResult:
     bs = svc.settings.block_size
     res = WarmResult(node.id, blocks=len(prep.hashes))
+    can = node.client.capabilities
+    if not can.warm or (pin_seconds > 0 and not can.pin):
+        res.error, res.code = "the node's protocol cannot warm or pin a prompt", FailureKind.INVALID.value
+        svc.metrics.warm.labels(node.id, "failed").inc()
+        return res
     try:
         if pin_seconds > 0 and prep.hashes and held_blocks >= len(prep.hashes):
             _pinned, missing = await node.client.pin(
