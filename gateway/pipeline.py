@@ -46,9 +46,7 @@ REQUEST_ID_KEY = "x-prefixgate-request-id"
 # A prefill node that failed may still serve whole requests; a node that failed to decode may not.
 _NOT_FOR_MONOLITHIC = (Stage.DECODE, Stage.TRANSFER, Stage.GENERATE)
 
-Delta = TokenDelta  # what the front ends stream
-
-__all__ = ["Delta", "Execution", "Pipeline", "Plan", "Prepared", "StreamBroken", "Switches"]
+__all__ = ["Execution", "Pipeline", "Plan", "Prepared", "StreamBroken", "Switches"]
 
 
 @dataclass(slots=True)
