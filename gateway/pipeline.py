@@ -43,8 +43,6 @@ BACKOFF_MAX_S = 0.5
 BACKOFF_JITTER_S = 0.05
 MISPREDICTIONS_BEFORE_RESYNC = 3
 REQUEST_ID_KEY = "x-prefixgate-request-id"
-# A prefill node that failed may still serve whole requests; a node that failed to decode may not.
-_NOT_FOR_MONOLITHIC = (Stage.DECODE, Stage.TRANSFER, Stage.GENERATE)
 
 __all__ = ["Execution", "Pipeline", "Plan", "Prepared", "StreamBroken", "Switches"]
 
@@ -107,6 +105,13 @@ def backoff_s(attempt: int) -> float:
     if attempt == 0:
         return 0.0
     return min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2.0 ** (attempt - 1)) + random.uniform(0, BACKOFF_JITTER_S)
+
+
+def _not_for_monolithic(e: NodeFailure) -> bool:
+    """A prefill node that failed may still serve whole requests; a node that failed to decode may
+    not, unless all it refused was pages in another format."""
+    decoding = e.stage in (Stage.DECODE, Stage.TRANSFER, Stage.GENERATE)
+    return decoding and e.kind != FailureKind.FORMAT_REFUSED
 
 
 async def _first_delta(stream: TokenStream) -> TokenDelta:
@@ -500,7 +505,7 @@ class Pipeline:
             route, reason = MONOLITHIC, plan.mode.reason
 
         if all(f.error.kind.retryable for f in failures):
-            excluded = {f.node.id for f in failures if f.error.stage in _NOT_FOR_MONOLITHIC}
+            excluded = {f.node.id for f in failures if _not_for_monolithic(f.error)}
             for attempt in range(MAX_ATTEMPTS):
                 candidates = self._monolithic_candidates(excluded)
                 if not candidates or not await self._pause(attempt, deadline):

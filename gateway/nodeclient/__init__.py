@@ -9,6 +9,7 @@ from __future__ import annotations
 from gateway.nodeclient.base import (
     Capabilities,
     CostProfile,
+    FailedStream,
     Handoff,
     KVEvent,
     KVFormat,
@@ -47,6 +48,7 @@ def connect(address: str) -> NodeClient:
 __all__ = [
     "Capabilities",
     "CostProfile",
+    "FailedStream",
     "Handoff",
     "KVEvent",
     "KVFormat",

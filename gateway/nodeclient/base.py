@@ -187,6 +187,30 @@ class TokenStream(Protocol):
     async def aclose(self) -> None: ...
 
 
+class FailedStream:
+    """A TokenStream whose first read raises ``failure``: how ``generate`` or ``Handoff.start``
+    report what they know before anything is sent (they never raise themselves)."""
+
+    def __init__(self, failure: NodeFailure) -> None:
+        self.failure = failure
+        self.cached_tokens = 0
+        self.timings = StageTimings()
+        self.prefill: PrefillReport | None = None
+        self._done = False
+
+    def __aiter__(self) -> FailedStream:
+        return self
+
+    async def __anext__(self) -> TokenDelta:
+        if self._done:
+            raise StopAsyncIteration
+        self._done = True
+        raise self.failure
+
+    async def aclose(self) -> None:
+        self._done = True
+
+
 @runtime_checkable
 class NodeClient(Protocol):
     """One node, behind whatever protocol it speaks."""
@@ -207,7 +231,8 @@ class NodeClient(Protocol):
         ...
 
     def generate(self, prompt: Prompt, *, timeout: float) -> TokenStream:
-        """Start the whole request on this node (nothing is sent before the first iteration)."""
+        """Start the whole request on this node (nothing is sent before the first iteration;
+        failures surface there, never from this call)."""
         ...
 
     def kv_events(self, since_seq: int) -> AsyncGenerator[KVEvent, None]:
@@ -237,8 +262,9 @@ class Handoff(Protocol):
     token, or simultaneous legs with a bootstrap room), the cancellation of both legs, and the
     blame: a failure names the node at fault (a KV push the decode node refused is the decode
     node's failure at stage TRANSFER, not the prefill node's). Nothing is sent before the first
-    iteration of the returned stream; the prefill leg's report is in ``stream.prefill`` once the
-    first delta is out.
+    iteration of the returned stream, and ``start`` never raises: what goes wrong (a pair it
+    cannot serve included) surfaces on that iteration. The prefill leg's report is in
+    ``stream.prefill`` once the first delta is out.
     """
 
     def start(

@@ -15,6 +15,7 @@ from typing import TypeAlias
 
 from gateway.nodeclient.base import (
     Capabilities,
+    FailedStream,
     KVEvent,
     KVFormat,
     NodeClient,
@@ -287,8 +288,14 @@ class FakeHandoff:
     """Split serving between two fakes: the prefill fake's ``prefill`` script, then the decode
     fake's ``decode`` script."""
 
-    def start(self, prompt: Prompt, prefill: NodeClient, decode: NodeClient, *, timeout: float) -> _FakeSplit:
-        assert isinstance(prefill, FakeNodeClient) and isinstance(decode, FakeNodeClient)
+    def start(
+        self, prompt: Prompt, prefill: NodeClient, decode: NodeClient, *, timeout: float
+    ) -> _FakeSplit | FailedStream:
+        if not isinstance(prefill, FakeNodeClient) or not isinstance(decode, FakeNodeClient):
+            refused = "fakes pair with fakes only"
+            return FailedStream(
+                NodeFailure(decode.address, Stage.TRANSFER, FailureKind.FORMAT_REFUSED, refused)
+            )
         return _FakeSplit(prompt, prefill, decode)
 
 

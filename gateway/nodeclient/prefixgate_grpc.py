@@ -18,6 +18,7 @@ import grpc
 from gateway.nodeclient.base import (
     Capabilities,
     CostProfile,
+    FailedStream,
     KVEvent,
     KVFormat,
     NodeClient,
@@ -317,13 +318,11 @@ class PushHandoff:
 
     def start(
         self, prompt: Prompt, prefill: NodeClient, decode: NodeClient, *, timeout: float
-    ) -> _PushStream:
+    ) -> _PushStream | FailedStream:
         if not isinstance(prefill, GrpcNodeClient) or not isinstance(decode, GrpcNodeClient):
-            raise NodeFailure(
-                decode.address,
-                Stage.TRANSFER,
-                FailureKind.INVALID,
-                "the push handoff pairs prefixgate nodes only",
+            refused = "only a prefixgate node takes pages pushed by a prefixgate node"
+            return FailedStream(
+                NodeFailure(decode.address, Stage.TRANSFER, FailureKind.FORMAT_REFUSED, refused)
             )
         return _PushStream(prefill, decode, prompt, timeout)
 

@@ -12,6 +12,7 @@ import pytest
 from gateway.exceptions import Overloaded, StreamBroken, Unavailable
 from gateway.nodeclient import Prompt
 from gateway.nodeclient.fake import FAKE_FORMAT, Fail, FakeNodeClient, Reply, Tokens, fake_status
+from gateway.nodeclient.prefixgate_grpc import PUSH_HANDOFF, PushHandoff
 from gateway.pipeline import Execution
 from gateway.routing.mode import DISAGGREGATED, FALLBACK
 from gateway.vocab import FailureKind, Stage
@@ -241,3 +242,19 @@ async def test_a_split_stuck_while_the_decode_node_fails_its_probes_is_charged_t
         assert target.breaker.failures == 1 and "transfer on" in target.last_error
         assert h.node("p1").breaker.failures == 0
         await ex.close()
+
+
+class _PushingFake(FakeNodeClient):
+    """A node of the push family (our gRPC nodes) facing a decode node of another family."""
+
+    @property
+    def handoff(self) -> PushHandoff:  # type: ignore[override]
+        return PUSH_HANDOFF
+
+
+async def test_a_pair_the_handoff_cannot_serve_is_refused_and_served_whole() -> None:
+    d1 = FakeNodeClient("d1", generate=Tokens(texts=("whole",)))
+    async with harness(("prefill", _PushingFake("p1")), ("decode", d1)) as h:
+        ex = await h.pipeline.execute(h.prep())
+        assert ex.route == FALLBACK and "transfer on d1: format_refused" in ex.reason
+        assert await drain(ex) == ["whole"] and h.node("p1").breaker.failures == 0
