@@ -41,6 +41,11 @@ CHANNEL_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.enable_retries", 0),
+    # A node back from a restart is reconnected within 2 s (gRPC's default backoff grows to 120 s),
+    # so the health probe sees it, and lets it rejoin, as soon as it answers.
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 REQUEST_ID_KEY = "x-prefixgate-request-id"
 STAGE_KEY = "x-prefixgate-stage"  # trailing metadata: where along the node's work it failed
