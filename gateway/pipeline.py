@@ -44,7 +44,9 @@ BACKOFF_JITTER_S = 0.05
 MISPREDICTIONS_BEFORE_RESYNC = 3
 REQUEST_ID_KEY = "x-prefixgate-request-id"
 
-__all__ = ["Execution", "Pipeline", "Plan", "Prepared", "StreamBroken", "Switches"]
+Delta = TokenDelta  # what an execution streams to the front ends
+
+__all__ = ["Delta", "Execution", "Pipeline", "Plan", "Prepared", "StreamBroken", "Switches"]
 
 
 @dataclass(slots=True)
