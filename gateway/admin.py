@@ -134,7 +134,7 @@ def _node(svc: GatewayService, node_id: str) -> Node:
 
 
 def node_json(node: Node, index_blocks: int | None = None) -> dict[str, Any]:
-    st = node.stats
+    st = node.status
     return {
         "id": node.id,
         "role": node.role,
@@ -162,7 +162,7 @@ def node_json(node: Node, index_blocks: int | None = None) -> dict[str, Any]:
         "profile": st.profile.name if st else None,
         "instance_id": node.instance_id or None,
         "slowness": round(node.slowness, 3),
-        "stats_age_s": round(time.monotonic() - node.stats_at, 3) if node.stats_at else None,
+        "stats_age_s": round(time.monotonic() - node.status_at, 3) if node.status_at else None,
         "last_error": node.last_error or None,
     }
 
@@ -242,7 +242,7 @@ async def cache_view(request: Request) -> Response:
     seen: set[str] = set()
     for node in sorted(svc.pool.nodes.values(), key=lambda n: (ROLES.index(n.role), n.id)):
         seen.add(node.id)
-        st = node.stats
+        st = node.status
         occ = stats.nodes.get(node.id)
         cap = st.capacity_blocks if st else 0
         used = st.used_blocks if st else 0

@@ -2,8 +2,10 @@
 
 closed --(threshold consecutive failures)--> open --(cooldown)--> half-open
 half-open lets a single trial through: success closes it, failure re-opens it with a longer
-cooldown (doubling up to ``max_cooldown_s``). A successful active health probe while open also
-moves it to half-open, so a node that comes back rejoins by itself.
+cooldown (doubling up to ``max_cooldown_s``). Failed active health probes ``trip`` it open; a
+probe that passes again moves a breaker the probes opened to half-open, so a node that comes back
+rejoins by itself. A breaker opened by failed requests waits out its cooldown even while probes
+pass: a node can answer its status and still fail real work.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class CircuitBreaker:
     cooldown_s: float = 1.0
     trial_in_flight: bool = False
     opens: int = 0
+    probe_tripped: bool = False
 
     def allows(self, now: float) -> bool:
         """May a new request go to this node now?"""
@@ -39,6 +42,11 @@ class CircuitBreaker:
     def on_dispatch(self) -> None:
         if self.state == HALF_OPEN:
             self.trial_in_flight = True
+
+    def on_release(self) -> None:
+        """A dispatch that never reached the node (its partner failed first): no verdict on it,
+        so a half-open breaker lets another trial through."""
+        self.trial_in_flight = False
 
     def on_success(self) -> None:
         self.state = CLOSED
@@ -57,10 +65,11 @@ class CircuitBreaker:
         """Open at once (the node is known to be unreachable)."""
         if self.state != OPEN:
             self._open(now, self.cooldown_s if self.state == HALF_OPEN else self.base_cooldown_s)
+        self.probe_tripped = True
 
     def on_probe_ok(self, now: float) -> None:
-        """An active health check passed: let one trial through."""
-        if self.state == OPEN:
+        """An active health check passed: a breaker the probes opened lets one trial through."""
+        if self.state == OPEN and self.probe_tripped:
             self.state = HALF_OPEN
             self.trial_in_flight = False
 
@@ -69,4 +78,5 @@ class CircuitBreaker:
         self.opened_at = now
         self.cooldown_s = cooldown
         self.trial_in_flight = False
+        self.probe_tripped = False
         self.opens += 1

@@ -14,21 +14,21 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-import grpc
 import structlog
 
 from cachetier.index import StoreOp
 from cachetier.tokenizer import Tokenizer
 from gateway.exceptions import InvalidRequest, NotFound, Overloaded, Unavailable
+from gateway.nodeclient import NodeFailure, Prompt
 from gateway.nodes import ROLES, Node
 from gateway.normalize import Layout
-from gateway.pipeline import REQUEST_ID_KEY, Prepared
+from gateway.pipeline import Prepared
 from gateway.routing import Decision, RouteInput, estimate_ttft
 from gateway.routing.base import Estimate
 from gateway.routing.planner import Plan
+from gateway.schema import Sampling
 from gateway.service import GatewayService
-from gateway.vocab import Mode
-from prefixgate.v1 import node_pb2
+from gateway.vocab import FailureKind, Mode
 
 log = structlog.get_logger("prefixgate.cache")
 
@@ -225,13 +225,13 @@ async def _evict_node(
     svc: GatewayService, node: Node, hashes: Sequence[int], everything: bool
 ) -> NodeEviction:
     out = NodeEviction(node.id)
-    try:
-        resp = await node.stub.Evict(
-            node_pb2.EvictRequest(block_hashes=list(hashes), all=everything), timeout=NODE_RPC_TIMEOUT_S
-        )
-        out.evicted = list(resp.evicted)
-    except (grpc.aio.AioRpcError, TimeoutError) as e:
-        out.error = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else "timed out"
+    if not node.client.capabilities.evict:
+        out.error = "the node's protocol cannot evict blocks"
+    else:
+        try:
+            out.evicted = await node.client.evict(hashes, everything=everything, timeout=NODE_RPC_TIMEOUT_S)
+        except NodeFailure as e:
+            out.error = f"{e.kind}: {e.detail}"
     # The index forgets them even when the node could not be reached: stale hits cost more.
     if everything:
         out.index_removed = await svc.index.clear_node(node.id)
@@ -305,15 +305,17 @@ async def _warm_node(
 ) -> WarmResult:
     bs = svc.settings.block_size
     res = WarmResult(node.id, blocks=len(prep.hashes))
-    md = ((REQUEST_ID_KEY, prep.request_id),)
+    can = node.client.capabilities
+    if not can.warm or (pin_seconds > 0 and not can.pin):
+        res.error, res.code = "the node's protocol cannot warm or pin a prompt", FailureKind.INVALID.value
+        svc.metrics.warm.labels(node.id, "failed").inc()
+        return res
     try:
         if pin_seconds > 0 and prep.hashes and held_blocks >= len(prep.hashes):
-            pin = await node.stub.Pin(
-                node_pb2.PinRequest(block_hashes=prep.hashes, pin_seconds=pin_seconds),
-                timeout=NODE_RPC_TIMEOUT_S,
-                metadata=md,
+            _pinned, missing = await node.client.pin(
+                prep.hashes, seconds=pin_seconds, timeout=NODE_RPC_TIMEOUT_S
             )
-            if pin.missing == 0:
+            if missing == 0:
                 res.method = "pin"
                 res.cached_tokens = len(prep.hashes) * bs
                 res.computed_tokens = 0
@@ -322,28 +324,20 @@ async def _warm_node(
             node.local_requests += 1
             node.local_tokens += uncached
             try:
-                resp = await node.stub.Prefill(
-                    node_pb2.PrefillRequest(
-                        request_id=f"{prep.request_id}-{node.id}",
-                        tokens=prep.tokens,
-                        block_hashes=prep.hashes,
-                        sampling=node_pb2.SamplingParams(max_tokens=1),
-                        decode_address="",
-                        pin_seconds=pin_seconds,
-                        skip_first_token=True,
-                    ),
+                report = await node.client.warm(
+                    Prompt(f"{prep.request_id}-{node.id}", prep.tokens, prep.hashes, Sampling(max_tokens=1)),
+                    pin_seconds=pin_seconds,
                     timeout=svc.settings.request_timeout_s,
-                    metadata=md,
                 )
             finally:
                 node.local_requests -= 1
                 node.local_tokens -= uncached
-            res.cached_tokens = resp.cached_tokens
-            res.computed_tokens = prep.prompt_tokens - resp.cached_tokens
-            res.queue_seconds = resp.queue_seconds
-            res.prefill_seconds = resp.prefill_seconds
-    except grpc.aio.AioRpcError as e:
-        res.error, res.code = (e.details() or e.code().name), e.code().name
+            res.cached_tokens = report.cached_tokens
+            res.computed_tokens = prep.prompt_tokens - report.cached_tokens
+            res.queue_seconds = report.queue_s
+            res.prefill_seconds = report.prefill_s
+    except NodeFailure as e:
+        res.error, res.code = e.detail or e.kind.value, e.kind.value
         svc.metrics.warm.labels(node.id, "failed").inc()
         return res
     if pin_seconds > 0:
@@ -379,7 +373,7 @@ async def warm(
     targets = warm_targets(svc, plan, nodes)
     grant = None
     if tenant_quota:
-        capacities = {n.id: n.stats.capacity_blocks if n.stats else 0 for n in targets}
+        capacities = {n.id: n.status.capacity_blocks if n.status else 0 for n in targets}
         grant = svc.pins.reserve(prep.tenant, capacities, prep.hashes, pin_seconds, time.monotonic())
     try:
         results = await asyncio.gather(
@@ -403,7 +397,7 @@ async def warm(
     failed = [r for r in results if r.error]
     if failed and len(failed) == len(results):
         detail = "; ".join(f"{r.node}: {r.error}" for r in failed)
-        if all(r.code == "RESOURCE_EXHAUSTED" for r in failed):
+        if all(r.code == FailureKind.OVERLOADED for r in failed):
             raise Overloaded(f"no node had room for the prompt ({detail})", retry_after=1)
         raise Unavailable(f"no node could take the prompt ({detail})", retry_after=2)
     return {

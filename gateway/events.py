@@ -10,18 +10,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-import grpc
 import structlog
 
 from cachetier.index import BlockIndex, StoreOp
 from gateway.metrics import Metrics
+from gateway.nodeclient import KVEvent, NodeFailure
 from gateway.nodes import Node, NodePool
-from prefixgate.v1 import node_pb2
+from gateway.vocab import EventKind, FailureKind
 
 log = structlog.get_logger("prefixgate.events")
-
-KIND = node_pb2.KVEvent
-
 
 INDEX_CAPACITY_HEADROOM = 1.25
 
@@ -33,12 +30,12 @@ def index_capacity(pool_blocks: int) -> int:
     return int(pool_blocks * INDEX_CAPACITY_HEADROOM) + 1
 
 
-def snapshot_chains(event: node_pb2.KVEvent) -> list[list[int]]:
+def snapshot_chains(event: KVEvent) -> list[list[int]]:
     """Turn a SNAPSHOT (blocks with parents, parents first) into root-first chains."""
     chains: list[list[int]] = []
     path_of: dict[int, list[int]] = {}
-    children: set[int] = set(event.parent_hashes)
-    for h, parent in zip(event.block_hashes, event.parent_hashes, strict=False):
+    children: set[int] = set(event.parents)
+    for h, parent in zip(event.hashes, event.parents, strict=False):
         base = path_of.get(parent, []) if parent else []
         path = [*base, h]
         path_of[h] = path
@@ -74,40 +71,50 @@ class EventSync:
         self.unwatch(node)
         self.watch(node)
 
+    def forget(self, node: Node) -> None:
+        """Stop following a node and drop what is known of its event stream."""
+        self.unwatch(node)
+        self.last_seq.pop(node.address, None)
+        self.instance.pop(node.address, None)
+
     async def _follow(self, node: Node) -> None:
+        if not node.client.capabilities.kv_events:
+            return  # the index learns this node's blocks from routing alone
+        quick = True  # a resync reconnects at once, unless the last one made no progress
         while True:
-            call = None
+            events = None
             try:
-                since = self.last_seq.get(node.address, 0)
-                call = node.stub.KVEvents(node_pb2.KVEventsRequest(since_seq=since))
-                async for ev in call:
+                events = node.client.kv_events(self.last_seq.get(node.address, 0))
+                async for ev in events:
                     await self._apply(node, ev)
+                    quick = quick or ev.kind != EventKind.SNAPSHOT  # progress past a snapshot
             except asyncio.CancelledError:
                 raise
             except _Resync:
-                continue
-            except grpc.aio.AioRpcError as e:
-                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-                    log.warning(
-                        "kv_events_error", node=node.id, code=e.code().name, detail=(e.details() or "")[:200]
-                    )
+                if quick:
+                    quick = False
+                    continue
+            except NodeFailure as e:
+                if e.kind not in (FailureKind.UNAVAILABLE, FailureKind.CANCELLED):
+                    log.warning("kv_events_error", node=node.id, kind=e.kind.value, detail=e.detail[:200])
             except Exception as e:
                 log.warning("kv_events_apply_failed", node=node.id, error=repr(e)[:200])
                 self.last_seq.pop(node.address, None)
             finally:
-                if call is not None:
-                    call.cancel()
+                if events is not None:
+                    with contextlib.suppress(Exception):
+                        await events.aclose()
             await asyncio.sleep(self.retry_s)
 
-    async def _apply(self, node: Node, ev: node_pb2.KVEvent) -> None:
-        if node.stats is None or not node.node_id:
+    async def _apply(self, node: Node, ev: KVEvent) -> None:
+        if node.status is None or not node.node_id:
             await self.pool.refresh(node)
         node_id = node.id
         prev_instance = self.instance.get(node.address)
         last = self.last_seq.get(node.address)
-        if ev.kind == KIND.SNAPSHOT:
-            if node.stats is not None and node.stats.capacity_blocks:  # bound first, then fill
-                await self.index.set_capacity(node_id, index_capacity(node.stats.capacity_blocks))
+        if ev.kind == EventKind.SNAPSHOT:
+            if node.status is not None and node.status.capacity_blocks:  # bound first, then fill
+                await self.index.set_capacity(node_id, index_capacity(node.status.capacity_blocks))
             await self.index.replace_node(node_id, snapshot_chains(ev))
             self.metrics.resyncs.labels("snapshot").inc()
         elif prev_instance != ev.instance_id or last is None or ev.seq != last + 1:
@@ -116,20 +123,20 @@ class EventSync:
             log.info("kv_events_resync", node=node_id, last=last, seq=ev.seq)
             self.last_seq.pop(node.address, None)
             raise _Resync()
-        elif ev.kind == KIND.STORED:
-            ok = await self.index.store([StoreOp(node_id, tuple(ev.block_hashes), ev.parent_hash)])
+        elif ev.kind == EventKind.STORED:
+            ok = await self.index.store([StoreOp(node_id, ev.hashes, ev.parent)])
             if not all(ok):
                 self.metrics.resyncs.labels("orphan").inc()
                 self.last_seq.pop(node.address, None)
                 raise _Resync()
-        elif ev.kind == KIND.REMOVED:
-            await self.index.remove(node_id, ev.block_hashes)
-        elif ev.kind == KIND.CLEARED:
+        elif ev.kind == EventKind.REMOVED:
+            await self.index.remove(node_id, ev.hashes)
+        elif ev.kind == EventKind.CLEARED:
             await self.index.clear_node(node_id)
         self.instance[node.address] = ev.instance_id
         self.last_seq[node.address] = ev.seq
         self.applied += 1
-        self.metrics.events_applied.labels(KIND.Kind.Name(ev.kind).lower()).inc()
+        self.metrics.events_applied.labels(ev.kind.value).inc()
 
     async def close(self) -> None:
         tasks = list(self._tasks.values())

@@ -1,22 +1,29 @@
-"""The gateway's view of its nodes: channels, polled stats, local load, health."""
+"""The gateway's view of its nodes: clients, polled status, local load, health.
+
+Each node is polled for its status every ``stats_interval_s``; the poll is also the active
+health probe: bounded by ``probe_timeout_s``, so a node that accepts connections but answers no
+call (wedged, e.g. stopped) is noticed as surely as one that refuses them. Failed probes make the
+node unreachable at once and, ``PROBE_FAILURES_TO_TRIP`` in a row, open its circuit breaker; a
+probe that passes again lets one trial request through (half-open), whose outcome closes or
+re-opens the breaker.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-import grpc
 import structlog
-from grpc_health.v1 import health_pb2_grpc
 
+from gateway import nodeclient
 from gateway.breaker import CircuitBreaker
-from gateway.routing import KVFormat, NodeView
+from gateway.nodeclient import NodeClient, NodeFailure, NodeStatus
+from gateway.routing import NodeView
 from gateway.routing.costmodel import prefill_seconds
 from gateway.vocab import Role
-from prefixgate.v1 import node_pb2, node_pb2_grpc
 
 log = structlog.get_logger("prefixgate.nodes")
 
@@ -24,15 +31,8 @@ ROLES = ("prefill", "decode", "monolithic")
 _ROLE = {r.value: r for r in Role}
 MIN_TIMED_PREFILL_S = 0.005
 SLOWNESS_DEADBAND = 1.5
-_CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.enable_retries", 0),
-]
+PROBE_TIMEOUT_S = 1.5
+PROBE_FAILURES_TO_TRIP = 2
 
 
 @dataclass(eq=False)
@@ -41,23 +41,19 @@ class Node:
 
     role: str
     address: str
-    channel: grpc.aio.Channel
-    stub: node_pb2_grpc.NodeStub
-    health: health_pb2_grpc.HealthStub
+    client: NodeClient
     node_id: str = ""
-    stats: node_pb2.NodeStats | None = None
-    stats_at: float = 0.0
+    status: NodeStatus | None = None
+    status_at: float = 0.0
     reachable: bool = False
     draining: bool = False
-    instance_id: str = ""
     # This gateway's own in-flight work on the node.
     local_requests: int = 0
     local_tokens: int = 0
     active_streams: int = 0
-    consecutive_failures: int = 0
     mispredictions: int = 0
+    probe_failures: int = 0
     last_error: str = ""
-    serving: bool = True
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     # Observed / estimated prefill time (EWMA): a node slower than it claims gets less traffic.
     slowness: float = 1.0
@@ -68,18 +64,21 @@ class Node:
         return self.node_id or self.address
 
     @property
+    def instance_id(self) -> str:
+        return self.status.instance_id if self.status is not None else ""
+
+    @property
     def routable(self) -> bool:
         return (
             self.reachable
-            and self.serving
             and not self.draining
-            and self.stats is not None
+            and self.status is not None
             and self.breaker.allows(time.monotonic())
         )
 
     @property
     def healthy(self) -> bool:
-        return self.reachable and self.serving and self.breaker.state == "closed"
+        return self.reachable and self.breaker.state == "closed"
 
     def observe_prefill(self, estimated_s: float, observed_s: float, alpha: float = 0.3) -> None:
         """Learn how much slower (or faster) the node is than its profile claims.
@@ -99,17 +98,17 @@ class Node:
 
     @property
     def capacity_blocks(self) -> int:
-        return self.stats.capacity_blocks if self.stats is not None else 0
+        return self.status.capacity_blocks if self.status is not None else 0
 
     def profile_prefill_s(self, new_tokens: int, context_tokens: int) -> float:
         """Prefill time the node's own profile predicts (before learned slowness)."""
-        prof = self.stats.profile if self.stats is not None else None
-        if prof is None or prof.prefill_tokens_per_s <= 0:
+        prof = self.status.profile if self.status is not None else None
+        if prof is None or prof.prefill_tokens_per_s <= 0 or new_tokens <= 0:
             return 0.0
         return prefill_seconds(prof.prefill_tokens_per_s, prof.attention_coeff_s, new_tokens, context_tokens)
 
     def view(self) -> NodeView:
-        st = self.stats
+        st = self.status
         remote_tokens = 0
         remote_reqs = 0
         streams = self.active_streams
@@ -136,40 +135,39 @@ class Node:
             capacity_blocks=self.capacity_blocks,
             routable=self.routable,
             role=_ROLE[self.role],
-            kv_format=KVFormat(
-                fmt.model_fingerprint, fmt.block_size, fmt.dtype, fmt.layout, fmt.bytes_per_token
-            )
-            if fmt is not None
-            else None,
+            kv_format=fmt,
             streams=streams,
             used_blocks=st.used_blocks if st is not None else 0,
         )
 
 
 class NodePool:
-    """Every node of every role; keeps stats fresh and tells who can take work."""
+    """Every node of every role; keeps their status fresh (the health probe) and tells who can
+    take work."""
 
-    def __init__(self, stats_interval_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        stats_interval_s: float = 0.5,
+        *,
+        connect: Callable[[str], NodeClient] = nodeclient.connect,
+        probe_timeout_s: float = PROBE_TIMEOUT_S,
+        poll: bool = True,
+    ) -> None:
         self.nodes: dict[str, Node] = {}  # by address
         self.stats_interval_s = stats_interval_s
+        self.probe_timeout_s = probe_timeout_s
+        self._connect = connect
+        self._poll_nodes = poll  # False: no background probe (the caller refreshes)
         self._closed = False
-        self.on_node_ready: list[object] = []
 
     def add(self, role: str, address: str) -> Node:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         if address in self.nodes:
             raise ValueError(f"node {address} is already registered")
-        channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
-        node = Node(
-            role=role,
-            address=address,
-            channel=channel,
-            stub=node_pb2_grpc.NodeStub(channel),
-            health=health_pb2_grpc.HealthStub(channel),
-        )
+        node = Node(role=role, address=address, client=self._connect(address))
         self.nodes[address] = node
-        if not self._closed:
+        if self._poll_nodes and not self._closed:
             node.tasks.append(asyncio.create_task(self._poll(node), name=f"stats:{address}"))
         return node
 
@@ -195,22 +193,27 @@ class NodePool:
     def routable(self, role: str) -> list[Node]:
         return [n for n in self.nodes.values() if n.role == role and n.routable]
 
-    async def refresh(self, node: Node, timeout: float = 2.0) -> bool:
+    async def refresh(self, node: Node, timeout: float | None = None) -> bool:
+        """Ask the node for its status: the health probe. Feeds reachability and the breaker."""
         try:
-            st = await node.stub.Stats(node_pb2.StatsRequest(), timeout=timeout)
-        except (TimeoutError, grpc.aio.AioRpcError) as e:
+            st = await node.client.status(timeout=self.probe_timeout_s if timeout is None else timeout)
+        except NodeFailure as e:
             if node.reachable:
                 log.warning("node_unreachable", node=node.id, address=node.address, error=str(e)[:200])
             node.reachable = False
             node.last_error = str(e)[:500]
+            node.probe_failures += 1
+            if node.probe_failures >= PROBE_FAILURES_TO_TRIP:
+                node.breaker.trip(time.monotonic())
             return False
         if not node.reachable:
             log.info("node_reachable", node=st.node_id or node.address, address=node.address, role=st.role)
-        node.stats = st
-        node.stats_at = time.monotonic()
+        node.status = st
+        node.status_at = time.monotonic()
         node.node_id = st.node_id or node.address
-        node.instance_id = st.instance_id
         node.reachable = True
+        node.probe_failures = 0
+        node.breaker.on_probe_ok(node.status_at)
         return True
 
     async def _poll(self, node: Node) -> None:
@@ -222,7 +225,7 @@ class NodePool:
         """Until every node answered once (or the timeout)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if all(n.stats is not None for n in self.nodes.values()):
+            if all(n.status is not None for n in self.nodes.values()):
                 return True
             await asyncio.sleep(0.05)
         return False
@@ -234,7 +237,7 @@ class NodePool:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         node.tasks.clear()
-        await node.channel.close()
+        await node.client.close()
 
     async def close(self) -> None:
         self._closed = True

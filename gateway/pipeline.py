@@ -10,21 +10,13 @@ and falling back to monolithic serving when the split pipeline cannot serve. The
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-import grpc
 import structlog
-from tenacity import (
-    AsyncRetrying,
-    RetryCallState,
-    retry_if_exception_type,
-    stop_after_attempt,
-    wait_exponential_jitter,
-)
-from tenacity.stop import stop_base
 
 from cachetier.hashing import Namespace, block_hashes
 from cachetier.index import BlockIndex, StoreOp
@@ -32,34 +24,29 @@ from cachetier.tokenizer import Tokenizer, pack_ids
 from cachetier.writer import IndexWriter
 from gateway.config import Settings
 from gateway.documents import DocumentStore
-from gateway.errors import APIError
-from gateway.exceptions import InvalidRequest, Overloaded
+from gateway.exceptions import InvalidRequest, Overloaded, StreamBroken, Unavailable
 from gateway.metrics import Metrics
+from gateway.nodeclient import NodeFailure, Prompt, TokenDelta, TokenStream
 from gateway.nodes import Node, NodePool
 from gateway.normalize import Layout, NormalizationError, Segment, render_chat, render_completion
 from gateway.routing import Decision, Policy, RouteInput, parse_policy, planner
 from gateway.routing.planner import Plan, RequestView, Rules
 from gateway.schema import ParsedRequest, Sampling
-from gateway.vocab import Mode
-from prefixgate.v1 import node_pb2
+from gateway.vocab import FailureKind, Mode, Stage
 
 log = structlog.get_logger("prefixgate.pipeline")
 
-MAX_ATTEMPTS = 3
+MAX_ATTEMPTS = 3  # per path (split, then monolithic), within the request's deadline
+BACKOFF_BASE_S = 0.02  # before the second attempt; doubling after that
+BACKOFF_MAX_S = 0.5
+BACKOFF_JITTER_S = 0.05
 MISPREDICTIONS_BEFORE_RESYNC = 3
 TURN_WRAP = 1 << 30  # the tie-break turn counts decisions, modulo this
 REQUEST_ID_KEY = "x-prefixgate-request-id"
-_RETRYABLE = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.ABORTED,
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.NOT_FOUND,  # kv handle gone on the decode node
-    grpc.StatusCode.FAILED_PRECONDITION,  # KV format refused by the decode node
-}
+
+Delta = TokenDelta  # what an execution streams to the front ends
+
+__all__ = ["Delta", "Execution", "Pipeline", "Plan", "Prepared", "StreamBroken", "Switches"]
 
 
 @dataclass(slots=True)
@@ -86,13 +73,6 @@ class Prepared:
 
 
 @dataclass(slots=True)
-class Delta:
-    text: str = ""
-    finish_reason: str = ""
-    completion_tokens: int = 0
-
-
-@dataclass(slots=True)
 class Timings:
     start: float = field(default_factory=time.perf_counter)
     queue_s: float = 0.0
@@ -101,90 +81,88 @@ class Timings:
     first_token_at: float = 0.0
 
 
-class _stop_at(stop_base):
-    """Stop retrying once the request's deadline has passed."""
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """One attempt's failure, charged to the node at fault."""
 
-    def __init__(self, deadline: float) -> None:
-        self.deadline = deadline
+    node: Node
+    error: NodeFailure
 
-    def __call__(self, retry_state: RetryCallState) -> bool:
-        return time.monotonic() >= self.deadline
-
-
-class StreamBroken(Exception):
-    """The node failed after tokens reached the client: the stream must end with an error."""
+    def __str__(self) -> str:
+        e = self.error
+        return f"{e.stage} on {self.node.id}: {e.kind}: {e.detail}"
 
 
-class NodeFailure(Exception):
-    def __init__(self, node: Node, stage: str, code: grpc.StatusCode | None, detail: str) -> None:
-        super().__init__(f"{stage} on {node.id}: {code.name if code else 'error'}: {detail}")
-        self.node = node
-        self.stage = stage
-        self.code = code
-        self.detail = detail
+def backoff_s(attempt: int) -> float:
+    """The pause before attempt number ``attempt`` (0-based): none before the first."""
+    if attempt == 0:
+        return 0.0
+    return min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2.0 ** (attempt - 1)) + random.uniform(0, BACKOFF_JITTER_S)
 
 
-def _rpc_failure(node: Node, stage: str, err: BaseException) -> NodeFailure:
-    if isinstance(err, grpc.aio.AioRpcError):
-        return NodeFailure(node, stage, err.code(), err.details() or "")
-    if isinstance(err, asyncio.TimeoutError):
-        return NodeFailure(node, stage, grpc.StatusCode.DEADLINE_EXCEEDED, "timed out")
-    return NodeFailure(node, stage, None, repr(err))
+def _not_for_monolithic(e: NodeFailure) -> bool:
+    """A prefill node that failed may still serve whole requests; a node that failed to decode may
+    not, unless all it refused was pages in another format."""
+    decoding = e.stage in (Stage.DECODE, Stage.TRANSFER, Stage.GENERATE)
+    return decoding and e.kind != FailureKind.FORMAT_REFUSED
 
 
-STAGE_KEY = "x-prefixgate-stage"
-
-
-def _transfer_failed(err: grpc.aio.AioRpcError) -> bool:
-    """Did the prefill node fail to push KV to the decode node (rather than fail itself)?"""
-    for key, value in err.trailing_metadata() or ():
-        if key == STAGE_KEY:
-            return bool(value == "transfer")
-    details = (err.details() or "").lower()
-    return "transfer" in details and "decode" in details
+async def _first_delta(stream: TokenStream) -> TokenDelta:
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        raise NodeFailure("", Stage.GENERATE, FailureKind.INTERNAL, "stream ended before any token") from None
 
 
 class Execution:
-    """A routed, started request: the first token is ready, the rest streams."""
+    """A routed, started request: the first token is ready, the rest streams.
+
+    It owns the node's token stream and nothing of the pipeline: when it is closed it reports
+    itself once through ``on_close`` (the pipeline's accounting).
+    """
 
     def __init__(
         self,
-        pipeline: Pipeline,
         prep: Prepared,
         *,
         route: str,
         reason: str,
         prefill_node: Node | None,
         decode_node: Node,
-        call: grpc.aio.UnaryStreamCall,  # type: ignore[type-arg]
-        first: list[Delta],
-        cached_tokens: int,
+        stream: TokenStream,
+        first: TokenDelta,
         predicted_tokens: int,
         timings: Timings,
         attempts: int,
+        on_close: Callable[[Execution], None],
+        stall_timeout_s: float = 0.0,
     ) -> None:
-        self.pipeline = pipeline
         self.prep = prep
         self.route = route
         self.reason = reason
         self.prefill_node = prefill_node
         self.decode_node = decode_node
-        self._call = call
-        self._first = first
-        self.cached_tokens = cached_tokens
+        self._stream = stream
+        self._first: TokenDelta | None = first
         self.predicted_tokens = predicted_tokens
         self.timings = timings
         self.attempts = attempts
         self.prompt_tokens = prep.prompt_tokens
         self.completion_tokens = 0
         self.finish_reason = ""
-        self._done = False
         self.outcome = "incomplete"
-        decode_node.active_streams += 1
+        self.failure: NodeFailure | None = None  # what broke the stream after the first token
+        self._on_close = on_close
+        self._stall_timeout_s = stall_timeout_s
+        self._done = False
 
     @property
     def request_id(self) -> str:
         return self.prep.request_id
+
+    @property
+    def cached_tokens(self) -> int:
+        return self._stream.cached_tokens
 
     def headers(self) -> dict[str, str]:
         return {
@@ -195,33 +173,46 @@ class Execution:
             "x-prefixgate-cached-tokens": str(self.cached_tokens),
         }
 
-    async def stream(self) -> AsyncIterator[Delta]:
+    async def stream(self) -> AsyncIterator[TokenDelta]:
         """Every delta until the finish; raises StreamBroken if the node fails mid-stream."""
         try:
-            for d in self._first:
+            if self._first is not None:
+                d, self._first = self._first, None
                 self._account(d)
                 yield d
-            self._first = []
-            if self.finish_reason:
-                return
-            # The first chunk came from read(): gRPC forbids mixing read() and iteration on one call.
-            while (chunk := await self._call.read()) is not grpc.aio.EOF:
-                d = Delta(chunk.text, chunk.finish_reason, chunk.completion_tokens)
-                if chunk.finish_reason and chunk.cached_tokens:
-                    self.cached_tokens = chunk.cached_tokens  # usage rides on the last chunk
+            while not self.finish_reason:
+                try:
+                    d = await self._next()
+                except StopAsyncIteration:
+                    break
                 self._account(d)
                 yield d
-                if chunk.finish_reason:
-                    return
             if not self.finish_reason:
+                self.outcome = "broken"
                 raise StreamBroken(f"decode node {self.decode_node.id} ended the stream without finishing")
-        except grpc.aio.AioRpcError as e:
+        except NodeFailure as e:
             self.outcome = "broken"
-            raise StreamBroken(f"decode node {self.decode_node.id} failed mid-stream: {e.code().name}") from e
+            self.failure = e
+            raise StreamBroken(f"decode node {self.decode_node.id} failed mid-stream: {e.kind}") from e
         finally:
             await self.close()
 
-    def _account(self, d: Delta) -> None:
+    async def _next(self) -> TokenDelta:
+        """The next delta, or a TIMEOUT failure of the decode node when it stalls."""
+        if self._stall_timeout_s <= 0:
+            return await self._stream.__anext__()
+        try:
+            async with asyncio.timeout(self._stall_timeout_s):
+                return await self._stream.__anext__()
+        except TimeoutError:
+            raise NodeFailure(
+                self.decode_node.id,
+                Stage.DECODE,
+                FailureKind.TIMEOUT,
+                f"no token for {self._stall_timeout_s:g}s",
+            ) from None
+
+    def _account(self, d: TokenDelta) -> None:
         if d.completion_tokens:
             self.completion_tokens = d.completion_tokens
         if d.finish_reason:
@@ -229,13 +220,14 @@ class Execution:
             self.outcome = "ok"
 
     async def close(self) -> None:
+        """End the request: cancels the node's work if it is still running. Idempotent."""
         if self._done:
             return
         self._done = True
-        if not self._call.done():  # a finished call has nothing to cancel (and cancel() is not free)
-            self._call.cancel()
-        self.decode_node.active_streams -= 1
-        self.pipeline.finished(self)
+        try:
+            await self._stream.aclose()
+        finally:
+            self._on_close(self)
 
 
 class Pipeline:
@@ -408,65 +400,40 @@ class Pipeline:
 
     # -- execute -------------------------------------------------------------------------------
 
-    def _metadata(self, prep: Prepared) -> tuple[tuple[str, str], ...]:
-        return ((REQUEST_ID_KEY, prep.request_id),)
-
-    def _sampling(self, s: Sampling) -> node_pb2.SamplingParams:
-        return node_pb2.SamplingParams(
-            max_tokens=s.max_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            seed=(s.seed or 0) & 0xFFFFFFFFFFFFFFFF,
-            has_seed=s.seed is not None,
-            stop=s.stop,
-        )
-
-    def _retrying(self, deadline: float) -> AsyncRetrying:
-        """Bounded attempts, exponential backoff with jitter, within the request's deadline."""
-        return AsyncRetrying(
-            stop=stop_after_attempt(MAX_ATTEMPTS) | _stop_at(deadline),
-            wait=wait_exponential_jitter(multiplier=0.02, max=0.5, jitter=0.05),
-            retry=retry_if_exception_type(NodeFailure),
-            reraise=True,
-        )
-
     async def execute(self, prep: Prepared) -> Execution:
-        """Route and start the request; raises APIError when no node can serve it.
+        """Route and start the request; raises Overloaded or Unavailable when no node can serve it.
 
-        The split path is tried on the best prefill/decode pair, then on the next best after
-        each failure (failed nodes excluded); when it cannot serve, the request falls back to
-        monolithic serving, itself retried on other nodes.
+        The split path is tried on the best prefill/decode pair, then on the next best after each
+        failure (the node at fault excluded); when it cannot serve, the request falls back to
+        monolithic serving, itself tried on other nodes. At most ``MAX_ATTEMPTS`` a path, with
+        backoff between attempts, all within the request's deadline. Nothing is retried once the
+        first token is out (``Execution.stream`` raises StreamBroken then).
         """
         deadline = time.monotonic() + self.settings.request_timeout_s
         hits = await self.lookup(prep)
         plan = self.decide(prep, hits)
-        failures: list[NodeFailure] = []
-        excluded: set[str] = set()
+        failures: list[Failure] = []
         attempts = 0
 
-        def failed(f: NodeFailure, pool: set[str]) -> None:
-            failures.append(f)
-            pool.add(f.node.id)
-            self._note_failure(f)
-            self.metrics.retries.labels(f.stage).inc()
-
         if plan.mode.mode == Mode.DISAGGREGATED:
-            try:
-                async for attempt in self._retrying(deadline):
-                    with attempt:
-                        pnode = self.pool.by_id(plan.prefill.node_id or "") if plan.prefill else None
-                        dnode = self.pool.by_id(plan.decode_node or "")
-                        if plan.mode.mode != Mode.DISAGGREGATED or pnode is None or dnode is None:
-                            break
-                        attempts += 1
-                        try:
-                            return await self._disaggregated(prep, plan, pnode, dnode, deadline, attempts)
-                        except NodeFailure as f:
-                            failed(f, excluded)
-                            plan = self.decide(prep, hits, excluded)
-                            raise
-            except NodeFailure:
-                pass
+            excluded: set[str] = set()
+            for attempt in range(MAX_ATTEMPTS):
+                pnode = self.pool.by_id(plan.prefill.node_id or "") if plan.prefill else None
+                dnode = self.pool.by_id(plan.decode_node or "")
+                if plan.mode.mode != Mode.DISAGGREGATED or pnode is None or dnode is None:
+                    break
+                if not await self._pause(attempt, deadline):
+                    break
+                attempts += 1
+                outcome = await self._disaggregated(prep, plan, pnode, dnode, deadline, attempts)
+                if isinstance(outcome, Execution):
+                    return outcome
+                self._failed(outcome, failures)
+                if not outcome.error.kind.retryable:
+                    break
+                excluded.add(outcome.node.id)
+                plan = self.decide(prep, hits, excluded)
+
         if failures:
             route, reason = (
                 Mode.FALLBACK,
@@ -478,129 +445,161 @@ class Pipeline:
             self.metrics.fallbacks.labels("unavailable").inc()
         else:
             route, reason = Mode.MONOLITHIC, plan.mode.reason
-        # A prefill node that failed may still generate; a decode node that failed may not.
-        mono_excluded = {f.node.id for f in failures if f.stage in ("decode", "transfer", "generate")}
-        try:
-            async for attempt in self._retrying(deadline):
-                with attempt:
-                    candidates = self._monolithic_candidates(mono_excluded)
-                    if not candidates:
-                        break
-                    decision = self._choose(candidates, self._route_input(prep, hits, transfer=False))
-                    node = self.pool.by_id(decision.node_id or "")
-                    if node is None:
-                        break
-                    attempts += 1
-                    try:
-                        return await self._monolithic(prep, node, decision, route, reason, deadline, attempts)
-                    except NodeFailure as f:
-                        failed(f, mono_excluded)
-                        raise
-        except NodeFailure:
-            pass
-        self.metrics.requests.labels(route, "failed").inc()
-        if failures and all(f.code == grpc.StatusCode.RESOURCE_EXHAUSTED for f in failures):
-            raise APIError(429, "every node is at capacity; retry shortly", code="overloaded", retry_after=1)
-        detail = "; ".join(str(f) for f in failures[-3:]) or f"no node can serve it: {plan.mode.reason}"
-        raise APIError(503, f"no node could serve the request ({detail})", code="unavailable", retry_after=2)
 
-    def _note_failure(self, f: NodeFailure) -> None:
-        if f.code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # a full queue is load, not a fault
+        if all(f.error.kind.retryable for f in failures):
+            excluded = {f.node.id for f in failures if _not_for_monolithic(f.error)}
+            for attempt in range(MAX_ATTEMPTS):
+                candidates = self._monolithic_candidates(excluded)
+                if not candidates or not await self._pause(attempt, deadline):
+                    break
+                decision = self._choose(candidates, self._route_input(prep, hits, transfer=False))
+                node = self.pool.by_id(decision.node_id or "")
+                if node is None:
+                    break
+                attempts += 1
+                outcome = await self._monolithic(prep, node, decision, route, reason, deadline, attempts)
+                if isinstance(outcome, Execution):
+                    return outcome
+                self._failed(outcome, failures)
+                if not outcome.error.kind.retryable:
+                    break
+                excluded.add(outcome.node.id)
+
+        self.metrics.requests.labels(route, "failed").inc()
+        if failures and all(f.error.kind == FailureKind.OVERLOADED for f in failures):
+            raise Overloaded("every node is at capacity; retry shortly", retry_after=1)
+        detail = "; ".join(str(f) for f in failures[-3:]) or f"no node can serve it: {plan.mode.reason}"
+        raise Unavailable(f"no node could serve the request ({detail})", retry_after=2)
+
+    @staticmethod
+    async def _pause(attempt: int, deadline: float) -> bool:
+        """Back off before a retry; False when the deadline leaves no time for another attempt."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        pause = backoff_s(attempt)
+        if pause:
+            await asyncio.sleep(min(pause, left))
+        return time.monotonic() < deadline
+
+    def _failed(self, f: Failure, failures: list[Failure]) -> None:
+        failures.append(f)
+        self._note_failure(f)
+        self.metrics.retries.labels(f.error.stage.value).inc()
+
+    def _note_failure(self, f: Failure) -> None:
+        if f.error.kind != FailureKind.OVERLOADED:  # a full queue is load, not a fault
             f.node.breaker.on_failure(time.monotonic())
-        f.node.consecutive_failures += 1
+        else:
+            f.node.breaker.on_release()
         f.node.last_error = str(f)[:500]
         log.warning(
             "node_attempt_failed",
             node=f.node.id,
-            stage=f.stage,
-            code=f.code.name if f.code else None,
-            detail=f.detail[:200],
+            stage=f.error.stage.value,
+            kind=f.error.kind.value,
+            detail=f.error.detail[:200],
         )
+
+    async def _first(
+        self, stream: TokenStream, deadline: float, prefill_node: Node | None, node: Node
+    ) -> TokenDelta:
+        """The attempt's first delta, within ``first_token_timeout_s`` and the request deadline.
+
+        A silent attempt is charged to the node still computing: the prefill node while its leg
+        has not reported (a hung prefill is not the decode node's fault) unless the decode node
+        fails its health probes meanwhile (then the prefill is most likely waiting to push pages
+        to it), else the node that should be streaming. The caller closes the stream, which
+        cancels the nodes' work.
+        """
+        limit = deadline - time.monotonic()
+        if self.settings.first_token_timeout_s > 0:
+            limit = min(limit, self.settings.first_token_timeout_s)
+        try:
+            async with asyncio.timeout(max(0.001, limit)):
+                return await _first_delta(stream)
+        except TimeoutError:
+            if prefill_node is not None and stream.prefill is None and node.reachable:
+                at, stage = prefill_node, Stage.PREFILL
+            elif prefill_node is not None and stream.prefill is None:
+                at, stage = node, Stage.TRANSFER
+            else:
+                at, stage = node, (Stage.DECODE if prefill_node is not None else Stage.GENERATE)
+            raise NodeFailure(at.id, stage, FailureKind.TIMEOUT, f"no first token in {limit:.3g}s") from None
+
+    @staticmethod
+    def _prompt(prep: Prepared) -> Prompt:
+        return Prompt(prep.request_id, prep.tokens, prep.hashes, prep.sampling)
+
+    @staticmethod
+    def _blamed(e: NodeFailure, *nodes: Node) -> Node:
+        """The node a failure names (the last one given when it names none of them)."""
+        for n in nodes:
+            if e.node_id in (n.client.address, n.address, n.id):
+                return n
+        return nodes[-1]
 
     async def _disaggregated(
         self, prep: Prepared, plan: Plan, pnode: Node, dnode: Node, deadline: float, attempts: int
-    ) -> Execution:
+    ) -> Execution | Failure:
         assert plan.prefill is not None
+        handoff = pnode.client.handoff
+        if handoff is None:
+            return Failure(pnode, NodeFailure(pnode.id, Stage.PREFILL, FailureKind.INVALID, "cannot split"))
         predicted = plan.prefill.cached_blocks * self.settings.block_size
         uncached = max(0, prep.prompt_tokens - predicted)
-        md = self._metadata(prep)
         timings = Timings()
         pnode.local_requests += 1
         pnode.local_tokens += uncached
         pnode.breaker.on_dispatch()
         dnode.breaker.on_dispatch()
+        stream = handoff.start(
+            self._prompt(prep), pnode.client, dnode.client, timeout=max(0.01, deadline - time.monotonic())
+        )
         try:
-            resp = await pnode.stub.Prefill(
-                node_pb2.PrefillRequest(
-                    request_id=prep.request_id,
-                    tokens=prep.tokens,
-                    block_hashes=prep.hashes,
-                    sampling=self._sampling(prep.sampling),
-                    decode_address=dnode.address,
-                ),
-                timeout=max(0.01, deadline - time.monotonic()),
-                metadata=md,
-            )
-        except grpc.aio.AioRpcError as e:
-            if _transfer_failed(e):
-                raise _rpc_failure(dnode, "transfer", e) from e
-            raise _rpc_failure(pnode, "prefill", e) from e
-        except TimeoutError as e:
-            raise _rpc_failure(pnode, "prefill", e) from e
+            first = await self._first(stream, deadline, pnode, dnode)
+        except NodeFailure as e:
+            await stream.aclose()
+            blamed = self._blamed(e, pnode, dnode)
+            if blamed is pnode:
+                dnode.breaker.on_release()  # no verdict on a decode node the request never reached
+            elif stream.prefill is not None:
+                pnode.breaker.on_success()  # the prefill node did its part; its partner failed
+            else:
+                pnode.breaker.on_release()
+            return Failure(blamed, e)
+        except BaseException:
+            await stream.aclose()  # cancelled (client gone): nothing left running on the nodes
+            pnode.breaker.on_release()
+            dnode.breaker.on_release()
+            raise
         finally:
             pnode.local_requests -= 1
             pnode.local_tokens -= uncached
-        pnode.consecutive_failures = 0
         pnode.breaker.on_success()
-        pnode.observe_prefill(
-            pnode.profile_prefill_s(prep.prompt_tokens - resp.cached_tokens, resp.cached_tokens),
-            resp.prefill_seconds,
-        )
-        timings.queue_s, timings.prefill_s, timings.transfer_s = (
-            resp.queue_seconds,
-            resp.prefill_seconds,
-            resp.transfer_seconds,
-        )
-        self._record(prep, pnode.id, dnode.id)
-        call = dnode.stub.Decode(
-            node_pb2.DecodeRequest(
-                request_id=prep.request_id, kv_handle=resp.kv_handle, sampling=self._sampling(prep.sampling)
-            ),
-            timeout=max(0.01, deadline - time.monotonic()),
-            metadata=md,
-        )
-        first = [Delta(resp.first_text, resp.finish_reason if resp.finished else "", 1)]
-        try:
-            chunk = await call.read()
-        except grpc.aio.AioRpcError as e:
-            call.cancel()
-            raise _rpc_failure(dnode, "decode", e) from e
-        if chunk is grpc.aio.EOF:
-            call.cancel()
-            raise NodeFailure(
-                dnode, "decode", grpc.StatusCode.UNKNOWN, "decode stream ended before any token"
-            )
-        dnode.consecutive_failures = 0
         dnode.breaker.on_success()
-        if not resp.finished:
-            first.append(Delta(chunk.text, chunk.finish_reason, chunk.completion_tokens))
-        else:
-            first[0].completion_tokens = max(1, chunk.completion_tokens)
+        report = stream.prefill
+        if report is not None:
+            pnode.observe_prefill(
+                pnode.profile_prefill_s(prep.prompt_tokens - report.cached_tokens, report.cached_tokens),
+                report.prefill_s,
+            )
+            self.metrics.transfer_bytes.inc(report.transfer_bytes)
+        t = stream.timings
+        timings.queue_s, timings.prefill_s, timings.transfer_s = t.queue_s, t.prefill_s, t.transfer_s
         timings.first_token_at = time.perf_counter()
-        self.metrics.transfer_bytes.inc(resp.transfer_bytes)
-        return Execution(
-            self,
+        self._record(prep, pnode.id, dnode.id)
+        return self._started(
             prep,
-            route=Mode.DISAGGREGATED,
-            reason=plan.mode.reason,
-            prefill_node=pnode,
-            decode_node=dnode,
-            call=call,
-            first=first,
-            cached_tokens=resp.cached_tokens,
-            predicted_tokens=predicted,
-            timings=timings,
-            attempts=attempts,
+            Mode.DISAGGREGATED,
+            plan.mode.reason,
+            pnode,
+            dnode,
+            stream,
+            first,
+            predicted,
+            timings,
+            attempts,
         )
 
     async def _monolithic(
@@ -612,7 +611,7 @@ class Pipeline:
         reason: str,
         deadline: float,
         attempts: int,
-    ) -> Execution:
+    ) -> Execution | Failure:
         predicted = decision.cached_blocks * self.settings.block_size
         uncached = max(0, prep.prompt_tokens - predicted)
         timings = Timings()
@@ -621,45 +620,52 @@ class Pipeline:
         # the policy otherwise sees none of the requests it just sent and piles them on one node.
         node.local_requests += 1
         node.local_tokens += uncached
-        call = node.stub.Generate(
-            node_pb2.GenerateRequest(
-                request_id=prep.request_id,
-                tokens=prep.tokens,
-                block_hashes=prep.hashes,
-                sampling=self._sampling(prep.sampling),
-            ),
-            timeout=max(0.01, deadline - time.monotonic()),
-            metadata=self._metadata(prep),
-        )
+        stream = node.client.generate(self._prompt(prep), timeout=max(0.01, deadline - time.monotonic()))
         try:
-            chunk = await call.read()
-        except grpc.aio.AioRpcError as e:
-            call.cancel()
-            raise _rpc_failure(node, "generate", e) from e
+            first = await self._first(stream, deadline, None, node)
+        except NodeFailure as e:
+            await stream.aclose()
+            return Failure(node, e)
+        except BaseException:
+            await stream.aclose()
+            node.breaker.on_release()
+            raise
         finally:
             node.local_requests -= 1
             node.local_tokens -= uncached
-        if chunk is grpc.aio.EOF:
-            call.cancel()
-            raise NodeFailure(node, "generate", grpc.StatusCode.UNKNOWN, "stream ended before any token")
-        node.consecutive_failures = 0
         node.breaker.on_success()
-        timings.queue_s, timings.prefill_s = chunk.queue_seconds, chunk.prefill_seconds
+        timings.queue_s, timings.prefill_s = stream.timings.queue_s, stream.timings.prefill_s
         timings.first_token_at = time.perf_counter()
         self._record(prep, node.id)
+        return self._started(prep, route, reason, None, node, stream, first, predicted, timings, attempts)
+
+    def _started(
+        self,
+        prep: Prepared,
+        route: str,
+        reason: str,
+        prefill_node: Node | None,
+        decode_node: Node,
+        stream: TokenStream,
+        first: TokenDelta,
+        predicted: int,
+        timings: Timings,
+        attempts: int,
+    ) -> Execution:
+        decode_node.active_streams += 1
         return Execution(
-            self,
             prep,
             route=route,
             reason=reason,
-            prefill_node=None,
-            decode_node=node,
-            call=call,
-            first=[Delta(chunk.text, chunk.finish_reason, chunk.completion_tokens)],
-            cached_tokens=chunk.cached_tokens,
+            prefill_node=prefill_node,
+            decode_node=decode_node,
+            stream=stream,
+            first=first,
             predicted_tokens=predicted,
             timings=timings,
             attempts=attempts,
+            on_close=self.finished,
+            stall_timeout_s=self.settings.stall_timeout_s,
         )
 
     # -- bookkeeping ---------------------------------------------------------------------------
@@ -684,6 +690,11 @@ class Pipeline:
             node.mispredictions = 0
 
     def finished(self, ex: Execution) -> None:
+        """A closed execution's accounting: node load, breaker, metrics, the request's log line."""
+        ex.decode_node.active_streams -= 1
+        if ex.failure is not None:  # broke after the first token: the node's fault all the same
+            ex.decode_node.breaker.on_failure(time.monotonic())
+            ex.decode_node.last_error = str(ex.failure)[:500]
         t = ex.timings
         ttft = (t.first_token_at - t.start) if t.first_token_at else 0.0
         m = self.metrics

@@ -104,7 +104,7 @@ class GatewayService:
         """Every node's state for the scrape-time gauges (no I/O)."""
         out: list[NodeSample] = []
         for n in list(self.pool.nodes.values()):
-            st = n.stats
+            st = n.status
             out.append(
                 NodeSample(
                     node=n.id,
@@ -136,10 +136,8 @@ class GatewayService:
     async def remove_node(self, node: Node) -> int:
         """Forget a node: stop its watchers, close its channel (in-flight calls on it end) and
         drop its blocks from the index. Returns how many blocks the index forgot."""
-        self.events.unwatch(node)
+        self.events.forget(node)
         await self.pool.remove(node.address)
-        self.events.last_seq.pop(node.address, None)
-        self.events.instance.pop(node.address, None)
         forgotten = await self.index.clear_node(node.id)
         log.info("node_removed", node=node.id, role=node.role, address=node.address, index_blocks=forgotten)
         return forgotten

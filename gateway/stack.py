@@ -12,10 +12,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import grpc
-
+from gateway import nodeclient
 from gateway.config import Settings
-from prefixgate.v1 import node_pb2, node_pb2_grpc
+from gateway.nodeclient import NodeFailure
 
 PR_SET_PDEATHSIG = 1
 
@@ -99,19 +98,21 @@ def start_nodes(opts: StackOptions) -> list[NodeProcess]:
 
 
 async def wait_nodes(nodes: list[NodeProcess], timeout: float = 30.0) -> None:
-    """Until every node answers Stats; raises if one exits or the timeout passes."""
+    """Until every node answers a status call; raises if one exits or the timeout passes."""
     deadline = time.monotonic() + timeout
     pending = list(nodes)
     while pending:
         for n in list(pending):
             if n.proc.poll() is not None:
                 raise RuntimeError(f"node {n.node_id} exited with code {n.proc.returncode}")
-            async with grpc.aio.insecure_channel(n.address) as ch:
-                try:
-                    await node_pb2_grpc.NodeStub(ch).Stats(node_pb2.StatsRequest(), timeout=0.5)
-                    pending.remove(n)
-                except grpc.aio.AioRpcError:
-                    pass
+            client = nodeclient.connect(n.address)
+            try:
+                await client.status(timeout=0.5)
+                pending.remove(n)
+            except NodeFailure:
+                pass
+            finally:
+                await client.close()
         if pending:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"nodes not ready after {timeout}s: {[n.node_id for n in pending]}")

@@ -32,6 +32,9 @@ class Stage(StrEnum):
     TRANSFER = "transfer"
     DECODE = "decode"
     GENERATE = "generate"
+    PROBE = "probe"  # status / health check
+    EVENTS = "events"  # the KV event stream
+    CACHE = "cache"  # evict, pin
 
 
 class EventKind(StrEnum):

@@ -13,12 +13,12 @@ from cachetier.hashing import block_hashes
 from cachetier.memory import MemoryIndex
 from cachetier.tokenizer import pack_ids
 from gateway.config import Settings
+from gateway.nodeclient import CostProfile, KVFormat, NodeStatus
 from gateway.nodes import Node
 from gateway.normalize import Layout
 from gateway.pipeline import Pipeline, Prepared
 from gateway.schema import Sampling
 from gateway.service import GatewayService
-from prefixgate.v1 import node_pb2
 
 BS = 64
 FORMAT = dict(model_fingerprint="sim:m", block_size=BS, dtype="fp8_e4m3", layout="page", bytes_per_token=320)
@@ -27,14 +27,14 @@ FORMAT = dict(model_fingerprint="sim:m", block_size=BS, dtype="fp8_e4m3", layout
 def report(node: Node, node_id: str, *, queued_tokens: int = 0, dtype: str = "fp8_e4m3") -> None:
     """What a node's stats poll would have told the gateway."""
     fmt = {**FORMAT, "dtype": dtype}
-    node.stats = node_pb2.NodeStats(
+    node.status = NodeStatus(
         node_id=node_id,
         role=node.role,
-        kv_format=node_pb2.KVFormat(**fmt),  # type: ignore[arg-type]
+        kv_format=KVFormat(**fmt),  # type: ignore[arg-type]
         capacity_blocks=10_000,
         queued_requests=1 if queued_tokens else 0,
         queued_tokens=queued_tokens,
-        profile=node_pb2.CostProfile(name="s5000", prefill_tokens_per_s=100_000.0, transfer_bytes_per_s=1e9),
+        profile=CostProfile(name="s5000", prefill_tokens_per_s=100_000.0, transfer_bytes_per_s=1e9),
     )
     node.node_id = node_id
     node.reachable = True

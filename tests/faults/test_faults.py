@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.faults.cluster import Cluster, Outcome, Tally, drive
@@ -164,6 +165,45 @@ def test_slow_prefill_node_loses_traffic(cluster: Cluster) -> None:
     assert t.failed == 0
     assert share_before >= 0.25, "both nodes take work while healthy"
     assert share < 0.15, t.note
+
+
+def _node_state(cluster: Cluster, node_id: str) -> dict[str, Any]:
+    nodes = httpx.get(cluster.url + "/admin/nodes", timeout=5).json()["data"]
+    return next(n for n in nodes if n["id"] == node_id)  # type: ignore[no-any-return]
+
+
+def _until(cond: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_wedged_decode_node_is_probed_out_and_rejoins(cluster: Cluster) -> None:
+    """SIGSTOP: the node's port still accepts connections, nothing answers. The health probe
+    (status call with a short timeout) opens its breaker; traffic goes elsewhere; it rejoins."""
+    before = cluster.metric("prefixgate_retries_total")
+    victim = cluster.decode[2]
+    cluster.wait_routable("decode", 3)
+    victim.signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        assert _until(lambda: _node_state(cluster, victim.node_id)["circuit"] == "open", 10.0)
+        noticed_s = time.monotonic() - t0
+        state = _node_state(cluster, victim.node_id)
+        assert not state["routable"] and not state["healthy"] and state["last_error"]
+        results = asyncio.run(drive(cluster.url, [body(6000 + i, tokens=800) for i in range(40)], 8))
+    finally:
+        victim.signal(signal.SIGCONT)
+    t = tally(
+        "decode node SIGSTOP (wedged)", results, cluster, before, note=f"breaker open after {noticed_s:.1f}s"
+    )
+    assert t.failed == 0 and t.succeeded == 40
+    assert all(r.decode_node != victim.node_id for r in results)
+    assert _until(lambda: _node_state(cluster, victim.node_id)["routable"], 10.0)
+    cluster.wait_routable("decode", 3)
 
 
 def test_flood_beyond_capacity_gets_429_with_retry_after() -> None:

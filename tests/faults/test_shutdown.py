@@ -92,3 +92,30 @@ def test_client_disconnect_cancels_the_work_on_the_nodes() -> None:
             assert _running(c.decode[0].address) == 0, f"decode still running after hang-up (stream={stream})"
     finally:
         c.stop()
+
+
+def test_client_gone_before_the_first_token_cancels_the_prefill() -> None:
+    """A streaming client that hangs up while its prompt is still being prefilled: the prefill
+    stops too (it would otherwise run to the end and hand its pages to a decode nobody reads)."""
+    c = Cluster.create(1, 1, ["--time-scale", "50"])
+    c.start()
+    try:
+        body = {
+            "model": MODEL,
+            "max_tokens": 8,
+            "stream": True,
+            "messages": [{"role": "user", "content": "a long document to read " * 1400}],  # ~8.7k tokens
+        }
+        with httpx.Client(timeout=httpx.Timeout(30, read=0.5)) as http:
+            try:
+                with http.stream("POST", c.url + "/v1/chat/completions", json=body) as r:
+                    r.read()
+            except httpx.ReadTimeout:
+                pass  # hung up during the prefill (seconds at this time scale)
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline and _running(c.prefill[0].address) > 0:
+            time.sleep(0.05)
+        assert _running(c.prefill[0].address) == 0, "prefill still running after the client hung up"
+        assert _running(c.decode[0].address) == 0
+    finally:
+        c.stop()

@@ -1,0 +1,58 @@
+"""A pipeline over scripted fake nodes: the whole execution path, no process, no socket."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from cachetier.memory import MemoryIndex
+from cachetier.tokenizer import Bytes4Tokenizer
+from gateway.config import Settings
+from gateway.documents import DocumentStore
+from gateway.metrics import Metrics
+from gateway.nodeclient.fake import FakeNodeClient, fake_status
+from gateway.nodes import Node, NodePool
+from gateway.pipeline import Pipeline, Prepared
+from gateway.schema import parse_request
+
+
+class Harness:
+    def __init__(self, pipeline: Pipeline, clients: dict[str, FakeNodeClient]) -> None:
+        self.pipeline = pipeline
+        self.pool = pipeline.pool
+        self.clients = clients
+
+    def node(self, address: str) -> Node:
+        node = self.pool.by_id(address)
+        assert node is not None
+        return node
+
+    def prep(self, prompt_tokens: int = 400, max_tokens: int = 8) -> Prepared:
+        s = self.pipeline.settings
+        body = {"model": s.model, "prompt": "x" * (4 * prompt_tokens), "max_tokens": max_tokens}
+        parsed = parse_request(
+            body, "completion", models={s.model}, default_max_tokens=16, max_tokens_limit=64, max_documents=4
+        )
+        return self.pipeline.prepare(parsed, "tenant")
+
+
+@asynccontextmanager
+async def harness(*nodes: tuple[str, FakeNodeClient], **settings: Any) -> AsyncIterator[Harness]:
+    """A pipeline whose pool holds these (role, fake) nodes, each polled once."""
+    clients = {c.address: c for _, c in nodes}
+    pool = NodePool(connect=clients.__getitem__, probe_timeout_s=0.2, poll=False)
+    for role, c in nodes:
+        if c.status_script == fake_status(c.address, "decode") and role != "decode":
+            c.status_script = fake_status(c.address, role)
+        pool.add(role, c.address)
+    for n in pool.nodes.values():
+        await pool.refresh(n)
+    pipeline = Pipeline(
+        Settings(**settings), pool, MemoryIndex(), Bytes4Tokenizer(), Metrics(), DocumentStore()
+    )
+    try:
+        yield Harness(pipeline, clients)
+    finally:
+        await pipeline.close()
+        await pool.close()

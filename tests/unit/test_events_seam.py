@@ -1,0 +1,74 @@
+"""Event sync through the node-client seam: the index follows what a (fake) node reports."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+
+from cachetier.memory import MemoryIndex
+from gateway.events import EventSync
+from gateway.metrics import Metrics
+from gateway.nodeclient import KVEvent
+from gateway.nodeclient.fake import FakeNodeClient, fake_status
+from gateway.nodes import NodePool
+from gateway.vocab import EventKind
+
+pytestmark = pytest.mark.timeout(10)
+
+
+async def until(cond: Callable[[], bool], timeout: float = 2.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_snapshot_then_stored_then_removed_reach_the_index_and_forget_stops_it() -> None:
+    events = [
+        KVEvent(0, "i1", EventKind.SNAPSHOT, hashes=(1, 2), parents=(0, 1)),
+        KVEvent(1, "i1", EventKind.STORED, parent=2, hashes=(3, 4)),
+        KVEvent(2, "i1", EventKind.REMOVED, hashes=(4,)),
+    ]
+    client = FakeNodeClient("d1", status=fake_status("d1", "decode"), events=events)
+    pool = NodePool(connect=lambda a: client, poll=False)
+    index = MemoryIndex()
+    sync = EventSync(pool, index, Metrics(), retry_s=0.01)
+    try:
+        node = pool.add("decode", "d1")
+        await pool.refresh(node)
+        sync.watch(node)
+        await until(lambda: sync.last_seq.get("d1") == 2)
+        assert await index.lookup([1, 2, 3, 4]) == {"d1": 3}
+        assert sync.instance["d1"] == "i1" and sync.applied >= 3
+        sync.forget(node)
+        assert "d1" not in sync.last_seq and "d1" not in sync.instance
+        calls = client.calls.count("kv_events")
+        await asyncio.sleep(0.05)
+        assert client.calls.count("kv_events") == calls  # no longer followed
+    finally:
+        await sync.close()
+        await pool.close()
+
+
+async def test_a_gap_in_the_sequence_asks_for_a_fresh_snapshot() -> None:
+    events = [
+        KVEvent(0, "i1", EventKind.SNAPSHOT, hashes=(1,), parents=(0,)),
+        KVEvent(5, "i1", EventKind.STORED, parent=1, hashes=(2,)),  # 1..4 lost
+    ]
+    client = FakeNodeClient("d1", status=fake_status("d1", "decode"), events=events)
+    pool = NodePool(connect=lambda a: client, poll=False)
+    metrics = Metrics()
+    sync = EventSync(pool, MemoryIndex(), metrics, retry_s=0.01)
+    try:
+        node = pool.add("decode", "d1")
+        await pool.refresh(node)
+        sync.watch(node)
+        await until(lambda: client.calls.count("kv_events") >= 3)
+        gaps = metrics.registry.get_sample_value("prefixgate_index_resyncs_total", {"reason": "gap"})
+        assert gaps is not None and gaps >= 2
+        assert sync.last_seq.get("d1", 0) == 0  # never past the gap
+    finally:
+        await sync.close()
+        await pool.close()
