@@ -237,14 +237,12 @@ class HttpGuard:
     def check(self, scope: Scope) -> APIError | None:
         """The refusal for this request, or None; may rewrite ``scope["client"]``."""
         headers: dict[bytes, bytes] = {}
-        proxied = False
         for name, value in scope["headers"]:
             if name in _WANTED:
                 headers[name] = value
             elif name in _PROXY_HEADERS:
-                proxied = True
                 headers[name] = headers[name] + b"," + value if name in headers else value
-        if proxied and self.proxies.networks:
+        if self.proxies.networks:
             peer = scope["client"][0] if scope.get("client") else ""
             client = self.proxies.client(peer, headers)
             if client != peer:
