@@ -168,13 +168,14 @@ class Inflight:
         req = _Request(asyncio.current_task())
 
         async def tracked_send(message: Message) -> None:
-            if message["type"] == "http.response.start":
+            if req.started:
+                if not message.get("more_body", False):
+                    req.complete = True
+            elif message["type"] == "http.response.start":
                 req.started = True
                 for name, value in message.get("headers", ()):
-                    if name.lower() == b"content-type":
+                    if name == b"content-type":
                         req.sse = value.startswith(_SSE)
-            elif message["type"] == "http.response.body" and not message.get("more_body", False):
-                req.complete = True
             await send(message)
 
         self.requests.add(req)
@@ -266,9 +267,9 @@ class HttpGuard:
             if refusal is not None:
                 return refusal
         if scope["method"] in _BODY_METHODS and (admin or path.startswith("/v1/")):
-            content_type = _text(headers.get(b"content-type", b""))
-            if not _json_media_type(content_type):
-                shown = content_type or "none"
+            content_type = headers.get(b"content-type", b"")
+            if content_type != b"application/json" and not _json_media_type(_text(content_type)):
+                shown = _text(content_type) or "none"
                 return APIError(
                     415,
                     f"request bodies must be JSON (Content-Type: application/json); got {shown}",
