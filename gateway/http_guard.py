@@ -4,8 +4,9 @@
   peers listed in ``trusted_proxies``, and all three alike: behind a trusted proxy the client is
   loopback only if every header present says so; a trusted proxy that names no client leaves it
   unknown (never loopback). From any other peer these headers are ignored.
-- **JSON only**: POST/PUT/PATCH on ``/v1/`` and ``/admin`` need ``Content-Type: application/json``
-  (415 otherwise), so a cross-site form or ``text/plain`` fetch cannot drive them.
+- **JSON only**: POST/PUT/PATCH bodies on ``/v1/`` and ``/admin`` need ``Content-Type:
+  application/json`` (415 otherwise), so a cross-site form or ``text/plain`` fetch cannot drive
+  them; a request with no body at all passes (browsers send an ``Origin`` with it, checked below).
 - **Admin from a browser**: an ``Origin`` other than the request's own host (or ``admin_origins``)
   is refused; without an admin token (loopback trust) the ``Host`` must be a loopback name, which
   defeats DNS rebinding.
@@ -17,6 +18,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import ipaddress
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -35,7 +37,9 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
-_WANTED = frozenset({b"content-type", b"host", b"origin", b"authorization"})
+_WANTED = frozenset(
+    {b"content-type", b"content-length", b"transfer-encoding", b"host", b"origin", b"authorization"}
+)
 _PROXY_HEADERS = frozenset({b"forwarded", b"x-forwarded-for", b"x-real-ip"})
 _SSE = b"text/event-stream"
 
@@ -185,7 +189,10 @@ class Inflight:
             if not req.ending or req.task is None:
                 raise
             req.task.uncancel()
-            await _finish_cut(req, send)
+            # a client that does not read can hold this write until uvicorn's own deadline
+            # cancels it: the connection is then closed with nothing more to say
+            with contextlib.suppress(asyncio.CancelledError):
+                await _finish_cut(req, send)
         finally:
             self.requests.discard(req)
 
@@ -268,7 +275,16 @@ class HttpGuard:
                 return refusal
         if scope["method"] in _BODY_METHODS and (admin or path.startswith("/v1/")):
             content_type = headers.get(b"content-type", b"")
-            if content_type != b"application/json" and not _json_media_type(_text(content_type)):
+            bodyless = (
+                not content_type
+                and headers.get(b"content-length", b"0") == b"0"
+                and b"transfer-encoding" not in headers
+            )
+            if (
+                content_type != b"application/json"
+                and not bodyless
+                and not _json_media_type(_text(content_type))
+            ):
                 shown = _text(content_type) or "none"
                 return APIError(
                     415,

@@ -85,7 +85,8 @@ def test_cross_site_requests_cannot_drive_the_admin_api(plain: str) -> None:
             # a cross-site form / no-cors fetch: simple content type, foreign Origin
             {"content": b"{}", "headers": {"content-type": "text/plain", "origin": "http://attacker.test"}},
             {"content": b"drain=1", "headers": {"content-type": "application/x-www-form-urlencoded"}},
-            {"content": b"", "headers": {}},  # a body-less POST
+            {"content": b"", "headers": {"origin": "http://attacker.test"}},  # a body-less POST
+            {"content": b"", "headers": {"content-type": "text/plain"}},
             {"json": {}, "headers": {"origin": "http://attacker.test"}},
             {"json": {}, "headers": {"origin": "null"}},
             # DNS rebinding: the page's own origin, but the attacker's name in Host
@@ -98,8 +99,10 @@ def test_cross_site_requests_cannot_drive_the_admin_api(plain: str) -> None:
             assert not _draining(plain), attack
         r = http.get("/admin/nodes", headers={"host": "evil.example.com"})
         assert r.status_code == 403 and r.json()["error"]["code"] == "admin_host_not_allowed"
-        # the gateway's own page and plain loopback clients still work
+        # the gateway's own page and plain loopback clients still work, with or without a body
         own = plain.replace("http://", "")
+        assert http.post(drain).status_code == 200
+        assert http.post(drain, json={"drain": False}).status_code == 200
         assert http.post(drain, json={}, headers={"origin": plain}).status_code == 200
         assert _draining(plain)
         r = http.post(drain, json={"drain": False}, headers={"host": f"localhost:{own.split(':')[1]}"})
