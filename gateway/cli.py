@@ -35,6 +35,64 @@ def _gateway_args(p: argparse.ArgumentParser, *, stack: bool) -> None:
     quotas.add_argument("--document-quota-count", type=int, default=None, metavar="N")
     quotas.add_argument("--document-quota-bytes", type=int, default=None, metavar="BYTES")
     quotas.add_argument("--document-store-bytes", type=int, default=None, metavar="BYTES")
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=None,
+        dest="header_timeout_s",
+        metavar="S",
+        help="seconds for a request's headers to arrive (default 10)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=None,
+        dest="body_timeout_s",
+        metavar="S",
+        help="seconds for a request's body to arrive after its headers (default 60)",
+    )
+    p.add_argument(
+        "--keepalive-timeout",
+        type=float,
+        default=None,
+        dest="keepalive_timeout_s",
+        metavar="S",
+        help="idle keep-alive connections are closed after this (default 5)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="open client connections (default 1024, kept under the open-file limit)",
+    )
+    p.add_argument(
+        "--max-header-bytes", type=int, default=None, help="request line + headers (default 32768)"
+    )
+    p.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=None,
+        dest="shutdown_grace_s",
+        metavar="S",
+        help="seconds open requests get after SIGTERM (default 10)",
+    )
+    p.add_argument(
+        "--trusted-proxy",
+        action="append",
+        default=None,
+        dest="trusted_proxies",
+        metavar="ADDR",
+        help="a proxy (address or CIDR) whose Forwarded / X-Forwarded-For / X-Real-IP are believed",
+    )
+    p.add_argument(
+        "--admin-origin",
+        action="append",
+        default=None,
+        dest="admin_origins",
+        metavar="ORIGIN",
+        help="a browser Origin allowed to call /admin (besides the gateway's own)",
+    )
+    p.add_argument("--metrics-token", default=None, help="bearer token required by /metrics (default: none)")
     if not stack:
         p.add_argument(
             "--prefill", action="append", default=None, metavar="ADDR", help="prefill node host:port"
@@ -69,6 +127,15 @@ _GATEWAY_KEYS = (
     "document_quota_count",
     "document_quota_bytes",
     "document_store_bytes",
+    "header_timeout_s",
+    "body_timeout_s",
+    "keepalive_timeout_s",
+    "max_connections",
+    "max_header_bytes",
+    "shutdown_grace_s",
+    "trusted_proxies",
+    "admin_origins",
+    "metrics_token",
     "prefill",
     "decode",
     "monolithic",
@@ -95,8 +162,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     if not (settings.decode or settings.monolithic):
         print("prefixgate gateway: give at least one --decode or --monolithic node", file=sys.stderr)
         return 2
-    run(settings)
-    return 0
+    return run(settings)
 
 
 def cmd_up(args: argparse.Namespace) -> int:

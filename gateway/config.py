@@ -79,6 +79,17 @@ class Settings:
     api_keys: list[str] = field(default_factory=list)
     admin_token: str = ""
     shared_namespaces: list[str] = field(default_factory=list)  # tenants that share one cache
+    # HTTP server limits (per connection, before any request reaches the app).
+    header_timeout_s: float = 10.0  # from accept (or the previous response) to the end of the headers
+    body_timeout_s: float = 60.0  # from the end of the headers to the end of the body
+    keepalive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
+    max_connections: int = 1024  # also held under the process's open-file limit
+    max_header_bytes: int = 32 * 1024  # request line + headers; above: 431
+    shutdown_grace_s: float = 10.0  # SIGTERM: streams still open after this end with an error event
+    # HTTP access policy.
+    trusted_proxies: list[str] = field(default_factory=list)  # peers whose Forwarded/X-*-IP are believed
+    admin_origins: list[str] = field(default_factory=list)  # extra Origins allowed to call /admin
+    metrics_token: str = ""  # bearer token for /metrics; empty: unauthenticated
     log_format: str = "auto"  # auto | json | console
     log_level: str = "info"
 

@@ -54,6 +54,11 @@ class StackOptions:
     extra_node_args: list[str] = field(default_factory=list)
 
 
+def node_host(gateway_host: str) -> str:
+    """Nodes speak unauthenticated gRPC: they listen on loopback whatever the gateway binds."""
+    return "::1" if ":" in gateway_host else "127.0.0.1"
+
+
 def node_command(role: str, node_id: str, port: int, opts: StackOptions) -> list[str]:
     cmd = [
         sys.executable,
@@ -63,7 +68,7 @@ def node_command(role: str, node_id: str, port: int, opts: StackOptions) -> list
         "--role",
         role,
         "--host",
-        opts.host,
+        node_host(opts.host),
         "--port",
         str(port),
         "--node-id",
@@ -89,10 +94,11 @@ def start_nodes(opts: StackOptions) -> list[NodeProcess]:
     nodes: list[NodeProcess] = []
     for role, count in (("prefill", opts.prefill), ("decode", opts.decode)):
         for i in range(1, count + 1):
-            port = free_port(opts.host)
+            node_address = node_host(opts.host)
+            port = free_port(node_address)
             node_id = f"{role}-{i}"
             proc = subprocess.Popen(node_command(role, node_id, port, opts), preexec_fn=_die_with_parent)
-            host = f"[{opts.host}]" if ":" in opts.host else opts.host
+            host = f"[{node_address}]" if ":" in node_address else node_address
             nodes.append(NodeProcess(role, node_id, f"{host}:{port}", proc))
     return nodes
 
@@ -134,7 +140,7 @@ def stop_nodes(nodes: list[NodeProcess], grace: float = 5.0) -> None:
 
 
 async def run_stack(settings: Settings, opts: StackOptions) -> int:
-    from gateway.server import make_server
+    from gateway.server import EXIT_WORK_CUT, make_server
 
     t0 = time.perf_counter()
     nodes = start_nodes(opts)
@@ -159,6 +165,6 @@ async def run_stack(settings: Settings, opts: StackOptions) -> int:
         print(f"prefixgate ready in {elapsed:.2f}s: http://{host}:{settings.port}/v1{extra}", flush=True)
         print("  nodes: " + ", ".join(f"{n.node_id}={n.address}" for n in nodes), flush=True)
         await serve_task
-        return 0
+        return EXIT_WORK_CUT if server.work_cut else 0
     finally:
         stop_nodes(nodes)

@@ -68,7 +68,14 @@ class Proc:
         return self.proc.returncode
 
 
-def spawn(args: list[str], env: dict[str, str] | None = None) -> Proc:
+def spawn(args: list[str], env: dict[str, str] | None = None, open_files: int = 0) -> Proc:
+    """``prefixgate ARGS`` as a child; ``open_files`` > 0 lowers its RLIMIT_NOFILE from the start."""
+
+    def limit_files() -> None:  # pragma: no cover - runs in the child
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
+
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFIXGATE_LOG_FORMAT": "json", **(env or {})}
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", *args],
@@ -78,6 +85,7 @@ def spawn(args: list[str], env: dict[str, str] | None = None) -> Proc:
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        preexec_fn=limit_files if open_files else None,
     )
     p = Proc(proc)
     p.start_reader()

@@ -166,7 +166,11 @@ def test_too_many_messages_is_a_413_naming_the_field(down: Gateway) -> None:
 def test_grpc_takes_no_larger_message_than_http(down: Gateway) -> None:
     prompt = "x" * (BODY_LIMIT + 1024)
     with httpx.Client(base_url=down.url, timeout=30, headers={"authorization": f"Bearer {KEY}"}) as http:
-        r = http.post("/v1/completions", content=orjson.dumps({"model": MODEL, "prompt": prompt}))
+        r = http.post(
+            "/v1/completions",
+            content=orjson.dumps({"model": MODEL, "prompt": prompt}),
+            headers={"content-type": "application/json"},
+        )
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
     md = (("authorization", f"Bearer {KEY}"),)
     with grpc.insecure_channel(down.grpc_address) as channel:

@@ -67,6 +67,7 @@ class Cluster:
     decode: list[NodeProc]
     gateway_args: list[str] = field(default_factory=list)
     gateway_env: dict[str, str] = field(default_factory=dict)
+    gateway_open_files: int = 0  # > 0: the gateway's RLIMIT_NOFILE
     port: int = 0
     gateway: Proc | None = None
 
@@ -90,7 +91,7 @@ class Cluster:
         for n in self.decode:
             args += ["--decode", n.address]
         env = {"PREFIXGATE_STATS_INTERVAL_S": "0.2", **self.gateway_env}
-        self.gateway = spawn(args + self.gateway_args, env=env)
+        self.gateway = spawn(args + self.gateway_args, env=env, open_files=self.gateway_open_files)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
