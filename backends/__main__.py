@@ -1,5 +1,5 @@
-"""``python -m backends --role prefill --port 0``: one node (same flags as ``prefixgate node``)."""
+"""``python -m prefixgate.backends --role prefill --port 0``: one node (same flags as ``prefixgate node``)."""
 
-from backends.cli import main
+from prefixgate.backends.cli import main
 
 raise SystemExit(main())

@@ -30,7 +30,13 @@ from typing import Any
 import grpc
 import structlog
 
-from backends.errors import FailedPrecondition, InvalidArgument, NodeError, ResourceExhausted, Unavailable
+from prefixgate.backends.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NodeError,
+    ResourceExhausted,
+    Unavailable,
+)
 
 log = structlog.get_logger("prefixgate.bootstrap")
 

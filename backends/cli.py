@@ -1,4 +1,4 @@
-"""``prefixgate node``: run one node. Mounted by the main CLI, or ``python -m backends``.
+"""``prefixgate node``: run one node. Mounted by the main CLI, or ``python -m prefixgate.backends``.
 
 With ``--port 0`` (or ``--ready-line``) it prints one JSON line to stdout once bound,
 ``{"event": "node_ready", "node_id": ..., "address": "host:port", "role": ..., "instance_id": ...}``,
@@ -17,9 +17,9 @@ from typing import Any
 
 import structlog
 
-from backends.kvpages import DEFAULT_KV_SCALE, parse_scale
-from backends.node import DEFAULT_CAPACITY_BLOCKS, ROLES
-from backends.profiles import PROFILES
+from prefixgate.backends.kvpages import DEFAULT_KV_SCALE, parse_scale
+from prefixgate.backends.node import DEFAULT_CAPACITY_BLOCKS, ROLES
+from prefixgate.backends.profiles import PROFILES
 
 
 def _scale(text: str) -> float:
@@ -136,13 +136,13 @@ def http_options(args: argparse.Namespace) -> Any:
     """``backends.http_api.HTTPOptions`` from parsed flags (None without ``--http-port``)."""
     if getattr(args, "http_port", None) is None:
         return None
-    from backends.http_api import HTTPOptions
+    from prefixgate.backends.http_api import HTTPOptions
 
     return HTTPOptions(model=args.http_model, normalize=args.http_normalize)
 
 
 def run_node(args: argparse.Namespace) -> int:
-    from backends.server import NodeServer, serve
+    from prefixgate.backends.server import NodeServer, serve
 
     configure_logging(args.log_level)
 
@@ -191,6 +191,6 @@ def run_loop(main: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m backends", description="run one prefixgate node")
+    parser = argparse.ArgumentParser(prog="python -m prefixgate.backends", description="run one prefixgate node")
     add_node_arguments(parser)
     return run_node(parser.parse_args(argv))

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from backends.engine import Sampling
-from backends.events import KVEventRecord
-from backends.generation import Chunk
-from backends.kvpages import KVFormat
-from backends.transfer import TransferHeader, WirePage
+from prefixgate.backends.engine import Sampling
+from prefixgate.backends.events import KVEventRecord
+from prefixgate.backends.generation import Chunk
+from prefixgate.backends.kvpages import KVFormat
+from prefixgate.backends.transfer import TransferHeader, WirePage
 from prefixgate.v1 import node_pb2
 
 

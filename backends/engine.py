@@ -16,8 +16,8 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from backends.kvpages import KVFormat
-from backends.profiles import CostProfile
+from prefixgate.backends.kvpages import KVFormat
+from prefixgate.backends.profiles import CostProfile
 
 DEFAULT_MAX_TOKENS = 1024
 MAX_TOKENS_LIMIT = 1 << 16

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from backends.engine import Sampling
-from backends.stopping import StopChecker
+from prefixgate.backends.engine import Sampling
+from prefixgate.backends.stopping import StopChecker
 
 
 @dataclass(slots=True)

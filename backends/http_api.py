@@ -42,16 +42,16 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from backends.engine import Sampling
-from backends.errors import NodeError
-from backends.generation import Chunk
-from backends.node import Node
-from cachetier.hashing import Namespace, block_hashes
-from cachetier.tokenizer import Bytes4Tokenizer, pack_ids, unpack_ids
-from gateway.errors import APIError, from_domain, invalid
-from gateway.exceptions import GatewayError
-from gateway.normalize import NormalizationError, render_chat, render_completion
-from gateway.schema import ParsedRequest, parse_json, parse_request
+from prefixgate.backends.engine import Sampling
+from prefixgate.backends.errors import NodeError
+from prefixgate.backends.generation import Chunk
+from prefixgate.backends.node import Node
+from prefixgate.cachetier.hashing import Namespace, block_hashes
+from prefixgate.cachetier.tokenizer import Bytes4Tokenizer, pack_ids, unpack_ids
+from prefixgate.gateway.errors import APIError, from_domain, invalid
+from prefixgate.gateway.exceptions import GatewayError
+from prefixgate.gateway.normalize import NormalizationError, render_chat, render_completion
+from prefixgate.gateway.schema import ParsedRequest, parse_json, parse_request
 
 DEFAULT_MODEL = "prefixgate-sim"
 MAX_MODEL_LEN = 139_264

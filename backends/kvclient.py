@@ -9,9 +9,9 @@ from typing import Any
 
 import grpc
 
-from backends.convert import header_to_proto, page_to_proto
-from backends.errors import NodeError
-from backends.transfer import TransferAck, TransferHeader, WirePage
+from prefixgate.backends.convert import header_to_proto, page_to_proto
+from prefixgate.backends.errors import NodeError
+from prefixgate.backends.transfer import TransferAck, TransferHeader, WirePage
 from prefixgate.v1 import node_pb2, node_pb2_grpc
 
 REQUEST_ID_KEY = "x-prefixgate-request-id"

@@ -17,9 +17,9 @@ from dataclasses import dataclass, replace
 
 import structlog
 
-from backends.admission import Admission, QueueFull, Ticket
-from backends.engine import DecodeJob, Engine, PrefillJob, PrefillOutput, Sampling
-from backends.errors import (
+from prefixgate.backends.admission import Admission, QueueFull, Ticket
+from prefixgate.backends.engine import DecodeJob, Engine, PrefillJob, PrefillOutput, Sampling
+from prefixgate.backends.errors import (
     AlreadyExists,
     DataLoss,
     FailedPrecondition,
@@ -27,12 +27,12 @@ from backends.errors import (
     NotFound,
     ResourceExhausted,
 )
-from backends.events import DEFAULT_EVENT_BUFFER, EventLog
-from backends.generation import Chunk, Generation
-from backends.kvpages import KVFormat, Page, checksum, format_mismatch
-from backends.pool import BlockPool, PoolExhausted
-from backends.profiles import MAX_RATE, CostProfile
-from backends.transfer import KVSender, TransferAck, TransferHeader, WirePage
+from prefixgate.backends.events import DEFAULT_EVENT_BUFFER, EventLog
+from prefixgate.backends.generation import Chunk, Generation
+from prefixgate.backends.kvpages import KVFormat, Page, checksum, format_mismatch
+from prefixgate.backends.pool import BlockPool, PoolExhausted
+from prefixgate.backends.profiles import MAX_RATE, CostProfile
+from prefixgate.backends.transfer import KVSender, TransferAck, TransferHeader, WirePage
 
 log = structlog.get_logger("prefixgate.node")
 

@@ -17,7 +17,7 @@ Its prefill is assumed at half the S5000's (monolithic fallback is slower than t
 
 ``cpu``: the tiny engine (``--engine tiny``, default preset: d_model 128, 2 layers, 8 query / 2
 KV heads, f32 KV of 512 bytes a token) computing on one core of a 2-core AMD EPYC VM, fitted by
-``python -m bench.tiny_bench`` (1K/4K/16K prompts, cold and with a prefix hit): a 16K-token
+``python -m prefixgate.bench.tiny_bench`` (1K/4K/16K prompts, cold and with a prefix hit): a 16K-token
 prefill takes ~5 s, almost all of it attention; decode ~0.3 ms + 75 ns per context token; KV
 over loopback gRPC at ~150 MB/s (the tiny engine ships its KV at full size). Tiny nodes report
 it, so the router's estimates for them are in real seconds.
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 
-from gateway.routing.costmodel import (
+from prefixgate.gateway.routing.costmodel import (
     MAX_RATE,
     REFERENCE_INPUT_TOKENS,
     REFERENCE_PREFILL_TOKENS_PER_S,
@@ -38,7 +38,7 @@ from gateway.routing.costmodel import (
     CostProfile,
     calibrated_prefill,
 )
-from gateway.vocab import Role
+from prefixgate.gateway.vocab import Role
 
 __all__ = [
     "ASTAR",

@@ -39,8 +39,8 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from backends.bootstrap import DEFAULT_BOOTSTRAP_TIMEOUT_S, BootstrapServer
-from backends.convert import (
+from prefixgate.backends.bootstrap import DEFAULT_BOOTSTRAP_TIMEOUT_S, BootstrapServer
+from prefixgate.backends.convert import (
     chunk_to_proto,
     event_to_proto,
     format_to_proto,
@@ -48,17 +48,17 @@ from backends.convert import (
     page_from_proto,
     sampling_from_proto,
 )
-from backends.engine import Engine
-from backends.errors import InvalidArgument, NodeError
-from backends.kvclient import CACHED_TOKENS_KEY, CHANNEL_OPTIONS, REQUEST_ID_KEY, GrpcKVSender
-from backends.kvpages import DEFAULT_KV_SCALE
-from backends.node import DEFAULT_CAPACITY_BLOCKS, Node, NodeConfig, PrefillCall
-from backends.profiles import get_profile
-from backends.transfer import WirePage
+from prefixgate.backends.engine import Engine
+from prefixgate.backends.errors import InvalidArgument, NodeError
+from prefixgate.backends.kvclient import CACHED_TOKENS_KEY, CHANNEL_OPTIONS, REQUEST_ID_KEY, GrpcKVSender
+from prefixgate.backends.kvpages import DEFAULT_KV_SCALE
+from prefixgate.backends.node import DEFAULT_CAPACITY_BLOCKS, Node, NodeConfig, PrefillCall
+from prefixgate.backends.profiles import get_profile
+from prefixgate.backends.transfer import WirePage
 from prefixgate.v1 import node_pb2, node_pb2_grpc
 
 if TYPE_CHECKING:
-    from backends.http_api import HTTPOptions, NodeHTTP
+    from prefixgate.backends.http_api import HTTPOptions, NodeHTTP
 
 log = structlog.get_logger("prefixgate.node")
 
@@ -235,13 +235,13 @@ def make_engine(
     kv_scale: float = DEFAULT_KV_SCALE,
 ) -> Engine:
     if engine == "sim":
-        from backends.sim.engine import SimEngine
+        from prefixgate.backends.sim.engine import SimEngine
 
         return SimEngine(
             get_profile(profile, role), block_size=block_size, time_scale=time_scale, kv_scale=kv_scale
         )
     if engine == "tiny" or engine.startswith("tiny:"):
-        from backends.tiny.engine import make_engine as make_tiny
+        from prefixgate.backends.tiny.engine import make_engine as make_tiny
 
         return make_tiny(engine, block_size=block_size, profile=profile)
     raise ValueError(f"unknown engine {engine!r}: available: sim, tiny[:key=value,...]")
@@ -286,8 +286,8 @@ class NodeServer:
     async def start(self) -> int:
         from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc
 
-        from backends.hftok import load as load_tokenizer
-        from backends.smg_service import SGLANG_SERVICE, SglangSchedulerService
+        from prefixgate.backends.hftok import load as load_tokenizer
+        from prefixgate.backends.smg_service import SGLANG_SERVICE, SglangSchedulerService
 
         server = grpc.aio.server(options=SERVER_OPTIONS)
         node_pb2_grpc.add_NodeServicer_to_server(NodeService(self.node), server)
@@ -419,7 +419,7 @@ async def serve(
     """
     ns = await start_node(role, host, port, **node_options)
     if http_port is not None:
-        from backends.http_api import NodeHTTP
+        from prefixgate.backends.http_api import NodeHTTP
 
         ns.http = NodeHTTP(ns.node, host, http_port, http_options)
         try:

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import xxhash
 from smg_grpc_proto.generated import common_pb2
 
-from backends.engine import MAX_TOKENS_LIMIT, Engine, Sampling
-from backends.errors import InvalidArgument
-from backends.events import EventKind, KVEventRecord
-from backends.hftok import ShippedTokenizer
-from backends.node import NodeSnapshot
+from prefixgate.backends.engine import MAX_TOKENS_LIMIT, Engine, Sampling
+from prefixgate.backends.errors import InvalidArgument
+from prefixgate.backends.events import EventKind, KVEventRecord
+from prefixgate.backends.hftok import ShippedTokenizer
+from prefixgate.backends.node import NodeSnapshot
 
 MAX_N = 16
 _U64 = 1 << 64
@@ -46,7 +46,7 @@ class TokenMap:
 
 def token_map(engine: Engine, tokenizer: ShippedTokenizer) -> TokenMap:
     if engine.name == "sim":
-        from backends.sim import textgen
+        from prefixgate.backends.sim import textgen
 
         to_wire: dict[int, int] = {}
         for engine_id, text in textgen.TEXT_OF.items():

@@ -32,14 +32,14 @@ import xxhash
 from google.protobuf import struct_pb2, timestamp_pb2
 from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2, sglang_scheduler_pb2_grpc
 
-from backends.bootstrap import DEFAULT_BOOTSTRAP_TIMEOUT_S, BootstrapServer, handshake
-from backends.engine import Sampling
-from backends.errors import FailedPrecondition, InvalidArgument, NodeError
-from backends.events import EventKind
-from backends.generation import Chunk
-from backends.hftok import ShippedTokenizer, bundle
-from backends.node import Node, PrefillCall, PrefillResult
-from backends.smg_convert import (
+from prefixgate.backends.bootstrap import DEFAULT_BOOTSTRAP_TIMEOUT_S, BootstrapServer, handshake
+from prefixgate.backends.engine import Sampling
+from prefixgate.backends.errors import FailedPrecondition, InvalidArgument, NodeError
+from prefixgate.backends.events import EventKind
+from prefixgate.backends.generation import Chunk
+from prefixgate.backends.hftok import ShippedTokenizer, bundle
+from prefixgate.backends.node import Node, PrefillCall, PrefillResult
+from prefixgate.backends.smg_convert import (
     TokenMap,
     chain_hashes,
     chain_root,

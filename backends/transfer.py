@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from backends.engine import Sampling
-from backends.kvpages import KVFormat
+from prefixgate.backends.engine import Sampling
+from prefixgate.backends.kvpages import KVFormat
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""``prefixgate bench ...``: mounts the benchmarks under the main command (``gateway/cli.py``)."""
+"""``prefixgate bench ...``: mounts the benchmarks under the main command (``prefixgate/cli.py``)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ from typing import Any
 
 
 def _tiny(args: argparse.Namespace) -> int:
-    from bench import tiny_bench
+    from prefixgate.bench import tiny_bench
 
     return int(tiny_bench.main(list(args.rest)) or 0)
 
 
 def add_bench_parser(sub: Any) -> None:
     """Add ``bench replay``, ``hotpath``, ``index``, ``peers`` and ``overhead`` to a subparsers object."""
-    from bench import hotpath, replay
+    from prefixgate.bench import hotpath, replay
 
     bench = sub.add_parser("bench", help="run a benchmark (prints a table; --json FILE writes the figures)")
     inner = bench.add_subparsers(dest="bench", required=True)
@@ -27,17 +27,17 @@ def add_bench_parser(sub: Any) -> None:
     hotpath.add_arguments(hp)
     hp.set_defaults(func=hotpath.run)
 
-    from bench import index_bench
+    from prefixgate.bench import index_bench
 
     ix = inner.add_parser("index", help="index lookup latency, write throughput, Redis memory per block")
     index_bench.add_arguments(ix)
     ix.set_defaults(func=index_bench.run_args)
 
     tb = inner.add_parser("tiny", help="tiny engine: TTFT with and without a prefix hit, KV transfer")
-    tb.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of python -m bench.tiny_bench")
+    tb.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of python -m prefixgate.bench.tiny_bench")
     tb.set_defaults(func=_tiny)
 
-    from bench import overhead, peers
+    from prefixgate.bench import overhead, peers
 
     pe = inner.add_parser(
         "peers", help="prefixgate vs sglang-router / vllm-router / LiteLLM, live, same nodes"

@@ -1,6 +1,6 @@
 """What registered documents really cost: the gateway's resident memory against the count.
 
-``python -m bench.document_memory`` starts a gateway process per scenario (no nodes needed for
+``python -m prefixgate.bench.document_memory`` starts a gateway process per scenario (no nodes needed for
 documents), uploads documents over HTTP with a quota high enough for all of them, and prints the
 growth of the gateway's resident memory (VmRSS), after the uploads and after reading each document
 back once, next to the bytes the registry counts for them
@@ -20,8 +20,8 @@ import time
 import httpx
 import orjson
 
-from gateway.documents import TENANT_OVERHEAD, stored_cost
-from gateway.normalize import Document
+from prefixgate.gateway.documents import TENANT_OVERHEAD, stored_cost
+from prefixgate.gateway.normalize import Document
 
 # name: (documents, characters each, character)
 SCENARIOS: dict[str, tuple[int, int, str]] = {
@@ -56,7 +56,7 @@ def measure(count: int, size: int, char: str) -> dict[str, int]:
         "PREFIXGATE_DOCUMENT_STORE_BYTES": str(1 << 40),
         "PREFIXGATE_LOG_LEVEL": "warning",
     }
-    cmd = [sys.executable, "-m", "gateway.cli", "gateway", "--port", str(port), "--decode", "127.0.0.1:1"]
+    cmd = [sys.executable, "-m", "prefixgate.cli", "gateway", "--port", str(port), "--decode", "127.0.0.1:1"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -25,11 +25,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from bench.textgen import segment_text
-from bench.workload_types import Request, Workload, WorkloadOptions, sample
-from cachetier.hashing import block_hashes
-from cachetier.tokenizer import Bytes4Tokenizer
-from gateway.normalize import Document, render_chat
+from prefixgate.bench.textgen import segment_text
+from prefixgate.bench.workload_types import Request, Workload, WorkloadOptions, sample
+from prefixgate.cachetier.hashing import block_hashes
+from prefixgate.cachetier.tokenizer import Bytes4Tokenizer
+from prefixgate.gateway.normalize import Document, render_chat
 
 Message = dict[str, Any]
 

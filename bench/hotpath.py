@@ -18,11 +18,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from bench.report import percentile, write_json
-from bench.textgen import segment_text
-from cachetier.hashing import Namespace, block_hashes
-from cachetier.tokenizer import Bytes4Tokenizer
-from gateway.normalize import Document, render_chat
+from prefixgate.bench.report import percentile, write_json
+from prefixgate.bench.textgen import segment_text
+from prefixgate.cachetier.hashing import Namespace, block_hashes
+from prefixgate.cachetier.tokenizer import Bytes4Tokenizer
+from prefixgate.gateway.normalize import Document, render_chat
 
 SIZES = (1_024, 32_768, 131_072)
 TARGET_128K_MS = 10.0

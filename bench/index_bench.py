@@ -1,6 +1,6 @@
 """Index benchmark: lookup latency, write throughput and Redis memory per block.
 
-``python -m bench.index_bench [--redis URL] [--json FILE]`` (also ``prefixgate bench index``);
+``python -m prefixgate.bench.index_bench [--redis URL] [--json FILE]`` (also ``prefixgate bench index``);
 ``--redis`` may name any node of a Redis Cluster (the figures are then the cluster's).
 Several nodes each hold a realistic set (background chains plus a random leading part of
 each test prompt), so every lookup binary-searches real, large sets. Redis runs use a
@@ -25,11 +25,11 @@ from redis.asyncio.cluster import RedisCluster
 from rich.console import Console
 from rich.table import Table
 
-from cachetier.index import BlockIndex, StoreOp
-from cachetier.memory import MemoryIndex
-from cachetier.redis_index import Client, RedisIndex
-from cachetier.resilient import ResilientIndex
-from cachetier.writer import IndexWriter
+from prefixgate.cachetier.index import BlockIndex, StoreOp
+from prefixgate.cachetier.memory import MemoryIndex
+from prefixgate.cachetier.redis_index import Client, RedisIndex
+from prefixgate.cachetier.resilient import ResilientIndex
+from prefixgate.cachetier.writer import IndexWriter
 
 TARGET_REDIS_P99_MS = 2.0
 TARGET_MEMORY_P99_MS = 0.2

@@ -171,7 +171,7 @@ def node_command(node_id: str, o: NodeOptions) -> list[str]:
     cmd = [
         sys.executable,
         "-m",
-        "gateway.cli",
+        "prefixgate.cli",
         "node",
         "--role",
         o.role,
@@ -276,7 +276,7 @@ def start_gateway(
     timeout: float = 60.0,
 ) -> Child:
     port = free_port()
-    cmd = [sys.executable, "-m", "gateway.cli", "gateway", "--port", str(port), "--policy", policy]
+    cmd = [sys.executable, "-m", "prefixgate.cli", "gateway", "--port", str(port), "--policy", policy]
     for flag, addrs in (("--monolithic", monolithic), ("--prefill", prefill), ("--decode", decode)):
         for a in addrs:
             cmd += [flag, a]

@@ -37,9 +37,9 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-from bench.report import Outcome, percentile, summarize
-from bench.simulator import global_lru_bound
-from bench.workloads import Request, Workload
+from prefixgate.bench.report import Outcome, percentile, summarize
+from prefixgate.bench.simulator import global_lru_bound
+from prefixgate.bench.workloads import Request, Workload
 
 DEFAULT_MODEL = "prefixgate-sim"
 NODE_HEADERS = ("x-prefixgate-prefill-node", "x-prefixgate-decode-node", "x-prefixgate-node")

@@ -33,9 +33,9 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-from bench import launch
-from bench.report import percentile, write_json
-from bench.textgen import segment_text
+from prefixgate.bench import launch
+from prefixgate.bench.report import percentile, write_json
+from prefixgate.bench.textgen import segment_text
 
 CLIENTS = (1, 32, 256)
 SIZES = (2_048, 262_144)

@@ -37,10 +37,10 @@ from typing import Any
 import grpc
 from rich.console import Console
 
-from bench import launch, live
-from bench.replay import build_workload, workload_format
-from bench.report import write_json
-from bench.workloads import FORMATS, Workload
+from prefixgate.bench import launch, live
+from prefixgate.bench.replay import build_workload, workload_format
+from prefixgate.bench.report import write_json
+from prefixgate.bench.workloads import FORMATS, Workload
 from prefixgate.v1 import node_pb2, node_pb2_grpc
 
 TARGETS = ("prefixgate", *launch.PEERS)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.routing.base import NodeView
-from gateway.routing.costmodel import REFERENCE_KV_BYTES_PER_TOKEN, CostProfile, transfer_seconds
-from gateway.routing.costmodel import S5000 as S5000_HARDWARE
+from prefixgate.gateway.routing.base import NodeView
+from prefixgate.gateway.routing.costmodel import REFERENCE_KV_BYTES_PER_TOKEN, CostProfile, transfer_seconds
+from prefixgate.gateway.routing.costmodel import S5000 as S5000_HARDWARE
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,11 +21,18 @@ from typing import Any
 
 from rich.console import Console
 
-from bench.profile import PROFILES, get_profile
-from bench.report import PolicySummary, print_table, write_json
-from bench.simulator import SimConfig, global_lru_bound, simulate
-from bench.workloads import FORMATS, GENERATED_FORMATS, Workload, WorkloadOptions, guess_format, load_workload
-from gateway.routing import parse_policy
+from prefixgate.bench.profile import PROFILES, get_profile
+from prefixgate.bench.report import PolicySummary, print_table, write_json
+from prefixgate.bench.simulator import SimConfig, global_lru_bound, simulate
+from prefixgate.bench.workloads import (
+    FORMATS,
+    GENERATED_FORMATS,
+    Workload,
+    WorkloadOptions,
+    guess_format,
+    load_workload,
+)
+from prefixgate.gateway.routing import parse_policy
 
 DEFAULT_POLICIES = ("round_robin", "least_loaded", "consistent_hash", "longest_prefix", "prefixgate")
 DEFAULT_CAPACITY_TOKENS = 20_000 * 512  # the trace README's middle row: 20,000 blocks of 512 tokens
@@ -86,7 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="queue-wait estimate beyond which a request falls back",
     )
     p.add_argument("--json", dest="json_out", help="write the figures as JSON to this file")
-    from bench import live
+    from prefixgate.bench import live
 
     live.add_arguments(p)
 
@@ -179,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
     fmt = workload_format(args)
     try:
         if args.mode == "live":
-            from bench import live
+            from prefixgate.bench import live
 
             report = live.run_replay(build_workload(args, args.normalize != "off"), args, console)
         elif args.normalize == "both" and fmt in GENERATED_FORMATS:

@@ -12,7 +12,7 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-from gateway.vocab import Mode
+from prefixgate.gateway.vocab import Mode
 
 
 @dataclass(slots=True)

@@ -31,14 +31,14 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from bench.profile import S5000, SimProfile
-from bench.report import Outcome, PolicySummary, summarize
-from bench.workloads import Request
-from cachetier.memory import IndexCore, NodeBlocks
-from gateway.routing import Policy
-from gateway.routing.base import NodeView, prefill_seconds
-from gateway.routing.planner import Plan, RequestView, Rules, plan
-from gateway.vocab import Mode, Role
+from prefixgate.bench.profile import S5000, SimProfile
+from prefixgate.bench.report import Outcome, PolicySummary, summarize
+from prefixgate.bench.workloads import Request
+from prefixgate.cachetier.memory import IndexCore, NodeBlocks
+from prefixgate.gateway.routing import Policy
+from prefixgate.gateway.routing.base import NodeView, prefill_seconds
+from prefixgate.gateway.routing.planner import Plan, RequestView, Rules, plan
+from prefixgate.gateway.vocab import Mode, Role
 
 # The decode pool, assumed to have room: it takes every split request's KV and every fallback.
 DECODE_VIEW = NodeView("decode", role=Role.DECODE)

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 
 import xxhash
 
-from cachetier.hashing import HASH_SEED
+from prefixgate.cachetier.hashing import HASH_SEED
 
 # 256 words of two letters or more: one byte of the stream picks one word (>= 3 bytes with the space).
 _WORDS: tuple[str, ...] = tuple(

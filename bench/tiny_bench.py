@@ -1,8 +1,8 @@
 """Tiny-engine benchmark: real prefill, prefix reuse and KV transfer between two node processes.
 
-``python -m bench.tiny_bench [--sizes 1024,4096,16384] [--engine tiny] [--json FILE]``
+``python -m prefixgate.bench.tiny_bench [--sizes 1024,4096,16384] [--engine tiny] [--json FILE]``
 
-Starts a prefill node and a decode node (``python -m backends --engine tiny``, separate
+Starts a prefill node and a decode node (``python -m prefixgate.backends --engine tiny``, separate
 processes on loopback) and, for each prompt size, runs the split path twice: cold (nothing
 cached) and with a prefix hit (a follow-up sharing all but the last ``--new-tokens`` tokens).
 Each run is Prefill on the prefill node (which pushes every KV page to the decode node over
@@ -36,7 +36,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from cachetier.hashing import Namespace, block_hashes
+from prefixgate.cachetier.hashing import Namespace, block_hashes
 from prefixgate.v1 import node_pb2, node_pb2_grpc
 
 SIZES = (1_024, 4_096, 16_384)
@@ -77,7 +77,7 @@ class Fit:
 
 
 class NodeProcess:
-    """``python -m backends`` in a child process; its address comes from the ready line."""
+    """``python -m prefixgate.backends`` in a child process; its address comes from the ready line."""
 
     def __init__(self, proc: asyncio.subprocess.Process, address: str) -> None:
         self.proc = proc
@@ -86,7 +86,7 @@ class NodeProcess:
     @classmethod
     async def start(cls, role: str, engine: str, block_size: int) -> NodeProcess:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "backends", "--role", role, "--engine", engine,
+            sys.executable, "-m", "prefixgate.backends", "--role", role, "--engine", engine,
             "--block-size", str(block_size), "--port", "0", "--log-level", "warning",
             "--capacity-blocks", "16384",
             stdout=asyncio.subprocess.PIPE,
@@ -257,7 +257,7 @@ def parse_sizes(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.tiny_bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m prefixgate.bench.tiny_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--sizes", type=parse_sizes, default=list(SIZES), help="prompt sizes (default 1024,4096,16384)"
     )

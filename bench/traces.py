@@ -20,8 +20,8 @@ from pathlib import Path
 
 import orjson
 
-from bench.textgen import Span, span_hashes
-from bench.workload_types import Request, Workload, WorkloadOptions, sample
+from prefixgate.bench.textgen import Span, span_hashes
+from prefixgate.bench.workload_types import Request, Workload, WorkloadOptions, sample
 
 TRACE_BLOCK = 512
 MOONCAKE_SALT = "mooncake"

@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.textgen import Span, spans_text
-from cachetier.hashing import Namespace
+from prefixgate.bench.textgen import Span, spans_text
+from prefixgate.cachetier.hashing import Namespace
 
 TRACE_FORMATS = ("mooncake", "azure")
 GENERATED_FORMATS = ("rag", "chat", "agent", "longdoc")

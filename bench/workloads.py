@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from bench import generated, traces
-from bench.workload_types import (
+from prefixgate.bench import generated, traces
+from prefixgate.bench.workload_types import (
     FORMATS,
     GENERATED_FORMATS,
     TRACE_FORMATS,

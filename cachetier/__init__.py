@@ -1,13 +1,13 @@
 """Block hashing and the KV-block index shared by every gateway replica."""
 
-from cachetier.factory import open_index
-from cachetier.hashing import BlockHasher, Namespace, block_hashes
-from cachetier.index import BlockIndex, IndexStats, StoreOp
-from cachetier.memory import MemoryIndex
-from cachetier.redis_index import RedisIndex
-from cachetier.resilient import ResilientIndex
-from cachetier.tokenizer import Bytes4Tokenizer, Tokenizer, load_tokenizer
-from cachetier.writer import IndexWriter
+from prefixgate.cachetier.factory import open_index
+from prefixgate.cachetier.hashing import BlockHasher, Namespace, block_hashes
+from prefixgate.cachetier.index import BlockIndex, IndexStats, StoreOp
+from prefixgate.cachetier.memory import MemoryIndex
+from prefixgate.cachetier.redis_index import RedisIndex
+from prefixgate.cachetier.resilient import ResilientIndex
+from prefixgate.cachetier.tokenizer import Bytes4Tokenizer, Tokenizer, load_tokenizer
+from prefixgate.cachetier.writer import IndexWriter
 
 __all__ = [
     "BlockHasher",

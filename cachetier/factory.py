@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from cachetier.index import DEFAULT_CAPACITY_BLOCKS, BlockIndex
-from cachetier.memory import MemoryIndex
-from cachetier.redis_index import DEFAULT_TTL_SECONDS, RedisIndex
-from cachetier.redis_schema import DEFAULT_PREFIX
-from cachetier.resilient import ResilientIndex, ResyncHook
+from prefixgate.cachetier.index import DEFAULT_CAPACITY_BLOCKS, BlockIndex
+from prefixgate.cachetier.memory import MemoryIndex
+from prefixgate.cachetier.redis_index import DEFAULT_TTL_SECONDS, RedisIndex
+from prefixgate.cachetier.redis_schema import DEFAULT_PREFIX
+from prefixgate.cachetier.resilient import ResilientIndex, ResyncHook
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from cachetier.index import (
+from prefixgate.cachetier.index import (
     DEFAULT_CAPACITY_BLOCKS,
     IndexStats,
     NodeOccupancy,

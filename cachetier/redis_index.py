@@ -31,8 +31,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, SlotNotCoveredError
 
-from cachetier.index import DEFAULT_CAPACITY_BLOCKS, IndexStats, NodeOccupancy, StoreOp
-from cachetier.redis_schema import (
+from prefixgate.cachetier.index import DEFAULT_CAPACITY_BLOCKS, IndexStats, NodeOccupancy, StoreOp
+from prefixgate.cachetier.redis_schema import (
     DEFAULT_PREFIX,
     EPOCH_LUA,
     LOOKUP_LUA,

@@ -30,8 +30,8 @@ from typing import Any, Protocol, TypeVar
 
 import structlog
 
-from cachetier.index import DEFAULT_CAPACITY_BLOCKS, BlockIndex, IndexStats, StoreOp
-from cachetier.memory import IndexCore
+from prefixgate.cachetier.index import DEFAULT_CAPACITY_BLOCKS, BlockIndex, IndexStats, StoreOp
+from prefixgate.cachetier.memory import IndexCore
 
 log = structlog.get_logger("prefixgate.cachetier.resilient")
 

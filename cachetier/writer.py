@@ -17,7 +17,7 @@ from types import TracebackType
 
 import structlog
 
-from cachetier.index import BlockIndex, StoreOp
+from prefixgate.cachetier.index import BlockIndex, StoreOp
 
 log = structlog.get_logger("prefixgate.cachetier.writer")
 

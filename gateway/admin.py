@@ -16,19 +16,27 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway import cache_ops
-from gateway.auth import check_admin
-from gateway.config import KEYLESS_TENANT
-from gateway.errors import invalid
-from gateway.exceptions import Conflict, Forbidden, NotFound
-from gateway.httpcommon import Handler, ORJSONResponse, caller_of, guard, read_body, request_id_of, service_of
-from gateway.logging import current_request_id
-from gateway.metrics import HitCounts
-from gateway.nodes import ROLES, Node
-from gateway.pipeline import Prepared
-from gateway.runner import Credentials, Identity
-from gateway.schema import ParsedRequest, parse_request
-from gateway.service import GatewayService
+from prefixgate.gateway import cache_ops
+from prefixgate.gateway.auth import check_admin
+from prefixgate.gateway.config import KEYLESS_TENANT
+from prefixgate.gateway.errors import invalid
+from prefixgate.gateway.exceptions import Conflict, Forbidden, NotFound
+from prefixgate.gateway.httpcommon import (
+    Handler,
+    ORJSONResponse,
+    caller_of,
+    guard,
+    read_body,
+    request_id_of,
+    service_of,
+)
+from prefixgate.gateway.logging import current_request_id
+from prefixgate.gateway.metrics import HitCounts
+from prefixgate.gateway.nodes import ROLES, Node
+from prefixgate.gateway.pipeline import Prepared
+from prefixgate.gateway.runner import Credentials, Identity
+from prefixgate.gateway.schema import ParsedRequest, parse_request
+from prefixgate.gateway.service import GatewayService
 
 SWITCHES = ("disaggregation", "prefix_routing", "normalization")
 ADMIN_BODY_LIMIT = 64 * 1024

@@ -19,12 +19,12 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from gateway.admin import admin_routes
-from gateway.config import KEYLESS_TENANT
-from gateway.errors import APIError, from_domain, invalid
-from gateway.exceptions import NotFound, StreamBroken
-from gateway.grpc_front import GrpcFront
-from gateway.httpcommon import (
+from prefixgate.gateway.admin import admin_routes
+from prefixgate.gateway.config import KEYLESS_TENANT
+from prefixgate.gateway.errors import APIError, from_domain, invalid
+from prefixgate.gateway.exceptions import NotFound, StreamBroken
+from prefixgate.gateway.grpc_front import GrpcFront
+from prefixgate.gateway.httpcommon import (
     DisconnectWatch,
     Endpoint,
     ORJSONResponse,
@@ -34,10 +34,10 @@ from gateway.httpcommon import (
     read_body,
     service_of,
 )
-from gateway.pipeline import Execution, Prepared
-from gateway.runner import Identity, deltas
-from gateway.schema import ParsedRequest, document_id, parse_request
-from gateway.service import GatewayService
+from prefixgate.gateway.pipeline import Execution, Prepared
+from prefixgate.gateway.runner import Identity, deltas
+from prefixgate.gateway.schema import ParsedRequest, document_id, parse_request
+from prefixgate.gateway.service import GatewayService
 
 log = structlog.get_logger("prefixgate.http")
 
@@ -218,7 +218,7 @@ async def list_models(request: Request) -> Response:
 
 
 async def openapi(request: Request) -> Response:
-    from gateway.openapi import openapi_spec
+    from prefixgate.gateway.openapi import openapi_spec
 
     return ORJSONResponse(openapi_spec(sorted(service_of(request).models)))
 

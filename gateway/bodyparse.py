@@ -19,8 +19,8 @@ import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from gateway import exceptions
-from gateway.schema import parse_json
+from prefixgate.gateway import exceptions
+from prefixgate.gateway.schema import parse_json
 
 Outcome = tuple[dict[str, Any] | None, tuple[str, str, str | None, str | None] | None]
 

@@ -16,19 +16,19 @@ from typing import Any
 
 import structlog
 
-from cachetier.index import StoreOp
-from cachetier.tokenizer import Tokenizer
-from gateway.exceptions import InvalidRequest, NotFound, Overloaded, Unavailable
-from gateway.nodeclient import NodeFailure, Prompt
-from gateway.nodes import ROLES, Node
-from gateway.normalize import Layout
-from gateway.pipeline import Prepared
-from gateway.routing import Decision, RouteInput, estimate_ttft
-from gateway.routing.base import Estimate
-from gateway.routing.planner import Plan
-from gateway.schema import Sampling
-from gateway.service import GatewayService
-from gateway.vocab import FailureKind, Mode
+from prefixgate.cachetier.index import StoreOp
+from prefixgate.cachetier.tokenizer import Tokenizer
+from prefixgate.gateway.exceptions import InvalidRequest, NotFound, Overloaded, Unavailable
+from prefixgate.gateway.nodeclient import NodeFailure, Prompt
+from prefixgate.gateway.nodes import ROLES, Node
+from prefixgate.gateway.normalize import Layout
+from prefixgate.gateway.pipeline import Prepared
+from prefixgate.gateway.routing import Decision, RouteInput, estimate_ttft
+from prefixgate.gateway.routing.base import Estimate
+from prefixgate.gateway.routing.planner import Plan
+from prefixgate.gateway.schema import Sampling
+from prefixgate.gateway.service import GatewayService
+from prefixgate.gateway.vocab import FailureKind, Mode
 
 log = structlog.get_logger("prefixgate.cache")
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from gateway.routing import parse_policy
+from prefixgate.gateway.routing import parse_policy
 
 ENV_PREFIX = "PREFIXGATE_"
 # Without API keys nobody is authenticated, so there is one tenant: every client shares its

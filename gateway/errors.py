@@ -6,7 +6,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from gateway.exceptions import (
+from prefixgate.gateway.exceptions import (
     Conflict,
     DeadlineExceeded,
     Draining,

@@ -12,11 +12,11 @@ import contextlib
 
 import structlog
 
-from cachetier.index import BlockIndex, StoreOp
-from gateway.metrics import Metrics
-from gateway.nodeclient import KVEvent, NodeFailure
-from gateway.nodes import Node, NodePool
-from gateway.vocab import EventKind, FailureKind
+from prefixgate.cachetier.index import BlockIndex, StoreOp
+from prefixgate.gateway.metrics import Metrics
+from prefixgate.gateway.nodeclient import KVEvent, NodeFailure
+from prefixgate.gateway.nodes import Node, NodePool
+from prefixgate.gateway.vocab import EventKind, FailureKind
 
 log = structlog.get_logger("prefixgate.events")
 

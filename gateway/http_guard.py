@@ -26,8 +26,8 @@ from typing import Any
 
 import orjson
 
-from gateway.config import Settings
-from gateway.errors import APIError
+from prefixgate.gateway.config import Settings
+from prefixgate.gateway.errors import APIError
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

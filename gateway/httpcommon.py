@@ -21,12 +21,12 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from gateway.auth import valid_request_id
-from gateway.errors import APIError, from_domain
-from gateway.exceptions import GatewayError, InvalidRequest, TooLarge
-from gateway.logging import bind_request, current_request_id
-from gateway.runner import Caller, RequestRunner
-from gateway.service import GatewayService
+from prefixgate.gateway.auth import valid_request_id
+from prefixgate.gateway.errors import APIError, from_domain
+from prefixgate.gateway.exceptions import GatewayError, InvalidRequest, TooLarge
+from prefixgate.gateway.logging import bind_request, current_request_id
+from prefixgate.gateway.runner import Caller, RequestRunner
+from prefixgate.gateway.service import GatewayService
 
 log = structlog.get_logger("prefixgate.http")
 

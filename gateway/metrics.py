@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from cachetier.index import IndexStats
+from prefixgate.cachetier.index import IndexStats
 
 # 1 ms .. 60 s, roughly x2 steps with extra resolution where TTFT targets sit.
 LATENCY_BUCKETS = (

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from gateway import nodeclient
-from gateway.breaker import CircuitBreaker
-from gateway.nodeclient import NodeClient, NodeFailure, NodeStatus
-from gateway.routing import NodeView
-from gateway.routing.costmodel import prefill_seconds
-from gateway.vocab import Role
+from prefixgate.gateway import nodeclient
+from prefixgate.gateway.breaker import CircuitBreaker
+from prefixgate.gateway.nodeclient import NodeClient, NodeFailure, NodeStatus
+from prefixgate.gateway.routing import NodeView
+from prefixgate.gateway.routing.costmodel import prefill_seconds
+from prefixgate.gateway.vocab import Role
 
 log = structlog.get_logger("prefixgate.nodes")
 

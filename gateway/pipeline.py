@@ -18,21 +18,21 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from cachetier.hashing import Namespace, block_hashes
-from cachetier.index import BlockIndex, StoreOp
-from cachetier.tokenizer import Tokenizer, pack_ids
-from cachetier.writer import IndexWriter
-from gateway.config import Settings
-from gateway.documents import DocumentStore
-from gateway.exceptions import InvalidRequest, Overloaded, StreamBroken, Unavailable
-from gateway.metrics import Metrics
-from gateway.nodeclient import NodeFailure, Prompt, TokenDelta, TokenStream
-from gateway.nodes import Node, NodePool
-from gateway.normalize import Layout, NormalizationError, Segment, render_chat, render_completion
-from gateway.routing import Decision, Policy, RouteInput, parse_policy, planner
-from gateway.routing.planner import Plan, RequestView, Rules
-from gateway.schema import ParsedRequest, Sampling
-from gateway.vocab import FailureKind, Mode, Stage
+from prefixgate.cachetier.hashing import Namespace, block_hashes
+from prefixgate.cachetier.index import BlockIndex, StoreOp
+from prefixgate.cachetier.tokenizer import Tokenizer, pack_ids
+from prefixgate.cachetier.writer import IndexWriter
+from prefixgate.gateway.config import Settings
+from prefixgate.gateway.documents import DocumentStore
+from prefixgate.gateway.exceptions import InvalidRequest, Overloaded, StreamBroken, Unavailable
+from prefixgate.gateway.metrics import Metrics
+from prefixgate.gateway.nodeclient import NodeFailure, Prompt, TokenDelta, TokenStream
+from prefixgate.gateway.nodes import Node, NodePool
+from prefixgate.gateway.normalize import Layout, NormalizationError, Segment, render_chat, render_completion
+from prefixgate.gateway.routing import Decision, Policy, RouteInput, parse_policy, planner
+from prefixgate.gateway.routing.planner import Plan, RequestView, Rules
+from prefixgate.gateway.schema import ParsedRequest, Sampling
+from prefixgate.gateway.vocab import FailureKind, Mode, Stage
 
 log = structlog.get_logger("prefixgate.pipeline")
 

@@ -29,15 +29,15 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from gateway import pipeline
-from gateway.auth import KeyRing, check_admin
-from gateway.bodyparse import BodyParser
-from gateway.config import KEYLESS_TENANT
-from gateway.exceptions import Draining, StreamBroken
+from prefixgate.gateway import pipeline
+from prefixgate.gateway.auth import KeyRing, check_admin
+from prefixgate.gateway.bodyparse import BodyParser
+from prefixgate.gateway.config import KEYLESS_TENANT
+from prefixgate.gateway.exceptions import Draining, StreamBroken
 
 if TYPE_CHECKING:
-    from gateway.pipeline import Delta, Execution, Prepared
-    from gateway.service import GatewayService
+    from prefixgate.gateway.pipeline import Delta, Execution, Prepared
+    from prefixgate.gateway.service import GatewayService
 
 T = TypeVar("T")
 OFFLOAD_BYTES = 1024 * 1024  # more than the text of a prompt of max_prompt_tokens (bytes4)

@@ -13,11 +13,11 @@ from types import FrameType
 import structlog
 import uvicorn
 
-from gateway.app import create_app
-from gateway.config import Settings
-from gateway.connections import ConnectionLimits, fd_bounded_connections, limited_protocol
-from gateway.http_guard import HttpGuard, Inflight
-from gateway.service import GatewayService
+from prefixgate.gateway.app import create_app
+from prefixgate.gateway.config import Settings
+from prefixgate.gateway.connections import ConnectionLimits, fd_bounded_connections, limited_protocol
+from prefixgate.gateway.http_guard import HttpGuard, Inflight
+from prefixgate.gateway.service import GatewayService
 
 log = structlog.get_logger("prefixgate.server")
 

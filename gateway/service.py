@@ -8,19 +8,19 @@ from collections.abc import Set
 
 import structlog
 
-import cachetier
-from cachetier.index import BlockIndex
-from cachetier.memory import MemoryIndex
-from cachetier.resilient import ResyncHook
-from cachetier.tokenizer import load_tokenizer
-from gateway.config import Settings
-from gateway.documents import DocumentLimits, DocumentStore
-from gateway.events import EventSync
-from gateway.metrics import Metrics, NodeSample
-from gateway.nodes import Node, NodePool
-from gateway.pipeline import Pipeline
-from gateway.quotas import PinLedger, PinLimits
-from gateway.runner import RequestRunner
+from prefixgate import cachetier
+from prefixgate.cachetier.index import BlockIndex
+from prefixgate.cachetier.memory import MemoryIndex
+from prefixgate.cachetier.resilient import ResyncHook
+from prefixgate.cachetier.tokenizer import load_tokenizer
+from prefixgate.gateway.config import Settings
+from prefixgate.gateway.documents import DocumentLimits, DocumentStore
+from prefixgate.gateway.events import EventSync
+from prefixgate.gateway.metrics import Metrics, NodeSample
+from prefixgate.gateway.nodes import Node, NodePool
+from prefixgate.gateway.pipeline import Pipeline
+from prefixgate.gateway.quotas import PinLedger, PinLimits
+from prefixgate.gateway.runner import RequestRunner
 
 log = structlog.get_logger("prefixgate.gateway")
 

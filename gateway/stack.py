@@ -12,9 +12,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from gateway import nodeclient
-from gateway.config import Settings
-from gateway.nodeclient import NodeFailure
+from prefixgate.gateway import nodeclient
+from prefixgate.gateway.config import Settings
+from prefixgate.gateway.nodeclient import NodeFailure
 
 PR_SET_PDEATHSIG = 1
 
@@ -63,7 +63,7 @@ def node_command(role: str, node_id: str, port: int, opts: StackOptions) -> list
     cmd = [
         sys.executable,
         "-m",
-        "gateway.cli",
+        "prefixgate.cli",
         "node",
         "--role",
         role,
@@ -140,7 +140,7 @@ def stop_nodes(nodes: list[NodeProcess], grace: float = 5.0) -> None:
 
 
 async def run_stack(settings: Settings, opts: StackOptions) -> int:
-    from gateway.server import EXIT_WORK_CUT, make_server
+    from prefixgate.gateway.server import EXIT_WORK_CUT, make_server
 
     t0 = time.perf_counter()
     nodes = start_nodes(opts)

@@ -78,7 +78,7 @@ def spawn(args: list[str], env: dict[str, str] | None = None, open_files: int = 
 
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFIXGATE_LOG_FORMAT": "json", **(env or {})}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", *args],
+        [sys.executable, "-m", "prefixgate.cli", *args],
         cwd=REPO,
         env=full_env,
         stdout=subprocess.PIPE,

@@ -9,16 +9,16 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from cachetier.hashing import block_hashes
-from cachetier.memory import MemoryIndex
-from cachetier.tokenizer import pack_ids
-from gateway.config import Settings
-from gateway.nodeclient import CostProfile, KVFormat, NodeStatus
-from gateway.nodes import Node
-from gateway.normalize import Layout
-from gateway.pipeline import Pipeline, Prepared
-from gateway.schema import Sampling
-from gateway.service import GatewayService
+from prefixgate.cachetier.hashing import block_hashes
+from prefixgate.cachetier.memory import MemoryIndex
+from prefixgate.cachetier.tokenizer import pack_ids
+from prefixgate.gateway.config import Settings
+from prefixgate.gateway.nodeclient import CostProfile, KVFormat, NodeStatus
+from prefixgate.gateway.nodes import Node
+from prefixgate.gateway.normalize import Layout
+from prefixgate.gateway.pipeline import Pipeline, Prepared
+from prefixgate.gateway.schema import Sampling
+from prefixgate.gateway.service import GatewayService
 
 BS = 64
 FORMAT = dict(model_fingerprint="sim:m", block_size=BS, dtype="fp8_e4m3", layout="page", bytes_per_token=320)

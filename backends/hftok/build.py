@@ -1,6 +1,6 @@
 """Build the nodes' Hugging Face tokenizer, deterministically, from a generated corpus.
 
-``python -m backends.hftok.build [DIR]`` writes ``tokenizer.json`` and ``tokenizer_config.json``
+``python -m prefixgate.backends.hftok.build [DIR]`` writes ``tokenizer.json`` and ``tokenizer_config.json``
 (a ChatML chat template) into ``DIR`` (default: this package, where the committed copy lives).
 The corpus is made here from fixed word lists and a seeded generator, so the same ``tokenizers``
 release always trains the same byte-level BPE; ``tests/backends/test_hftok.py`` checks the
@@ -17,7 +17,7 @@ import random
 import sys
 from pathlib import Path
 
-from backends.sim import textgen
+from prefixgate.backends.sim import textgen
 
 VOCAB_SIZE = 2048
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

@@ -15,8 +15,8 @@ from collections.abc import AsyncGenerator
 
 import xxhash
 
-from backends.engine import DecodeJob, PrefillJob, PrefillOutput
-from backends.kvpages import (
+from prefixgate.backends.engine import DecodeJob, PrefillJob, PrefillOutput
+from prefixgate.backends.kvpages import (
     DEFAULT_KV_SCALE,
     PAGE_LAYOUT,
     REFERENCE_MODEL,
@@ -25,8 +25,8 @@ from backends.kvpages import (
     scaled_bytes_per_token,
     synth_page_bytes,
 )
-from backends.profiles import CostProfile
-from backends.sim import textgen
+from prefixgate.backends.profiles import CostProfile
+from prefixgate.backends.sim import textgen
 
 MIN_SLEEP_S = 0.001  # tokens due sooner than this go out together
 MAX_GROUP = 16

@@ -20,7 +20,7 @@ from functools import lru_cache
 
 import xxhash
 
-from backends.engine import Sampling
+from prefixgate.backends.engine import Sampling
 
 _WORDS = """
     the and for are but not you all any can had her was one our out day get has him his how man new

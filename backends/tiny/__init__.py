@@ -10,7 +10,7 @@ V, so cache reuse and prefill -> decode transfer are checked by the tokens thems
 - ``backends.tiny.sampling``: greedy / seeded temperature + top-p; ``backends.tiny.vocab``: ids
 """
 
-from backends.tiny.config import PRESETS, TinyConfig, parse_engine_spec
-from backends.tiny.engine import TinyEngine, make_engine
+from prefixgate.backends.tiny.config import PRESETS, TinyConfig, parse_engine_spec
+from prefixgate.backends.tiny.engine import TinyEngine, make_engine
 
 __all__ = ["PRESETS", "TinyConfig", "TinyEngine", "make_engine", "parse_engine_spec"]

@@ -10,7 +10,7 @@ made).
 
 Time is real: ``time_scale`` is always 1, ``transfer_floor_seconds`` is 0, and
 ``prefill_seconds`` (the router's estimate) comes from the ``cpu`` profile, calibrated by
-``python -m bench.tiny_bench`` on the default preset.
+``python -m prefixgate.bench.tiny_bench`` on the default preset.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from typing import TypeVar
 
 from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
 
-from backends.engine import DecodeJob, PrefillJob, PrefillOutput
-from backends.kvpages import KVFormat
-from backends.profiles import CostProfile, get_profile
-from backends.tiny.config import TinyConfig, parse_engine_spec
-from backends.tiny.kvcache import PAGE_LAYOUT
-from backends.tiny.model import TinyModel, load_model
-from backends.tiny.runs import DecodeRun, PrefillRun
-from backends.tiny.vocab import EOS_TOKEN, token_text
+from prefixgate.backends.engine import DecodeJob, PrefillJob, PrefillOutput
+from prefixgate.backends.kvpages import KVFormat
+from prefixgate.backends.profiles import CostProfile, get_profile
+from prefixgate.backends.tiny.config import TinyConfig, parse_engine_spec
+from prefixgate.backends.tiny.kvcache import PAGE_LAYOUT
+from prefixgate.backends.tiny.model import TinyModel, load_model
+from prefixgate.backends.tiny.runs import DecodeRun, PrefillRun
+from prefixgate.backends.tiny.vocab import EOS_TOKEN, token_text
 
 SLICE_S = 0.02  # compute between turns on the engine thread
 MAX_GROUP = 16  # tokens per decode group at most (the first group is one token)

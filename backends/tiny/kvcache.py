@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from backends.tiny.config import TinyConfig
+from prefixgate.backends.tiny.config import TinyConfig
 
 PAGE_LAYOUT = "tiny:layer,kv,kv_head,token,head_dim"
 _WIRE_DTYPES: dict[str, np.dtype[Any]] = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2")}

@@ -25,9 +25,9 @@ import numpy as np
 import xxhash
 from numpy.typing import NDArray
 
-from backends.tiny.config import TinyConfig
-from backends.tiny.kvcache import KVCache
-from backends.tiny.vocab import OUTPUT_CLASSES, VOCAB_DIGEST
+from prefixgate.backends.tiny.config import TinyConfig
+from prefixgate.backends.tiny.kvcache import KVCache
+from prefixgate.backends.tiny.vocab import OUTPUT_CLASSES, VOCAB_DIGEST
 
 F32 = np.float32
 Array = NDArray[np.float32]

@@ -15,11 +15,11 @@ import time
 
 import numpy as np
 
-from backends.engine import DecodeJob, PrefillJob, PrefillOutput, Sampling
-from backends.tiny import sampling as smp
-from backends.tiny.kvcache import KVCache
-from backends.tiny.model import TinyModel
-from backends.tiny.vocab import EOS_TOKEN, embedding_rows, token_ids, token_of_class
+from prefixgate.backends.engine import DecodeJob, PrefillJob, PrefillOutput, Sampling
+from prefixgate.backends.tiny import sampling as smp
+from prefixgate.backends.tiny.kvcache import KVCache
+from prefixgate.backends.tiny.model import TinyModel
+from prefixgate.backends.tiny.vocab import EOS_TOKEN, embedding_rows, token_ids, token_of_class
 
 DECODE_HEADROOM = 256  # positions allocated beyond the prompt before the cache grows
 

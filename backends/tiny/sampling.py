@@ -19,7 +19,7 @@ import numpy as np
 import xxhash
 from numpy.typing import NDArray
 
-from backends.engine import Sampling
+from prefixgate.backends.engine import Sampling
 
 _MASK64 = (1 << 64) - 1
 

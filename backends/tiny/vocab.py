@@ -16,7 +16,7 @@ import numpy as np
 import xxhash
 from numpy.typing import NDArray
 
-from backends.hftok import load
+from prefixgate.backends.hftok import load
 
 _TOKENIZER = load()
 EOS_TOKEN = _TOKENIZER.eos_token_id

@@ -6,7 +6,7 @@ protocol (``prefixgate_grpc``) and a scripted fake for tests (``fake``).
 
 from __future__ import annotations
 
-from gateway.nodeclient.base import (
+from prefixgate.gateway.nodeclient.base import (
     Capabilities,
     CostProfile,
     FailedStream,
@@ -22,7 +22,7 @@ from gateway.nodeclient.base import (
     TokenDelta,
     TokenStream,
 )
-from gateway.nodeclient.prefixgate_grpc import GrpcNodeClient
+from prefixgate.gateway.nodeclient.prefixgate_grpc import GrpcNodeClient
 
 SCHEMES = ("grpc",)
 

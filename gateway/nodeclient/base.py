@@ -22,9 +22,9 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from gateway.routing.base import KVFormat as KVFormat  # one type: what routing pairs on
-from gateway.schema import Sampling
-from gateway.vocab import EventKind, FailureKind, Stage
+from prefixgate.gateway.routing.base import KVFormat as KVFormat  # one type: what routing pairs on
+from prefixgate.gateway.schema import Sampling
+from prefixgate.gateway.vocab import EventKind, FailureKind, Stage
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
-from gateway.nodeclient.base import (
+from prefixgate.gateway.nodeclient.base import (
     Capabilities,
     FailedStream,
     KVEvent,
@@ -26,7 +26,7 @@ from gateway.nodeclient.base import (
     StageTimings,
     TokenDelta,
 )
-from gateway.vocab import FailureKind, Stage
+from prefixgate.gateway.vocab import FailureKind, Stage
 
 FAKE_FORMAT = KVFormat("fake-model", 16, "f32", "token", 64)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from gateway.nodeclient.base import (
+from prefixgate.gateway.nodeclient.base import (
     Capabilities,
     CostProfile,
     FailedStream,
@@ -29,8 +29,8 @@ from gateway.nodeclient.base import (
     StageTimings,
     TokenDelta,
 )
-from gateway.schema import Sampling
-from gateway.vocab import EventKind, FailureKind, Stage
+from prefixgate.gateway.schema import Sampling
+from prefixgate.gateway.vocab import EventKind, FailureKind, Stage
 from prefixgate.v1 import node_pb2, node_pb2_grpc
 
 CHANNEL_OPTIONS = [

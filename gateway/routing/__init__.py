@@ -5,13 +5,13 @@ around them. Nothing here does I/O or keeps state between decisions (the caller 
 tie-break ``turn``), and the same code runs in the live gateway and in the trace simulator.
 """
 
-from gateway.routing.base import Decision, KVFormat, NodeView, Policy, RouteInput, estimate_ttft
-from gateway.routing.consistent_hash import ConsistentHashPolicy
-from gateway.routing.least_loaded import LeastLoadedPolicy
-from gateway.routing.longest_prefix import LongestPrefixPolicy
-from gateway.routing.prefixgate import PrefixGatePolicy
-from gateway.routing.registry import POLICIES, parse_policy, policy_parameters
-from gateway.routing.round_robin import RoundRobinPolicy
+from prefixgate.gateway.routing.base import Decision, KVFormat, NodeView, Policy, RouteInput, estimate_ttft
+from prefixgate.gateway.routing.consistent_hash import ConsistentHashPolicy
+from prefixgate.gateway.routing.least_loaded import LeastLoadedPolicy
+from prefixgate.gateway.routing.longest_prefix import LongestPrefixPolicy
+from prefixgate.gateway.routing.prefixgate import PrefixGatePolicy
+from prefixgate.gateway.routing.registry import POLICIES, parse_policy, policy_parameters
+from prefixgate.gateway.routing.round_robin import RoundRobinPolicy
 
 __all__ = [
     "POLICIES",

@@ -6,8 +6,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Protocol
 
-from gateway.routing import costmodel
-from gateway.vocab import Role
+from prefixgate.gateway.routing import costmodel
+from prefixgate.gateway.vocab import Role
 
 
 @dataclass(frozen=True, slots=True)

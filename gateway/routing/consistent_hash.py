@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-from gateway.routing.base import Decision, NodeView, RouteInput
+from prefixgate.gateway.routing.base import Decision, NodeView, RouteInput
 
 
 class ConsistentHashPolicy:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gateway.routing.base import Decision, NodeView, RouteInput
+from prefixgate.gateway.routing.base import Decision, NodeView, RouteInput
 
 
 class LeastLoadedPolicy:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.vocab import Mode
+from prefixgate.gateway.vocab import Mode
 
 
 @dataclass(frozen=True, slots=True)

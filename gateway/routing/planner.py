@@ -20,10 +20,10 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from gateway.routing.base import Decision, NodeView, Policy, RouteInput
-from gateway.routing.least_loaded import LeastLoadedPolicy
-from gateway.routing.mode import ModeDecision, choose_mode
-from gateway.vocab import Mode, Role
+from prefixgate.gateway.routing.base import Decision, NodeView, Policy, RouteInput
+from prefixgate.gateway.routing.least_loaded import LeastLoadedPolicy
+from prefixgate.gateway.routing.mode import ModeDecision, choose_mode
+from prefixgate.gateway.vocab import Mode, Role
 
 # The policy that routes when prefix routing is switched off: it ignores the cache.
 WITHOUT_PREFIX_ROUTING: Policy = LeastLoadedPolicy()

@@ -31,7 +31,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
-from gateway.routing.base import Decision, Estimate, NodeView, RouteInput, estimate_ttft
+from prefixgate.gateway.routing.base import Decision, Estimate, NodeView, RouteInput, estimate_ttft
 
 
 class PrefixGatePolicy:

@@ -10,12 +10,12 @@ import inspect
 import math
 from collections.abc import Callable, Mapping
 
-from gateway.routing.base import Policy
-from gateway.routing.consistent_hash import ConsistentHashPolicy
-from gateway.routing.least_loaded import LeastLoadedPolicy
-from gateway.routing.longest_prefix import LongestPrefixPolicy
-from gateway.routing.prefixgate import PrefixGatePolicy
-from gateway.routing.round_robin import RoundRobinPolicy
+from prefixgate.gateway.routing.base import Policy
+from prefixgate.gateway.routing.consistent_hash import ConsistentHashPolicy
+from prefixgate.gateway.routing.least_loaded import LeastLoadedPolicy
+from prefixgate.gateway.routing.longest_prefix import LongestPrefixPolicy
+from prefixgate.gateway.routing.prefixgate import PrefixGatePolicy
+from prefixgate.gateway.routing.round_robin import RoundRobinPolicy
 
 POLICIES: dict[str, Callable[..., Policy]] = {
     "round_robin": RoundRobinPolicy,

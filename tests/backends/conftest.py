@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from backends.server import NodeServer, start_node
-from cachetier.hashing import Namespace, block_hashes
+from prefixgate.backends.server import NodeServer, start_node
+from prefixgate.cachetier.hashing import Namespace, block_hashes
 
 StartNode = Callable[..., Awaitable[NodeServer]]
 

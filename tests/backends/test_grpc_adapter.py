@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from gateway.nodeclient import NodeFailure, Prompt, TokenStream
-from gateway.nodeclient.prefixgate_grpc import PUSH_HANDOFF, GrpcNodeClient
-from gateway.schema import Sampling
-from gateway.vocab import EventKind, FailureKind, Stage
+from prefixgate.gateway.nodeclient import NodeFailure, Prompt, TokenStream
+from prefixgate.gateway.nodeclient.prefixgate_grpc import PUSH_HANDOFF, GrpcNodeClient
+from prefixgate.gateway.schema import Sampling
+from prefixgate.gateway.vocab import EventKind, FailureKind, Stage
 
 MakePrompt = Callable[..., tuple[bytes, list[int]]]
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from backends.hftok import BUNDLE_FILES, TOKENIZER_DIR, bundle, load
-from backends.hftok.build import build
-from backends.sim import textgen
+from prefixgate.backends.hftok import BUNDLE_FILES, TOKENIZER_DIR, bundle, load
+from prefixgate.backends.hftok.build import build
+from prefixgate.backends.sim import textgen
 
 
 def _model(path: Path) -> dict[str, object]:

@@ -1,4 +1,4 @@
-"""``prefixgate node`` / ``python -m backends``: a real process, ready line, Stats, clean SIGTERM."""
+"""``prefixgate node`` / ``python -m prefixgate.backends``: a real process, ready line, Stats, clean SIGTERM."""
 
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ import grpc
 import pytest
 import structlog
 
-from backends.cli import add_node_arguments
-from backends.kvpages import parse_scale
+from prefixgate.backends.cli import add_node_arguments
+from prefixgate.backends.kvpages import parse_scale
 from prefixgate.v1 import node_pb2, node_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 async def test_node_process_starts_reports_and_stops_cleanly() -> None:
-    cmd = ["-m", "backends", "--role", "decode", "--port", "0", "--node-id", "dec-9"]
+    cmd = ["-m", "prefixgate.backends", "--role", "decode", "--port", "0", "--node-id", "dec-9"]
     cmd += ["--time-scale", "0", "--kv-scale", "1/1024", "--capacity-blocks", "100"]
     proc = await asyncio.create_subprocess_exec(
         sys.executable, *cmd, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
@@ -48,7 +48,7 @@ def test_port_in_use_exits_nonzero() -> None:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "backends", "--role", "prefill", "--port", str(port)]
+        cmd = [sys.executable, "-m", "prefixgate.backends", "--role", "prefill", "--port", str(port)]
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, timeout=20)
     assert done.returncode == 1 and b"bind" in done.stderr
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from backends.events import EventKind, EventLog, KVEventRecord
-from backends.pool import BlockPool
+from prefixgate.backends.events import EventKind, EventLog, KVEventRecord
+from prefixgate.backends.pool import BlockPool
 
 
 def make(buffer: int = 100) -> tuple[BlockPool[None], EventLog]:

@@ -11,9 +11,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from backends.kvpages import checksum
-from backends.profiles import S5000
-from backends.server import NodeServer
+from prefixgate.backends.kvpages import checksum
+from prefixgate.backends.profiles import S5000
+from prefixgate.backends.server import NodeServer
 from prefixgate.v1 import node_pb2
 
 Prompt = Callable[..., tuple[bytes, list[int]]]

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.pool import BlockPool, PoolExhausted
+from prefixgate.backends.pool import BlockPool, PoolExhausted
 
 
 class Recorder:

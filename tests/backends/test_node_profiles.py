@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from backends.profiles import (
+from prefixgate.backends.profiles import (
     ASTAR,
     INSTANT,
     MAX_RATE,
@@ -15,7 +15,7 @@ from backends.profiles import (
     get_profile,
     prefill_throughput,
 )
-from gateway.routing.base import NodeView, prefill_seconds
+from prefixgate.gateway.routing.base import NodeView, prefill_seconds
 
 
 def test_s5000_reproduces_reference_figure_at_64k() -> None:
@@ -68,9 +68,9 @@ def test_profile_lookup() -> None:
 
 
 def test_one_s5000_for_nodes_router_and_simulator() -> None:
-    from backends.kvpages import REFERENCE_MODEL
-    from bench.profile import S5000 as SIM_S5000
-    from gateway.routing import costmodel
+    from prefixgate.backends.kvpages import REFERENCE_MODEL
+    from prefixgate.bench.profile import S5000 as SIM_S5000
+    from prefixgate.gateway.routing import costmodel
 
     assert S5000 is costmodel.S5000 and SIM_S5000.hardware is costmodel.S5000
     # The simulator charges the link for the KV the nodes' reference model makes.

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from backends.engine import Sampling
-from backends.generation import Generation
-from backends.sim import textgen
-from backends.stopping import StopChecker
-from cachetier.tokenizer import Bytes4Tokenizer
+from prefixgate.backends.engine import Sampling
+from prefixgate.backends.generation import Generation
+from prefixgate.backends.sim import textgen
+from prefixgate.backends.stopping import StopChecker
+from prefixgate.cachetier.tokenizer import Bytes4Tokenizer
 
 
 def run(tokens: bytes, sampling: Sampling, n: int = 30) -> list[int]:

@@ -28,9 +28,9 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 from tokenizers import Tokenizer
 
-from backends.hftok import TOKENIZER_DIR
-from backends.server import NodeServer
-from backends.smg_service import SGLANG_SERVICE
+from prefixgate.backends.hftok import TOKENIZER_DIR
+from prefixgate.backends.server import NodeServer
+from prefixgate.backends.smg_service import SGLANG_SERVICE
 from prefixgate.v1 import node_pb2, node_pb2_grpc
 from tests.backends.conftest import StartNode
 
@@ -299,7 +299,7 @@ async def test_kv_events_carry_token_ids_and_chain(
 
 
 async def _spawn(*args: str) -> tuple[asyncio.subprocess.Process, dict[str, Any]]:
-    cmd = ["-m", "backends", "--port", "0", "--engine", TINY, "--block-size", str(BS), *args]
+    cmd = ["-m", "prefixgate.backends", "--port", "0", "--engine", TINY, "--block-size", str(BS), *args]
     proc = await asyncio.create_subprocess_exec(
         sys.executable, *cmd, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
     )
@@ -424,7 +424,7 @@ async def test_pd_refuses_kv_pages_of_another_model(nodes: StartNode) -> None:
 
 def test_block_hash_chain_is_over_packed_u32_ids() -> None:
     """The node hashes SMG prompts as packed little-endian u32 blocks: the core needs no change."""
-    from backends.smg_convert import chain_hashes, pack_ids
+    from prefixgate.backends.smg_convert import chain_hashes, pack_ids
 
     packed = pack_ids(LONG)
     assert len(packed) == 4 * len(LONG) and packed[:4] == LONG[0].to_bytes(4, "little")
@@ -461,7 +461,7 @@ async def test_n_choices_sample_apart(tiny: tuple[NodeServer, pb_grpc.SglangSche
 
 async def test_pd_decode_waits_out_a_prefill_longer_than_the_bootstrap_timeout(nodes: StartNode) -> None:
     """The bootstrap timeout bounds finding the peer; a paired decode leg waits for the pages."""
-    from backends.server import make_engine
+    from prefixgate.backends.server import make_engine
 
     scale = 1.5 / make_engine("sim", "prefill").prefill_seconds(len(LONG), 0)  # a 1.5 s prefill
     pre = await nodes(

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.workloads import DEFAULT_TRACES, traces_dir
+from prefixgate.bench.workloads import DEFAULT_TRACES, traces_dir
 
 
 def _trace(fmt: str) -> Path:

@@ -7,7 +7,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from bench import hotpath, replay
+from prefixgate.bench import hotpath, replay
 
 
 def test_replay_mooncake_slice_writes_the_documented_json(
@@ -51,7 +51,7 @@ def test_hotpath_writes_json(tmp_path: Path) -> None:
 
 
 def test_mounted_under_the_prefixgate_command() -> None:
-    from gateway.cli import build_parser
+    from prefixgate.cli import build_parser
 
     args = build_parser().parse_args(["bench", "replay", "--format", "rag", "--requests", "5"])
     assert args.func is replay.run and args.requests == 5

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from bench.simulator import SimConfig, Simulator
-from bench.workloads import Request
-from gateway.routing import POLICIES, parse_policy
-from gateway.vocab import Mode
+from prefixgate.bench.simulator import SimConfig, Simulator
+from prefixgate.bench.workloads import Request
+from prefixgate.gateway.routing import POLICIES, parse_policy
+from prefixgate.gateway.vocab import Mode
 from tests.planning import BS, gateway, prepared, report
 
 NODES = {"p0": "prefill", "p1": "prefill", "p2": "prefill", "d0": "decode", "d1": "decode"}

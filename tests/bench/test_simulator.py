@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from bench.profile import S5000
-from bench.simulator import SimConfig, Simulator, global_lru_bound, simulate
-from bench.textgen import span_hashes
-from bench.traces import load_mooncake
-from bench.workloads import Request, WorkloadOptions
-from gateway.routing import POLICIES, PrefixGatePolicy, parse_policy
+from prefixgate.bench.profile import S5000
+from prefixgate.bench.simulator import SimConfig, Simulator, global_lru_bound, simulate
+from prefixgate.bench.textgen import span_hashes
+from prefixgate.bench.traces import load_mooncake
+from prefixgate.bench.workloads import Request, WorkloadOptions
+from prefixgate.gateway.routing import POLICIES, PrefixGatePolicy, parse_policy
 
 BS = 64
 ROOT = 12345

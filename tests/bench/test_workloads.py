@@ -7,12 +7,12 @@ from pathlib import Path
 
 import orjson
 
-from bench.generated import _shuffled, generate, request_hashes
-from bench.textgen import segment_text, span_hashes, spans_text
-from bench.traces import load_azure, load_mooncake, mooncake_spans
-from bench.workloads import Workload, WorkloadOptions, load_workload
-from cachetier.hashing import Namespace, block_hashes
-from cachetier.tokenizer import Bytes4Tokenizer
+from prefixgate.bench.generated import _shuffled, generate, request_hashes
+from prefixgate.bench.textgen import segment_text, span_hashes, spans_text
+from prefixgate.bench.traces import load_azure, load_mooncake, mooncake_spans
+from prefixgate.bench.workloads import Workload, WorkloadOptions, load_workload
+from prefixgate.cachetier.hashing import Namespace, block_hashes
+from prefixgate.cachetier.tokenizer import Bytes4Tokenizer
 
 
 def test_same_id_gives_the_same_512_token_text() -> None:

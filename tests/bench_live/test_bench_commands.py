@@ -12,7 +12,7 @@ from tests.helpers import REPO
 
 def bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "bench", *args],
+        [sys.executable, "-m", "prefixgate.cli", "bench", *args],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import replay
+from prefixgate.bench import replay
 from tests.helpers import Proc, free_port, spawn
 
 

@@ -9,11 +9,11 @@ import pytest
 from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
-from backends.http_api import HTTPOptions, NodeHTTP
-from backends.server import NodeServer, start_node
-from cachetier.hashing import Namespace, block_hashes
-from cachetier.tokenizer import Bytes4Tokenizer, unpack_ids
-from gateway.normalize import render_chat, render_completion
+from prefixgate.backends.http_api import HTTPOptions, NodeHTTP
+from prefixgate.backends.server import NodeServer, start_node
+from prefixgate.cachetier.hashing import Namespace, block_hashes
+from prefixgate.cachetier.tokenizer import Bytes4Tokenizer, unpack_ids
+from prefixgate.gateway.normalize import render_chat, render_completion
 
 MODEL = "prefixgate-sim"
 SYSTEM = "You answer from the manual. " * 40  # ~1,100 bytes: several 64-token blocks

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from cachetier.redis_index import RedisIndex
+from prefixgate.cachetier.redis_index import RedisIndex
 from tests.cachetier.support import redis_url, test_prefix
 
 

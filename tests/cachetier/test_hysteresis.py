@@ -14,9 +14,9 @@ import structlog
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from cachetier.index import StoreOp
-from cachetier.memory import MemoryIndex
-from cachetier.resilient import ResilientIndex
+from prefixgate.cachetier.index import StoreOp
+from prefixgate.cachetier.memory import MemoryIndex
+from prefixgate.cachetier.resilient import ResilientIndex
 
 DEADLINE = 0.05
 SLOW = 0.2  # four deadlines: late by any measure, yet well inside call_timeout

@@ -6,10 +6,10 @@ from collections.abc import Sequence
 
 import pytest
 
-from cachetier.index import StoreOp
-from cachetier.memory import MemoryIndex
-from cachetier.redis_index import RedisIndex
-from cachetier.writer import IndexWriter
+from prefixgate.cachetier.index import StoreOp
+from prefixgate.cachetier.memory import MemoryIndex
+from prefixgate.cachetier.redis_index import RedisIndex
+from prefixgate.cachetier.writer import IndexWriter
 
 
 class CountingIndex(MemoryIndex):

@@ -9,10 +9,10 @@ from collections.abc import Callable, Iterator
 import pytest
 import structlog
 
-from cachetier import open_index
-from cachetier.index import StoreOp
-from cachetier.redis_index import RedisIndex
-from cachetier.resilient import ResilientIndex
+from prefixgate.cachetier import open_index
+from prefixgate.cachetier.index import StoreOp
+from prefixgate.cachetier.redis_index import RedisIndex
+from prefixgate.cachetier.resilient import ResilientIndex
 from tests.cachetier.support import PrivateRedis, test_prefix
 
 Resyncs = list[tuple[frozenset[str], str]]

@@ -8,9 +8,9 @@ import hashlib
 import pytest
 import redis.asyncio as aioredis
 
-from cachetier.index import StoreOp
-from cachetier.redis_index import RedisIndex
-from cachetier.redis_schema import KeySchema, pack_hash, pack_hashes
+from prefixgate.cachetier.index import StoreOp
+from prefixgate.cachetier.redis_index import RedisIndex
+from prefixgate.cachetier.redis_schema import KeySchema, pack_hash, pack_hashes
 from tests.cachetier.support import test_prefix
 
 

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import structlog
 
-from cachetier import open_index
-from cachetier.index import StoreOp
-from cachetier.memory import MemoryIndex
-from cachetier.redis_index import RedisIndex
-from cachetier.resilient import ResilientIndex
+from prefixgate.cachetier import open_index
+from prefixgate.cachetier.index import StoreOp
+from prefixgate.cachetier.memory import MemoryIndex
+from prefixgate.cachetier.redis_index import RedisIndex
+from prefixgate.cachetier.resilient import ResilientIndex
 from tests.cachetier.support import TcpProxy, redis_url, test_prefix
 
 

@@ -20,10 +20,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 from redis.asyncio.cluster import RedisCluster
 
-from cachetier import open_index
-from cachetier.index import BlockIndex, StoreOp
-from cachetier.redis_index import RedisIndex
-from cachetier.resilient import ResilientIndex
+from prefixgate.cachetier import open_index
+from prefixgate.cachetier.index import BlockIndex, StoreOp
+from prefixgate.cachetier.redis_index import RedisIndex
+from prefixgate.cachetier.resilient import ResilientIndex
 from tests.cachetier.support import RedisClusterHarness, test_prefix
 from tests.contract.test_index_contract import CAPACITY, IndexContract
 from tests.faults.cluster import Cluster, Tally, drive

@@ -57,7 +57,7 @@ class LocalCompose:
 
     def start(self, svc: LocalService) -> None:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", *svc.argv],
+            [sys.executable, "-m", "prefixgate.cli", *svc.argv],
             cwd=REPO,
             env=service_env(svc),
             stdout=subprocess.PIPE,

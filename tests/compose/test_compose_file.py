@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.cli import build_parser
-from gateway.config import Settings
+from prefixgate.cli import build_parser
+from prefixgate.gateway.config import Settings
 from tests.compose.topology import (
     COMPOSE_FILE,
     REPO,
@@ -138,7 +138,7 @@ def test_every_command_is_a_valid_prefixgate_invocation(compose: dict[str, Any])
 
 def test_gateway_settings_come_from_prefixgate_variables(compose: dict[str, Any]) -> None:
     """Every PREFIXGATE_* the gateway gets is a real setting, and the node lists match the services."""
-    from gateway.config import load_settings
+    from prefixgate.gateway.config import load_settings
 
     svcs = services(compose)
     env = environment(svcs["gateway"], {})
@@ -229,7 +229,9 @@ def test_dockerfile_layers_user_and_healthcheck() -> None:
         "README.md",
         "deploy/skeleton.py",
         "deploy/healthcheck.py",
-        "gateway/cli.py",
+        "prefixgate/cli.py",
+        "prefixgate/gateway",
+        "gateway/app.py",
         "proto/prefixgate/v1/node_pb2.py",
         "backends/profiles.py",
     ):

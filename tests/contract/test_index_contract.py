@@ -18,12 +18,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from cachetier import open_index
-from cachetier.hashing import Namespace, block_hashes
-from cachetier.index import BlockIndex, StoreOp
-from cachetier.memory import MemoryIndex
-from cachetier.redis_index import RedisIndex
-from cachetier.resilient import ResilientIndex
+from prefixgate.cachetier import open_index
+from prefixgate.cachetier.hashing import Namespace, block_hashes
+from prefixgate.cachetier.index import BlockIndex, StoreOp
+from prefixgate.cachetier.memory import MemoryIndex
+from prefixgate.cachetier.redis_index import RedisIndex
+from prefixgate.cachetier.resilient import ResilientIndex
 from tests.cachetier.support import redis_url, test_prefix
 
 CAPACITY = 12  # small, so evictions happen all the time

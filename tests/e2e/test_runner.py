@@ -20,11 +20,11 @@ import orjson
 import pytest
 from openai import OpenAI
 
-from gateway.config import Settings
-from gateway.pipeline import Delta, Prepared
-from gateway.pipeline import StreamBroken as PipelineStreamBroken
-from gateway.server import make_server
-from gateway.service import GatewayService
+from prefixgate.gateway.config import Settings
+from prefixgate.gateway.pipeline import Delta, Prepared
+from prefixgate.gateway.pipeline import StreamBroken as PipelineStreamBroken
+from prefixgate.gateway.server import make_server
+from prefixgate.gateway.service import GatewayService
 from prefixgate.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.helpers import free_port
 

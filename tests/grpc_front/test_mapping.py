@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from gateway.exceptions import (
+from prefixgate.gateway.exceptions import (
     Conflict,
     DeadlineExceeded,
     Draining,
@@ -19,7 +19,7 @@ from gateway.exceptions import (
     Unauthenticated,
     Unavailable,
 )
-from gateway.grpc_front import request_body, status_of
+from prefixgate.gateway.grpc_front import request_body, status_of
 from prefixgate.v1 import gateway_pb2
 
 

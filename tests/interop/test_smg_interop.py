@@ -28,7 +28,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 from tokenizers import Tokenizer
 
-from backends.hftok import TOKENIZER_DIR
+from prefixgate.backends.hftok import TOKENIZER_DIR
 from tests.helpers import REPO, Proc, free_port
 
 SMG_VERSION = "1.13.0"
@@ -91,7 +91,7 @@ def _start(argv: list[str], env: dict[str, str] | None = None) -> Proc:
 
 
 def _node(*args: str) -> tuple[Proc, dict[str, object]]:
-    cmd = [sys.executable, "-m", "backends", "--port", "0", "--engine", TINY, "--block-size", str(BS)]
+    cmd = [sys.executable, "-m", "prefixgate.backends", "--port", "0", "--engine", TINY, "--block-size", str(BS)]
     p = _start([*cmd, "--log-level", "warning", *args])
     m = p.wait_for(r'^(\{"event": "node_ready".*\})$', timeout=60)
     return p, json.loads(m.group(1))

@@ -12,12 +12,12 @@ from typing import Any
 import httpx
 import pytest
 
-from cachetier.hashing import Namespace, block_hashes
-from cachetier.index import IndexStats, StoreOp
-from cachetier.redis_index import RedisIndex, connect
-from cachetier.tokenizer import Bytes4Tokenizer
-from gateway.events import index_capacity
-from gateway.normalize import Document, render_chat
+from prefixgate.cachetier.hashing import Namespace, block_hashes
+from prefixgate.cachetier.index import IndexStats, StoreOp
+from prefixgate.cachetier.redis_index import RedisIndex, connect
+from prefixgate.cachetier.tokenizer import Bytes4Tokenizer
+from prefixgate.gateway.events import index_capacity
+from prefixgate.gateway.normalize import Document, render_chat
 from tests.faults.cluster import Cluster, Outcome, Tally, drive, start_redis
 from tests.faults.conftest import REPORT
 from tests.helpers import Proc, free_port, spawn

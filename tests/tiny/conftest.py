@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from backends.server import NodeServer, start_node
+from prefixgate.backends.server import NodeServer, start_node
 from tests.tiny.support import BS, SMALL, StartNode
 
 

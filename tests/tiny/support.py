@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from backends.server import NodeServer
-from cachetier.hashing import Namespace, block_hashes
+from prefixgate.backends.server import NodeServer
+from prefixgate.cachetier.hashing import Namespace, block_hashes
 from prefixgate.v1 import node_pb2
 
 SMALL = "tiny:preset=small"

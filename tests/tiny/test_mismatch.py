@@ -10,10 +10,10 @@ import grpc
 import httpx
 import pytest
 
-from backends.server import NodeServer
-from gateway.app import create_app
-from gateway.config import Settings
-from gateway.service import GatewayService
+from prefixgate.backends.server import NodeServer
+from prefixgate.gateway.app import create_app
+from prefixgate.gateway.config import Settings
+from prefixgate.gateway.service import GatewayService
 from prefixgate.v1 import node_pb2
 from tests.tiny.support import BS, SMALL, StartNode, make_prompt
 

@@ -8,13 +8,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from backends.engine import DecodeJob, PrefillJob, Sampling
-from backends.tiny import PRESETS, TinyEngine, make_engine, parse_engine_spec
-from backends.tiny import sampling as smp
-from backends.tiny.kvcache import KVCache
-from backends.tiny.model import TinyModel, load_model
-from backends.tiny.runs import chunk_bounds
-from backends.tiny.vocab import OUTPUT_CLASSES, OUTPUT_IDS, embedding_rows, token_ids, token_text
+from prefixgate.backends.engine import DecodeJob, PrefillJob, Sampling
+from prefixgate.backends.tiny import PRESETS, TinyEngine, make_engine, parse_engine_spec
+from prefixgate.backends.tiny import sampling as smp
+from prefixgate.backends.tiny.kvcache import KVCache
+from prefixgate.backends.tiny.model import TinyModel, load_model
+from prefixgate.backends.tiny.runs import chunk_bounds
+from prefixgate.backends.tiny.vocab import OUTPUT_CLASSES, OUTPUT_IDS, embedding_rows, token_ids, token_text
 from tests.tiny.support import BS, SMALL, make_prompt
 
 CFG = PRESETS["small"]
@@ -60,7 +60,7 @@ def test_output_vocabulary_is_the_shipped_tokenizer() -> None:
     """Output ids are the shipped tokenizer's, and their texts are its decode of them."""
     from tokenizers import Tokenizer
 
-    from backends.hftok import TOKENIZER_DIR, load
+    from prefixgate.backends.hftok import TOKENIZER_DIR, load
 
     hf = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
     tok = load()

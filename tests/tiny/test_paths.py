@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from backends.server import NodeServer
+from prefixgate.backends.server import NodeServer
 from prefixgate.v1 import node_pb2
 from tests.tiny.support import BS, Output, StartNode, generate, make_prompt, split
 

@@ -10,7 +10,7 @@ import pytest
 from openai import OpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
-from backends.hftok import load
+from prefixgate.backends.hftok import load
 from tests.helpers import Proc, free_port, spawn
 from tests.tiny.support import BS, SMALL
 

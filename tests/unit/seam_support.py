@@ -6,15 +6,15 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from cachetier.memory import MemoryIndex
-from cachetier.tokenizer import Bytes4Tokenizer
-from gateway.config import Settings
-from gateway.documents import DocumentStore
-from gateway.metrics import Metrics
-from gateway.nodeclient.fake import FakeNodeClient, fake_status
-from gateway.nodes import Node, NodePool
-from gateway.pipeline import Pipeline, Prepared
-from gateway.schema import parse_request
+from prefixgate.cachetier.memory import MemoryIndex
+from prefixgate.cachetier.tokenizer import Bytes4Tokenizer
+from prefixgate.gateway.config import Settings
+from prefixgate.gateway.documents import DocumentStore
+from prefixgate.gateway.metrics import Metrics
+from prefixgate.gateway.nodeclient.fake import FakeNodeClient, fake_status
+from prefixgate.gateway.nodes import Node, NodePool
+from prefixgate.gateway.pipeline import Pipeline, Prepared
+from prefixgate.gateway.schema import parse_request
 
 
 class Harness:

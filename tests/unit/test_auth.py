@@ -6,8 +6,8 @@ import hmac
 
 import pytest
 
-from gateway.auth import KeyRing, check_admin, valid_request_id
-from gateway.exceptions import Forbidden, Unauthenticated
+from prefixgate.gateway.auth import KeyRing, check_admin, valid_request_id
+from prefixgate.gateway.exceptions import Forbidden, Unauthenticated
 
 KEYS = ["sk-a=alice", "sk-b=bob", "sk-c"]
 

@@ -9,8 +9,8 @@ import tracemalloc
 import orjson
 import pytest
 
-from gateway.documents import DocumentLimits, DocumentStore
-from gateway.exceptions import QuotaExceeded, TooLarge
+from prefixgate.gateway.documents import DocumentLimits, DocumentStore
+from prefixgate.gateway.exceptions import QuotaExceeded, TooLarge
 
 
 def test_one_tenant_flooding_the_registry_never_evicts_another_tenants_document() -> None:

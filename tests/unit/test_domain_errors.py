@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.errors import from_domain, http_status
-from gateway.exceptions import (
+from prefixgate.gateway.errors import from_domain, http_status
+from prefixgate.gateway.exceptions import (
     DeadlineExceeded,
     Draining,
     GatewayError,
@@ -15,7 +15,7 @@ from gateway.exceptions import (
     StreamBroken,
     Unavailable,
 )
-from gateway.vocab import FailureKind, Mode, Role
+from prefixgate.gateway.vocab import FailureKind, Mode, Role
 
 
 @pytest.mark.parametrize(

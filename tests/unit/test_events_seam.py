@@ -7,13 +7,13 @@ from collections.abc import Callable
 
 import pytest
 
-from cachetier.memory import MemoryIndex
-from gateway.events import EventSync
-from gateway.metrics import Metrics
-from gateway.nodeclient import KVEvent
-from gateway.nodeclient.fake import FakeNodeClient, fake_status
-from gateway.nodes import NodePool
-from gateway.vocab import EventKind
+from prefixgate.cachetier.memory import MemoryIndex
+from prefixgate.gateway.events import EventSync
+from prefixgate.gateway.metrics import Metrics
+from prefixgate.gateway.nodeclient import KVEvent
+from prefixgate.gateway.nodeclient.fake import FakeNodeClient, fake_status
+from prefixgate.gateway.nodes import NodePool
+from prefixgate.gateway.vocab import EventKind
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -8,8 +8,8 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cachetier.hashing import HASH_SEED, Namespace, block_hashes
-from cachetier.tokenizer import Bytes4Tokenizer, pack_ids, unpack_ids
+from prefixgate.cachetier.hashing import HASH_SEED, Namespace, block_hashes
+from prefixgate.cachetier.tokenizer import Bytes4Tokenizer, pack_ids, unpack_ids
 
 TOK = Bytes4Tokenizer()
 

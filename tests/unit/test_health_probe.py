@@ -9,12 +9,12 @@ import time
 import grpc
 import pytest
 
-from gateway import nodeclient
-from gateway.nodeclient import NodeFailure
-from gateway.nodeclient.fake import Fail, FakeNodeClient, fake_status
-from gateway.nodeclient.prefixgate_grpc import GrpcNodeClient, failed_stage, failure
-from gateway.nodes import NodePool
-from gateway.vocab import FailureKind, Stage
+from prefixgate.gateway import nodeclient
+from prefixgate.gateway.nodeclient import NodeFailure
+from prefixgate.gateway.nodeclient.fake import Fail, FakeNodeClient, fake_status
+from prefixgate.gateway.nodeclient.prefixgate_grpc import GrpcNodeClient, failed_stage, failure
+from prefixgate.gateway.nodes import NodePool
+from prefixgate.gateway.vocab import FailureKind, Stage
 from tests.unit.seam_support import harness
 
 pytestmark = pytest.mark.timeout(10)

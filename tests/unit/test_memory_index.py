@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from cachetier.index import StoreOp, leading_run
-from cachetier.memory import IndexCore, NodeBlocks
+from prefixgate.cachetier.index import StoreOp, leading_run
+from prefixgate.cachetier.memory import IndexCore, NodeBlocks
 
 
 def test_lookup_returns_the_leading_run_per_node() -> None:

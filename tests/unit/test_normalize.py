@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from cachetier.hashing import Namespace, block_hashes
-from cachetier.tokenizer import Bytes4Tokenizer
-from gateway.normalize import (
+from prefixgate.cachetier.hashing import Namespace, block_hashes
+from prefixgate.cachetier.tokenizer import Bytes4Tokenizer
+from prefixgate.gateway.normalize import (
     Document,
     NormalizationError,
     canonical_json,

@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import pytest
 
-from gateway.nodes import Node
-from gateway.routing import POLICIES
-from gateway.vocab import Mode
+from prefixgate.gateway.nodes import Node
+from prefixgate.gateway.routing import POLICIES
+from prefixgate.gateway.vocab import Mode
 from tests.planning import gateway, prepared, report
 
 SPLIT = {"p0": "prefill", "p1": "prefill", "d0": "decode", "d1": "decode"}

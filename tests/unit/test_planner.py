@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.routing import POLICIES, KVFormat, NodeView, parse_policy
-from gateway.routing.planner import Plan, RequestView, Rules, plan, queue_wait_s
-from gateway.vocab import Mode, Role
+from prefixgate.gateway.routing import POLICIES, KVFormat, NodeView, parse_policy
+from prefixgate.gateway.routing.planner import Plan, RequestView, Rules, plan, queue_wait_s
+from prefixgate.gateway.vocab import Mode, Role
 
 FMT = KVFormat("model-a", 64, "fp8_e4m3", "page:layer,kv,head,token,dim", 320)
 OTHER_DTYPE = KVFormat("model-a", 64, "bf16", "page:layer,kv,head,token,dim", 640)

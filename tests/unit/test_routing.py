@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import load_settings
-from gateway.routing import NodeView, PrefixGatePolicy, RouteInput, parse_policy, policy_parameters
-from gateway.routing.mode import choose_mode
-from gateway.vocab import Mode
+from prefixgate.gateway.config import load_settings
+from prefixgate.gateway.routing import NodeView, PrefixGatePolicy, RouteInput, parse_policy, policy_parameters
+from prefixgate.gateway.routing.mode import choose_mode
+from prefixgate.gateway.vocab import Mode
 
 
 def views(*loads: int) -> list[NodeView]:
@@ -157,7 +157,7 @@ def test_gateway_settings_take_the_same_specs(tmp_path: Path) -> None:
 
 
 def test_the_command_line_refuses_a_bad_policy_spec(capsys: pytest.CaptureFixture[str]) -> None:
-    from gateway.cli import main
+    from prefixgate.cli import main
 
     assert main(["gateway", "--policy", "prefixgate:affinty=5", "--decode", "127.0.0.1:1"]) == 2
     err = capsys.readouterr().err

@@ -7,13 +7,13 @@ import threading
 
 import pytest
 
-from gateway.config import Settings
-from gateway.errors import APIError
-from gateway.exceptions import Draining, GatewayError, Overloaded, Unauthenticated
-from gateway.pipeline import Prepared
-from gateway.runner import OFFLOAD_BYTES, Caller, Credentials, Identity, Prepare
-from gateway.schema import parse_request
-from gateway.service import GatewayService
+from prefixgate.gateway.config import Settings
+from prefixgate.gateway.errors import APIError
+from prefixgate.gateway.exceptions import Draining, GatewayError, Overloaded, Unauthenticated
+from prefixgate.gateway.pipeline import Prepared
+from prefixgate.gateway.runner import OFFLOAD_BYTES, Caller, Credentials, Identity, Prepare
+from prefixgate.gateway.schema import parse_request
+from prefixgate.gateway.service import GatewayService
 
 MODEL = "prefixgate-sim"
 

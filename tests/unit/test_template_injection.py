@@ -7,11 +7,11 @@ import re
 import orjson
 import pytest
 
-from cachetier.hashing import Namespace, block_hashes
-from cachetier.tokenizer import Bytes4Tokenizer
-from gateway.errors import http_status
-from gateway.exceptions import InvalidRequest
-from gateway.normalize import (
+from prefixgate.cachetier.hashing import Namespace, block_hashes
+from prefixgate.cachetier.tokenizer import Bytes4Tokenizer
+from prefixgate.gateway.errors import http_status
+from prefixgate.gateway.exceptions import InvalidRequest
+from prefixgate.gateway.normalize import (
     Document,
     Layout,
     NormalizationError,
@@ -19,7 +19,7 @@ from gateway.normalize import (
     render_chat,
     render_completion,
 )
-from gateway.schema import parse_request
+from prefixgate.gateway.schema import parse_request
 
 TOK = Bytes4Tokenizer()
 GENUINE = [

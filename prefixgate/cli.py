@@ -1,14 +1,21 @@
-"""The ``prefixgate`` command: up, gateway, node, bench, admin."""
+"""The ``prefixgate`` command: up, gateway, node, bench, admin.
+
+The composition root: the one module that imports every package (gateway, nodes, benchmarks,
+admin client) to mount its subcommand. Heavy imports a subcommand alone needs stay inside it, so
+``prefixgate node`` does not load the gateway's HTTP server.
+"""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.config import Settings, load_settings
+from prefixgate.backends.cli import add_node_arguments, run_node
+from prefixgate.bench.cli import add_bench_parser
+from prefixgate.gateway.admin_cli import add_admin_parser
+from prefixgate.gateway.config import Settings, load_settings
 
 
 def _gateway_args(p: argparse.ArgumentParser, *, stack: bool) -> None:
@@ -152,8 +159,8 @@ def _settings(args: argparse.Namespace, keys: Sequence[str]) -> Settings | None:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    from gateway.logging import configure_logging
-    from gateway.server import run
+    from prefixgate.gateway.logging import configure_logging
+    from prefixgate.gateway.server import run
 
     settings = _settings(args, _GATEWAY_KEYS)
     if settings is None:
@@ -166,8 +173,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from gateway.logging import configure_logging
-    from gateway.stack import StackOptions, run_stack
+    from prefixgate.gateway.logging import configure_logging
+    from prefixgate.gateway.stack import StackOptions, run_stack
 
     stack_keys = [k for k in _GATEWAY_KEYS if k not in ("prefill", "decode", "monolithic")]
     settings = _settings(args, stack_keys)
@@ -208,27 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     _gateway_args(gw, stack=False)
     gw.set_defaults(func=cmd_gateway)
 
-    try:
-        from backends.cli import add_node_arguments, run_node
-    except ImportError:  # pragma: no cover
-        pass
-    else:
-        node = sub.add_parser("node", help="run one node")
-        add_node_arguments(node)
-        node.set_defaults(func=run_node)
-
-    try:
-        from bench.cli import add_bench_parser
-    except ImportError:
-        pass
-    else:
-        add_bench_parser(sub)
-    try:
-        from gateway.admin_cli import add_admin_parser  # type: ignore[import-not-found]
-    except ImportError:
-        pass
-    else:
-        add_admin_parser(sub)
+    node = sub.add_parser("node", help="run one node")
+    add_node_arguments(node)
+    node.set_defaults(func=run_node)
+    add_bench_parser(sub)
+    add_admin_parser(sub)
     return parser
 
 
@@ -240,6 +231,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-__all__ = ["asyncio", "build_parser", "main"]
