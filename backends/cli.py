@@ -191,6 +191,8 @@ def run_loop(main: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m prefixgate.backends", description="run one prefixgate node")
+    parser = argparse.ArgumentParser(
+        prog="python -m prefixgate.backends", description="run one prefixgate node"
+    )
     add_node_arguments(parser)
     return run_node(parser.parse_args(argv))

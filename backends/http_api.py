@@ -12,7 +12,7 @@ reused), ``/generate`` (SGLang native, minimal), ``/v1/chat/completions/render``
 ``/v1/completions/render`` and ``/tokenize`` (token ids of our tokenizer, which vllm-router's
 ``cache_aware`` policy needs), ``/flush_cache`` (drop every cached block).
 
-Prompts are rendered with ``gateway.normalize`` (the gateway's own chat template) and hashed
+Prompts are rendered with ``prefixgate.openai.normalize`` (the gateway's own chat template) and hashed
 in the gateway's namespace ``Namespace(model, tenant="", block_size, "bytes4")``, so a block a
 request leaves here is the block the gateway would name. Normalization is off by default: a
 real engine applies its chat template to the messages as sent, and a router in front of it
@@ -48,10 +48,10 @@ from prefixgate.backends.generation import Chunk
 from prefixgate.backends.node import Node
 from prefixgate.cachetier.hashing import Namespace, block_hashes
 from prefixgate.cachetier.tokenizer import Bytes4Tokenizer, pack_ids, unpack_ids
-from prefixgate.gateway.errors import APIError, from_domain, invalid
-from prefixgate.gateway.exceptions import GatewayError
-from prefixgate.gateway.normalize import NormalizationError, render_chat, render_completion
-from prefixgate.gateway.schema import ParsedRequest, parse_json, parse_request
+from prefixgate.openai.errors import APIError, from_domain, invalid
+from prefixgate.openai.exceptions import GatewayError
+from prefixgate.openai.normalize import NormalizationError, render_chat, render_completion
+from prefixgate.openai.schema import ParsedRequest, parse_json, parse_request
 
 DEFAULT_MODEL = "prefixgate-sim"
 MAX_MODEL_LEN = 139_264

@@ -34,7 +34,9 @@ def add_bench_parser(sub: Any) -> None:
     ix.set_defaults(func=index_bench.run_args)
 
     tb = inner.add_parser("tiny", help="tiny engine: TTFT with and without a prefix hit, KV transfer")
-    tb.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of python -m prefixgate.bench.tiny_bench")
+    tb.add_argument(
+        "rest", nargs=argparse.REMAINDER, help="arguments of python -m prefixgate.bench.tiny_bench"
+    )
     tb.set_defaults(func=_tiny)
 
     from prefixgate.bench import overhead, peers

@@ -21,7 +21,7 @@ import httpx
 import orjson
 
 from prefixgate.gateway.documents import TENANT_OVERHEAD, stored_cost
-from prefixgate.gateway.normalize import Document
+from prefixgate.openai.normalize import Document
 
 # name: (documents, characters each, character)
 SCENARIOS: dict[str, tuple[int, int, str]] = {

@@ -1,7 +1,7 @@
 """Generated workloads: OpenAI chat requests that show what normalization and routing buy.
 
 Every request is a real chat body (``messages``, the ``documents`` extension, ``tools``); its
-block hashes come from rendering it exactly as the gateway does (``gateway.normalize.
+block hashes come from rendering it exactly as the gateway does (``prefixgate.openai.normalize.
 render_chat`` with normalization on or off), tokenizing with ``bytes4`` and hashing with
 ``cachetier.hashing.block_hashes``. Text is deterministic word salad (``bench.textgen``).
 
@@ -29,7 +29,7 @@ from prefixgate.bench.textgen import segment_text
 from prefixgate.bench.workload_types import Request, Workload, WorkloadOptions, sample
 from prefixgate.cachetier.hashing import block_hashes
 from prefixgate.cachetier.tokenizer import Bytes4Tokenizer
-from prefixgate.gateway.normalize import Document, render_chat
+from prefixgate.openai.normalize import Document, render_chat
 
 Message = dict[str, Any]
 

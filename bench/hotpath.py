@@ -22,7 +22,7 @@ from prefixgate.bench.report import percentile, write_json
 from prefixgate.bench.textgen import segment_text
 from prefixgate.cachetier.hashing import Namespace, block_hashes
 from prefixgate.cachetier.tokenizer import Bytes4Tokenizer
-from prefixgate.gateway.normalize import Document, render_chat
+from prefixgate.openai.normalize import Document, render_chat
 
 SIZES = (1_024, 32_768, 131_072)
 TARGET_128K_MS = 10.0

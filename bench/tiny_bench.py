@@ -257,7 +257,9 @@ def parse_sizes(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m prefixgate.bench.tiny_bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m prefixgate.bench.tiny_bench", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument(
         "--sizes", type=parse_sizes, default=list(SIZES), help="prompt sizes (default 1024,4096,16384)"
     )

@@ -6,7 +6,7 @@ output size) and what a live driver needs to send it (``Workload.openai_body``).
 - ``mooncake``: the Mooncake trace, ids turned into deterministic text (``bench.traces``);
 - ``azure``: Azure 2023 lengths and arrivals with a sessions model (``bench.traces``);
 - ``rag``, ``chat``, ``agent``, ``longdoc``: generated OpenAI chat requests rendered through
-  ``gateway.normalize`` (``bench.generated``).
+  ``prefixgate.openai.normalize`` (``bench.generated``).
 """
 
 from __future__ import annotations

@@ -19,8 +19,6 @@ from starlette.routing import Route
 from prefixgate.gateway import cache_ops
 from prefixgate.gateway.auth import check_admin
 from prefixgate.gateway.config import KEYLESS_TENANT
-from prefixgate.gateway.errors import invalid
-from prefixgate.gateway.exceptions import Conflict, Forbidden, NotFound
 from prefixgate.gateway.httpcommon import (
     Handler,
     ORJSONResponse,
@@ -35,8 +33,10 @@ from prefixgate.gateway.metrics import HitCounts
 from prefixgate.gateway.nodes import ROLES, Node
 from prefixgate.gateway.pipeline import Prepared
 from prefixgate.gateway.runner import Credentials, Identity
-from prefixgate.gateway.schema import ParsedRequest, parse_request
 from prefixgate.gateway.service import GatewayService
+from prefixgate.openai.errors import invalid
+from prefixgate.openai.exceptions import Conflict, Forbidden, NotFound
+from prefixgate.openai.schema import ParsedRequest, parse_request
 
 SWITCHES = ("disaggregation", "prefix_routing", "normalization")
 ADMIN_BODY_LIMIT = 64 * 1024

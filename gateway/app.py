@@ -21,8 +21,6 @@ from starlette.routing import Route
 
 from prefixgate.gateway.admin import admin_routes
 from prefixgate.gateway.config import KEYLESS_TENANT
-from prefixgate.gateway.errors import APIError, from_domain, invalid
-from prefixgate.gateway.exceptions import NotFound, StreamBroken
 from prefixgate.gateway.grpc_front import GrpcFront
 from prefixgate.gateway.httpcommon import (
     DisconnectWatch,
@@ -36,8 +34,10 @@ from prefixgate.gateway.httpcommon import (
 )
 from prefixgate.gateway.pipeline import Execution, Prepared
 from prefixgate.gateway.runner import Identity, deltas
-from prefixgate.gateway.schema import ParsedRequest, document_id, parse_request
 from prefixgate.gateway.service import GatewayService
+from prefixgate.openai.errors import APIError, from_domain, invalid
+from prefixgate.openai.exceptions import NotFound, StreamBroken
+from prefixgate.openai.schema import ParsedRequest, document_id, parse_request
 
 log = structlog.get_logger("prefixgate.http")
 

@@ -13,7 +13,7 @@ import hashlib
 import hmac
 from collections.abc import Iterable
 
-from prefixgate.gateway.exceptions import Forbidden, Unauthenticated
+from prefixgate.openai.exceptions import Forbidden, Unauthenticated
 
 REQUEST_ID_MAX = 128
 LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})

@@ -9,7 +9,7 @@ what crosses back is small, and an oversized body costs the gateway's own proces
 the bytes it already read. Whether a body may hold that many is read off its bytes in
 microseconds (``values_bound``).
 
-The worker imports this module alone (``orjson`` and ``gateway.schema``), never the gateway.
+The worker imports this module alone (``orjson`` and ``prefixgate.openai.schema``), never the gateway.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from prefixgate.gateway import exceptions
-from prefixgate.gateway.schema import parse_json
+from prefixgate.openai import exceptions
+from prefixgate.openai.schema import parse_json
 
 Outcome = tuple[dict[str, Any] | None, tuple[str, str, str | None, str | None] | None]
 

@@ -18,17 +18,17 @@ import structlog
 
 from prefixgate.cachetier.index import StoreOp
 from prefixgate.cachetier.tokenizer import Tokenizer
-from prefixgate.gateway.exceptions import InvalidRequest, NotFound, Overloaded, Unavailable
 from prefixgate.gateway.nodeclient import NodeFailure, Prompt
 from prefixgate.gateway.nodes import ROLES, Node
-from prefixgate.gateway.normalize import Layout
 from prefixgate.gateway.pipeline import Prepared
 from prefixgate.gateway.routing import Decision, RouteInput, estimate_ttft
 from prefixgate.gateway.routing.base import Estimate
 from prefixgate.gateway.routing.planner import Plan
-from prefixgate.gateway.schema import Sampling
 from prefixgate.gateway.service import GatewayService
 from prefixgate.gateway.vocab import FailureKind, Mode
+from prefixgate.openai.exceptions import InvalidRequest, NotFound, Overloaded, Unavailable
+from prefixgate.openai.normalize import Layout
+from prefixgate.openai.schema import Sampling
 
 log = structlog.get_logger("prefixgate.cache")
 

@@ -24,7 +24,7 @@ import httptools
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from prefixgate.gateway.errors import APIError
+from prefixgate.openai.errors import APIError
 
 #: File descriptors kept for everything that is not a client connection (node channels, Redis, logs).
 FD_RESERVE = 64

@@ -17,8 +17,8 @@ import sys
 import uuid
 from dataclasses import dataclass
 
-from prefixgate.gateway.exceptions import NotFound, QuotaExceeded, TooLarge
-from prefixgate.gateway.normalize import Document
+from prefixgate.openai.exceptions import NotFound, QuotaExceeded, TooLarge
+from prefixgate.openai.normalize import Document
 
 # The Document, the (document, cost) entry and its dictionary slot: 125 to 173 bytes measured
 # with tracemalloc on CPython 3.11 depending on where the table is in its growth;

@@ -22,8 +22,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from prefixgate.gateway.auth import valid_request_id
-from prefixgate.gateway.errors import APIError, invalid
-from prefixgate.gateway.exceptions import (
+from prefixgate.gateway.logging import bind_request
+from prefixgate.gateway.pipeline import Execution, Prepared
+from prefixgate.gateway.runner import Caller, Identity, Prepare, deltas
+from prefixgate.gateway.service import GatewayService
+from prefixgate.openai.errors import APIError, invalid
+from prefixgate.openai.exceptions import (
     Conflict,
     DeadlineExceeded,
     Forbidden,
@@ -37,11 +41,7 @@ from prefixgate.gateway.exceptions import (
     Unauthenticated,
     Unavailable,
 )
-from prefixgate.gateway.logging import bind_request
-from prefixgate.gateway.pipeline import Execution, Prepared
-from prefixgate.gateway.runner import Caller, Identity, Prepare, deltas
-from prefixgate.gateway.schema import ParsedRequest, check_message_count, parse_request
-from prefixgate.gateway.service import GatewayService
+from prefixgate.openai.schema import ParsedRequest, check_message_count, parse_request
 from prefixgate.v1 import gateway_pb2, gateway_pb2_grpc
 
 log = structlog.get_logger("prefixgate.grpc")

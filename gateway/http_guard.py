@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 
 from prefixgate.gateway.config import Settings
-from prefixgate.gateway.errors import APIError
+from prefixgate.openai.errors import APIError
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

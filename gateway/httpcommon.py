@@ -1,7 +1,7 @@
 """HTTP plumbing shared by the client API (``gateway.app``) and the admin API (``gateway.admin``).
 
-Errors are mapped here once: a domain error (``gateway.exceptions``) becomes an OpenAI-format
-error with its HTTP status (``gateway.errors.from_domain``); anything unexpected becomes a 500.
+Errors are mapped here once: a domain error (``prefixgate.openai.exceptions``) becomes an OpenAI-format
+error with its HTTP status (``prefixgate.openai.errors.from_domain``); anything unexpected becomes a 500.
 
 Two kinds of endpoint: ``guard(handler)`` for a handler that returns its response, and
 ``Endpoint(handler)`` for one that sends its own (``respond``), so that whatever it holds (an
@@ -22,11 +22,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from prefixgate.gateway.auth import valid_request_id
-from prefixgate.gateway.errors import APIError, from_domain
-from prefixgate.gateway.exceptions import GatewayError, InvalidRequest, TooLarge
 from prefixgate.gateway.logging import bind_request, current_request_id
 from prefixgate.gateway.runner import Caller, RequestRunner
 from prefixgate.gateway.service import GatewayService
+from prefixgate.openai.errors import APIError, from_domain
+from prefixgate.openai.exceptions import GatewayError, InvalidRequest, TooLarge
 
 log = structlog.get_logger("prefixgate.http")
 

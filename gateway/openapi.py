@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefixgate.gateway.normalize import DOCUMENT_ID_PATTERN, MAX_DOCUMENT_ID
+from prefixgate.openai.normalize import DOCUMENT_ID_PATTERN, MAX_DOCUMENT_ID
 
 _ERROR = {
     "type": "object",

@@ -24,15 +24,15 @@ from prefixgate.cachetier.tokenizer import Tokenizer, pack_ids
 from prefixgate.cachetier.writer import IndexWriter
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.documents import DocumentStore
-from prefixgate.gateway.exceptions import InvalidRequest, Overloaded, StreamBroken, Unavailable
 from prefixgate.gateway.metrics import Metrics
 from prefixgate.gateway.nodeclient import NodeFailure, Prompt, TokenDelta, TokenStream
 from prefixgate.gateway.nodes import Node, NodePool
-from prefixgate.gateway.normalize import Layout, NormalizationError, Segment, render_chat, render_completion
 from prefixgate.gateway.routing import Decision, Policy, RouteInput, parse_policy, planner
 from prefixgate.gateway.routing.planner import Plan, RequestView, Rules
-from prefixgate.gateway.schema import ParsedRequest, Sampling
 from prefixgate.gateway.vocab import FailureKind, Mode, Stage
+from prefixgate.openai.exceptions import InvalidRequest, Overloaded, StreamBroken, Unavailable
+from prefixgate.openai.normalize import Layout, NormalizationError, Segment, render_chat, render_completion
+from prefixgate.openai.schema import ParsedRequest, Sampling
 
 log = structlog.get_logger("prefixgate.pipeline")
 

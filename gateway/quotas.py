@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from prefixgate.gateway.exceptions import InvalidRequest, QuotaExceeded
+from prefixgate.openai.exceptions import InvalidRequest, QuotaExceeded
 
 
 def _first_expiry(until: Iterable[float], now: float) -> float | None:

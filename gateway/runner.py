@@ -7,7 +7,7 @@ The HTTP API, the gRPC API and the admin/prefill endpoints all serve a request t
         ...  # stream or collect; the slot is held until this block is left, however it is left
 
 ``admitted`` is the same without ``execute``, for operations that are not a generation
-(warming and pinning a prefix). Errors are domain errors (``gateway.exceptions``); each front
+(warming and pinning a prefix). Errors are domain errors (``prefixgate.openai.exceptions``); each front
 end maps them once.
 
 Preparing a large request is CPU work proportional to its size. A body of many JSON values
@@ -33,7 +33,7 @@ from prefixgate.gateway import pipeline
 from prefixgate.gateway.auth import KeyRing, check_admin
 from prefixgate.gateway.bodyparse import BodyParser
 from prefixgate.gateway.config import KEYLESS_TENANT
-from prefixgate.gateway.exceptions import Draining, StreamBroken
+from prefixgate.openai.exceptions import Draining, StreamBroken
 
 if TYPE_CHECKING:
     from prefixgate.gateway.pipeline import Delta, Execution, Prepared

@@ -15,10 +15,10 @@ from prefixgate.cachetier.tokenizer import pack_ids
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.nodeclient import CostProfile, KVFormat, NodeStatus
 from prefixgate.gateway.nodes import Node
-from prefixgate.gateway.normalize import Layout
 from prefixgate.gateway.pipeline import Pipeline, Prepared
-from prefixgate.gateway.schema import Sampling
 from prefixgate.gateway.service import GatewayService
+from prefixgate.openai.normalize import Layout
+from prefixgate.openai.schema import Sampling
 
 BS = 64
 FORMAT = dict(model_fingerprint="sim:m", block_size=BS, dtype="fp8_e4m3", layout="page", bytes_per_token=320)

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from prefixgate.gateway.routing.base import KVFormat as KVFormat  # one type: what routing pairs on
-from prefixgate.gateway.schema import Sampling
 from prefixgate.gateway.vocab import EventKind, FailureKind, Stage
+from prefixgate.openai.schema import Sampling
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,8 +29,8 @@ from prefixgate.gateway.nodeclient.base import (
     StageTimings,
     TokenDelta,
 )
-from prefixgate.gateway.schema import Sampling
 from prefixgate.gateway.vocab import EventKind, FailureKind, Stage
+from prefixgate.openai.schema import Sampling
 from prefixgate.v1 import node_pb2, node_pb2_grpc
 
 CHANNEL_OPTIONS = [

@@ -11,8 +11,8 @@ import pytest
 
 from prefixgate.gateway.nodeclient import NodeFailure, Prompt, TokenStream
 from prefixgate.gateway.nodeclient.prefixgate_grpc import PUSH_HANDOFF, GrpcNodeClient
-from prefixgate.gateway.schema import Sampling
 from prefixgate.gateway.vocab import EventKind, FailureKind, Stage
+from prefixgate.openai.schema import Sampling
 
 MakePrompt = Callable[..., tuple[bytes, list[int]]]
 

@@ -1,4 +1,5 @@
-"""``prefixgate node`` / ``python -m prefixgate.backends``: a real process, ready line, Stats, clean SIGTERM."""
+"""``prefixgate node`` / ``python -m prefixgate.backends``: a real process, ready line, Stats,
+clean SIGTERM."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from prefixgate.backends.http_api import HTTPOptions, NodeHTTP
 from prefixgate.backends.server import NodeServer, start_node
 from prefixgate.cachetier.hashing import Namespace, block_hashes
 from prefixgate.cachetier.tokenizer import Bytes4Tokenizer, unpack_ids
-from prefixgate.gateway.normalize import render_chat, render_completion
+from prefixgate.openai.normalize import render_chat, render_completion
 
 MODEL = "prefixgate-sim"
 SYSTEM = "You answer from the manual. " * 40  # ~1,100 bytes: several 64-token blocks

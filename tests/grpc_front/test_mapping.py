@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import grpc
 
-from prefixgate.gateway.exceptions import (
+from prefixgate.gateway.grpc_front import request_body, status_of
+from prefixgate.openai.exceptions import (
     Conflict,
     DeadlineExceeded,
     Draining,
@@ -19,7 +20,6 @@ from prefixgate.gateway.exceptions import (
     Unauthenticated,
     Unavailable,
 )
-from prefixgate.gateway.grpc_front import request_body, status_of
 from prefixgate.v1 import gateway_pb2
 
 

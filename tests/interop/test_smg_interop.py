@@ -91,7 +91,17 @@ def _start(argv: list[str], env: dict[str, str] | None = None) -> Proc:
 
 
 def _node(*args: str) -> tuple[Proc, dict[str, object]]:
-    cmd = [sys.executable, "-m", "prefixgate.backends", "--port", "0", "--engine", TINY, "--block-size", str(BS)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "prefixgate.backends",
+        "--port",
+        "0",
+        "--engine",
+        TINY,
+        "--block-size",
+        str(BS),
+    ]
     p = _start([*cmd, "--log-level", "warning", *args])
     m = p.wait_for(r'^(\{"event": "node_ready".*\})$', timeout=60)
     return p, json.loads(m.group(1))

@@ -14,7 +14,7 @@ from prefixgate.gateway.metrics import Metrics
 from prefixgate.gateway.nodeclient.fake import FakeNodeClient, fake_status
 from prefixgate.gateway.nodes import Node, NodePool
 from prefixgate.gateway.pipeline import Pipeline, Prepared
-from prefixgate.gateway.schema import parse_request
+from prefixgate.openai.schema import parse_request
 
 
 class Harness:

@@ -7,7 +7,7 @@ import hmac
 import pytest
 
 from prefixgate.gateway.auth import KeyRing, check_admin, valid_request_id
-from prefixgate.gateway.exceptions import Forbidden, Unauthenticated
+from prefixgate.openai.exceptions import Forbidden, Unauthenticated
 
 KEYS = ["sk-a=alice", "sk-b=bob", "sk-c"]
 

@@ -9,9 +9,9 @@ import pytest
 
 from prefixgate.gateway.bodyparse import values_bound
 from prefixgate.gateway.config import load_settings
-from prefixgate.gateway.errors import from_domain
-from prefixgate.gateway.exceptions import GatewayError
-from prefixgate.gateway.schema import count_values, parse_json, parse_request
+from prefixgate.openai.errors import from_domain
+from prefixgate.openai.exceptions import GatewayError
+from prefixgate.openai.schema import count_values, parse_json, parse_request
 
 KW = dict(models={"m"}, default_max_tokens=16, max_tokens_limit=1000, max_documents=4)
 

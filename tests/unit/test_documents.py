@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from prefixgate.gateway.documents import DocumentLimits, DocumentStore
-from prefixgate.gateway.exceptions import QuotaExceeded, TooLarge
+from prefixgate.openai.exceptions import QuotaExceeded, TooLarge
 
 
 def test_one_tenant_flooding_the_registry_never_evicts_another_tenants_document() -> None:

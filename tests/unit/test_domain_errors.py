@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from prefixgate.gateway.errors import from_domain, http_status
-from prefixgate.gateway.exceptions import (
+from prefixgate.gateway.vocab import FailureKind, Mode, Role
+from prefixgate.openai.errors import from_domain, http_status
+from prefixgate.openai.exceptions import (
     DeadlineExceeded,
     Draining,
     GatewayError,
@@ -15,7 +16,6 @@ from prefixgate.gateway.exceptions import (
     StreamBroken,
     Unavailable,
 )
-from prefixgate.gateway.vocab import FailureKind, Mode, Role
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import pytest
 
 from prefixgate.cachetier.hashing import Namespace, block_hashes
 from prefixgate.cachetier.tokenizer import Bytes4Tokenizer
-from prefixgate.gateway.normalize import (
+from prefixgate.openai.normalize import (
     Document,
     NormalizationError,
     canonical_json,

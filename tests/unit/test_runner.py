@@ -8,12 +8,12 @@ import threading
 import pytest
 
 from prefixgate.gateway.config import Settings
-from prefixgate.gateway.errors import APIError
-from prefixgate.gateway.exceptions import Draining, GatewayError, Overloaded, Unauthenticated
 from prefixgate.gateway.pipeline import Prepared
 from prefixgate.gateway.runner import OFFLOAD_BYTES, Caller, Credentials, Identity, Prepare
-from prefixgate.gateway.schema import parse_request
 from prefixgate.gateway.service import GatewayService
+from prefixgate.openai.errors import APIError
+from prefixgate.openai.exceptions import Draining, GatewayError, Overloaded, Unauthenticated
+from prefixgate.openai.schema import parse_request
 
 MODEL = "prefixgate-sim"
 

@@ -9,9 +9,9 @@ import pytest
 
 from prefixgate.cachetier.hashing import Namespace, block_hashes
 from prefixgate.cachetier.tokenizer import Bytes4Tokenizer
-from prefixgate.gateway.errors import http_status
-from prefixgate.gateway.exceptions import InvalidRequest
-from prefixgate.gateway.normalize import (
+from prefixgate.openai.errors import http_status
+from prefixgate.openai.exceptions import InvalidRequest
+from prefixgate.openai.normalize import (
     Document,
     Layout,
     NormalizationError,
@@ -19,7 +19,7 @@ from prefixgate.gateway.normalize import (
     render_chat,
     render_completion,
 )
-from prefixgate.gateway.schema import parse_request
+from prefixgate.openai.schema import parse_request
 
 TOK = Bytes4Tokenizer()
 GENUINE = [

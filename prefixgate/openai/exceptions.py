@@ -1,7 +1,7 @@
 """Domain errors of the gateway core, free of any transport's status codes.
 
 The core (pipeline, cache operations, documents, service) raises these; each front end maps them
-once: the HTTP front end to an OpenAI-format error with an HTTP status (``gateway.errors``), the
+once: the HTTP front end to an OpenAI-format error with an HTTP status (``prefixgate.openai.errors``), the
 gRPC front end to a gRPC status. ``code`` is the OpenAI ``error.code`` both front ends send;
 ``param`` names the offending request field where there is one.
 """

@@ -6,7 +6,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from prefixgate.gateway.exceptions import (
+from prefixgate.openai.exceptions import (
     Conflict,
     DeadlineExceeded,
     Draining,

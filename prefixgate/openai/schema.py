@@ -9,9 +9,9 @@ from typing import Any
 
 import orjson
 
-from prefixgate.gateway.errors import invalid
-from prefixgate.gateway.exceptions import NotFound, TooLarge
-from prefixgate.gateway.normalize import DOCUMENT_ID_ALPHABET, MAX_DOCUMENT_ID, Document, is_document_id
+from prefixgate.openai.errors import invalid
+from prefixgate.openai.exceptions import NotFound, TooLarge
+from prefixgate.openai.normalize import DOCUMENT_ID_ALPHABET, MAX_DOCUMENT_ID, Document, is_document_id
 
 MAX_STOP = 4
 MAX_STOP_LEN = 256
