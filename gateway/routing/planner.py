@@ -18,7 +18,7 @@ preview passes the turn the next real decision will get and changes nothing.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from prefixgate.gateway.routing.base import Decision, NodeView, Policy, RouteInput
 from prefixgate.gateway.routing.least_loaded import LeastLoadedPolicy
@@ -73,6 +73,22 @@ class Plan:
 def queue_wait_s(node: NodeView) -> float:
     """Seconds of prefill queued on ``node`` ahead of a new request (policy-independent)."""
     return node.outstanding_tokens / node.prefill_tokens_per_s if node.prefill_tokens_per_s > 0 else 0.0
+
+
+def one_link(views: Sequence[NodeView]) -> list[NodeView]:
+    """The prefill candidates priced on one link: the slowest any of them reports.
+
+    The KV a request ships is the same whichever node computes it, but the link rates nodes report
+    mix measurements (nodes that already shipped pages) with modelled figures (nodes that have not
+    yet). Left as they are, the node that served before — the one holding the prefix — looks slower
+    to ship from than a cold node and loses its own cache hit. One figure for all keeps the transfer
+    in every estimate (and so in the TTFT budget) without letting it pick between candidates.
+    """
+    rates = [v.transfer_bytes_per_s for v in views if v.transfer_bytes_per_s > 0]
+    if len(views) < 2 or not rates:
+        return list(views)
+    link = min(rates)
+    return [v if v.transfer_bytes_per_s == link else replace(v, transfer_bytes_per_s=link) for v in views]
 
 
 def _candidates(nodes: Sequence[NodeView], role: Role, exclude: Collection[str]) -> list[NodeView]:
@@ -153,7 +169,7 @@ def plan(
 ) -> Plan:
     """Which mode, which nodes, and why, for ``request`` over ``nodes`` (every node of every role,
     routable or not; ``exclude`` names nodes that already failed this request)."""
-    prefill = _candidates(nodes, Role.PREFILL, exclude)
+    prefill = one_link(_candidates(nodes, Role.PREFILL, exclude))
     decode = decode_candidates(nodes, exclude)
     mono_candidates = monolithic_candidates(nodes, exclude)
     decision: Decision | None = None

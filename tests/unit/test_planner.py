@@ -167,3 +167,25 @@ def test_a_plan_is_a_value() -> None:
     assert isinstance(p, Plan)
     with pytest.raises(AttributeError):
         p.decode_node = "d9"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("policy", ["prefixgate", "longest_prefix"])
+def test_a_measured_slow_link_does_not_cost_the_warm_node_its_hit(policy: str) -> None:
+    """The node holding the prefix already shipped pages and reports a measured (slow) link; a
+    cold node still reports the modelled fast one. The hit decides, not the mix of figures. (Fast,
+    time-scaled nodes: recomputing 8K tokens costs 4 ms, shipping them at 29 MB/s 90 ms.)"""
+
+    def prefill_node(node_id: str, link: float) -> NodeView:
+        return NodeView(
+            node_id,
+            prefill_tokens_per_s=2_000_000.0,
+            attention_coeff_s=0.0,
+            role=Role.PREFILL,
+            kv_format=FMT,
+            kv_bytes_per_token=320,
+            transfer_bytes_per_s=link,
+        )
+
+    nodes = [prefill_node("warm", 29e6), prefill_node("cold", 40e9), node("d0", Role.DECODE)]
+    p = plan(request({"warm": 8192 // 64 - 1}), nodes, parse_policy(policy))
+    assert p.prefill is not None and p.prefill.node_id == "warm", p.prefill.reason if p.prefill else None
