@@ -286,6 +286,8 @@ def test_hung_decode_node_mid_stream_ends_streams_with_error(quick: Cluster) -> 
     cluster.wait_routable("prefill", 2)
     cluster.wait_routable("decode", 3)
     before = cluster.metric("prefixgate_retries_total")
+    prefill_retries0 = cluster.metric("prefixgate_retries_total", stage="prefill")
+    prefill_opens0 = {n.node_id: _node_state(cluster, n.node_id)["circuit_opens"] for n in cluster.prefill}
     first_wave = [body(9000 + i, tokens=800, max_tokens=500) for i in range(12)]
     second_wave = [body(9100 + i, tokens=800, max_tokens=20) for i in range(16)]
     stopped_at = 0.0
@@ -312,6 +314,8 @@ def test_hung_decode_node_mid_stream_ends_streams_with_error(quick: Cluster) -> 
     try:
         first, second = asyncio.run(scenario())
         opened = _node_state(cluster, victim.node_id)
+        prefill_states = [_node_state(cluster, n.node_id) for n in cluster.prefill]
+        prefill_retries = cluster.metric("prefixgate_retries_total", stage="prefill") - prefill_retries0
     finally:
         victim.signal(signal.SIGCONT)
     results = first + second
@@ -334,6 +338,8 @@ def test_hung_decode_node_mid_stream_ends_streams_with_error(quick: Cluster) -> 
     assert t.succeeded + t.stream_errors == len(results)
     assert all(r.decode_node != victim.node_id for r in second)
     assert opened["circuit"] == "open" and not opened["routable"], opened
+    assert prefill_retries == 0, "a push stuck on the hung decode node is not the prefill node's fault"
+    assert all(p["circuit_opens"] == prefill_opens0[p["id"]] for p in prefill_states), prefill_states
     assert _until(lambda: _node_state(cluster, victim.node_id)["routable"], 10.0)
     cluster.wait_routable("decode", 3)
 
