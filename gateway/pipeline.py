@@ -508,7 +508,7 @@ class Pipeline:
 
         A silent attempt is charged to the node still computing: the prefill node while its leg
         has not reported (a hung prefill is not the decode node's fault) unless the decode node
-        fails its health probes meanwhile, or has missed a probe round the prefill node answered
+        fails its health probes meanwhile, or has missed probe rounds the prefill node answered
         (then the prefill is most likely waiting to push pages to it), else the node that should
         be streaming. The caller closes the stream, which cancels the nodes' work.
         """
@@ -533,9 +533,11 @@ class Pipeline:
             raise NodeFailure(at.id, stage, FailureKind.TIMEOUT, f"no first token in {limit:.3g}s") from None
 
     def _quieter(self, a: Node, b: Node) -> bool:
-        """``a`` last answered its probe more than a probe round before ``b`` did: it went silent
-        first (a node whose first probe failed is caught by ``reachable``)."""
-        return bool(a.status_at and b.status_at) and a.status_at < b.status_at - self.pool.stats_interval_s
+        """``a`` last answered its probe more than two probe intervals before ``b`` did (two nodes
+        polled out of phase differ by less than one): it went silent first. A node whose probe
+        already failed is caught by ``reachable``."""
+        gap = 2 * self.pool.stats_interval_s
+        return bool(a.status_at and b.status_at) and a.status_at < b.status_at - gap
 
     @staticmethod
     def _prompt(prep: Prepared) -> Prompt:
