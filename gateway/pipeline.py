@@ -508,9 +508,9 @@ class Pipeline:
 
         A silent attempt is charged to the node still computing: the prefill node while its leg
         has not reported (a hung prefill is not the decode node's fault) unless the decode node
-        fails its health probes meanwhile (then the prefill is most likely waiting to push pages
-        to it), else the node that should be streaming. The caller closes the stream, which
-        cancels the nodes' work.
+        fails its health probes meanwhile, or has missed probe rounds the prefill node answered
+        (then the prefill is most likely waiting to push pages to it), else the node that should
+        be streaming. The caller closes the stream, which cancels the nodes' work.
         """
         limit = deadline - time.monotonic()
         if self.settings.first_token_timeout_s > 0:
@@ -519,13 +519,25 @@ class Pipeline:
             async with asyncio.timeout(max(0.001, limit)):
                 return await _first_delta(stream)
         except TimeoutError:
-            if prefill_node is not None and stream.prefill is None and node.reachable:
+            if (
+                prefill_node is not None
+                and stream.prefill is None
+                and node.reachable
+                and not self._quieter(node, prefill_node)
+            ):
                 at, stage = prefill_node, Stage.PREFILL
             elif prefill_node is not None and stream.prefill is None:
                 at, stage = node, Stage.TRANSFER
             else:
                 at, stage = node, (Stage.DECODE if prefill_node is not None else Stage.GENERATE)
             raise NodeFailure(at.id, stage, FailureKind.TIMEOUT, f"no first token in {limit:.3g}s") from None
+
+    def _quieter(self, a: Node, b: Node) -> bool:
+        """``a`` last answered its probe more than two probe intervals before ``b`` did (two nodes
+        polled out of phase differ by less than one): it went silent first. A node whose probe
+        already failed is caught by ``reachable``."""
+        gap = 2 * self.pool.stats_interval_s
+        return bool(a.status_at and b.status_at) and a.status_at < b.status_at - gap
 
     @staticmethod
     def _prompt(prep: Prepared) -> Prompt:

@@ -150,6 +150,8 @@ class Outcome:
     retry_after: str | None = None
     done_marker: bool = False
     cached_tokens: int = 0
+    started_at: float = 0.0  # time.monotonic() when the request was sent
+    ended_at: float = 0.0  # and when its response (or stream) ended
 
 
 @dataclass
@@ -167,6 +169,13 @@ class Tally:
 
 
 async def one(http: httpx.AsyncClient, body: dict[str, Any], stream: bool) -> Outcome:
+    started = time.monotonic()
+    out = await _one(http, body, stream)
+    out.started_at, out.ended_at = started, time.monotonic()
+    return out
+
+
+async def _one(http: httpx.AsyncClient, body: dict[str, Any], stream: bool) -> Outcome:
     try:
         if not stream:
             r = await http.post("/v1/chat/completions", json=body)
