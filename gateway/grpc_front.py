@@ -26,7 +26,7 @@ from prefixgate.gateway.logging import bind_request
 from prefixgate.gateway.pipeline import Execution, Prepared
 from prefixgate.gateway.runner import Caller, Identity, Prepare, deltas
 from prefixgate.gateway.service import GatewayService
-from prefixgate.openai.errors import APIError, invalid
+from prefixgate.openai.errors import invalid
 from prefixgate.openai.exceptions import (
     Conflict,
     DeadlineExceeded,
@@ -65,8 +65,6 @@ STATUS_CODES: tuple[tuple[type[GatewayError], grpc.StatusCode], ...] = (
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
     (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
 )
-# What the pipeline's execute still raises as an HTTP-shaped error, by status.
-_LEGACY_CODES: dict[int, type[GatewayError]] = {429: Overloaded, 503: Unavailable, 504: DeadlineExceeded}
 
 
 def status_of(e: GatewayError) -> grpc.StatusCode:
@@ -74,12 +72,6 @@ def status_of(e: GatewayError) -> grpc.StatusCode:
         if isinstance(e, cls):
             return code
     return grpc.StatusCode.INTERNAL
-
-
-def as_domain(e: APIError) -> GatewayError:
-    """An HTTP-shaped error from the core as the domain error it stands for."""
-    cls = _LEGACY_CODES.get(e.status, GatewayError)
-    return cls(e.message, param=e.param, code=e.code, retry_after=e.retry_after)
 
 
 def request_body(req: gateway_pb2.CompletionRequest) -> tuple[dict[str, Any], str]:
@@ -170,8 +162,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if self.svc.settings.response_headers:
             await context.send_initial_metadata(tuple(ex.headers().items()))
 
-    async def _fail(self, context: grpc.aio.ServicerContext, err: GatewayError | APIError) -> None:
-        e = as_domain(err) if isinstance(err, APIError) else err
+    async def _fail(self, context: grpc.aio.ServicerContext, e: GatewayError) -> None:
         log.info("request_failed", status=status_of(e).name, code=e.code, error=e.message[:200])
         trailer: list[tuple[str, str]] = [("x-prefixgate-error-code", e.code)]
         if e.retry_after is not None:
@@ -201,7 +192,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         chunk.usage.CopyFrom(_usage(ex))
                     first = False
                     yield chunk
-        except (GatewayError, APIError) as e:
+        except GatewayError as e:
             await self._fail(context, e)
 
     async def Complete(
@@ -220,7 +211,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     prefill_node=ex.prefill_node.id if ex.prefill_node else "",
                     decode_node=ex.decode_node.id,
                 )
-        except (GatewayError, APIError) as e:
+        except GatewayError as e:
             await self._fail(context, e)
             raise  # not reached: abort raises
 

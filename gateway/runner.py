@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from prefixgate.gateway import pipeline
 from prefixgate.gateway.auth import KeyRing, check_admin
 from prefixgate.gateway.bodyparse import BodyParser
 from prefixgate.gateway.config import KEYLESS_TENANT
@@ -142,5 +141,5 @@ async def deltas(execution: Execution) -> AsyncIterator[Delta]:
     try:
         async for delta in execution.stream():
             yield delta
-    except pipeline.StreamBroken as e:
+    except StreamBroken as e:
         raise StreamBroken(f"generation failed after it started: {e}") from e
