@@ -33,10 +33,11 @@ from prefixgate.backends.kvpages import KVFormat, Page, checksum, format_mismatc
 from prefixgate.backends.pool import BlockPool, PoolExhausted
 from prefixgate.backends.profiles import MAX_RATE, CostProfile
 from prefixgate.backends.transfer import KVSender, TransferAck, TransferHeader, WirePage
+from prefixgate.gateway.vocab import Role
 
 log = structlog.get_logger("prefixgate.node")
 
-ROLES = ("prefill", "decode", "monolithic")
+ROLES = tuple(r.value for r in Role)
 DEFAULT_CAPACITY_BLOCKS = 4096
 DEFAULT_LOOPBACK_BYTES_PER_S = 1e9  # first guess of the transfer rate before any is measured
 RATE_EWMA = 0.2

@@ -27,8 +27,7 @@ from prefixgate.gateway.vocab import Role
 
 log = structlog.get_logger("prefixgate.nodes")
 
-ROLES = ("prefill", "decode", "monolithic")
-_ROLE = {r.value: r for r in Role}
+ROLES = tuple(r.value for r in Role)  # in the order admin lists them
 MIN_TIMED_PREFILL_S = 0.005
 SLOWNESS_DEADBAND = 1.5
 PROBE_TIMEOUT_S = 1.5
@@ -134,7 +133,7 @@ class Node:
             kv_bytes_per_token=fmt.bytes_per_token if fmt else 0,
             capacity_blocks=self.capacity_blocks,
             routable=self.routable,
-            role=_ROLE[self.role],
+            role=Role(self.role),
             kv_format=fmt,
             streams=streams,
             used_blocks=st.used_blocks if st is not None else 0,
