@@ -365,11 +365,15 @@ def test_client_disconnect_during_prefill_cancels_node_work() -> None:
             return busy, sum(n["load"]["local_requests"] + n["load"]["active_streams"] for n in nodes)
 
         async def disconnect() -> int:
+            # The nodes' figures reach /admin/nodes through the gateway's stats poll, so a single
+            # reading can miss the queue on a loaded machine: sample until the clients leave.
             tasks = [asyncio.create_task(hang_up(i)) for i in range(hang_ups)]
-            await asyncio.sleep(hang_after_s - 0.1)
-            busy = await asyncio.to_thread(load)  # the prefills are queued or running now
+            busiest = 0
+            while not all(t.done() for t in tasks):
+                busiest = max(busiest, *(await asyncio.to_thread(load)))
+                await asyncio.sleep(0.05)
             await asyncio.gather(*tasks)
-            return max(busy)
+            return busiest
 
         busy_before = asyncio.run(disconnect())
         left_at = time.monotonic()
