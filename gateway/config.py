@@ -26,6 +26,9 @@ class Settings:
     prefill: list[str] = field(default_factory=list)
     decode: list[str] = field(default_factory=list)
     monolithic: list[str] = field(default_factory=list)
+    # Engine KV events over ZMQ, per worker: "WORKER_ADDR=tcp://H:P[?replay=tcp://H:Q&topic=T]"
+    # (gateway.nodeclient.zmq_events); those workers' index entries come from their publisher.
+    kv_events: list[str] = field(default_factory=list)
     redis: str = ""  # empty: embedded in-memory index
     redis_prefix: str = "prefixgate:"
     model: str = "prefixgate-sim"

@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Set
+from collections.abc import Callable, Set
 
 import structlog
 
 from prefixgate import cachetier
+from prefixgate.cachetier.hashing import Namespace
 from prefixgate.cachetier.index import BlockIndex
 from prefixgate.cachetier.memory import MemoryIndex
 from prefixgate.cachetier.resilient import ResyncHook
 from prefixgate.cachetier.tokenizer import load_tokenizer
+from prefixgate.gateway import nodeclient
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.documents import DocumentLimits, DocumentStore
 from prefixgate.gateway.events import EventSync
 from prefixgate.gateway.metrics import Metrics, NodeSample
+from prefixgate.gateway.nodeclient import NodeClient
+from prefixgate.gateway.nodeclient.zmq_events import events_connector
 from prefixgate.gateway.nodes import Node, NodePool
 from prefixgate.gateway.pipeline import Pipeline
 from prefixgate.gateway.quotas import PinLedger, PinLimits
@@ -43,7 +47,7 @@ class GatewayService:
         self.metrics = Metrics()
         self.index = index if index is not None else open_index(settings, self._index_recovered)
         self.tokenizer = load_tokenizer(settings.tokenizer)
-        self.pool = NodePool(settings.stats_interval_s)
+        self.pool = NodePool(settings.stats_interval_s, connect=self._connector())
         self.documents = DocumentStore(
             DocumentLimits(s.document_quota_count, s.document_quota_bytes, s.document_store_bytes)
         )
@@ -61,6 +65,12 @@ class GatewayService:
         self.runner = RequestRunner(self)  # every front end serves requests through it
         self.draining = False
         self._started = False
+
+    def _connector(self) -> Callable[[str], NodeClient]:
+        """``nodeclient.connect``, with KV events over ZMQ for the workers ``kv_events`` names."""
+        s = self.settings
+        ns = Namespace(s.model, "", s.block_size, self.tokenizer.name)
+        return events_connector(s.kv_events, ns, nodeclient.connect)
 
     def _resync_node(self, node: Node) -> None:
         self.events.resync(node)

@@ -110,6 +110,15 @@ def _gateway_args(p: argparse.ArgumentParser, *, stack: bool) -> None:
         p.add_argument(
             "--monolithic", action="append", default=None, metavar="ADDR", help="monolithic node host:port"
         )
+        p.add_argument(
+            "--kv-events",
+            action="append",
+            default=None,
+            dest="kv_events",
+            metavar="WORKER=tcp://H:P",
+            help="take WORKER's KV events from its engine's ZMQ publisher "
+            "(tcp://H:P[?replay=tcp://H:Q&topic=T]; repeatable)",
+        )
 
 
 def _overrides(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
@@ -146,6 +155,7 @@ _GATEWAY_KEYS = (
     "prefill",
     "decode",
     "monolithic",
+    "kv_events",
 )
 
 
