@@ -20,6 +20,22 @@ gets no help from prefixgate's normalizer; ``normalize=True`` renders exactly as
 does with normalization on. No model or tokenizer path is reported, so sglang-router does not
 try to load a tokenizer.
 
+PD (split serving) over HTTP, both engines' ways, reusing the node's bootstrap handoff
+(``backends.bootstrap``: the decode node presents a room to the prefill node's bootstrap
+listener, the prefill node pushes the KV pages to the decode node's gRPC port):
+
+- SGLang (sglang-router / smg ``--pd-disaggregation``): the router sends the same body, with
+  ``bootstrap_host``, ``bootstrap_port`` and ``bootstrap_room``, to a prefill and a decode node
+  at once. A prefill node waits for the room's decode leg, prefills and pushes, and answers with
+  the first token; a decode node presents the room, receives the pages and streams the answer.
+- vLLM (NIXL proxy, vllm-router ``--vllm-pd-disaggregation``): the prefill request carries
+  ``kv_transfer_params: {"do_remote_decode": true}``; the prefill node computes the prompt (its
+  pages stay in its pool), opens a bootstrap room for it and answers with ``kv_transfer_params``
+  naming it (``remote_host``, ``remote_port`` = its bootstrap port, ``bootstrap_room``,
+  ``do_remote_prefill: true``). The decode request carries those params: the decode node
+  presents the room and the prefill node pushes the (now cached) pages, as in SGLang's way.
+  The decode leg reports the first prefill's cached tokens.
+
 Runs on uvicorn in the node's own event loop, next to the gRPC server.
 """
 
@@ -27,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import socket
 import time
 import uuid
@@ -36,22 +53,26 @@ from typing import Any, cast
 
 import grpc
 import orjson
+import structlog
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from prefixgate.backends.bootstrap import DEFAULT_BOOTSTRAP_TIMEOUT_S, BootstrapServer, handshake
 from prefixgate.backends.engine import Sampling
-from prefixgate.backends.errors import NodeError
+from prefixgate.backends.errors import FailedPrecondition, NodeError
 from prefixgate.backends.generation import Chunk
-from prefixgate.backends.node import Node
+from prefixgate.backends.node import Node, PrefillCall, PrefillResult
 from prefixgate.cachetier.hashing import Namespace, block_hashes
 from prefixgate.cachetier.tokenizer import Bytes4Tokenizer, pack_ids, unpack_ids
 from prefixgate.openai.errors import APIError, from_domain, invalid
 from prefixgate.openai.exceptions import GatewayError
 from prefixgate.openai.normalize import NormalizationError, render_chat, render_completion
 from prefixgate.openai.schema import ParsedRequest, parse_json, parse_request
+
+_log = structlog.get_logger("prefixgate.node_http")
 
 DEFAULT_MODEL = "prefixgate-sim"
 MAX_MODEL_LEN = 139_264
@@ -61,6 +82,8 @@ _STATUS = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
 }
 
 
@@ -217,6 +240,77 @@ def sglang_sampling(body: Mapping[str, Any]) -> Sampling:
     )
 
 
+# -- PD requests (pure) ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PDLink:
+    """What the HTTP endpoint needs for split serving: where this node takes KV pages (its gRPC
+    address, for ``TransferKV``), its bootstrap listener (a prefill node) and the host it gives
+    decode nodes to reach that listener."""
+
+    kv_address: Callable[[], str]
+    bootstrap: BootstrapServer | None = None
+    advertise_host: str = "127.0.0.1"
+    bootstrap_timeout_s: float = DEFAULT_BOOTSTRAP_TIMEOUT_S
+
+
+@dataclass(frozen=True, slots=True)
+class Room:
+    """A bootstrap room: SGLang's three body fields, or vLLM's ``kv_transfer_params``."""
+
+    host: str
+    port: int
+    room: int
+
+
+@dataclass(frozen=True, slots=True)
+class PDRequest:
+    leg: str  # "prefill" | "decode" | "sglang" (the node's role decides)
+    room: Room | None = None
+
+
+def _int(v: Any, name: str) -> int:
+    if isinstance(v, list) and len(v) == 1:
+        v = v[0]  # a batch of one
+    if isinstance(v, bool) or not isinstance(v, int | str):
+        raise invalid(f"'{name}' must be an integer", name)
+    try:
+        return int(v)
+    except ValueError:
+        raise invalid(f"'{name}' must be an integer", name) from None
+
+
+def pd_request(body: Mapping[str, Any]) -> PDRequest | None:
+    """The PD part of a request body (None: a whole request)."""
+    if body.get("bootstrap_room") is not None:
+        host = body.get("bootstrap_host")
+        if isinstance(host, list) and len(host) == 1:
+            host = host[0]
+        if not isinstance(host, str) or not host:
+            raise invalid("'bootstrap_host' is required with 'bootstrap_room'", "bootstrap_host")
+        port = body.get("bootstrap_port")
+        port = 0 if port is None or port == [None] else _int(port, "bootstrap_port")
+        return PDRequest(
+            "sglang", Room(host.strip("[]"), port, _int(body["bootstrap_room"], "bootstrap_room"))
+        )
+    params = body.get("kv_transfer_params")
+    if params is None:
+        return None
+    if not isinstance(params, Mapping):
+        raise invalid("'kv_transfer_params' must be an object", "kv_transfer_params")
+    if params.get("do_remote_decode"):
+        return PDRequest("prefill")
+    if params.get("do_remote_prefill"):
+        host = params.get("remote_host")
+        if not isinstance(host, str) or not host:
+            raise invalid("kv_transfer_params.remote_host is required", "kv_transfer_params")
+        port = _int(params.get("remote_port"), "kv_transfer_params.remote_port")
+        room = _int(params.get("bootstrap_room"), "kv_transfer_params.bootstrap_room")
+        return PDRequest("decode", Room(host.strip("[]"), port, room))
+    return None
+
+
 # -- the app ------------------------------------------------------------------------------------
 
 
@@ -253,10 +347,18 @@ def _guard(handler: Handler) -> Handler:
 class NodeAPI:
     """The HTTP handlers over one ``Node``."""
 
-    def __init__(self, node: Node, options: HTTPOptions | None = None) -> None:
+    def __init__(self, node: Node, options: HTTPOptions | None = None, pd: PDLink | None = None) -> None:
         self.node = node
         self.options = options or HTTPOptions()
         self.renderer = Renderer(self.options.model, node.block_size, self.options.normalize)
+        self.pd = pd
+        self._parked: set[asyncio.Task[PrefillResult]] = set()  # vLLM-style prefills waiting for decode
+
+    async def close(self) -> None:
+        tasks = list(self._parked)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     # -- helpers
 
@@ -303,13 +405,135 @@ class NodeAPI:
             raise
         return gen, first
 
+    async def _run(
+        self, body: Mapping[str, Any], prompt: Prompt, sampling: Sampling
+    ) -> tuple[Gen, Chunk, dict[str, Any]]:
+        """Start a request: whole here, or this node's leg of a PD pair. Returns the chunks, the
+        first one, and fields to add to the response (vLLM's ``kv_transfer_params``)."""
+        pd = pd_request(body)
+        role = self.node.config.role
+        if pd is None or (pd.leg == "sglang" and role not in ("prefill", "decode")):
+            gen, first = await self._start(prompt, sampling)
+            return gen, first, {}
+        if self.pd is None:
+            raise invalid("this node's HTTP endpoint takes no disaggregated requests", "kv_transfer_params")
+        if pd.leg == "decode" or (pd.leg == "sglang" and role == "decode"):
+            assert pd.room is not None
+            gen, first = await self._decode_leg(pd.room, sampling)
+            return gen, first, {}
+        bootstrap = self._bootstrap()
+        if pd.leg == "sglang":
+            assert pd.room is not None
+            r = await self._hand_off(bootstrap, prompt, sampling, pd.room.room, None)
+            return _one(self._prefill_chunk(r)), self._prefill_chunk(r), {}
+        # vLLM: compute now, keep the pages, hand them to whichever decode node presents the room.
+        rid = uuid.uuid4().hex
+        r = await self.node.prefill(PrefillCall(rid, prompt.tokens, prompt.hashes, sampling))
+        room = secrets.randbits(63)
+        task = asyncio.create_task(self._hand_off(bootstrap, prompt, sampling, room, r.cached_tokens))
+        self._parked.add(task)
+        task.add_done_callback(self._parked_done)
+        params = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.node.node_id,
+            "remote_block_ids": [],
+            "remote_host": self.pd.advertise_host if self.pd is not None else "127.0.0.1",
+            "remote_port": bootstrap.port,
+            "bootstrap_room": room,
+            "tp_size": 1,
+        }
+        chunk = self._prefill_chunk(r)
+        return _one(chunk), chunk, {"kv_transfer_params": params}
+
+    def _parked_done(self, task: asyncio.Task[PrefillResult]) -> None:
+        self._parked.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log_detail = str(task.exception())[:200]
+            _log.info("parked prefill ended without a decode leg", error=log_detail)
+
+    def _bootstrap(self) -> BootstrapServer:
+        b = self.pd.bootstrap if self.pd is not None else None
+        if b is None:
+            raise FailedPrecondition(
+                "this node has no bootstrap port (--bootstrap-port): it cannot prefill for PD"
+            )
+        return b
+
+    def _prefill_chunk(self, r: PrefillResult) -> Chunk:
+        return Chunk(
+            [r.first_token],
+            r.first_text,
+            r.finish_reason or "length",
+            r.prompt_tokens,
+            1,
+            r.cached_tokens,
+            r.queue_seconds,
+            r.prefill_seconds,
+        )
+
+    async def _hand_off(
+        self, bootstrap: BootstrapServer, prompt: Prompt, sampling: Sampling, room: int, cached: int | None
+    ) -> PrefillResult:
+        """Wait for the decode leg presenting ``room``, prefill (pages reused when this node
+        computed them already), push the pages there, tell it the handle."""
+        peer = await bootstrap.wait_decode(room, "")
+        call = PrefillCall(
+            uuid.uuid4().hex, prompt.tokens, prompt.hashes, sampling, decode_address=peer.kv_address
+        )
+        try:
+            r = await self.node.prefill(call)
+        except NodeError as e:
+            peer.reply({"error": e.message, "code": e.code.name})
+            raise
+        except BaseException:
+            peer.reply({"error": "prefill leg aborted", "code": "ABORTED"})
+            raise
+        peer.reply(
+            {
+                "kv_handle": r.kv_handle,
+                "first_token": r.first_token,
+                "first_text": r.first_text,
+                "finished": r.finished,
+                "finish_reason": r.finish_reason,
+                "cached_tokens": r.cached_tokens if cached is None else cached,
+                "prompt_tokens": r.prompt_tokens,
+                "transfer_seconds": r.transfer_seconds,
+                "transfer_bytes": r.transfer_bytes,
+            }
+        )
+        return r
+
+    async def _decode_leg(self, room: Room, sampling: Sampling) -> tuple[Gen, Chunk]:
+        """Present ``room`` to the prefill node, take the pages, decode here."""
+        assert self.pd is not None
+        reply = await handshake(
+            room.host, room.port, room.room, "", self.pd.kv_address(), self.pd.bootstrap_timeout_s
+        )
+        cached = int(reply.get("cached_tokens") or 0)
+        chunks = cast(Gen, self.node.decode(str(reply["kv_handle"]), sampling))
+        prompt_tokens = int(reply.get("prompt_tokens") or 0)
+        first = Chunk(
+            [int(reply["first_token"])], str(reply.get("first_text") or ""), "", prompt_tokens, 1, cached
+        )
+
+        async def leg() -> Gen:
+            try:
+                async for c in chunks:
+                    c.cached_tokens = cached
+                    yield c
+            finally:
+                await chunks.aclose()
+
+        return leg(), first
+
     # -- OpenAI
 
     async def completions(self, request: Request, kind: str) -> Response:
         body = await self._json(request)
         req = self._parse(body, kind)
         prompt = self.renderer.prompt(self.renderer.tokens(req))
-        gen, first = await self._start(prompt, sampling_of(req))
+        gen, first, extra = await self._run(body, prompt, sampling_of(req))
         wire = Wire(kind, req.model, req.include_usage)
         if req.stream:
             return StreamingResponse(
@@ -325,7 +549,7 @@ class NodeAPI:
                 last = c
         finally:
             await gen.aclose()
-        return JSON(wire.whole("".join(parts), last), headers=self._headers(first))
+        return JSON({**wire.whole("".join(parts), last), **extra}, headers=self._headers(first))
 
     async def _stream(self, wire: Wire, gen: Gen, first: Chunk) -> AsyncIterator[bytes]:
         last = first
@@ -362,7 +586,7 @@ class NodeAPI:
         else:
             raise invalid("'text' (a string) or 'input_ids' is required", "text")
         prompt = self.renderer.prompt(tokens)
-        gen, first = await self._start(prompt, sglang_sampling(body))
+        gen, first, _extra = await self._run(body, prompt, sglang_sampling(body))
         rid = str(body.get("rid") or uuid.uuid4().hex)
 
         def meta(c: Chunk) -> dict[str, Any]:
@@ -449,12 +673,15 @@ class NodeAPI:
 
     async def server_info(self, request: Request) -> Response:
         s = self.node.snapshot()
+        role = self.node.config.role
+        bootstrap = self.pd.bootstrap if self.pd is not None else None
         return JSON(
             {
                 "served_model_name": self.options.model,
                 "dp_size": 1,
                 "tp_size": 1,
-                "disaggregation_mode": "null",
+                "disaggregation_mode": role if role in ("prefill", "decode") else "null",
+                "disaggregation_bootstrap_port": bootstrap.port if bootstrap is not None else None,
                 "context_length": MAX_MODEL_LEN,
                 "max_total_num_tokens": s.capacity_blocks * self.node.block_size,
                 "page_size": self.node.block_size,
@@ -518,8 +745,14 @@ class NodeAPI:
         ]
 
 
-def create_app(node: Node, options: HTTPOptions | None = None) -> Starlette:
-    return Starlette(routes=NodeAPI(node, options).routes())
+def create_app(node: Node, options: HTTPOptions | None = None, pd: PDLink | None = None) -> Starlette:
+    return Starlette(routes=NodeAPI(node, options, pd).routes())
+
+
+async def _one(chunk: Chunk) -> Gen:
+    """The chunks of a prefill leg after its first (and only) one: none."""
+    return
+    yield chunk
 
 
 # -- serving in the node's loop -------------------------------------------------------------------
@@ -537,12 +770,18 @@ class NodeHTTP:
     """The HTTP endpoint of a node, served on the running loop. ``start`` returns the port."""
 
     def __init__(
-        self, node: Node, host: str = "127.0.0.1", port: int = 0, options: HTTPOptions | None = None
+        self,
+        node: Node,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        options: HTTPOptions | None = None,
+        pd: PDLink | None = None,
     ):
         self.node = node
         self.host = host
         self.port = port
         self.options = options or HTTPOptions()
+        self.api = NodeAPI(node, self.options, pd)
         self._server: _Server | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -568,7 +807,7 @@ class NodeHTTP:
         sock.setblocking(False)
         self.port = int(sock.getsockname()[1])
         config = uvicorn.Config(
-            create_app(self.node, self.options),
+            Starlette(routes=self.api.routes()),
             http="httptools",
             lifespan="off",
             log_level="error",
@@ -597,3 +836,4 @@ class NodeHTTP:
         except (TimeoutError, asyncio.CancelledError):
             self._task.cancel()
         self._server, self._task = None, None
+        await self.api.close()

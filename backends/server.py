@@ -419,9 +419,10 @@ async def serve(
     """
     ns = await start_node(role, host, port, **node_options)
     if http_port is not None:
-        from prefixgate.backends.http_api import NodeHTTP
+        from prefixgate.backends.http_api import NodeHTTP, PDLink
 
-        ns.http = NodeHTTP(ns.node, host, http_port, http_options)
+        pd = PDLink(lambda: ns.address, ns.bootstrap, host, ns.bootstrap_timeout_s)
+        ns.http = NodeHTTP(ns.node, host, http_port, http_options, pd)
         try:
             await ns.http.start()
         except OSError:
