@@ -383,3 +383,23 @@ async def test_sglangs_own_publisher_drives_the_index(sglang_events: types.Modul
             await events.aclose()
     finally:
         pub.shutdown()
+
+
+async def test_the_gateway_setting_puts_a_workers_events_on_zmq() -> None:
+    from prefixgate.gateway.config import load_settings
+    from prefixgate.gateway.service import GatewayService
+
+    spec = "127.0.0.1:1=tcp://127.0.0.1:5557?replay=tcp://127.0.0.1:5558"
+    settings = load_settings(None, {"decode": ["127.0.0.1:1", "127.0.0.1:2"]}, {"PREFIXGATE_KV_EVENTS": spec})
+    assert settings.kv_events == [spec]
+    service = GatewayService(settings)
+    try:
+        zmq_node = service.pool.add("decode", "127.0.0.1:1")
+        plain = service.pool.add("decode", "127.0.0.1:2")
+        assert isinstance(zmq_node.client, ZmqEventsClient) and zmq_node.client.capabilities.kv_events
+        assert zmq_node.client.source.source.replay == "tcp://127.0.0.1:5558"
+        assert not isinstance(plain.client, ZmqEventsClient)
+    finally:
+        await service.pool.close()
+    with pytest.raises(ValueError):
+        GatewayService(load_settings(None, {"kv_events": ["127.0.0.1:1=tcp://*:5557"]}, {}))
