@@ -2,11 +2,13 @@
 
 Only the msgspec struct layout (names, field order, options) matters on the wire; these mirror:
 
-- vLLM, ``vllm/distributed/kv_events.py`` at vllm-project/vllm commit 0181ea31 (main, 2026):
+- vLLM (main, 2026), ``vllm/distributed/kv_events.py`` at
+  https://github.com/vllm-project/vllm/tree/0181ea3173e53eea8cf04a86891488e3dc89bb34 :
   plain structs (tagged maps ``{"type": "BlockStored", ...}``, map envelope ``{ts, events,
   data_parallel_rank}``), block hashes ``int | bytes``.
-- SGLang, ``python/sglang/srt/disaggregation/kv_events.py`` at sgl-project/sglang commit
-  006d053f (0.4.x/0.5.0 era): ``array_like=True`` structs (``["BlockStored", hashes, parent,
+- SGLang (before 0.5.23), ``python/sglang/srt/disaggregation/kv_events.py`` at
+  https://github.com/sgl-project/sglang/tree/006d053f182f9b488d2bd841afa06d5f9120a258 :
+  ``array_like=True`` structs (``["BlockStored", hashes, parent,
   token_ids, block_size, lora_id]`` inside ``[ts, events]``).
 
 SGLang 0.5.23 (tagged-map events in an array envelope) is exercised with its own module, loaded
