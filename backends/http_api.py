@@ -63,7 +63,7 @@ from starlette.routing import Route
 from prefixgate.backends.bootstrap import DEFAULT_BOOTSTRAP_TIMEOUT_S, BootstrapServer, handshake
 from prefixgate.backends.engine import Sampling
 from prefixgate.backends.errors import FailedPrecondition, NodeError
-from prefixgate.backends.generation import Chunk
+from prefixgate.backends.generation import Chunk, Generation
 from prefixgate.backends.node import Node, PrefillCall, PrefillResult
 from prefixgate.cachetier.hashing import Namespace, block_hashes
 from prefixgate.cachetier.tokenizer import Bytes4Tokenizer, pack_ids, unpack_ids
@@ -513,9 +513,12 @@ class NodeAPI:
         cached = int(reply.get("cached_tokens") or 0)
         chunks = cast(Gen, self.node.decode(str(reply["kv_handle"]), sampling))
         prompt_tokens = int(reply.get("prompt_tokens") or 0)
-        first = Chunk(
-            [int(reply["first_token"])], str(reply.get("first_text") or ""), "", prompt_tokens, 1, cached
-        )
+        token = int(reply["first_token"])
+        text = reply.get("first_text")
+        if not isinstance(text, str):  # a prefill leg that does not send it (the gRPC one)
+            e = self.node.engine
+            text = Generation(sampling, e.eos_token, e.token_text).push([token])[1]
+        first = Chunk([token], text, "", prompt_tokens, 1, cached)
 
         async def leg() -> Gen:
             try:

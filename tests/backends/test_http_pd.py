@@ -113,3 +113,19 @@ async def test_bad_pd_fields_are_openai_4xx(trio: Trio) -> None:
         # A node without a bootstrap listener cannot be a vLLM prefill leg.
         r = await c.post(trio.url(trio.decode), json={**BODY, "kv_transfer_params": VLLM_PREFILL})
         assert r.status_code == 400 and "bootstrap" in r.json()["error"]["message"]
+
+
+async def test_sglang_generate_legs_at_once_give_the_monolithic_text(trio: Trio) -> None:
+    body: dict[str, Any] = {
+        "text": "Where are the pages kept? " * 20,
+        "sampling_params": {"max_new_tokens": 6},
+    }
+    assert trio.prefill.bootstrap is not None and trio.mono.http is not None
+    async with httpx.AsyncClient(timeout=20) as c:
+        direct = await c.post(trio.mono.http.url + "/generate", json=body)
+        room = {"bootstrap_host": "127.0.0.1", "bootstrap_port": trio.prefill.bootstrap.port}
+        legs = {**body, **room, "bootstrap_room": random.randrange(2**63)}
+        urls = [ns.http.url + "/generate" for ns in (trio.prefill, trio.decode) if ns.http is not None]
+        pre, dec = await asyncio.gather(*(c.post(u, json=legs) for u in urls))
+    assert pre.status_code == dec.status_code == direct.status_code == 200
+    assert dec.json()["text"] == direct.json()["text"] and dec.json()["meta_info"]["completion_tokens"] == 6
