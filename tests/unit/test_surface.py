@@ -97,7 +97,7 @@ def hashes_with(image: dict[str, Any]) -> list[int]:
         {"type": "text", "text": "question about the picture " * 3},
         {"type": "image_url", "image_url": image},
     ]
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "system", "content": "a long shared system prompt " * 8},
         {"role": "user", "content": content},
     ]
@@ -186,15 +186,9 @@ def test_logit_bias_and_logprobs() -> None:
     plain = EngineSampling(temperature=0, logprobs=True, top_logprobs=3)
     token, lp = smp.pick(logits, plain, smp.rng(1), None)
     assert lp is not None and token == int(OUTPUT_IDS[int(np.argmax(logits))]) and lp.top[0][0] == token
-    assert (
-        abs(
-            sum(
-                np.exp(v) for v in np.log(np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum())
-            )
-            - 1.0
-        )
-        < 1e-6
-    )
+    z = logits.astype(np.float64)
+    expected = float(-np.log(np.exp(z - z.max()).sum()))  # log-softmax of the argmax
+    assert abs(lp.logprob - expected) < 1e-9
     assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True) and len(lp.top) == 3
     assert CLASS_OF[forced] == 7
     unknown = EngineSampling(logit_bias=((2**32 - 1, 100.0),))  # an id the model never outputs
