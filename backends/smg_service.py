@@ -115,6 +115,9 @@ def _choice(sampling: Sampling, tokens: bytes, index: int) -> Sampling:
     return replace(sampling, seed=(base + index) & ((1 << 64) - 1))
 
 
+SMG_FEATURES = frozenset({"logit_bias"})  # of the engine's features, those served on this face
+
+
 class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):  # type: ignore[misc]
     """The node's SGLang-scheduler face. ``kv_address`` is where this node takes KV pages."""
 
@@ -183,7 +186,7 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
             ids = list(request.tokenized.input_ids)
             if len(ids) > self.max_context:
                 raise InvalidArgument(f"prompt has {len(ids)} tokens, the context holds {self.max_context}")
-            sampling = sampling_from_sglang(request.sampling_params)
+            sampling = self._surface(request, sampling_from_sglang(request.sampling_params))
             n = request.sampling_params.n or 1
             stop_ids = frozenset(request.sampling_params.stop_token_ids)
             tokens = pack_ids(ids)
@@ -213,6 +216,22 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
         finally:
             if self._aborts.get(rid) is abort:
                 del self._aborts[rid]
+
+    def _surface(self, request: Any, sampling: Sampling) -> Sampling:
+        """``logit_bias`` (wire ids) on an engine that applies it; log probabilities refused (this
+        face does not return them: the native protocol does), as is a bias the engine would drop."""
+        if request.return_logprob:
+            raise InvalidArgument("return_logprob is not supported on this protocol")
+        bias = request.sampling_params.logit_bias
+        if not bias:
+            return sampling
+        if "logit_bias" not in self.node.engine.features:
+            raise InvalidArgument(f"logit_bias is not supported by the {self.node.engine.name} engine")
+        try:
+            pairs = [(self.tokens.engine(int(k)), float(v)) for k, v in bias.items()]
+        except ValueError:
+            raise InvalidArgument("logit_bias keys must be token ids") from None
+        return replace(sampling, logit_bias=tuple(sorted((t, min(max(b, -100.0), 100.0)) for t, b in pairs)))
 
     async def _local(
         self,
@@ -433,7 +452,15 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
         args.update(self.server_args())
         s = self.node.snapshot()
         info = struct_pb2.Struct()
-        info.update({"max_total_num_tokens": s.capacity_blocks * self.node.block_size, "node_id": s.node_id})
+        info.update(
+            {
+                "max_total_num_tokens": s.capacity_blocks * self.node.block_size,
+                "node_id": s.node_id,
+                # What a gateway may route here beyond plain sampling (prefixgate.openai.features):
+                # the engine's, less the log probabilities this face does not return.
+                "prefixgate_features": sorted(SMG_FEATURES & s.features),
+            }
+        )
         started = timestamp_pb2.Timestamp()
         started.FromSeconds(int(self._started))
         return pb.GetServerInfoResponse(
