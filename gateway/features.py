@@ -2,7 +2,8 @@
 
 A node serves what its adapter claims for every node of its protocol (``Capabilities.features``,
 a pass-through worker) or else what its status reports (``NodeStatus.features``); a node that
-reports nothing is not held against the request (its engine answers for itself). Checked before
+reports nothing serves nothing beyond plain sampling, since a feature the adapter does not carry
+to the engine would be silently dropped (a node not yet polled likewise). Checked before
 routing: nodes that cannot serve the request are left out of the plan, and when that leaves none,
 the client gets a 400 naming the field that asks for the feature, never a 503.
 """
@@ -16,19 +17,17 @@ from prefixgate.openai.exceptions import InvalidRequest
 from prefixgate.openai.features import Feature, refusal
 
 
-def served(node: Node) -> frozenset[str] | None:
-    """The features ``node`` serves; None when unknown."""
+def served(node: Node) -> frozenset[str]:
+    """The features ``node`` serves."""
     claimed = node.client.capabilities.features
     if claimed is not None:
         return claimed
-    return node.status.features if node.status is not None else None
+    return node.status.features if node.status is not None else frozenset()
 
 
 def missing(node: Node, needs: Mapping[Feature, str]) -> Feature | None:
     """The first feature of ``needs`` the node does not serve (None: it serves them all)."""
     have = served(node)
-    if have is None:
-        return None
     return next((f for f in needs if f.value not in have), None)
 
 

@@ -61,9 +61,9 @@ class NodeStatus:
     instance_id: str = ""  # changes when the node restarts
     prefix_hit_tokens: int = 0
     prompt_tokens: int = 0
-    # Engine features it serves (``prefixgate.openai.features``); None: not reported, and the
-    # gateway refuses nothing on its account (the engine answers for itself).
-    features: frozenset[str] | None = None
+    # Engine features it serves beyond plain sampling (``prefixgate.openai.features``), carried
+    # and honoured end to end; a node that reports none serves none (nothing is silently dropped).
+    features: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ from prefixgate.backends.tiny import sampling as smp
 from prefixgate.backends.tiny.vocab import CLASS_OF, OUTPUT_CLASSES, OUTPUT_IDS
 from prefixgate.cachetier.hashing import block_hashes
 from prefixgate.cachetier.tokenizer import Bytes4Tokenizer
+from prefixgate.gateway.nodeclient.base import Capabilities
 from prefixgate.gateway.nodeclient.fake import FakeNodeClient, fake_status
 from prefixgate.gateway.vocab import Mode
 from prefixgate.openai.exceptions import InvalidRequest
@@ -126,7 +127,7 @@ def test_an_image_marker_cannot_be_forged_by_text() -> None:
 # -- routing by features -------------------------------------------------------------------------
 
 
-def node_with(address: str, role: str, features: frozenset[str] | None) -> FakeNodeClient:
+def node_with(address: str, role: str, features: frozenset[str]) -> FakeNodeClient:
     status = dataclasses.replace(fake_status(address, role), features=features)
     return FakeNodeClient(address, status=status)
 
@@ -158,12 +159,20 @@ async def test_no_node_serving_a_feature_is_a_400_naming_the_field() -> None:
         assert "generate" not in sim.calls
 
 
-async def test_a_node_reporting_no_features_is_not_held_against_a_request() -> None:
-    other = node_with("other", "monolithic", None)  # an engine that answers for itself
-    async with harness(("monolithic", other), disaggregation=False) as h:
+async def test_a_node_reporting_no_features_serves_none_unless_its_protocol_claims_them() -> None:
+    quiet = node_with("quiet", "monolithic", frozenset())  # an adapter that carries no feature
+    claimed = dataclasses.replace(fake_status("relay", "monolithic"), features=frozenset())
+    relay = FakeNodeClient(
+        "relay", status=claimed, capabilities=Capabilities(features=frozenset({"logprobs"}))
+    )
+    async with harness(("monolithic", quiet), ("monolithic", relay), disaggregation=False) as h:
         ex = await h.pipeline.execute(prep_asking(h, logprobs=1))
-        assert ex.decode_node.id == "other"
+        assert ex.decode_node.id == "relay"  # its protocol passes logprobs through
         await ex.close()
+        with pytest.raises(InvalidRequest) as e:
+            await h.pipeline.execute(prep_asking(h, logit_bias={"1": 1}))
+        assert e.value.param == "logit_bias"
+        assert "generate" not in quiet.calls
 
 
 # -- tiny engine sampling ------------------------------------------------------------------------
