@@ -33,7 +33,7 @@ from google.protobuf import struct_pb2, timestamp_pb2
 from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2, sglang_scheduler_pb2_grpc
 
 from prefixgate.backends.bootstrap import DEFAULT_BOOTSTRAP_TIMEOUT_S, BootstrapServer, handshake
-from prefixgate.backends.engine import Sampling
+from prefixgate.backends.engine import MAX_TOP_LOGPROBS, Sampling, TokenLogprob
 from prefixgate.backends.errors import FailedPrecondition, InvalidArgument, NodeError
 from prefixgate.backends.events import EventKind
 from prefixgate.backends.generation import Chunk
@@ -77,6 +77,7 @@ class _Outcome:
     cached_tokens: int = 0
     finish_reason: str = ""
     matched_token_id: int | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per id, when asked (engine ids)
 
 
 async def _abortable(it: AsyncIterator[T], abort: asyncio.Event) -> AsyncIterator[T]:
@@ -115,7 +116,7 @@ def _choice(sampling: Sampling, tokens: bytes, index: int) -> Sampling:
     return replace(sampling, seed=(base + index) & ((1 << 64) - 1))
 
 
-SMG_FEATURES = frozenset({"logit_bias"})  # of the engine's features, those served on this face
+SMG_FEATURES = frozenset({"logit_bias", "logprobs"})  # of the engine's features, those served here
 
 
 class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):  # type: ignore[misc]
@@ -218,20 +219,39 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
                 del self._aborts[rid]
 
     def _surface(self, request: Any, sampling: Sampling) -> Sampling:
-        """``logit_bias`` (wire ids) on an engine that applies it; log probabilities refused (this
-        face does not return them: the native protocol does), as is a bias the engine would drop."""
+        """``logit_bias`` (wire ids) and output log probabilities, on an engine that serves them;
+        refused, not dropped, elsewhere. Log probabilities are served on whole requests only (a
+        decode leg does not learn its prefill leg's first one)."""
+        engine = self.node.engine
         if request.return_logprob:
-            raise InvalidArgument("return_logprob is not supported on this protocol")
+            if "logprobs" not in engine.features:
+                raise InvalidArgument(f"return_logprob is not supported by the {engine.name} engine")
+            if request.HasField("disaggregated_params") and request.disaggregated_params.bootstrap_host:
+                raise InvalidArgument("return_logprob is not supported on a disaggregated request")
+            top = min(max(request.top_logprobs_num, 0), MAX_TOP_LOGPROBS)
+            sampling = replace(sampling, logprobs=True, top_logprobs=top)
         bias = request.sampling_params.logit_bias
         if not bias:
             return sampling
-        if "logit_bias" not in self.node.engine.features:
-            raise InvalidArgument(f"logit_bias is not supported by the {self.node.engine.name} engine")
+        if "logit_bias" not in engine.features:
+            raise InvalidArgument(f"logit_bias is not supported by the {engine.name} engine")
         try:
             pairs = [(self.tokens.engine(int(k)), float(v)) for k, v in bias.items()]
         except ValueError:
             raise InvalidArgument("logit_bias keys must be token ids") from None
         return replace(sampling, logit_bias=tuple(sorted((t, min(max(b, -100.0), 100.0)) for t, b in pairs)))
+
+    def _logprobs(self, lps: list[TokenLogprob]) -> Any:
+        """SGLang's ``OutputLogProbs`` (wire ids) for ``lps``."""
+        wire = self.tokens.wire
+        return pb.OutputLogProbs(
+            token_logprobs=[lp.logprob for lp in lps],
+            token_ids=[wire(lp.token) for lp in lps],
+            top_logprobs=[
+                pb.TopLogProbs(values=[v for _, v in lp.top], token_ids=[wire(t) for t, _ in lp.top])
+                for lp in lps
+            ],
+        )
 
     async def _local(
         self,
@@ -286,6 +306,7 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
                     out.finish_reason = chunk.finish_reason
                     if chunk.finish_reason == "stop":
                         out.matched_token_id = self.tokens.wire(eos)
+                out.logprobs = chunk.logprobs[: len(out.ids)]  # asked for on whole requests only: no lead
                 yield out
                 if out.finish_reason:
                     return
@@ -297,9 +318,11 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
     ) -> AsyncIterator[Any]:
         ids: list[int] = []
         last: list[int] = []
+        lps: list[TokenLogprob] = []
         final = _Outcome()
         async for out in _abortable(outcomes, abort):
             ids.extend(out.ids)
+            lps.extend(out.logprobs)
             final = out
             if stream and (out.ids or out.finish_reason):
                 last = out.ids if out.ids else last
@@ -312,6 +335,7 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
                             completion_tokens=len(ids),
                             cached_tokens=out.cached_tokens,
                             index=index,
+                            output_logprobs=self._logprobs(out.logprobs) if out.logprobs else None,
                         ),
                     )
         complete = pb.GenerateComplete(
@@ -321,6 +345,7 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
             completion_tokens=len(ids),
             cached_tokens=final.cached_tokens,
             index=index,
+            output_logprobs=self._logprobs(lps) if lps else None,
         )
         if final.matched_token_id is not None:
             complete.matched_token_id = final.matched_token_id
@@ -420,6 +445,12 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
             weight_version=self.node.engine.kv_format.model_fingerprint,
         )
 
+    def features(self) -> frozenset[str]:
+        """The engine's features served on this face: log probabilities on whole requests only,
+        so by a monolithic node (a split request's decode leg misses its first one)."""
+        served = SMG_FEATURES & frozenset(self.node.engine.features)
+        return served if self.node.config.role == "monolithic" else served - {"logprobs"}
+
     def server_args(self) -> dict[str, Any]:
         fmt = self.node.engine.kv_format
         bs = self.node.block_size
@@ -456,9 +487,8 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
             {
                 "max_total_num_tokens": s.capacity_blocks * self.node.block_size,
                 "node_id": s.node_id,
-                # What a gateway may route here beyond plain sampling (prefixgate.openai.features):
-                # the engine's, less the log probabilities this face does not return.
-                "prefixgate_features": sorted(SMG_FEATURES & s.features),
+                # What a gateway may route here beyond plain sampling (prefixgate.openai.features).
+                "prefixgate_features": sorted(self.features()),
             }
         )
         started = timestamp_pb2.Timestamp()
