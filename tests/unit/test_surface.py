@@ -14,10 +14,11 @@ from prefixgate.backends.tiny import sampling as smp
 from prefixgate.backends.tiny.vocab import CLASS_OF, OUTPUT_CLASSES, OUTPUT_IDS
 from prefixgate.cachetier.hashing import block_hashes
 from prefixgate.cachetier.tokenizer import Bytes4Tokenizer
+from prefixgate.gateway import choices
 from prefixgate.gateway.nodeclient.base import Capabilities
-from prefixgate.gateway.nodeclient.fake import FakeNodeClient, fake_status
-from prefixgate.gateway.vocab import Mode
-from prefixgate.openai.exceptions import InvalidRequest
+from prefixgate.gateway.nodeclient.fake import Fail, FakeNodeClient, Tokens, fake_status
+from prefixgate.gateway.vocab import FailureKind, Mode
+from prefixgate.openai.exceptions import InvalidRequest, StreamBroken, Unavailable
 from prefixgate.openai.features import Feature
 from prefixgate.openai.normalize import render_chat
 from prefixgate.openai.schema import parse_request
@@ -202,3 +203,59 @@ def test_logit_bias_and_logprobs() -> None:
     assert CLASS_OF[forced] == 7
     unknown = EngineSampling(logit_bias=((2**32 - 1, 100.0),))  # an id the model never outputs
     assert not smp.bias_vector(unknown).any()  # type: ignore[union-attr]
+
+
+# -- n choices -----------------------------------------------------------------------------------
+
+
+async def test_choices_run_as_separate_requests_and_merge_with_their_index() -> None:
+    seen: list[tuple[str, int]] = []
+
+    def script(prompt: Any) -> Tokens:
+        seen.append((prompt.request_id, prompt.sampling.choice))
+        return Tokens(texts=(f"c{prompt.sampling.choice}", "!"), stall_s=0.001 * prompt.sampling.choice)
+
+    node = FakeNodeClient("m", status=fake_status("m", "monolithic"), generate=script)
+    async with harness(("monolithic", node), disaggregation=False) as h:
+        prep = prep_asking(h)
+        ch = await choices.start(h.pipeline, prep, 3)
+        out: dict[int, str] = {}
+        async for i, d in ch.stream():
+            out[i] = out.get(i, "") + d.text
+        await ch.close()
+        assert out == {0: "c0!", 1: "c1!", 2: "c2!"} and ch.completion_tokens == 6
+        assert sorted(seen) == [
+            (prep.request_id, 0),
+            (f"{prep.request_id}-1", 1),
+            (f"{prep.request_id}-2", 2),
+        ]
+        assert h.node("m").active_streams == 0
+
+
+async def test_a_choice_breaking_mid_stream_ends_the_request_and_closes_the_others() -> None:
+    def script(prompt: Any) -> Tokens:
+        if prompt.sampling.choice == 1:
+            return Tokens(texts=("a", "b", "c"), break_after=1)
+        return Tokens(texts=("x", "y", "z"), stall_s=0.05)
+
+    node = FakeNodeClient("m", status=fake_status("m", "monolithic"), generate=script)
+    async with harness(("monolithic", node), disaggregation=False) as h:
+        ch = await choices.start(h.pipeline, prep_asking(h), 3)
+        with pytest.raises(StreamBroken):
+            async for _ in ch.stream():
+                pass
+        await ch.close()
+        assert h.node("m").active_streams == 0
+        assert all(s.closed for s in node.streams)
+
+
+async def test_a_choice_that_cannot_start_fails_the_request_and_closes_the_started_ones() -> None:
+    def script(prompt: Any) -> Tokens | Fail:
+        return Fail(FailureKind.INVALID) if prompt.sampling.choice == 2 else Tokens()
+
+    node = FakeNodeClient("m", status=fake_status("m", "monolithic"), generate=script)
+    async with harness(("monolithic", node), disaggregation=False) as h:
+        with pytest.raises(Unavailable):
+            await choices.start(h.pipeline, prep_asking(h), 3)
+        assert h.node("m").active_streams == 0
+        assert all(s.closed for s in node.streams)
