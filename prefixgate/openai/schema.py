@@ -212,7 +212,7 @@ def _logprobs(body: Mapping[str, Any], kind: str, sampling: Sampling, needs: dic
     if kind == "chat":
         sampling.logprobs = _bool(body, "logprobs")
         top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
-        if top is not None:
+        if top:
             if not sampling.logprobs:
                 raise invalid("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
             sampling.top_logprobs = top
