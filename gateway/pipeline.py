@@ -324,7 +324,7 @@ class Pipeline:
                 raise InvalidRequest(
                     f"prompt ({n} tokens) plus max_tokens ({sampling.max_tokens}) exceeds the context window "
                     f"of {s.context_window} tokens",
-                    param="max_tokens",
+                    param=req.max_tokens_param,
                     code="context_length_exceeded",
                 )
             sampling.max_tokens = room

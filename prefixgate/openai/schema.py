@@ -57,6 +57,7 @@ class ParsedRequest:
     include_usage: bool = False
     user: str = ""
     max_tokens_given: bool = False
+    max_tokens_param: str = "max_tokens"  # the field that gave it (max_completion_tokens wins)
     pin_seconds: float = 0.0
     n: int = 1
     response_format: dict[str, Any] | None = None
@@ -389,6 +390,9 @@ def parse_request(
         include_usage=include_usage,
         user=_str(body, "user"),
         max_tokens_given=given,
+        max_tokens_param="max_completion_tokens"
+        if body.get("max_completion_tokens") is not None
+        else "max_tokens",
         n=_int(body, "n", 1, MAX_N) or 1,
         response_format=response_format,
         needs=needs,

@@ -260,3 +260,12 @@ async def test_a_choice_that_cannot_start_fails_the_request_and_closes_the_start
             await choices.start(h.pipeline, prep_asking(h), 3)
         assert h.node("m").active_streams == 0
         assert all(s.closed for s in node.streams)
+
+
+async def test_context_overflow_names_the_field_that_set_the_limit() -> None:
+    node = FakeNodeClient("m", status=fake_status("m", "monolithic"))
+    async with harness(("monolithic", node), disaggregation=False, context_window=420) as h:
+        for field in ("max_completion_tokens", "max_tokens"):
+            with pytest.raises(InvalidRequest) as e:
+                prep_asking(h, **{"max_tokens": None, field: 60})
+            assert e.value.param == field and e.value.code == "context_length_exceeded"
