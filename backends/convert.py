@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from prefixgate.backends.engine import Sampling
+from collections.abc import Callable
+
+from prefixgate.backends.engine import Sampling, TokenLogprob
 from prefixgate.backends.events import KVEventRecord
 from prefixgate.backends.generation import Chunk
 from prefixgate.backends.kvpages import KVFormat
@@ -12,7 +14,15 @@ from prefixgate.v1 import node_pb2
 
 def sampling_from_proto(p: node_pb2.SamplingParams) -> Sampling:
     return Sampling.normalized(
-        p.max_tokens, p.temperature, p.top_p, p.seed if p.has_seed else None, list(p.stop)
+        p.max_tokens,
+        p.temperature,
+        p.top_p,
+        p.seed if p.has_seed else None,
+        list(p.stop),
+        choice=p.choice,
+        logprobs=p.logprobs,
+        top_logprobs=p.top_logprobs,
+        logit_bias=list(p.logit_bias.items()),
     )
 
 
@@ -24,6 +34,19 @@ def sampling_to_proto(s: Sampling) -> node_pb2.SamplingParams:
         seed=s.seed or 0,
         has_seed=s.seed is not None,
         stop=list(s.stop),
+        choice=s.choice,
+        logprobs=s.logprobs,
+        top_logprobs=s.top_logprobs,
+        logit_bias=dict(s.logit_bias),
+    )
+
+
+def logprob_to_proto(lp: TokenLogprob, token_text: Callable[[int], str]) -> node_pb2.TokenLogprob:
+    return node_pb2.TokenLogprob(
+        token_id=lp.token,
+        text=token_text(lp.token),
+        logprob=lp.logprob,
+        top=[node_pb2.TopLogprob(text=token_text(t), logprob=v) for t, v in lp.top],
     )
 
 
@@ -77,7 +100,9 @@ def page_from_proto(p: node_pb2.KVPage) -> WirePage:
     return WirePage(p.index, p.block_hash, p.num_tokens, p.data, p.checksum)
 
 
-def chunk_to_proto(c: Chunk) -> node_pb2.TokenChunk:
+def chunk_to_proto(c: Chunk, token_text: Callable[[int], str] | None = None) -> node_pb2.TokenChunk:
+    """``token_text`` names the tokens of ``c.logprobs`` (required when there are any)."""
+    logprobs = [logprob_to_proto(lp, token_text) for lp in c.logprobs] if token_text else []
     return node_pb2.TokenChunk(
         token_ids=c.token_ids,
         text=c.text,
@@ -87,6 +112,7 @@ def chunk_to_proto(c: Chunk) -> node_pb2.TokenChunk:
         cached_tokens=c.cached_tokens,
         queue_seconds=c.queue_seconds,
         prefill_seconds=c.prefill_seconds,
+        logprobs=logprobs,
     )
 
 

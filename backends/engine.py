@@ -21,6 +21,7 @@ from prefixgate.backends.profiles import CostProfile
 
 DEFAULT_MAX_TOKENS = 1024
 MAX_TOKENS_LIMIT = 1 << 16
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,10 @@ class Sampling:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    choice: int = 0  # which of a request's n choices: mixed into the sampling seed
+    logprobs: bool = False  # report each output token's log probability
+    top_logprobs: int = 0  # and this many most likely alternatives
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
     @classmethod
     def normalized(
@@ -41,13 +46,39 @@ class Sampling:
         top_p: float,
         seed: int | None,
         stop: Sequence[str],
+        *,
+        choice: int = 0,
+        logprobs: bool = False,
+        top_logprobs: int = 0,
+        logit_bias: Sequence[tuple[int, float]] = (),
     ) -> Sampling:
         """Defaults for the wire's zero values: max_tokens 0 -> default, top_p 0 -> 1.
         ``temperature`` is taken as given (0 = greedy): senders fill OpenAI's default of 1."""
         mt = DEFAULT_MAX_TOKENS if max_tokens <= 0 else min(max_tokens, MAX_TOKENS_LIMIT)
         tp = 1.0 if top_p <= 0 or top_p > 1 else top_p
         temp = min(max(temperature, 0.0), 2.0)
-        return cls(mt, temp, tp, seed, tuple(s for s in stop if s))
+        top = min(max(top_logprobs, 0), MAX_TOP_LOGPROBS) if logprobs else 0
+        bias = tuple(sorted((int(t), min(max(float(b), -100.0), 100.0)) for t, b in logit_bias))
+        return cls(mt, temp, tp, seed, tuple(s for s in stop if s), choice, logprobs, top, bias)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """An output token's log probability and the most likely alternatives at its position."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log probability), most likely first
+
+
+class Tokens(list[int]):
+    """A group of decoded tokens; ``logprobs`` holds one per token when the request asked."""
+
+    __slots__ = ("logprobs",)
+
+    def __init__(self, tokens: Sequence[int] = (), logprobs: Sequence[TokenLogprob] = ()) -> None:
+        super().__init__(tokens)
+        self.logprobs = list(logprobs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +97,7 @@ class PrefillOutput:
     tail_page: bytes  # KV of the trailing partial block (b"" when the prompt ends on a boundary)
     first_token: int  # the first generated token (eos_token possible; 0 when not asked)
     state: int  # sampling state after the first token
+    first_logprob: TokenLogprob | None = None  # when the sampling asked for logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +112,9 @@ class DecodeJob:
 
 class Engine(Protocol):
     name: str  # "sim", "tiny"
+    # What it serves beyond plain sampling (``prefixgate.openai.features`` names). An engine
+    # serving "logprobs" yields ``Tokens`` from ``decode`` and fills ``first_logprob``.
+    features: frozenset[str]
     kv_format: KVFormat
     profile: CostProfile  # simulated-hardware figures (time_scale = 1)
     time_scale: float

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from prefixgate.backends.engine import Sampling
+from prefixgate.backends.engine import Sampling, TokenLogprob
 from prefixgate.backends.stopping import StopChecker
 
 
@@ -27,6 +27,7 @@ class Chunk:
     cached_tokens: int = 0
     queue_seconds: float = 0.0
     prefill_seconds: float = 0.0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token_ids, when asked
 
 
 class Generation:

@@ -18,7 +18,15 @@ from dataclasses import dataclass, replace
 import structlog
 
 from prefixgate.backends.admission import Admission, QueueFull, Ticket
-from prefixgate.backends.engine import DecodeJob, Engine, PrefillJob, PrefillOutput, Sampling
+from prefixgate.backends.engine import (
+    DecodeJob,
+    Engine,
+    PrefillJob,
+    PrefillOutput,
+    Sampling,
+    TokenLogprob,
+    Tokens,
+)
 from prefixgate.backends.errors import (
     AlreadyExists,
     DataLoss,
@@ -85,6 +93,7 @@ class PrefillResult:
     state: int
     finished: bool
     finish_reason: str
+    first_logprob: TokenLogprob | None = None  # when asked, and the first token is shown
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +117,7 @@ class NodeSnapshot:
     prefix_hit_tokens: int
     prompt_tokens: int
     pending_handles: int
+    features: frozenset[str] = frozenset()  # the engine's (``Engine.features``)
 
 
 @dataclass(slots=True)
@@ -278,11 +288,12 @@ class Node:
             if call.pin_seconds > 0:
                 self.pool.pin(hashes, call.pin_seconds)
             out = run.output
-            first_text, finished, reason = "", False, ""
+            first_text, finished, reason, first_lp = "", False, "", None
             if not call.skip_first_token:
                 gen = Generation(call.sampling, self.engine.eos_token, self.engine.token_text)
-                _, first_text = gen.push([out.first_token])
+                ids, first_text = gen.push([out.first_token])
                 finished, reason = gen.finished, gen.finish_reason
+                first_lp = out.first_logprob if ids else None
             handle, t_s, t_bytes = "", 0.0, 0
             if call.decode_address and not call.skip_first_token:  # even when finished: Decode ends it
                 ack, t_s = await self._push(call, run)
@@ -311,6 +322,7 @@ class Node:
                 state=out.state,
                 finished=finished,
                 finish_reason=reason,
+                first_logprob=first_lp,
             )
         finally:
             self.pool.release(hashes)
@@ -503,6 +515,8 @@ class Node:
                 gen = Generation(sampling, self.engine.eos_token, self.engine.token_text)
                 ids, text = gen.push([run.output.first_token])
                 first = Chunk(ids, text, queue_seconds=run.queue_s, prefill_seconds=run.prefill_s)
+                if ids and run.output.first_logprob is not None:
+                    first.logprobs = [run.output.first_logprob]
                 yield self._usage(first, gen, n, cached)
                 if gen.finished:
                     return
@@ -529,7 +543,10 @@ class Node:
         try:
             async for group in groups:
                 ids, text = gen.push(group)
-                yield self._usage(Chunk(ids, text), gen, prompt_tokens, cached_tokens)
+                chunk = Chunk(ids, text)
+                if isinstance(group, Tokens) and group.logprobs:  # aligned: ids is a prefix of group
+                    chunk.logprobs = group.logprobs[: len(ids)]
+                yield self._usage(chunk, gen, prompt_tokens, cached_tokens)
                 if gen.finished:
                     return
             tail = gen.end()
@@ -582,4 +599,5 @@ class Node:
             prefix_hit_tokens=self.prefix_hit_tokens,
             prompt_tokens=self.prompt_tokens,
             pending_handles=len(self.handles),
+            features=frozenset(getattr(e, "features", ())),
         )

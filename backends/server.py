@@ -45,6 +45,7 @@ from prefixgate.backends.convert import (
     event_to_proto,
     format_to_proto,
     header_from_proto,
+    logprob_to_proto,
     page_from_proto,
     sampling_from_proto,
 )
@@ -126,6 +127,9 @@ class NodeService(node_pb2_grpc.NodeServicer):
             state=r.state,
             finished=r.finished,
             finish_reason=r.finish_reason,
+            first_logprob=(
+                logprob_to_proto(r.first_logprob, self.node.engine.token_text) if r.first_logprob else None
+            ),
         )
 
     async def Decode(
@@ -135,7 +139,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         sampling = sampling_from_proto(request.sampling) if request.HasField("sampling") else None
         try:
             async for chunk in self.node.decode(request.kv_handle, sampling):
-                yield chunk_to_proto(chunk)
+                yield chunk_to_proto(chunk, self.node.engine.token_text)
         except NodeError as e:
             await _abort(context, e)
 
@@ -146,7 +150,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         sampling = sampling_from_proto(request.sampling)
         try:
             async for chunk in self.node.generate(request.tokens, list(request.block_hashes), sampling):
-                yield chunk_to_proto(chunk)
+                yield chunk_to_proto(chunk, self.node.engine.token_text)
         except NodeError as e:
             await _abort(context, e)
 
@@ -207,6 +211,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
             instance_id=s.instance_id,
             prefix_hit_tokens=s.prefix_hit_tokens,
             prompt_tokens=s.prompt_tokens,
+            features=sorted(s.features),
         )
 
     async def KVEvents(

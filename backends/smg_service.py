@@ -33,7 +33,7 @@ from google.protobuf import struct_pb2, timestamp_pb2
 from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2, sglang_scheduler_pb2_grpc
 
 from prefixgate.backends.bootstrap import DEFAULT_BOOTSTRAP_TIMEOUT_S, BootstrapServer, handshake
-from prefixgate.backends.engine import Sampling
+from prefixgate.backends.engine import MAX_TOP_LOGPROBS, Sampling, TokenLogprob
 from prefixgate.backends.errors import FailedPrecondition, InvalidArgument, NodeError
 from prefixgate.backends.events import EventKind
 from prefixgate.backends.generation import Chunk
@@ -77,6 +77,7 @@ class _Outcome:
     cached_tokens: int = 0
     finish_reason: str = ""
     matched_token_id: int | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per id, when asked (engine ids)
 
 
 async def _abortable(it: AsyncIterator[T], abort: asyncio.Event) -> AsyncIterator[T]:
@@ -113,6 +114,9 @@ def _choice(sampling: Sampling, tokens: bytes, index: int) -> Sampling:
         return sampling
     base = sampling.seed if sampling.seed is not None else xxhash.xxh3_64_intdigest(tokens)
     return replace(sampling, seed=(base + index) & ((1 << 64) - 1))
+
+
+SMG_FEATURES = frozenset({"logit_bias", "logprobs"})  # of the engine's features, those served here
 
 
 class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):  # type: ignore[misc]
@@ -183,7 +187,7 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
             ids = list(request.tokenized.input_ids)
             if len(ids) > self.max_context:
                 raise InvalidArgument(f"prompt has {len(ids)} tokens, the context holds {self.max_context}")
-            sampling = sampling_from_sglang(request.sampling_params)
+            sampling = self._surface(request, sampling_from_sglang(request.sampling_params))
             n = request.sampling_params.n or 1
             stop_ids = frozenset(request.sampling_params.stop_token_ids)
             tokens = pack_ids(ids)
@@ -213,6 +217,41 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
         finally:
             if self._aborts.get(rid) is abort:
                 del self._aborts[rid]
+
+    def _surface(self, request: Any, sampling: Sampling) -> Sampling:
+        """``logit_bias`` (wire ids) and output log probabilities, on an engine that serves them;
+        refused, not dropped, elsewhere. Log probabilities are served on whole requests only (a
+        decode leg does not learn its prefill leg's first one)."""
+        engine = self.node.engine
+        if request.return_logprob:
+            if "logprobs" not in engine.features:
+                raise InvalidArgument(f"return_logprob is not supported by the {engine.name} engine")
+            if request.HasField("disaggregated_params") and request.disaggregated_params.bootstrap_host:
+                raise InvalidArgument("return_logprob is not supported on a disaggregated request")
+            top = min(max(request.top_logprobs_num, 0), MAX_TOP_LOGPROBS)
+            sampling = replace(sampling, logprobs=True, top_logprobs=top)
+        bias = request.sampling_params.logit_bias
+        if not bias:
+            return sampling
+        if "logit_bias" not in engine.features:
+            raise InvalidArgument(f"logit_bias is not supported by the {engine.name} engine")
+        try:
+            pairs = [(self.tokens.engine(int(k)), float(v)) for k, v in bias.items()]
+        except ValueError:
+            raise InvalidArgument("logit_bias keys must be token ids") from None
+        return replace(sampling, logit_bias=tuple(sorted((t, min(max(b, -100.0), 100.0)) for t, b in pairs)))
+
+    def _logprobs(self, lps: list[TokenLogprob]) -> Any:
+        """SGLang's ``OutputLogProbs`` (wire ids) for ``lps``."""
+        wire = self.tokens.wire
+        return pb.OutputLogProbs(
+            token_logprobs=[lp.logprob for lp in lps],
+            token_ids=[wire(lp.token) for lp in lps],
+            top_logprobs=[
+                pb.TopLogProbs(values=[v for _, v in lp.top], token_ids=[wire(t) for t, _ in lp.top])
+                for lp in lps
+            ],
+        )
 
     async def _local(
         self,
@@ -267,6 +306,7 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
                     out.finish_reason = chunk.finish_reason
                     if chunk.finish_reason == "stop":
                         out.matched_token_id = self.tokens.wire(eos)
+                out.logprobs = chunk.logprobs[: len(out.ids)]  # asked for on whole requests only: no lead
                 yield out
                 if out.finish_reason:
                     return
@@ -278,9 +318,11 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
     ) -> AsyncIterator[Any]:
         ids: list[int] = []
         last: list[int] = []
+        lps: list[TokenLogprob] = []
         final = _Outcome()
         async for out in _abortable(outcomes, abort):
             ids.extend(out.ids)
+            lps.extend(out.logprobs)
             final = out
             if stream and (out.ids or out.finish_reason):
                 last = out.ids if out.ids else last
@@ -293,6 +335,7 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
                             completion_tokens=len(ids),
                             cached_tokens=out.cached_tokens,
                             index=index,
+                            output_logprobs=self._logprobs(out.logprobs) if out.logprobs else None,
                         ),
                     )
         complete = pb.GenerateComplete(
@@ -302,6 +345,7 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
             completion_tokens=len(ids),
             cached_tokens=final.cached_tokens,
             index=index,
+            output_logprobs=self._logprobs(lps) if lps else None,
         )
         if final.matched_token_id is not None:
             complete.matched_token_id = final.matched_token_id
@@ -401,6 +445,12 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
             weight_version=self.node.engine.kv_format.model_fingerprint,
         )
 
+    def features(self) -> frozenset[str]:
+        """The engine's features served on this face: log probabilities on whole requests only,
+        so by a monolithic node (a split request's decode leg misses its first one)."""
+        served = SMG_FEATURES & frozenset(self.node.engine.features)
+        return served if self.node.config.role == "monolithic" else served - {"logprobs"}
+
     def server_args(self) -> dict[str, Any]:
         fmt = self.node.engine.kv_format
         bs = self.node.block_size
@@ -433,7 +483,14 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
         args.update(self.server_args())
         s = self.node.snapshot()
         info = struct_pb2.Struct()
-        info.update({"max_total_num_tokens": s.capacity_blocks * self.node.block_size, "node_id": s.node_id})
+        info.update(
+            {
+                "max_total_num_tokens": s.capacity_blocks * self.node.block_size,
+                "node_id": s.node_id,
+                # What a gateway may route here beyond plain sampling (prefixgate.openai.features).
+                "prefixgate_features": sorted(self.features()),
+            }
+        )
         started = timestamp_pb2.Timestamp()
         started.FromSeconds(int(self._started))
         return pb.GetServerInfoResponse(

@@ -232,6 +232,7 @@ def _body(d: _Draft) -> dict[str, Any]:
         body["documents"] = d.documents
     if d.tools:
         body["tools"] = d.tools
+        body["tool_choice"] = "none"  # the tools shape the prompt; our engines make no tool calls
     return body
 
 

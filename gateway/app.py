@@ -7,18 +7,17 @@ with the admin API (error mapping, body reading, request ids) is in ``gateway.ht
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
-import orjson
 import structlog
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from prefixgate.gateway import choices, responses
 from prefixgate.gateway.admin import admin_routes
 from prefixgate.gateway.config import KEYLESS_TENANT
 from prefixgate.gateway.grpc_front import GrpcFront
@@ -32,11 +31,11 @@ from prefixgate.gateway.httpcommon import (
     read_body,
     service_of,
 )
-from prefixgate.gateway.pipeline import Execution, Prepared
-from prefixgate.gateway.runner import Identity, deltas
+from prefixgate.gateway.pipeline import Prepared
+from prefixgate.gateway.runner import Identity
 from prefixgate.gateway.service import GatewayService
-from prefixgate.openai.errors import APIError, from_domain, invalid
-from prefixgate.openai.exceptions import NotFound, StreamBroken
+from prefixgate.openai.errors import APIError, invalid
+from prefixgate.openai.exceptions import NotFound
 from prefixgate.openai.schema import ParsedRequest, document_id, parse_request
 
 log = structlog.get_logger("prefixgate.http")
@@ -51,19 +50,6 @@ def tenant_of(svc: GatewayService, request: Request) -> str:
     """The key's tenant; without keys the one shared tenant (``user`` is never an identity)."""
     tenant = authenticate(svc, request)
     return KEYLESS_TENANT if tenant is None else tenant
-
-
-def _usage(ex: Execution) -> dict[str, Any]:
-    return {
-        "prompt_tokens": ex.prompt_tokens,
-        "completion_tokens": ex.completion_tokens,
-        "total_tokens": ex.prompt_tokens + ex.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": ex.cached_tokens},
-    }
-
-
-def _sse(obj: Any) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 def parse_completion_body(svc: GatewayService, body: dict[str, Any], kind: str) -> ParsedRequest:
@@ -105,13 +91,16 @@ async def completions(request: Request, respond: Respond, kind: str) -> None:
         parsed, prep = await runner.compute(build, len(raw))
         return prep
 
+    def count() -> int:
+        return parsed.n if parsed is not None else 1
+
     try:
-        async with runner.run(caller_of(request), prepare) as ex:
+        async with choices.run(runner, caller_of(request), prepare, count) as ex:
             assert parsed is not None
             headers = ex.headers() if svc.settings.response_headers else {}
             if parsed.stream:
                 watch.disarm()  # from here the streaming response watches the connection
-                async with aclosing(_stream(ex, parsed, kind)) as body:
+                async with aclosing(responses.stream(ex, parsed, kind)) as body:
                     await respond(
                         StreamingResponse(
                             body,
@@ -120,7 +109,7 @@ async def completions(request: Request, respond: Respond, kind: str) -> None:
                         )
                     )
                 return
-            response = await _complete(ex, parsed, kind, headers)
+            response = await responses.complete(ex, parsed, kind, headers)
             watch.disarm()
             await respond(response)
     except asyncio.CancelledError:
@@ -133,73 +122,6 @@ async def completions(request: Request, respond: Respond, kind: str) -> None:
         raise
     finally:
         watch.disarm()
-
-
-async def _complete(ex: Execution, parsed: ParsedRequest, kind: str, headers: dict[str, str]) -> Response:
-    parts = [d.text async for d in deltas(ex)]
-    text = "".join(parts)
-    created = int(time.time())
-    if kind == "chat":
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": ex.finish_reason,
-            "logprobs": None,
-        }
-        obj, rid = "chat.completion", f"chatcmpl-{ex.request_id}"
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": ex.finish_reason, "logprobs": None}
-        obj, rid = "text_completion", f"cmpl-{ex.request_id}"
-    payload = {
-        "id": rid,
-        "object": obj,
-        "created": created,
-        "model": parsed.model,
-        "choices": [choice],
-        "usage": _usage(ex),
-        "system_fingerprint": "prefixgate",
-    }
-    return ORJSONResponse(payload, headers=headers)
-
-
-async def _stream(ex: Execution, parsed: ParsedRequest, kind: str) -> AsyncGenerator[bytes, None]:
-    """The SSE body; a failure after the first token ends it with an error event (no [DONE])."""
-    created = int(time.time())
-    chat = kind == "chat"
-    rid = f"chatcmpl-{ex.request_id}" if chat else f"cmpl-{ex.request_id}"
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    base = {
-        "id": rid,
-        "object": obj,
-        "created": created,
-        "model": parsed.model,
-        "system_fingerprint": "prefixgate",
-    }
-
-    def chunk(text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
-        if chat:
-            delta: dict[str, Any] = (
-                {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-            )
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-        out = {**base, "choices": [choice]}
-        if parsed.include_usage:
-            out["usage"] = None
-        return out
-
-    try:
-        first = True
-        async for d in deltas(ex):
-            if d.text or first or d.finish_reason:
-                yield _sse(chunk(d.text, d.finish_reason or None, first))
-                first = False
-        if parsed.include_usage:
-            yield _sse({**base, "choices": [], "usage": _usage(ex)})
-        yield b"data: [DONE]\n\n"
-    except StreamBroken as e:
-        yield _sse(from_domain(e).body())
 
 
 async def chat_completions(request: Request, respond: Respond) -> None:

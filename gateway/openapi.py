@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from prefixgate.openai.normalize import DOCUMENT_ID_PATTERN, MAX_DOCUMENT_ID
+from prefixgate.openai.schema import MAX_COMPLETION_LOGPROBS, MAX_N, MAX_TOP_LOGPROBS
 
 _ERROR = {
     "type": "object",
@@ -48,7 +49,12 @@ _COMMON = {
         "properties": {"include_usage": {"type": "boolean"}},
     },
     "user": {"type": "string"},
-    "n": {"type": "integer", "nullable": True},
+    "n": {"type": "integer", "minimum": 1, "maximum": MAX_N, "nullable": True},
+    "logit_bias": {
+        "type": "object",
+        "nullable": True,
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+    },
     "documents": {"type": "array", "items": _DOCUMENT},
     "document_ids": {"type": "array", "items": _DOCUMENT_ID},
 }
@@ -65,12 +71,31 @@ _MESSAGE = {
                 {
                     "type": "array",
                     "items": {
-                        "type": "object",
-                        "required": ["type", "text"],
-                        "properties": {
-                            "type": {"type": "string", "enum": ["text"]},
-                            "text": {"type": "string"},
-                        },
+                        "oneOf": [
+                            {
+                                "type": "object",
+                                "required": ["type", "text"],
+                                "properties": {
+                                    "type": {"type": "string", "enum": ["text"]},
+                                    "text": {"type": "string"},
+                                },
+                            },
+                            {
+                                "type": "object",
+                                "required": ["type", "image_url"],
+                                "properties": {
+                                    "type": {"type": "string", "enum": ["image_url"]},
+                                    "image_url": {
+                                        "type": "object",
+                                        "required": ["url"],
+                                        "properties": {
+                                            "url": {"type": "string"},
+                                            "detail": {"type": "string"},
+                                        },
+                                    },
+                                },
+                            },
+                        ]
                     },
                 },
             ],
@@ -195,6 +220,22 @@ def openapi_spec(models: list[str]) -> dict[str, Any]:
                         "model": {"type": "string", "enum": models},
                         "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
                         "tools": {"type": "array", "items": {"type": "object"}},
+                        "tool_choice": {"nullable": True, "oneOf": [{"type": "string"}, {"type": "object"}]},
+                        "response_format": {
+                            "type": "object",
+                            "nullable": True,
+                            "properties": {
+                                "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+                                "json_schema": {"type": "object"},
+                            },
+                        },
+                        "logprobs": {"type": "boolean", "nullable": True},
+                        "top_logprobs": {
+                            "type": "integer",
+                            "minimum": 0,
+                            "maximum": MAX_TOP_LOGPROBS,
+                            "nullable": True,
+                        },
                     },
                 },
                 "CompletionRequest": {
@@ -205,6 +246,12 @@ def openapi_spec(models: list[str]) -> dict[str, Any]:
                         "model": {"type": "string", "enum": models},
                         "prompt": {
                             "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]
+                        },
+                        "logprobs": {
+                            "type": "integer",
+                            "minimum": 0,
+                            "maximum": MAX_COMPLETION_LOGPROBS,
+                            "nullable": True,
                         },
                     },
                 },

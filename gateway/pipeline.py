@@ -24,6 +24,7 @@ from prefixgate.cachetier.tokenizer import Tokenizer, pack_ids
 from prefixgate.cachetier.writer import IndexWriter
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.documents import DocumentStore
+from prefixgate.gateway.features import unable
 from prefixgate.gateway.metrics import Metrics
 from prefixgate.gateway.nodeclient import NodeFailure, Prompt, TokenDelta, TokenStream
 from prefixgate.gateway.nodes import Node, NodePool
@@ -31,6 +32,7 @@ from prefixgate.gateway.routing import Decision, Policy, RouteInput, parse_polic
 from prefixgate.gateway.routing.planner import Plan, RequestView, Rules
 from prefixgate.gateway.vocab import FailureKind, Mode, Stage
 from prefixgate.openai.exceptions import InvalidRequest, Overloaded, StreamBroken, Unavailable
+from prefixgate.openai.features import Feature
 from prefixgate.openai.normalize import Layout, NormalizationError, Segment, render_chat, render_completion
 from prefixgate.openai.schema import ParsedRequest, Sampling
 
@@ -66,6 +68,7 @@ class Prepared:
     hashes: list[int]
     sampling: Sampling
     model: str
+    needs: dict[Feature, str] = field(default_factory=dict)  # engine features asked for, by field
 
     @property
     def prompt_tokens(self) -> int:
@@ -321,14 +324,14 @@ class Pipeline:
                 raise InvalidRequest(
                     f"prompt ({n} tokens) plus max_tokens ({sampling.max_tokens}) exceeds the context window "
                     f"of {s.context_window} tokens",
-                    param="max_tokens",
+                    param=req.max_tokens_param,
                     code="context_length_exceeded",
                 )
             sampling.max_tokens = room
         ns = self.namespace(req.model, tenant)
         hashes = block_hashes(tokens, s.block_size, ns.root())
         return Prepared(
-            request_id or uuid.uuid4().hex, tenant, ns, layout, tokens, hashes, sampling, req.model
+            request_id or uuid.uuid4().hex, tenant, ns, layout, tokens, hashes, sampling, req.model, req.needs
         )
 
     # -- plan --------------------------------------------------------------------------------
@@ -410,13 +413,14 @@ class Pipeline:
         first token is out (``Execution.stream`` raises StreamBroken then).
         """
         deadline = time.monotonic() + self.settings.request_timeout_s
+        unserved = unable(self.pool.nodes.values(), prep.needs)  # 400 when no node can serve it
         hits = await self.lookup(prep)
-        plan = self.decide(prep, hits)
+        plan = self.decide(prep, hits, set(unserved))
         failures: list[Failure] = []
         attempts = 0
 
         if plan.mode.mode == Mode.DISAGGREGATED:
-            excluded: set[str] = set()
+            excluded: set[str] = set(unserved)
             for attempt in range(MAX_ATTEMPTS):
                 pnode = self.pool.by_id(plan.prefill.node_id or "") if plan.prefill else None
                 dnode = self.pool.by_id(plan.decode_node or "")
@@ -447,7 +451,7 @@ class Pipeline:
             route, reason = Mode.MONOLITHIC, plan.mode.reason
 
         if all(f.error.kind.retryable for f in failures):
-            excluded = {f.node.id for f in failures if _not_for_monolithic(f.error)}
+            excluded = {f.node.id for f in failures if _not_for_monolithic(f.error)} | unserved
             for attempt in range(MAX_ATTEMPTS):
                 candidates = self._monolithic_candidates(excluded)
                 if not candidates or not await self._pause(attempt, deadline):

@@ -91,6 +91,9 @@ class Sampler:
 
     def __init__(self, sampling: Sampling, prompt_digest: int) -> None:
         self._base = prompt_digest if sampling.seed is None else sampling.seed & 0xFFFFFFFFFFFFFFFF
+        if sampling.choice:  # choice i of n: its own draws, reproducible under a seed
+            mixed = _LE64_32.pack(self._base, sampling.choice)
+            self._base = xxhash.xxh3_64_intdigest(mixed, seed=_STATE_SEED)
         self._cdf = rank_cdf(sampling.temperature, sampling.top_p)
         key = _LE64.pack(self._base) + _LE64.pack(prompt_digest) + b"len"
         self.natural_length = MIN_LENGTH + xxhash.xxh3_64_intdigest(key, seed=_STATE_SEED) % LENGTH_SPAN

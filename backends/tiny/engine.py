@@ -39,6 +39,7 @@ T = TypeVar("T")
 
 class TinyEngine:
     name = "tiny"
+    features = frozenset({"logprobs", "logit_bias"})  # real logits: both are honest
     eos_token = EOS_TOKEN
     time_scale = 1.0
 
@@ -81,7 +82,7 @@ class TinyEngine:
             pass
         return await self._run(run.output)
 
-    async def decode(self, job: DecodeJob) -> AsyncGenerator[list[int], None]:
+    async def decode(self, job: DecodeJob) -> AsyncGenerator[list[int], None]:  # yields Tokens
         run = await self._run(DecodeRun, self.model, job)
         group = 1
         while not run.ended:

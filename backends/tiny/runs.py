@@ -15,11 +15,11 @@ import time
 
 import numpy as np
 
-from prefixgate.backends.engine import DecodeJob, PrefillJob, PrefillOutput, Sampling
+from prefixgate.backends.engine import DecodeJob, PrefillJob, PrefillOutput, Sampling, TokenLogprob, Tokens
 from prefixgate.backends.tiny import sampling as smp
 from prefixgate.backends.tiny.kvcache import KVCache
 from prefixgate.backends.tiny.model import TinyModel
-from prefixgate.backends.tiny.vocab import EOS_TOKEN, embedding_rows, token_ids, token_of_class
+from prefixgate.backends.tiny.vocab import EOS_TOKEN, embedding_rows, token_ids
 
 DECODE_HEADROOM = 256  # positions allocated beyond the prompt before the cache grows
 
@@ -72,11 +72,11 @@ class PrefillRun:
         pages = [self.cache.page(b * bs, (b + 1) * bs) for b in range(k, self.full)]
         tail = self.cache.page(self.full * bs, self.n) if self.n > self.full * bs else b""
         gen = smp.rng(smp.base_seed(self.job.tokens, self.job.sampling))
-        token = 0
+        token, lp = 0, None
         if self.job.first_token:
             assert self.logits is not None
-            token = token_of_class(smp.choose(self.logits, self.job.sampling, gen))
-        return PrefillOutput(pages, tail, token, smp.next_state(gen))
+            token, lp = smp.pick(self.logits, self.job.sampling, gen, smp.bias_vector(self.job.sampling))
+        return PrefillOutput(pages, tail, token, smp.next_state(gen), lp)
 
 
 class DecodeRun:
@@ -94,18 +94,22 @@ class DecodeRun:
         self.last = job.first_token
         self.remaining = job.max_new
         self.gen = smp.rng(job.state)
+        self.bias = smp.bias_vector(job.sampling)
         self.ended = job.max_new <= 0
 
-    def step(self, max_tokens: int, budget_s: float) -> list[int]:
+    def step(self, max_tokens: int, budget_s: float) -> Tokens:
         """Up to ``max_tokens`` tokens, stopping early once ``budget_s`` has passed."""
         t0 = time.perf_counter()
         out: list[int] = []
+        logprobs: list[TokenLogprob] = []
         vocab = self.model.cfg.vocab
         while not self.ended and len(out) < max_tokens:
             rows = embedding_rows(np.array([self.last], dtype=np.uint32), vocab)
             logits = self.model.forward(rows, self.cache, self.pos, logits=True)
             assert logits is not None
-            token = token_of_class(smp.choose(logits, self.sampling, self.gen))
+            token, lp = smp.pick(logits, self.sampling, self.gen, self.bias)
+            if lp is not None:
+                logprobs.append(lp)
             out.append(token)
             self.pos += 1
             self.last = token
@@ -114,4 +118,4 @@ class DecodeRun:
                 self.ended = True
             if time.perf_counter() - t0 >= budget_s:
                 break
-        return out
+        return Tokens(out, logprobs)

@@ -11,6 +11,12 @@ reaching that mass; ties ranked by class), and one uniform draw per token from a
 - decode seeds ``PCG64(state)`` and draws once per token.
 
 So a request samples the same tokens on every path: one node, or prefill here and decode there.
+
+Choice ``i > 0`` of a request with ``n`` choices mixes ``i`` into ``base`` (choice 0 keeps it), so
+choices differ from each other and each is reproducible under a seed. ``logit_bias`` is added to
+the logits of the classes of the token ids it names (ids the model cannot output are ignored)
+before anything else; log probabilities are those of the biased logits at temperature 1 (the
+model's distribution, not the sampler's).
 """
 
 from __future__ import annotations
@@ -19,15 +25,55 @@ import numpy as np
 import xxhash
 from numpy.typing import NDArray
 
-from prefixgate.backends.engine import Sampling
+from prefixgate.backends.engine import Sampling, TokenLogprob
+from prefixgate.backends.tiny.vocab import CLASS_OF, OUTPUT_CLASSES, token_of_class
 
 _MASK64 = (1 << 64) - 1
 
 
 def base_seed(tokens: bytes, sampling: Sampling) -> int:
-    if sampling.seed is not None:
-        return sampling.seed & _MASK64
-    return xxhash.xxh3_64_intdigest(tokens)
+    base = sampling.seed & _MASK64 if sampling.seed is not None else xxhash.xxh3_64_intdigest(tokens)
+    if sampling.choice:
+        base = xxhash.xxh3_64_intdigest(base.to_bytes(8, "little") + sampling.choice.to_bytes(4, "little"))
+    return base
+
+
+def bias_vector(sampling: Sampling) -> NDArray[np.float32] | None:
+    """The additive bias per output class (None without ``logit_bias``)."""
+    if not sampling.logit_bias:
+        return None
+    bias = np.zeros(OUTPUT_CLASSES, dtype=np.float32)
+    for token, b in sampling.logit_bias:
+        cls = CLASS_OF.get(token)
+        if cls is not None:
+            bias[cls] += b
+    return bias
+
+
+def logprob_of(logits: NDArray[np.float32], cls: int, top: int) -> TokenLogprob:
+    """The chosen class's log probability and the ``top`` most likely classes (ties by class)."""
+    z = logits.astype(np.float64)
+    z -= z.max()
+    lp = z - np.log(np.exp(z).sum())
+    best: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        order = np.argsort(-lp, kind="stable")[:top]
+        best = tuple((token_of_class(int(c)), float(lp[c])) for c in order)
+    return TokenLogprob(token_of_class(cls), float(lp[cls]), best)
+
+
+def pick(
+    logits: NDArray[np.float32],
+    sampling: Sampling,
+    gen: np.random.Generator,
+    bias: NDArray[np.float32] | None,
+) -> tuple[int, TokenLogprob | None]:
+    """The output token for one position, and its log probability when the sampling asks."""
+    if bias is not None:
+        logits = logits + bias
+    cls = choose(logits, sampling, gen)
+    lp = logprob_of(logits, cls, sampling.top_logprobs) if sampling.logprobs else None
+    return token_of_class(cls), lp
 
 
 def rng(seed: int) -> np.random.Generator:

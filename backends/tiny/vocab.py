@@ -22,6 +22,7 @@ _TOKENIZER = load()
 EOS_TOKEN = _TOKENIZER.eos_token_id
 OUTPUT_IDS: NDArray[np.uint32] = np.array((EOS_TOKEN, *_TOKENIZER.clean_ids()), dtype=np.uint32)
 OUTPUT_CLASSES = len(OUTPUT_IDS)
+CLASS_OF: dict[int, int] = {int(t): c for c, t in enumerate(OUTPUT_IDS)}  # token id -> class
 _TEXT: tuple[str, ...] = _TOKENIZER.texts
 VOCAB_DIGEST = xxhash.xxh3_64_hexdigest(OUTPUT_IDS.tobytes() + "\0".join(_TEXT).encode())
 

@@ -61,6 +61,9 @@ class NodeStatus:
     instance_id: str = ""  # changes when the node restarts
     prefix_hit_tokens: int = 0
     prompt_tokens: int = 0
+    # Engine features it serves beyond plain sampling (``prefixgate.openai.features``), carried
+    # and honoured end to end; a node that reports none serves none (nothing is silently dropped).
+    features: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +103,9 @@ class Capabilities:
     pin: bool = False
     evict: bool = False
     warm: bool = False  # prefill without generating
+    # Engine features the protocol serves whatever the status says (a pass-through worker); None:
+    # as the node's status reports (``NodeStatus.features``).
+    features: frozenset[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,12 +123,24 @@ class Prompt:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One output token's log probability, and the most likely alternatives at its position."""
+
+    token_id: int
+    text: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()  # (token text, log probability), most likely first
+
+
+@dataclass(frozen=True, slots=True)
 class TokenDelta:
-    """One step of generation; ``completion_tokens`` is the running total (0: not reported)."""
+    """One step of generation; ``completion_tokens`` is the running total (0: not reported).
+    ``logprobs``: one per token of this step, when the request asked for them."""
 
     text: str = ""
     finish_reason: str = ""
     completion_tokens: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(slots=True)

@@ -28,6 +28,7 @@ from prefixgate.gateway.nodeclient.base import (
     Prompt,
     StageTimings,
     TokenDelta,
+    TokenLogprob,
 )
 from prefixgate.gateway.vocab import EventKind, FailureKind, Stage
 from prefixgate.openai.schema import Sampling
@@ -99,7 +100,19 @@ def sampling_message(s: Sampling) -> node_pb2.SamplingParams:
         seed=(s.seed or 0) & 0xFFFFFFFFFFFFFFFF,
         has_seed=s.seed is not None,
         stop=s.stop,
+        choice=s.choice,
+        logprobs=s.logprobs,
+        top_logprobs=s.top_logprobs,
+        logit_bias=s.logit_bias,
     )
+
+
+def token_logprob(msg: node_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(msg.token_id, msg.text, msg.logprob, tuple((t.text, t.logprob) for t in msg.top))
+
+
+def chunk_logprobs(chunk: node_pb2.TokenChunk) -> tuple[TokenLogprob, ...]:
+    return tuple(token_logprob(m) for m in chunk.logprobs) if chunk.logprobs else ()
 
 
 def kv_format(msg: node_pb2.KVFormat) -> KVFormat:
@@ -134,6 +147,7 @@ def node_status(msg: node_pb2.NodeStats) -> NodeStatus:
         instance_id=msg.instance_id,
         prefix_hit_tokens=msg.prefix_hit_tokens,
         prompt_tokens=msg.prompt_tokens,
+        features=frozenset(msg.features),
     )
 
 
@@ -204,7 +218,7 @@ class _ChunkStream:
         self._chunks += 1
         if chunk.finish_reason:
             self._closed = True
-        return TokenDelta(chunk.text, chunk.finish_reason, chunk.completion_tokens)
+        return TokenDelta(chunk.text, chunk.finish_reason, chunk.completion_tokens, chunk_logprobs(chunk))
 
     async def aclose(self) -> None:
         self._closed = True
@@ -292,11 +306,14 @@ class _PushStream(_ChunkStream):
             raise NodeFailure(
                 self._d.address, Stage.DECODE, FailureKind.INTERNAL, "decode stream ended before any token"
             )
+        first_lp = (token_logprob(resp.first_logprob),) if resp.HasField("first_logprob") else ()
         if resp.finished:  # the first token ended it: decode only confirms with the usage chunk
             self._closed = True
-            self._pending = [TokenDelta(resp.first_text, resp.finish_reason, max(1, chunk.completion_tokens))]
+            self._pending = [
+                TokenDelta(resp.first_text, resp.finish_reason, max(1, chunk.completion_tokens), first_lp)
+            ]
         else:
-            self._pending = [TokenDelta(resp.first_text, "", 1), self._delta(chunk)]
+            self._pending = [TokenDelta(resp.first_text, "", 1, first_lp), self._delta(chunk)]
         self._chunks = 1
 
     def _open(self) -> Any:
@@ -315,7 +332,7 @@ class _PushStream(_ChunkStream):
         self._chunks += 1
         if chunk.finish_reason:
             self._closed = True
-        return TokenDelta(chunk.text, chunk.finish_reason, chunk.completion_tokens)
+        return TokenDelta(chunk.text, chunk.finish_reason, chunk.completion_tokens, chunk_logprobs(chunk))
 
 
 class PushHandoff:

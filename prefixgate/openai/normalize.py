@@ -19,11 +19,19 @@ writes the whole text anyway, as with any engine's completions API.
 tokens must encode those ranges as plain text (special-token parsing off, as engines do for user
 content) and may give special ids only to the markers around them.
 
+An image content part renders as ``<|image:SHA256|>``, the digest of its URL (a ``data:`` URL
+carries the image itself, so that is the digest of the image) and its ``detail``: the image's
+identity is part of the prompt's bytes, hence of its tokens and of every block hash from the
+block holding it on. Two requests differing only in an image share the blocks before it and
+none after. (No engine here takes images: the gateway refuses them for text-only engines, but
+the hashes are right for one that does.)
+
 Pure functions, no I/O: the live gateway, the admin explain endpoint and the simulator share them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import unicodedata
 from collections.abc import Mapping, Sequence
@@ -40,6 +48,8 @@ MAX_DOCUMENT_ID = 256
 DOCUMENT_ID_PATTERN = rf"^[A-Za-z0-9][A-Za-z0-9._:-]{{0,{MAX_DOCUMENT_ID - 1}}}$"
 _DOCUMENT_ID = re.compile(DOCUMENT_ID_PATTERN)
 TOOL_CALLS_MARKER = "<|tool_calls|>"
+MAX_IMAGE_URL = 32 * 1024 * 1024  # a data: URL holds the image; the body limit binds first
+_MARKERS = re.compile(r"(<\|tool_calls\|>|<\|image:[0-9a-f]{64}\|>)")
 _MARKER_START = re.compile(r"<(\\*)\|")
 
 
@@ -111,6 +121,18 @@ def canonical_json(value: Any) -> str:
     return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode("utf-8")
 
 
+def _part_text(part: Any, param: str) -> str:
+    if isinstance(part, str):
+        return part
+    if isinstance(part, Mapping) and part.get("type") in ("text", "input_text"):
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise NormalizationError("text part needs a string 'text'", f"{param}.text")
+        return text
+    kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+    raise NormalizationError(f"content part of type {kind!r} is not supported", param)
+
+
 def content_text(content: Any, param: str) -> str:
     """The text of an OpenAI message ``content``: a string or a list of text parts."""
     if content is None:
@@ -118,20 +140,34 @@ def content_text(content: Any, param: str) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts: list[str] = []
-        for i, part in enumerate(content):
-            if isinstance(part, str):
-                parts.append(part)
-            elif isinstance(part, Mapping) and part.get("type") in ("text", "input_text"):
-                text = part.get("text")
-                if not isinstance(text, str):
-                    raise NormalizationError("text part needs a string 'text'", f"{param}[{i}].text")
-                parts.append(text)
-            else:
-                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-                raise NormalizationError(f"content part of type {kind!r} is not supported", f"{param}[{i}]")
-        return "\n".join(parts)
+        return "\n".join(_part_text(part, f"{param}[{i}]") for i, part in enumerate(content))
     raise NormalizationError("content must be a string or a list of content parts", param)
+
+
+def image_marker(part: Mapping[str, Any], param: str) -> str:
+    """``<|image:SHA256|>`` for an ``image_url`` content part: its identity in the prompt."""
+    image = part.get("image_url")
+    url = image.get("url") if isinstance(image, Mapping) else None
+    if not isinstance(url, str) or not url or len(url) > MAX_IMAGE_URL:
+        raise NormalizationError("image part needs 'image_url.url', a URL or data: URL", f"{param}.image_url")
+    detail = image.get("detail") if isinstance(image, Mapping) else None
+    key = url if detail in (None, "auto") else f"{url}\0{detail}"
+    return f"<|image:{hashlib.sha256(key.encode('utf-8')).hexdigest()}|>"
+
+
+def _content(content: Any, param: str) -> str:
+    """A message's content rendered: text escaped (``escape_markers``), images as their marker."""
+    if not isinstance(content, list) or not any(
+        isinstance(p, Mapping) and p.get("type") == "image_url" for p in content
+    ):
+        return escape_markers(content_text(content, param))
+    parts: list[str] = []
+    for i, part in enumerate(content):
+        if isinstance(part, Mapping) and part.get("type") == "image_url":
+            parts.append(image_marker(part, f"{param}[{i}]"))
+        else:
+            parts.append(escape_markers(_part_text(part, f"{param}[{i}]")))
+    return "\n".join(parts)
 
 
 def canonical_documents(docs: Sequence[Document]) -> list[Document]:
@@ -197,19 +233,16 @@ def _add_documents(b: _Builder, documents: Sequence[Document], normalize: bool) 
 
 
 def _message_parts(text: str) -> list[tuple[str, bool]]:
-    """Rendered message text split into client text and ``<|tool_calls|>`` markers: client text
-    is escaped, so every ``<|`` left in it is one of those markers."""
-    if TOOL_CALLS_MARKER not in text:
+    """Rendered message text split into client text and markers (``<|tool_calls|>``, images):
+    client text is escaped, so every ``<|`` left in it is one of those markers."""
+    if "<|" not in text:
         return [(text, True)]
-    pieces = text.split(TOOL_CALLS_MARKER)
-    parts: list[tuple[str, bool]] = [(pieces[0], True)]
-    for piece in pieces[1:]:
-        parts += [(TOOL_CALLS_MARKER, False), (piece, True)]
-    return parts
+    pieces = _MARKERS.split(text)  # odd indices: the markers
+    return [(piece, i % 2 == 0) for i, piece in enumerate(pieces) if piece]
 
 
 def _message_text(msg: Mapping[str, Any], i: int, normalize: bool) -> str:
-    text = escape_markers(content_text(msg.get("content"), f"messages[{i}].content"))
+    text = _content(msg.get("content"), f"messages[{i}].content")
     calls = msg.get("tool_calls")
     if calls:
         rendered = canonical_json(calls) if normalize else orjson.dumps(calls).decode()

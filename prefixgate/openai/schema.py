@@ -11,6 +11,7 @@ import orjson
 
 from prefixgate.openai.errors import invalid
 from prefixgate.openai.exceptions import NotFound, TooLarge
+from prefixgate.openai.features import Feature
 from prefixgate.openai.normalize import DOCUMENT_ID_ALPHABET, MAX_DOCUMENT_ID, Document, is_document_id
 
 MAX_STOP = 4
@@ -19,6 +20,11 @@ MAX_SEED = 2**63 - 1
 MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 16_384
 MAX_JSON_VALUES = 131_072
+MAX_N = 16  # choices per request: each is a full generation on the nodes
+MAX_TOP_LOGPROBS = 20  # chat; completions allow at most 5, as OpenAI
+MAX_COMPLETION_LOGPROBS = 5
+MAX_LOGIT_BIAS = 1024
+MAX_TOKEN_ID = 2**32 - 1
 
 
 @dataclass(slots=True)
@@ -28,6 +34,12 @@ class Sampling:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    # Which of the request's ``n`` choices this is: an engine mixes it into its sampling seed,
+    # so choices differ from each other yet each is reproducible under a ``seed``.
+    choice: int = 0
+    logprobs: bool = False  # report each output token's log probability
+    top_logprobs: int = 0  # and this many most likely alternatives per position
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
 
 @dataclass(slots=True)
@@ -45,7 +57,13 @@ class ParsedRequest:
     include_usage: bool = False
     user: str = ""
     max_tokens_given: bool = False
+    max_tokens_param: str = "max_tokens"  # the field that gave it (max_completion_tokens wins)
     pin_seconds: float = 0.0
+    n: int = 1
+    response_format: dict[str, Any] | None = None
+    tool_choice: Any = None
+    # Engine-dependent features the request asks for, each with the field that asks for it.
+    needs: dict[Feature, str] = field(default_factory=dict)
 
 
 def count_values(value: Any, limit: int) -> int:
@@ -182,17 +200,102 @@ def _stop(body: Mapping[str, Any]) -> list[str]:
 
 
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise invalid("only n=1 is supported", "n")
     best_of = body.get("best_of")
     if best_of is not None and best_of != 1:
-        raise invalid("only best_of=1 is supported", "best_of")
+        raise invalid("only best_of=1 is supported; use n for several choices", "best_of")
     if body.get("echo"):
         raise invalid("'echo' is not supported", "echo")
-    lp = body.get("logprobs")
-    if lp not in (None, False, 0):
-        raise invalid("'logprobs' is not supported", "logprobs")
+
+
+def _logprobs(body: Mapping[str, Any], kind: str, sampling: Sampling, needs: dict[Feature, str]) -> None:
+    """Chat: ``logprobs`` (bool) and ``top_logprobs`` (0-20, needs ``logprobs``). Completions:
+    ``logprobs`` (0-5), the number of alternatives per position."""
+    if kind == "chat":
+        sampling.logprobs = _bool(body, "logprobs")
+        top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        if top:
+            if not sampling.logprobs:
+                raise invalid("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
+            sampling.top_logprobs = top
+    else:
+        top = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+        if top is not None:
+            sampling.logprobs, sampling.top_logprobs = True, top
+    if sampling.logprobs:
+        needs[Feature.LOGPROBS] = "logprobs"
+
+
+def _logit_bias(body: Mapping[str, Any]) -> dict[int, float]:
+    """``{"token id": bias}``, bias in [-100, 100] (OpenAI's bounds)."""
+    v = body.get("logit_bias")
+    if v is None:
+        return {}
+    if not isinstance(v, Mapping):
+        raise invalid("'logit_bias' must be an object mapping token ids to numbers", "logit_bias")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise invalid(f"'logit_bias' takes at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
+    out: dict[int, float] = {}
+    for key, bias in v.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) <= MAX_TOKEN_ID):
+            raise invalid(f"'logit_bias' keys must be token ids, got {str(key)[:32]!r}", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+            raise invalid(f"'logit_bias' values must be numbers in [-100, 100], got {bias!r}", "logit_bias")
+        out[int(key)] = float(bias)
+    return out
+
+
+def _response_format(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """``{"type": "text" | "json_object" | "json_schema", ...}``; None for plain text."""
+    v = body.get("response_format")
+    if v is None:
+        return None
+    if not isinstance(v, Mapping):
+        raise invalid("'response_format' must be an object", "response_format")
+    kind = v.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_schema":
+        schema = v.get("json_schema")
+        if not isinstance(schema, Mapping) or not isinstance(schema.get("name"), str):
+            raise invalid("'response_format.json_schema' needs a 'name'", "response_format.json_schema")
+    elif kind != "json_object":
+        raise invalid(
+            "'response_format.type' must be 'text', 'json_object' or 'json_schema'", "response_format.type"
+        )
+    return dict(v)
+
+
+def _tool_choice(body: Mapping[str, Any], tools: list[Any] | None) -> Any:
+    """``none``, ``auto``, ``required`` or a named function that must be among ``tools``."""
+    v = body.get("tool_choice")
+    if v is None:
+        return None
+    if not tools:
+        raise invalid("'tool_choice' is only allowed when 'tools' are given", "tool_choice")
+    if v in ("none", "auto", "required"):
+        return v
+    fn = v.get("function") if isinstance(v, Mapping) and v.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, Mapping) else None
+    if not isinstance(name, str):
+        raise invalid(
+            "'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name'}}",
+            "tool_choice",
+        )
+    names = {t.get("function", {}).get("name") for t in tools if isinstance(t, Mapping)}
+    if name not in names:
+        raise invalid(f"'tool_choice' names function {name!r}, which is not in 'tools'", "tool_choice")
+    return v
+
+
+def _image_params(messages: list[Any]) -> str | None:
+    """The first image content part, as the field naming it (``messages[i].content[j]``)."""
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, Mapping) else None
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if isinstance(part, Mapping) and part.get("type") == "image_url":
+                    return f"messages[{i}].content[{j}]"
+    return None
 
 
 def check_message_count(count: int, max_messages: int) -> None:
@@ -254,13 +357,21 @@ def parse_request(
     temperature = _float(body, "temperature", 0.0, 2.0)
     top_p = _float(body, "top_p", 0.0, 1.0)
     seed = _int(body, "seed", -MAX_SEED, MAX_SEED)
+    needs: dict[Feature, str] = {}
     sampling = Sampling(
         max_tokens=max_tokens or default_max_tokens,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
         seed=seed,
         stop=_stop(body),
+        logit_bias=_logit_bias(body),
     )
+    if sampling.logit_bias:
+        needs[Feature.LOGIT_BIAS] = "logit_bias"
+    _logprobs(body, kind, sampling, needs)
+    response_format = _response_format(body)
+    if response_format is not None:
+        needs[Feature.RESPONSE_FORMAT] = "response_format"
     stream = _bool(body, "stream")
     opts = body.get("stream_options")
     include_usage = False
@@ -279,18 +390,30 @@ def parse_request(
         include_usage=include_usage,
         user=_str(body, "user"),
         max_tokens_given=given,
+        max_tokens_param="max_completion_tokens"
+        if body.get("max_completion_tokens") is not None
+        else "max_tokens",
+        n=_int(body, "n", 1, MAX_N) or 1,
+        response_format=response_format,
+        needs=needs,
     )
     tools = body.get("tools")
     if tools is not None:
         if not isinstance(tools, list):
             raise invalid("'tools' must be an array", "tools")
         req.tools = tools
+    req.tool_choice = _tool_choice(body, req.tools)
+    if req.tools and req.tool_choice != "none":  # with "none" the tools only inform the prompt
+        needs[Feature.TOOLS] = "tools"
     if kind == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise invalid("'messages' must be a non-empty array", "messages")
         check_messages(messages, max_messages, max_content_parts)
         req.messages = messages
+        image = _image_params(messages)
+        if image is not None:
+            needs[Feature.IMAGES] = image
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):

@@ -72,7 +72,7 @@ def test_bad_json(raw: bytes, status: int, param: str | None) -> None:
             "temperature",
         ),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 5}, 400, "stop"),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 17}, 400, "n"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}, 400, "stream"),
         (
             {"model": "m", "messages": [{"role": "user", "content": "x"}], "documents": [{"id": "a"}]},

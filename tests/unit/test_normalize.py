@@ -116,8 +116,11 @@ def test_content_parts_and_errors() -> None:
     )
     assert "a\nb" in parts.text
     with pytest.raises(NormalizationError) as e:
+        render_chat([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_audio"}]}])
+    assert e.value.param == "messages[0].content[1]"
+    with pytest.raises(NormalizationError) as e:  # an image needs its URL
         render_chat([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
-    assert e.value.param == "messages[0].content[0]"
+    assert e.value.param == "messages[0].content[0].image_url"
     with pytest.raises(NormalizationError):
         render_chat([{"role": "wizard", "content": "x"}])
     with pytest.raises(NormalizationError):

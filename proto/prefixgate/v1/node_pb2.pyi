@@ -29,19 +29,53 @@ class SamplingParams(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class LogitBiasEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     MAX_TOKENS_FIELD_NUMBER: _builtins.int
     TEMPERATURE_FIELD_NUMBER: _builtins.int
     TOP_P_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     HAS_SEED_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
+    CHOICE_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    LOGIT_BIAS_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
     temperature: _builtins.float
     top_p: _builtins.float
     seed: _builtins.int
     has_seed: _builtins.bool
+    choice: _builtins.int
+    """which of a request's n choices (mixed into the seed)"""
+    logprobs: _builtins.bool
+    """report each output token's log probability"""
+    top_logprobs: _builtins.int
+    """and this many most likely alternatives per position"""
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def logit_bias(self) -> _containers.ScalarMap[_builtins.int, _builtins.float]:
+        """token id -> added to its logit"""
+
     def __init__(
         self,
         *,
@@ -51,14 +85,75 @@ class SamplingParams(_message.Message):
         seed: _builtins.int = ...,
         has_seed: _builtins.bool = ...,
         stop: _abc.Iterable[_builtins.str] | None = ...,
+        choice: _builtins.int = ...,
+        logprobs: _builtins.bool = ...,
+        top_logprobs: _builtins.int = ...,
+        logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_seed", b"has_seed", "max_tokens", b"max_tokens", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "has_seed", b"has_seed", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
+
+@_typing.final
+class TopLogprob(_message.Message):
+    """An alternative at one output position."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    logprob: _builtins.float
+    def __init__(
+        self,
+        *,
+        text: _builtins.str = ...,
+        logprob: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TopLogprob: _TypeAlias = TopLogprob  # noqa: Y015
+
+@_typing.final
+class TokenLogprob(_message.Message):
+    """One output token's log probability (SamplingParams.logprobs)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    TOP_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    text: _builtins.str
+    logprob: _builtins.float
+    @_builtins.property
+    def top(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprob]:
+        """most likely first"""
+
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.int = ...,
+        text: _builtins.str = ...,
+        logprob: _builtins.float = ...,
+        top: _abc.Iterable[Global___TopLogprob] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "text", b"text", "token_id", b"token_id", "top", b"top"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenLogprob: _TypeAlias = TokenLogprob  # noqa: Y015
 
 @_typing.final
 class KVFormat(_message.Message):
@@ -160,6 +255,7 @@ class PrefillResponse(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     FINISHED_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
+    FIRST_LOGPROB_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     prompt_tokens: _builtins.int
     cached_tokens: _builtins.int
@@ -178,6 +274,10 @@ class PrefillResponse(_message.Message):
     finished: _builtins.bool
     """the first token already ended generation"""
     finish_reason: _builtins.str
+    @_builtins.property
+    def first_logprob(self) -> Global___TokenLogprob:
+        """the first token's, when asked (SamplingParams.logprobs)"""
+
     def __init__(
         self,
         *,
@@ -194,10 +294,11 @@ class PrefillResponse(_message.Message):
         state: _builtins.int = ...,
         finished: _builtins.bool = ...,
         finish_reason: _builtins.str = ...,
+        first_logprob: Global___TokenLogprob | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["first_logprob", b"first_logprob"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "finish_reason", b"finish_reason", "finished", b"finished", "first_text", b"first_text", "first_token", b"first_token", "kv_handle", b"kv_handle", "prefill_seconds", b"prefill_seconds", "prompt_tokens", b"prompt_tokens", "queue_seconds", b"queue_seconds", "request_id", b"request_id", "state", b"state", "transfer_bytes", b"transfer_bytes", "transfer_seconds", b"transfer_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "finish_reason", b"finish_reason", "finished", b"finished", "first_logprob", b"first_logprob", "first_text", b"first_text", "first_token", b"first_token", "kv_handle", b"kv_handle", "prefill_seconds", b"prefill_seconds", "prompt_tokens", b"prompt_tokens", "queue_seconds", b"queue_seconds", "request_id", b"request_id", "state", b"state", "transfer_bytes", b"transfer_bytes", "transfer_seconds", b"transfer_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -409,6 +510,7 @@ class TokenChunk(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     QUEUE_SECONDS_FIELD_NUMBER: _builtins.int
     PREFILL_SECONDS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     finish_reason: _builtins.str
     """"", "stop", "length" """
@@ -419,6 +521,10 @@ class TokenChunk(_message.Message):
     prefill_seconds: _builtins.float
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
+        """one per token of token_ids, when asked"""
+
     def __init__(
         self,
         *,
@@ -430,10 +536,11 @@ class TokenChunk(_message.Message):
         cached_tokens: _builtins.int = ...,
         queue_seconds: _builtins.float = ...,
         prefill_seconds: _builtins.float = ...,
+        logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "finish_reason", b"finish_reason", "prefill_seconds", b"prefill_seconds", "prompt_tokens", b"prompt_tokens", "queue_seconds", b"queue_seconds", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "prefill_seconds", b"prefill_seconds", "prompt_tokens", b"prompt_tokens", "queue_seconds", b"queue_seconds", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -516,6 +623,7 @@ class NodeStats(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _builtins.int
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    FEATURES_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     role: _builtins.str
     """"prefill", "decode", "monolithic" """
@@ -538,6 +646,12 @@ class NodeStats(_message.Message):
     def kv_format(self) -> Global___KVFormat: ...
     @_builtins.property
     def profile(self) -> Global___CostProfile: ...
+    @_builtins.property
+    def features(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Engine features served beyond plain sampling: "logprobs", "logit_bias", "response_format",
+        "tools", "images" (prefixgate.openai.features).
+        """
+
     def __init__(
         self,
         *,
@@ -558,10 +672,11 @@ class NodeStats(_message.Message):
         instance_id: _builtins.str = ...,
         prefix_hit_tokens: _builtins.int = ...,
         prompt_tokens: _builtins.int = ...,
+        features: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv_format", b"kv_format", "profile", b"profile"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_blocks", b"capacity_blocks", "engine", b"engine", "instance_id", b"instance_id", "kv_event_seq", b"kv_event_seq", "kv_format", b"kv_format", "max_concurrency", b"max_concurrency", "max_queue", b"max_queue", "node_id", b"node_id", "pinned_blocks", b"pinned_blocks", "prefix_hit_tokens", b"prefix_hit_tokens", "profile", b"profile", "prompt_tokens", b"prompt_tokens", "queued_requests", b"queued_requests", "queued_tokens", b"queued_tokens", "role", b"role", "running_requests", b"running_requests", "used_blocks", b"used_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_blocks", b"capacity_blocks", "engine", b"engine", "features", b"features", "instance_id", b"instance_id", "kv_event_seq", b"kv_event_seq", "kv_format", b"kv_format", "max_concurrency", b"max_concurrency", "max_queue", b"max_queue", "node_id", b"node_id", "pinned_blocks", b"pinned_blocks", "prefix_hit_tokens", b"prefix_hit_tokens", "profile", b"profile", "prompt_tokens", b"prompt_tokens", "queued_requests", b"queued_requests", "queued_tokens", b"queued_tokens", "role", b"role", "running_requests", b"running_requests", "used_blocks", b"used_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,152 @@
+"""OpenAI response bodies for chat and text completions: whole, or as SSE chunks.
+
+Every choice carries its ``index``; streamed chunks of different choices interleave as they are
+produced, each choice ending with its own ``finish_reason``. ``usage`` counts the prompt once and
+the completion tokens of every choice. Log probabilities, when asked, are the node's per token:
+chat as ``logprobs.content`` entries (``token``, ``logprob``, ``bytes``, ``top_logprobs``),
+completions as ``tokens``/``token_logprobs``/``top_logprobs``/``text_offset``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
+
+import orjson
+from starlette.responses import Response
+
+from prefixgate.gateway.choices import Choices
+from prefixgate.gateway.httpcommon import ORJSONResponse
+from prefixgate.gateway.nodeclient.base import TokenLogprob
+from prefixgate.openai.errors import from_domain
+from prefixgate.openai.exceptions import StreamBroken
+from prefixgate.openai.schema import ParsedRequest
+
+FINGERPRINT = "prefixgate"
+
+
+def usage(ch: Choices) -> dict[str, Any]:
+    return {
+        "prompt_tokens": ch.prompt_tokens,
+        "completion_tokens": ch.completion_tokens,
+        "total_tokens": ch.prompt_tokens + ch.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": ch.cached_tokens},
+    }
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def _entry(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(lps: Sequence[TokenLogprob]) -> dict[str, Any]:
+    content = [
+        {**_entry(lp.text, lp.logprob), "top_logprobs": [_entry(t, v) for t, v in lp.top]} for lp in lps
+    ]
+    return {"content": content, "refusal": None}
+
+
+class TextLogprobs:
+    """Completions-style log probabilities, with the running text offset of one choice."""
+
+    def __init__(self) -> None:
+        self.offset = 0
+
+    def render(self, lps: Sequence[TokenLogprob]) -> dict[str, Any]:
+        offsets = []
+        for lp in lps:
+            offsets.append(self.offset)
+            self.offset += len(lp.text)
+        return {
+            "tokens": [lp.text for lp in lps],
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [dict(lp.top) for lp in lps],
+            "text_offset": offsets,
+        }
+
+
+def _ids(ch: Choices, kind: str) -> tuple[str, str]:
+    if kind == "chat":
+        return f"chatcmpl-{ch.request_id}", "chat.completion"
+    return f"cmpl-{ch.request_id}", "text_completion"
+
+
+async def complete(ch: Choices, parsed: ParsedRequest, kind: str, headers: dict[str, str]) -> Response:
+    """The whole answer, once every choice has finished."""
+    n = len(ch.executions)
+    texts: list[list[str]] = [[] for _ in range(n)]
+    lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
+    async for i, d in ch.stream():
+        texts[i].append(d.text)
+        lps[i].extend(d.logprobs)
+    want = parsed.sampling.logprobs
+    choices: list[dict[str, Any]] = []
+    for i, ex in enumerate(ch.executions):
+        text = "".join(texts[i])
+        if kind == "chat":
+            choices.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": ex.finish_reason,
+                    "logprobs": chat_logprobs(lps[i]) if want else None,
+                }
+            )
+        else:
+            lp = TextLogprobs().render(lps[i]) if want else None
+            choices.append({"index": i, "text": text, "finish_reason": ex.finish_reason, "logprobs": lp})
+    rid, obj = _ids(ch, kind)
+    payload = {
+        "id": rid,
+        "object": obj,
+        "created": int(time.time()),
+        "model": parsed.model,
+        "choices": choices,
+        "usage": usage(ch),
+        "system_fingerprint": FINGERPRINT,
+    }
+    return ORJSONResponse(payload, headers=headers)
+
+
+async def stream(ch: Choices, parsed: ParsedRequest, kind: str) -> AsyncGenerator[bytes, None]:
+    """The SSE body; a failure after the first token ends it with an error event (no [DONE])."""
+    chat = kind == "chat"
+    rid, obj = _ids(ch, kind)
+    obj = "chat.completion.chunk" if chat else obj
+    base = {"id": rid, "object": obj, "created": int(time.time()), "model": parsed.model}
+    base["system_fingerprint"] = FINGERPRINT
+    want = parsed.sampling.logprobs
+    offsets = [TextLogprobs() for _ in ch.executions] if want and not chat else []
+
+    def chunk(
+        i: int, text: str, finish: str | None, first: bool, lps: Sequence[TokenLogprob]
+    ) -> dict[str, Any]:
+        if chat:
+            delta: dict[str, Any] = (
+                {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            )
+            lp = chat_logprobs(lps) if want and lps else None
+            choice: dict[str, Any] = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}
+        else:
+            lp = offsets[i].render(lps) if want and lps else None
+            choice = {"index": i, "text": text, "finish_reason": finish, "logprobs": lp}
+        out = {**base, "choices": [choice]}
+        if parsed.include_usage:
+            out["usage"] = None
+        return out
+
+    started = [False] * len(ch.executions)
+    try:
+        async for i, d in ch.stream():
+            if d.text or not started[i] or d.finish_reason or d.logprobs:
+                yield sse(chunk(i, d.text, d.finish_reason or None, not started[i], d.logprobs))
+                started[i] = True
+        if parsed.include_usage:
+            yield sse({**base, "choices": [], "usage": usage(ch)})
+        yield b"data: [DONE]\n\n"
+    except StreamBroken as e:
+        yield sse(from_domain(e).body())
