@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import httpx
@@ -105,7 +106,7 @@ def deployment() -> Iterator[Deployment]:
             gateways.append(spawn(cmd, env=env))
             urls.append(f"http://127.0.0.1:{port}")
         for url, gw in zip(urls, gateways, strict=True):
-            _wait(lambda u=url: _ready(u), "gateway not ready:\n" + "\n".join(list(gw.lines)[-20:]), 30)
+            _wait(partial(_ready, url), "gateway not ready:\n" + "\n".join(list(gw.lines)[-20:]), 30)
         yield Deployment(cluster, prefix, nodes, spare, gateways, urls)
     finally:
         for gw in gateways:
@@ -215,6 +216,19 @@ def _node_ids(url: str) -> dict[str, dict[str, Any]]:
     return {n["id"]: n for n in r.json()["data"]}
 
 
+def _routable(url: str, node: str) -> bool:
+    return bool(_node_ids(url).get(node, {}).get("routable", False))
+
+
+def _draining(url: str, node: str) -> bool:
+    return bool(_node_ids(url)[node]["draining"])
+
+
+def _gone_and_undrained(url: str) -> bool:
+    nodes = _node_ids(url)
+    return "decode-2" not in nodes and not nodes["decode-1"]["draining"]
+
+
 def test_a_node_added_through_one_replica_is_routed_to_by_the_others(deployment: Deployment) -> None:
     g0, g1, g2 = deployment.urls
     spare = deployment.spare
@@ -223,11 +237,11 @@ def test_a_node_added_through_one_replica_is_routed_to_by_the_others(deployment:
     )
     assert r.status_code == 201, r.text
     for url in (g1, g2):
-        _wait(lambda u=url: _node_ids(u).get("decode-2", {}).get("routable", False), f"decode-2 not on {url}")
+        _wait(partial(_routable, url, "decode-2"), f"decode-2 not on {url}")
     # Drained through another replica: every replica sends decode work to the new node only.
     assert httpx.post(g1 + "/admin/nodes/decode-1/drain", headers=ADMIN, timeout=5).status_code == 200
     for url in (g0, g2):
-        _wait(lambda u=url: _node_ids(u)["decode-1"]["draining"], f"decode-1 not drained on {url}")
+        _wait(partial(_draining, url, "decode-1"), f"decode-1 not drained on {url}")
     for i, url in enumerate((g0, g1, g2)):
         routed = chat(url, doc_body(10 + i, tokens=600))
         assert routed.headers["x-prefixgate-decode-node"] == "decode-2"
@@ -240,10 +254,7 @@ def test_a_node_added_through_one_replica_is_routed_to_by_the_others(deployment:
     removed = httpx.delete(g1 + "/admin/nodes/decode-2", headers=ADMIN, timeout=5)
     assert removed.status_code == 200, removed.text
     for url in (g0, g2):
-        _wait(
-            lambda u=url: "decode-2" not in _node_ids(u) and not _node_ids(u)["decode-1"]["draining"],
-            f"decode-2 still on {url}",
-        )
+        _wait(partial(_gone_and_undrained, url), f"decode-2 still on {url}")
     assert chat(g0, doc_body(13, tokens=600)).headers["x-prefixgate-decode-node"] == "decode-1"
 
 
