@@ -28,7 +28,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, RedisError
 
 from prefixgate.gateway import state_lua
 from prefixgate.gateway.documents import (
@@ -48,6 +48,7 @@ from prefixgate.gateway.state import (
     UsageCounts,
     UsageKey,
 )
+from prefixgate.openai.exceptions import Unavailable
 
 Client = aioredis.Redis | RedisCluster
 GRACE_MS = 60_000  # keys outlive their expiry this long, so the next put clears them itself
@@ -149,12 +150,17 @@ class RedisState:
         return self._client
 
     async def _run(self, script: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        client = await self.client()
-        sha = self._shas[script]
+        """One script call; Redis unreachable or failing is ``Unavailable`` (a 503 with
+        Retry-After for a request that needed it, a retry later for background work)."""
         try:
-            return await client.evalsha(sha, len(keys), *keys, *args)  # type: ignore[misc]
-        except NoScriptError:
-            return await client.eval(script, len(keys), *keys, *args)  # type: ignore[misc]
+            client = await self.client()
+            sha = self._shas[script]
+            try:
+                return await client.evalsha(sha, len(keys), *keys, *args)  # type: ignore[misc]
+            except NoScriptError:
+                return await client.eval(script, len(keys), *keys, *args)  # type: ignore[misc]
+        except (RedisError, OSError, TimeoutError) as e:
+            raise Unavailable(f"the shared state store (Redis) failed: {e!r}"[:300], retry_after=2) from e
 
     async def close(self) -> None:
         if self._client is not None:
@@ -199,9 +205,12 @@ class RedisState:
         return bool(await self._run(state_lua.DOC_DELETE, self._doc_keys(tenant), [tenant, doc_id]))
 
     async def doc_usage(self, tenant: str) -> DocumentUsage:
-        client = await self.client()
-        count = await client.hlen(self.docs(f"c:{tenant}"))  # type: ignore[misc]
-        held = await client.hget(self.docs("bytes"), tenant)  # type: ignore[misc]
+        try:
+            client = await self.client()
+            count = await client.hlen(self.docs(f"c:{tenant}"))  # type: ignore[misc]
+            held = await client.hget(self.docs("bytes"), tenant)  # type: ignore[misc]
+        except (RedisError, OSError, TimeoutError) as e:
+            raise Unavailable(f"the shared state store (Redis) failed: {e!r}"[:300], retry_after=2) from e
         return DocumentUsage(int(count), int(held or 0))
 
     # -- pins ----------------------------------------------------------------------------------

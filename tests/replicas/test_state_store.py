@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 from prometheus_client import CollectorRegistry
-from redis.exceptions import ConnectionError as RedisConnectionError
 
 from prefixgate.gateway.documents import DocumentLimits
 from prefixgate.gateway.replicated import DocumentRegistry
@@ -16,7 +15,7 @@ from prefixgate.gateway.state import StateStore, UsageCounts
 from prefixgate.gateway.state_memory import MemoryState
 from prefixgate.gateway.state_redis import RedisState
 from prefixgate.gateway.usage import Prices, UsageLedger
-from prefixgate.openai.exceptions import NotFound
+from prefixgate.openai.exceptions import NotFound, Unavailable
 from tests.cachetier.support import redis_url, test_prefix
 from tests.replicas.store_contract import CONTRACT
 
@@ -90,7 +89,7 @@ async def test_usage_kept_while_the_store_is_away_and_added_once_it_is_back() ->
     store = RedisState("redis://127.0.0.1:1/0", prefix=test_prefix(), max_connections=2)
     ledger = UsageLedger(store, Prices(), CollectorRegistry())
     ledger.record("t", "m", prompt=10, cached=4, output=2)
-    with pytest.raises(RedisConnectionError):
+    with pytest.raises(Unavailable):
         await ledger.flush()
     ledger.record("t", "m", prompt=10, cached=6, output=2)
     assert ledger.flush_failures == 1 and ledger._pending == {("t", "m"): UsageCounts(2, 20, 10, 4)}
@@ -102,4 +101,16 @@ async def test_usage_kept_while_the_store_is_away_and_added_once_it_is_back() ->
     finally:
         await good.purge()
         await good.close()
+        await store.close()
+
+
+async def test_an_unreachable_store_is_unavailable_not_a_crash() -> None:
+    store = RedisState("redis://127.0.0.1:1/0", prefix=test_prefix(), max_connections=2, timeout=0.5)
+    reg = DocumentRegistry(store, DocumentLimits())
+    try:
+        for call in (reg.put("t", "text"), reg.get("t", "doc"), reg.usage("t"), store.members()):
+            with pytest.raises(Unavailable) as e:
+                await call
+            assert e.value.retry_after == 2
+    finally:
         await store.close()
