@@ -303,7 +303,7 @@ def render_usage(data: dict[str, Any]) -> list[RenderableType]:
             _num(r.get("computed_tokens")),
             _num(r.get("output_tokens")),
             _pct(r.get("cached_tokens", 0) / prompt if prompt else None),
-            _num(float(r.get("value", {}).get("total", 0.0))),
+            f"{float(r.get('value', {}).get('total', 0.0)):,.4f}",
         )
     return [t]
 

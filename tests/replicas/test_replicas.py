@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -67,6 +68,25 @@ def _ready(url: str) -> bool:
         return False
 
 
+def start_gateway(
+    cluster: RedisClusterHarness, prefix: str, nodes: list[NodeProc], redis_port: int
+) -> tuple[Proc, str]:
+    """A replica: the same nodes, keys and prefix as the others, its own cluster node to ask."""
+    port = free_port()
+    cmd = ["gateway", "--port", str(port), "--redis", f"redis://127.0.0.1:{redis_port}"]
+    cmd += ["--admin-token", "admin-secret", "--api-key", "key-a=tenant-a", "--api-key", "key-b=tenant-b"]
+    for n in nodes:
+        cmd += [f"--{n.role}", n.address]
+    env = {
+        "PREFIXGATE_REDIS_PREFIX": prefix,
+        "PREFIXGATE_STATS_INTERVAL_S": "0.2",
+        "PREFIXGATE_MEMBERSHIP_INTERVAL_S": "0.2",
+        "PREFIXGATE_USAGE_FLUSH_S": "0.2",
+        "PREFIXGATE_PIN_QUOTA_BLOCKS": str(PIN_QUOTA_BLOCKS),
+    }
+    return spawn(cmd, env=env), f"http://127.0.0.1:{port}"
+
+
 @pytest.fixture(scope="module")
 def deployment() -> Iterator[Deployment]:
     cluster = RedisClusterHarness().start()
@@ -84,31 +104,17 @@ def deployment() -> Iterator[Deployment]:
         for n in [*nodes, spare]:
             n.start()
         for i in range(3):
-            port = free_port()
-            cmd = ["gateway", "--port", str(port), "--redis", f"redis://127.0.0.1:{cluster.ports[i]}"]
-            cmd += [
-                "--admin-token",
-                "admin-secret",
-                "--api-key",
-                "key-a=tenant-a",
-                "--api-key",
-                "key-b=tenant-b",
-            ]
-            for n in nodes:
-                cmd += [f"--{n.role}", n.address]
-            env = {
-                "PREFIXGATE_REDIS_PREFIX": prefix,
-                "PREFIXGATE_STATS_INTERVAL_S": "0.2",
-                "PREFIXGATE_MEMBERSHIP_INTERVAL_S": "0.2",
-                "PREFIXGATE_USAGE_FLUSH_S": "0.2",
-                "PREFIXGATE_PIN_QUOTA_BLOCKS": str(PIN_QUOTA_BLOCKS),
-            }
-            gateways.append(spawn(cmd, env=env))
-            urls.append(f"http://127.0.0.1:{port}")
+            gw, url = start_gateway(cluster, prefix, nodes, cluster.ports[i])
+            gateways.append(gw)
+            urls.append(url)
         for url, gw in zip(urls, gateways, strict=True):
             _wait(partial(_ready, url), "gateway not ready:\n" + "\n".join(list(gw.lines)[-20:]), 30)
         yield Deployment(cluster, prefix, nodes, spare, gateways, urls)
     finally:
+        procs = [gw.proc for gw in gateways] + [n.proc.proc for n in [*nodes, spare] if n.proc is not None]
+        for proc in procs:  # all at once: each stop waits for its process alone
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
         for gw in gateways:
             gw.stop()
         for n in [*nodes, spare]:
@@ -245,6 +251,19 @@ def test_a_node_added_through_one_replica_is_routed_to_by_the_others(deployment:
     for i, url in enumerate((g0, g1, g2)):
         routed = chat(url, doc_body(10 + i, tokens=600))
         assert routed.headers["x-prefixgate-decode-node"] == "decode-2"
+    # A replica started now, with only the original nodes on its command line, agrees at once.
+    late, late_url = start_gateway(
+        deployment.cluster, deployment.prefix, deployment.nodes, deployment.cluster.ports[3]
+    )
+    try:
+        _wait(partial(_ready, late_url), "the late replica is not ready", 30)
+        nodes = _node_ids(late_url)
+        assert nodes["decode-1"]["draining"] and "decode-2" in nodes
+        assert (
+            chat(late_url, doc_body(14, tokens=600), KEY_B).headers["x-prefixgate-decode-node"] == "decode-2"
+        )
+    finally:
+        assert late.stop() == 0
     assert (
         httpx.post(
             g2 + "/admin/nodes/decode-1/drain", json={"drain": False}, headers=ADMIN, timeout=5
@@ -308,7 +327,8 @@ def test_usage_sums_across_replicas_per_tenant(deployment: Deployment) -> None:
     own = httpx.get(urls[0] + "/v1/usage", params={"tenant": "tenant-a"}, headers=KEY_B, timeout=5).json()
     assert {r["tenant"] for r in own["data"]} == {"tenant-b"} and own["totals"]["requests"] >= 1
     assert httpx.get(urls[0] + "/admin/usage", headers=KEY_B, timeout=5).status_code == 401
-    # Prometheus: each replica counts what it served; the three sum to the shared figure.
+    # Prometheus: each replica counts what it served; the three sum to the shared figure (the
+    # replica started and stopped in the membership test served tenant B only).
     final = _usage(urls[0], "tenant-a")["totals"]
     for metric, key in (
         ("prefixgate_tenant_prompt_tokens_total", "prompt_tokens"),
