@@ -327,17 +327,14 @@ class RedisState:
                 setattr(counts, counter, int(value))
         return out
 
-    async def purge(self) -> None:
-        """Delete every key of this prefix (tests, and an operator resetting a deployment)."""
+    async def purge(self) -> int:
+        """Delete every key of this prefix (tests, and an operator resetting a deployment); on a
+        Cluster every primary is scanned. Returns how many keys went."""
         client = await self.client()
-        pattern = f"{self.prefix}*"
-        if isinstance(client, RedisCluster):
-            for node in client.get_primaries():
-                async for key in client.scan_iter(match=pattern, target_nodes=node):  # type: ignore[call-arg]
-                    await client.delete(key)
-        else:
-            async for key in client.scan_iter(match=pattern):
-                await client.delete(key)
+        keys = [k async for k in client.scan_iter(match=f"{self.prefix}*", count=1000)]
+        for k in keys:  # one by one: on a Cluster they live in different slots
+            await client.delete(k)
+        return len(keys)
 
 
 _SCRIPTS = (
