@@ -51,3 +51,16 @@ async def test_the_buffer_and_the_tenant_labels_are_bounded(monkeypatch: object)
         assert ledger._pending == {}
     finally:
         mp.undo()
+
+
+def test_the_admin_command_line_asks_for_one_tenant_and_renders_pins() -> None:
+    from prefixgate.cli import build_parser
+    from prefixgate.gateway.admin_cli import plan_request, render_pins
+
+    args = build_parser().parse_args(["admin", "usage", "--tenant", "acme corp"])
+    method, path, body, _render = plan_request(args)
+    assert (method, path, body) == ("GET", "/admin/usage?tenant=acme+corp", None)
+    args = build_parser().parse_args(["admin", "pins"])
+    assert plan_request(args)[:2] == ("GET", "/admin/cache/pins")
+    (table,) = render_pins({"data": [{"tenant": "t", "node": "prefill-1", "blocks": 46, "until": 1e12}]})
+    assert table.row_count == 1  # type: ignore[union-attr]
