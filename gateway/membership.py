@@ -85,13 +85,19 @@ class Membership:
         return changed
 
     async def _loop(self) -> None:
+        failing = False  # said once per outage, not once per interval
         while True:
             try:
                 await self.sync()
+                if failing:
+                    failing = False
+                    log.info("membership_sync_recovered")
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # Redis away: the pool stays as it is until it is back
-                log.warning("membership_sync_failed", error=repr(e)[:200])
+                if not failing:
+                    failing = True
+                    log.warning("membership_sync_failed", error=repr(e)[:200])
             await asyncio.sleep(self.interval_s)
 
     def start(self) -> None:

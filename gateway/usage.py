@@ -76,6 +76,7 @@ class UsageLedger:
         self._pending: dict[UsageKey, UsageCounts] = {}
         self.dropped = 0
         self.flush_failures = 0
+        self._failing = False
         self._task: asyncio.Task[None] | None = None
         self._flushing = asyncio.Lock()
         self._labels: set[str] = set()
@@ -151,7 +152,9 @@ class UsageLedger:
                 await self.state.usage_add(batch)
             except Exception as e:
                 self.flush_failures += 1
-                log.warning("usage_flush_failed", pairs=len(batch), error=repr(e)[:200])
+                if not self._failing:  # said once per outage
+                    self._failing = True
+                    log.warning("usage_flush_failed", pairs=len(batch), error=repr(e)[:200])
                 for key, counts in batch.items():  # merged back under the same bound
                     held = self._pending.get(key)
                     if held is not None:
@@ -161,6 +164,9 @@ class UsageLedger:
                     else:
                         self.dropped += 1
                 raise
+            if self._failing:
+                self._failing = False
+                log.info("usage_flush_recovered", pairs=len(batch))
 
     async def _loop(self) -> None:
         while True:
