@@ -93,7 +93,8 @@ def admin_tenant(svc: GatewayService, body: Mapping[str, Any], parsed: ParsedReq
     return KEYLESS_TENANT
 
 
-def _prepare(svc: GatewayService, parsed: ParsedRequest, tenant: str, request: Request) -> Prepared:
+async def _prepare(svc: GatewayService, parsed: ParsedRequest, tenant: str, request: Request) -> Prepared:
+    await svc.documents.resolve(tenant, parsed)
     return svc.pipeline.prepare(parsed, tenant, current_request_id() or request_id_of(request))
 
 
@@ -237,7 +238,7 @@ async def drain_node(request: Request) -> Response:
     drain = body.get("drain", True)
     if not isinstance(drain, bool):
         raise invalid("'drain' must be true or false", "drain")
-    node.draining = drain
+    await svc.drain_node(node, drain)
     held = await _index_blocks(svc)
     return ORJSONResponse(node_json(node, held.get(node.id, 0)))
 
@@ -293,7 +294,7 @@ async def cache_lookup(request: Request) -> Response:
     svc = service_of(request)
     body = await _body(request, svc.settings.max_body_bytes)
     parsed = parse_completion(svc, body)
-    prep = _prepare(svc, parsed, admin_tenant(svc, body, parsed), request)
+    prep = await _prepare(svc, parsed, admin_tenant(svc, body, parsed), request)
     return ORJSONResponse(await cache_ops.explain(svc, prep))
 
 
@@ -309,7 +310,7 @@ async def cache_evict(request: Request) -> Response:
     hashes: list[int] = []
     if "prompt" in body or "messages" in body:
         parsed = parse_completion(svc, body)
-        hashes += _prepare(svc, parsed, admin_tenant(svc, body, parsed), request).hashes
+        hashes += (await _prepare(svc, parsed, admin_tenant(svc, body, parsed), request)).hashes
     raw = body.get("block_hashes")
     if raw is not None:
         if not isinstance(raw, list):
@@ -344,7 +345,9 @@ async def cache_pin(request: Request) -> Response:
     async def prepare(identity: Identity) -> Prepared:
         body.update(await _body(request, svc.settings.max_body_bytes))
         parsed = parse_completion(svc, body)
-        return svc.pipeline.prepare(parsed, admin_tenant(svc, body, parsed), identity.request_id)
+        tenant = admin_tenant(svc, body, parsed)
+        await svc.documents.resolve(tenant, parsed)
+        return svc.pipeline.prepare(parsed, tenant, identity.request_id)
 
     async with svc.runner.admitted(caller_of(request), prepare, Credentials.ADMIN) as prep:
         pin_seconds = _pin_seconds(body, required=True)
@@ -369,6 +372,7 @@ async def prefill_service(request: Request) -> Response:
             )
         parsed = parse_completion(svc, body)
         parsed.pin_seconds = _pin_seconds(body, required=False, limit=max_pin, setting="pin_max_seconds")
+        await svc.documents.resolve(identity.tenant(), parsed)
         return svc.pipeline.prepare(parsed, identity.tenant(), identity.request_id)
 
     async with svc.runner.admitted(caller_of(request), prepare) as prep:
@@ -396,6 +400,43 @@ async def put_switches(request: Request) -> Response:
     return ORJSONResponse({name: getattr(sw, name) for name in SWITCHES})
 
 
+async def cache_pins(request: Request) -> Response:
+    """``GET /admin/cache/pins[?tenant=T]``: what tenants hold pinned, per node, until when (every
+    replica's pins: they share the store)."""
+    svc = service_of(request)
+    tenant = request.query_params.get("tenant")
+    rows = await svc.pins.rows(tenant)
+    return ORJSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "tenant": r.tenant,
+                    "node": r.node,
+                    "blocks": r.blocks,
+                    "until": round(r.until, 3),
+                    "first_expiry": round(r.first_expiry, 3),
+                }
+                for r in rows
+            ],
+        }
+    )
+
+
+async def usage_view(request: Request) -> Response:
+    """``GET /admin/usage[?tenant=T]``: tokens and their value per tenant and model, summed over
+    every replica."""
+    svc = service_of(request)
+    return ORJSONResponse(await svc.usage.report(request.query_params.get("tenant")))
+
+
+async def tenant_usage(request: Request) -> Response:
+    """``GET /v1/usage``: the caller's own tenant's figures, never another's."""
+    svc = service_of(request)
+    tenant = svc.runner.authenticate(caller_of(request))
+    return ORJSONResponse(await svc.usage.report(KEYLESS_TENANT if tenant is None else tenant))
+
+
 def admin_routes() -> list[Route]:
     """Every ``/admin`` route, and ``/v1/prefill`` (client auth) which shares their warm path."""
     return [
@@ -409,5 +450,8 @@ def admin_routes() -> list[Route]:
         Route("/admin/cache/pin", require_admin(cache_pin), methods=["POST"]),
         Route("/admin/switches", require_admin(get_switches), methods=["GET"]),
         Route("/admin/switches", require_admin(put_switches), methods=["PUT"]),
+        Route("/admin/cache/pins", require_admin(cache_pins), methods=["GET"]),
+        Route("/admin/usage", require_admin(usage_view), methods=["GET"]),
         Route("/v1/prefill", guard(prefill_service), methods=["POST"]),
+        Route("/v1/usage", guard(tenant_usage), methods=["GET"]),
     ]

@@ -3,7 +3,8 @@
     prefixgate admin [--url http://127.0.0.1:8000] [--token T] [--json] COMMAND ...
 
 Commands: ``nodes`` (``add ROLE ADDRESS``, ``remove ID``, ``drain ID [--undo]``), ``cache``,
-``lookup``, ``evict``, ``pin``, ``switches [NAME=on|off ...]``. ``--url`` and ``--token`` also
+``lookup``, ``evict``, ``pin``, ``pins [--tenant T]``, ``usage [--tenant T]``,
+``switches [NAME=on|off ...]``. ``--url`` and ``--token`` also
 come from ``PREFIXGATE_ADMIN_URL`` / ``PREFIXGATE_ADMIN_TOKEN``. Rendering is pure (JSON in,
 ``rich`` renderables out); only ``run`` does I/O.
 """
@@ -17,6 +18,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 import orjson
@@ -269,6 +271,52 @@ def render_removed(data: dict[str, Any]) -> list[RenderableType]:
     ]
 
 
+def render_usage(data: dict[str, Any]) -> list[RenderableType]:
+    prices = data.get("prices", {})
+    per = prices.get("per_million_tokens", {})
+    cur = prices.get("currency", "")
+    t = _table(
+        f"Usage (prices per million tokens: input {_num(per.get('input_miss'))}, cached input "
+        f"{_num(per.get('input_hit'))}, output {_num(per.get('output'))} {cur})",
+        [
+            "TENANT",
+            "MODEL",
+            ("REQUESTS", "right"),
+            ("PROMPT", "right"),
+            ("CACHED", "right"),
+            ("COMPUTED", "right"),
+            ("OUTPUT", "right"),
+            ("HIT", "right"),
+            (f"VALUE {cur}".strip(), "right"),
+        ],
+    )
+    rows = list(data.get("data", []))
+    total = data.get("totals")
+    for r in [*rows, *([{"tenant": "total", "model": "", **total}] if total and len(rows) > 1 else [])]:
+        prompt = r.get("prompt_tokens", 0)
+        t.add_row(
+            r.get("tenant") or '""',
+            r.get("model", ""),
+            _num(r.get("requests")),
+            _num(prompt),
+            _num(r.get("cached_tokens")),
+            _num(r.get("computed_tokens")),
+            _num(r.get("output_tokens")),
+            _pct(r.get("cached_tokens", 0) / prompt if prompt else None),
+            f"{float(r.get('value', {}).get('total', 0.0)):,.4f}",
+        )
+    return [t]
+
+
+def render_pins(data: dict[str, Any]) -> list[RenderableType]:
+    t = _table("Tenants' pins", ["TENANT", "NODE", ("BLOCKS", "right"), ("ENDS IN S", "right")])
+    now = time.time()
+    for r in data.get("data", []):
+        ends = _ms(r.get("until", now) - now)
+        t.add_row(r.get("tenant") or '""', r.get("node", ""), _num(r.get("blocks")), ends)
+    return [t]
+
+
 # -- request bodies ------------------------------------------------------------------------------
 
 
@@ -372,6 +420,11 @@ def plan_request(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | N
         elif args.nodes:
             body["nodes"] = args.nodes
         return "POST", "/admin/cache/pin", body, render_pin
+    if cmd in ("usage", "pins"):
+        path = "/admin/usage" if cmd == "usage" else "/admin/cache/pins"
+        if args.tenant is not None:
+            path += "?" + urlencode({"tenant": args.tenant})
+        return "GET", path, None, render_usage if cmd == "usage" else render_pins
     if cmd == "switches":
         updates = _switch_updates(args.set)
         if updates:
@@ -487,6 +540,11 @@ def add_admin_parser(subparsers: Any) -> None:
     pin.add_argument("--seconds", type=float, required=True, help="how long to keep it pinned")
     pin.add_argument("--nodes", type=int, help="how many nodes (default 1: the routed one)")
     pin.add_argument("--node", action="append", metavar="ID", help="a named node (repeat)")
+
+    usage = sub.add_parser("usage", parents=[common], help="tokens and their value per tenant and model")
+    usage.add_argument("--tenant", help="only this tenant")
+    pins = sub.add_parser("pins", parents=[common], help="what tenants hold pinned, per node")
+    pins.add_argument("--tenant", help="only this tenant")
 
     sw = sub.add_parser("switches", parents=[common], help="show or set the runtime switches")
     sw.add_argument("set", nargs="*", metavar="NAME=on|off")

@@ -84,11 +84,9 @@ async def completions(request: Request, respond: Respond, kind: str) -> None:
         watch.arm()
         body = await runner.parse_body(raw)
 
-        def build() -> tuple[ParsedRequest, Prepared]:
-            req = parse_completion_body(svc, body, kind)
-            return req, svc.pipeline.prepare(req, identity.tenant(), identity.request_id)
-
-        parsed, prep = await runner.compute(build, len(raw))
+        parsed, prep = await runner.prepare(
+            lambda: parse_completion_body(svc, body, kind), identity.tenant(), identity.request_id, len(raw)
+        )
         return prep
 
     def count() -> int:
@@ -183,14 +181,14 @@ async def documents_create(request: Request) -> Response:
         raise invalid("'text' must be a non-empty string", "text")
     if doc_id is not None:
         doc_id = document_id(doc_id, "id")
-    doc_id = svc.documents.put(tenant, text, doc_id)
+    doc_id = await svc.documents.put(tenant, text, doc_id)
     return ORJSONResponse({"id": doc_id, "object": "document", "bytes": len(text.encode())}, status_code=201)
 
 
 async def documents_get(request: Request) -> Response:
     svc = service_of(request)
     tenant = tenant_of(svc, request)
-    doc = svc.documents.get(tenant, request.path_params["doc_id"])
+    doc = await svc.documents.get(tenant, request.path_params["doc_id"])
     return ORJSONResponse({"id": doc.id, "object": "document", "text": doc.text})
 
 
@@ -198,7 +196,7 @@ async def documents_delete(request: Request) -> Response:
     svc = service_of(request)
     tenant = tenant_of(svc, request)
     doc_id = request.path_params["doc_id"]
-    if not svc.documents.delete(tenant, doc_id):
+    if not await svc.documents.delete(tenant, doc_id):
         raise NotFound(f"document {doc_id!r} not found", code="document_not_found")
     return ORJSONResponse({"id": doc_id, "object": "document", "deleted": True})
 

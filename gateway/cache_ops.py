@@ -371,22 +371,25 @@ async def warm(
     hits = await svc.index.lookup(prep.hashes) if prep.hashes else {}
     plan = svc.pipeline.preview(prep, hits)
     targets = warm_targets(svc, plan, nodes)
-    grant = None
+    hold = None
     if tenant_quota:
         capacities = {n.id: n.status.capacity_blocks if n.status else 0 for n in targets}
-        grant = svc.pins.reserve(prep.tenant, capacities, prep.hashes, pin_seconds, time.monotonic())
+        hold = await svc.pins.reserve(prep.tenant, capacities, prep.hashes, pin_seconds)
     try:
         results = await asyncio.gather(
             *(_warm_node(svc, prep, n, hits.get(n.id, 0), pin_seconds) for n in targets)
         )
     except BaseException:
-        if grant is not None:
-            grant.cancel_all()
+        if hold is not None:
+            await asyncio.shield(svc.pins.cancel_all(hold))
         raise
-    if grant is not None:
+    if hold is not None:
         for r in results:
             if r.error:
-                grant.cancel(r.node)
+                await svc.pins.cancel(hold, r.node)
+    for r in results:  # the tenant's account: what the engines computed or found cached
+        if not r.error:
+            svc.usage.record(prep.tenant, prep.model, r.cached_tokens + r.computed_tokens, r.cached_tokens, 0)
     log.info(
         "cache_warmed",
         nodes=[r.node for r in results],

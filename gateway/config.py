@@ -78,6 +78,21 @@ class Settings:
     document_quota_count: int = 1000
     document_quota_bytes: int = 64 * 1024 * 1024
     document_store_bytes: int = 512 * 1024 * 1024
+    # Shared state (with ``redis``: documents, pins, membership changes and usage shared by every
+    # replica). A tenant's documents expire this long after they were last registered or used;
+    # membership records this long after the last replica stopped reading them; usage figures
+    # this long after their last change.
+    document_ttl_s: float = 7 * 24 * 3600.0
+    membership_interval_s: float = 1.0  # how often a replica applies changes made elsewhere
+    membership_ttl_s: float = 60.0
+    usage_flush_s: float = 1.0  # how often a replica adds its usage counts to the shared figures
+    usage_ttl_s: float = 90 * 24 * 3600.0
+    # Tenant accounting: prices per million tokens (defaults: the reference revenue model, input
+    # 8 per million, a cache hit a quarter of that; it prices input only).
+    price_input_miss: float = 8.0
+    price_input_hit: float = 2.0
+    price_output: float = 0.0
+    price_currency: str = "CNY"
     # Auth: "key=tenant" entries; empty = no keys: one shared tenant, ``user`` selects nothing.
     api_keys: list[str] = field(default_factory=list)
     admin_token: str = ""

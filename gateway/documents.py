@@ -52,6 +52,52 @@ def stored_cost(doc: Document) -> int:
     return sys.getsizeof(text) + utf8_copy + sys.getsizeof(doc.id) + ENTRY_OVERHEAD
 
 
+def new_document_id() -> str:
+    return f"doc-{uuid.uuid4().hex[:16]}"
+
+
+def not_found(doc_id: str) -> NotFound:
+    return NotFound(f"document {doc_id!r} not found", param="document_ids", code="document_not_found")
+
+
+# The refusals, the same whichever store holds the documents.
+
+
+def too_large(cost: int, lim: DocumentLimits) -> TooLarge:
+    return TooLarge(
+        f"the document takes {cost} bytes in the gateway; a tenant's documents may take "
+        f"{lim.per_tenant_bytes} (document_quota_bytes)",
+        param="text",
+        code="document_too_large",
+    )
+
+
+def count_exceeded(held: int) -> QuotaExceeded:
+    return QuotaExceeded(
+        f"the tenant already has {held} documents, its quota (document_quota_count); delete some first",
+        param="id",
+        code="document_quota_exceeded",
+    )
+
+
+def bytes_exceeded(tenant_bytes: int, lim: DocumentLimits) -> QuotaExceeded:
+    return QuotaExceeded(
+        f"the tenant's documents would take {tenant_bytes} bytes; its quota is "
+        f"{lim.per_tenant_bytes} (document_quota_bytes); delete some first",
+        param="text",
+        code="document_quota_exceeded",
+    )
+
+
+def store_full(stored: int, lim: DocumentLimits) -> QuotaExceeded:
+    return QuotaExceeded(
+        f"the gateway's document store is full ({stored} of {lim.total_bytes} bytes, document_store_bytes)",
+        param="text",
+        code="document_store_full",
+        retry_after=60,
+    )
+
+
 class DocumentStore:
     """Per-tenant documents under per-tenant quotas and one gateway-wide byte cap."""
 
@@ -64,53 +110,36 @@ class DocumentStore:
     def put(self, tenant: str, text: str, doc_id: str | None = None) -> str:
         """Store (or replace) a document; raises QuotaExceeded or TooLarge naming the limit."""
         lim = self.limits
-        doc = Document(doc_id or f"doc-{uuid.uuid4().hex[:16]}", text)
+        doc = Document(doc_id or new_document_id(), text)
         cost = stored_cost(doc)
         docs = self._docs.get(tenant, {})
         old = docs.get(doc.id)
         freed = old[1] if old is not None else 0
         if cost > lim.per_tenant_bytes:
-            raise TooLarge(
-                f"the document takes {cost} bytes in the gateway; a tenant's documents may take "
-                f"{lim.per_tenant_bytes} (document_quota_bytes)",
-                param="text",
-                code="document_too_large",
-            )
+            raise too_large(cost, lim)
         count = len(docs) + (old is None)
         if count > lim.per_tenant_count:
-            raise QuotaExceeded(
-                f"the tenant already has {len(docs)} documents, its quota (document_quota_count); "
-                "delete some first",
-                param="id",
-                code="document_quota_exceeded",
-            )
+            raise count_exceeded(len(docs))
         prior = self._tenant_bytes.get(tenant, 0)
         tenant_bytes = (prior or TENANT_OVERHEAD) - freed + cost
         if tenant_bytes > lim.per_tenant_bytes:
-            raise QuotaExceeded(
-                f"the tenant's documents would take {tenant_bytes} bytes; its quota is "
-                f"{lim.per_tenant_bytes} (document_quota_bytes); delete some first",
-                param="text",
-                code="document_quota_exceeded",
-            )
+            raise bytes_exceeded(tenant_bytes, lim)
         total = self._bytes - prior + tenant_bytes
         if total > lim.total_bytes:
-            raise QuotaExceeded(
-                f"the gateway's document store is full ({self._bytes} of {lim.total_bytes} bytes, "
-                "document_store_bytes)",
-                param="text",
-                code="document_store_full",
-                retry_after=60,
-            )
+            raise store_full(self._bytes, lim)
         self._docs.setdefault(tenant, docs)[doc.id] = (doc, cost)
         self._tenant_bytes[tenant] = tenant_bytes
         self._bytes = total
         return doc.id
 
+    def find(self, tenant: str, doc_id: str) -> Document | None:
+        entry = self._docs.get(tenant, {}).get(doc_id)
+        return entry[0] if entry is not None else None
+
     def get(self, tenant: str, doc_id: str) -> Document:
         entry = self._docs.get(tenant, {}).get(doc_id)
         if entry is None:
-            raise NotFound(f"document {doc_id!r} not found", param="document_ids", code="document_not_found")
+            raise not_found(doc_id)
         return entry[0]
 
     def delete(self, tenant: str, doc_id: str) -> bool:

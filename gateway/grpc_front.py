@@ -150,11 +150,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     def _preparer(self, req: gateway_pb2.CompletionRequest) -> Prepare:
         async def prepare(identity: Identity) -> Prepared:
-            def build() -> Prepared:
-                parsed = self._parse(req)
-                return self.svc.pipeline.prepare(parsed, identity.tenant(), identity.request_id)
-
-            return await self.svc.runner.compute(build, req.ByteSize())
+            _parsed, prep = await self.svc.runner.prepare(
+                lambda: self._parse(req), identity.tenant(), identity.request_id, req.ByteSize()
+            )
+            return prep
 
         return prepare
 

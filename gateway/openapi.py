@@ -195,6 +195,12 @@ def openapi_spec(models: list[str]) -> dict[str, Any]:
                     },
                 }
             },
+            "/v1/usage": {
+                "get": {
+                    "summary": "The caller's tenant usage: tokens per model and their value",
+                    "responses": {"200": {"description": "the tenant's figures"}, **_errors(401, 503)},
+                }
+            },
             "/v1/documents/{doc_id}": {
                 "parameters": [
                     {"name": "doc_id", "in": "path", "required": True, "schema": {"type": "string"}}

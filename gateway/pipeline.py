@@ -254,6 +254,7 @@ class Pipeline:
         self.turn = 0  # decisions made: the policies' tie-break turn
         self.writer = IndexWriter(index)
         self.on_mispredict: Callable[[Node], None] | None = None
+        self.on_finished: Callable[[Execution], None] | None = None  # tenant accounting
         self.inflight = 0
 
     # -- admission ---------------------------------------------------------------------------
@@ -747,6 +748,8 @@ class Pipeline:
             total_ms=round((time.perf_counter() - t.start) * 1000, 2),
             reason=ex.reason,
         )
+        if self.on_finished is not None:
+            self.on_finished(ex)
 
     async def close(self) -> None:
         await self.writer.close(timeout=2.0)

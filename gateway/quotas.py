@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from prefixgate.openai.exceptions import InvalidRequest, QuotaExceeded
 
 
-def _first_expiry(until: Iterable[float], now: float) -> float | None:
+def first_expiry(until: Iterable[float], now: float) -> float | None:
     """Seconds until the first of these pins expires and gives blocks back (None: none held).
     Only offered when the pin could fit once they have: retrying a pin too big for the quota
     itself never helps."""
@@ -41,6 +41,43 @@ class PinLimits:
         return min(self.blocks_per_node, int(self.node_share * capacity))
 
 
+def too_long(seconds: float, lim: PinLimits) -> InvalidRequest:
+    return InvalidRequest(
+        f"'pin_seconds' is {seconds:g}; a tenant may pin for at most {lim.max_seconds:g} s (pin_max_seconds)",
+        param="pin_seconds",
+        code="pin_too_long",
+    )
+
+
+def node_quota_exceeded(
+    node_id: str,
+    wanted: int,
+    after: int,
+    limit: int,
+    capacity: int,
+    lim: PinLimits,
+    retry_after: float | None,
+) -> QuotaExceeded:
+    return QuotaExceeded(
+        f"pinning {wanted} blocks on {node_id} would hold {after} pinned there; a tenant "
+        f"may hold {limit} on one node (pin_quota_blocks_per_node={lim.blocks_per_node}, "
+        f"pin_quota_node_share={lim.node_share:g} of {capacity or 'unknown'} blocks)",
+        param="pin_seconds",
+        code="pin_quota_exceeded",
+        retry_after=retry_after,
+    )
+
+
+def total_quota_exceeded(total: int, lim: PinLimits, retry_after: float | None) -> QuotaExceeded:
+    return QuotaExceeded(
+        f"this pin would hold {total} blocks pinned over all nodes; a tenant may hold "
+        f"{lim.blocks} (pin_quota_blocks)",
+        param="pin_seconds",
+        code="pin_quota_exceeded",
+        retry_after=retry_after,
+    )
+
+
 @dataclass(slots=True)
 class PinGrant:
     """A reservation: what each node's entries were before it, to give back a pin that failed."""
@@ -54,7 +91,7 @@ class PinGrant:
         """The pin on ``node_id`` did not happen: restore the tenant's entries there."""
         previous = self.before.pop(node_id, None)
         if previous is not None:
-            self.ledger._restore(self.tenant, node_id, previous, self.until)
+            self.ledger.restore(self.tenant, node_id, previous, self.until)
 
     def cancel_all(self) -> None:
         for node_id in list(self.before):
@@ -82,6 +119,14 @@ class PinLedger:
             return {}
         return {node_id: len(entries) for node_id, entries in nodes.items()}
 
+    def tenants(self) -> list[str]:
+        return list(self._held)
+
+    def entries(self, tenant: str, now: float) -> dict[str, dict[int, float]]:
+        """Node -> block hash -> until, of what ``tenant`` holds pinned now (a copy)."""
+        self.held(tenant, now)
+        return {node: dict(e) for node, e in self._held.get(tenant, {}).items()}
+
     def reserve(
         self,
         tenant: str,
@@ -98,12 +143,7 @@ class PinLedger:
         """
         lim = self.limits
         if seconds > lim.max_seconds:
-            raise InvalidRequest(
-                f"'pin_seconds' is {seconds:g}; a tenant may pin for at most {lim.max_seconds:g} s "
-                "(pin_max_seconds)",
-                param="pin_seconds",
-                code="pin_too_long",
-            )
+            raise too_long(seconds, lim)
         grant = PinGrant(self, tenant)
         if seconds <= 0 or not hashes:
             return grant
@@ -116,22 +156,21 @@ class PinLedger:
             after = len(entries) + sum(1 for h in wanted if h not in entries)
             limit = lim.node_limit(capacity)
             if after > limit:
-                raise QuotaExceeded(
-                    f"pinning {len(wanted)} blocks on {node_id} would hold {after} pinned there; a tenant "
-                    f"may hold {limit} on one node (pin_quota_blocks_per_node={lim.blocks_per_node}, "
-                    f"pin_quota_node_share={lim.node_share:g} of {capacity or 'unknown'} blocks)",
-                    param="pin_seconds",
-                    code="pin_quota_exceeded",
-                    retry_after=_first_expiry(entries.values(), now) if len(wanted) <= limit else None,
+                raise node_quota_exceeded(
+                    node_id,
+                    len(wanted),
+                    after,
+                    limit,
+                    capacity,
+                    lim,
+                    first_expiry(entries.values(), now) if len(wanted) <= limit else None,
                 )
             total += after - len(entries)
         if total > lim.blocks:
-            raise QuotaExceeded(
-                f"this pin would hold {total} blocks pinned over all nodes; a tenant may hold "
-                f"{lim.blocks} (pin_quota_blocks)",
-                param="pin_seconds",
-                code="pin_quota_exceeded",
-                retry_after=_first_expiry((u for e in nodes.values() for u in e.values()), now)
+            raise total_quota_exceeded(
+                total,
+                lim,
+                first_expiry((u for e in nodes.values() for u in e.values()), now)
                 if len(wanted) * len(capacities) <= lim.blocks
                 else None,
             )
@@ -143,7 +182,7 @@ class PinLedger:
                 entries[h] = max(entries.get(h, 0.0), until)
         return grant
 
-    def _restore(
+    def restore(
         self, tenant: str, node_id: str, previous: Mapping[int, float | None], granted: float
     ) -> None:
         entries = self._held.get(tenant, {}).get(node_id)

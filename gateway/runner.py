@@ -37,6 +37,7 @@ from prefixgate.openai.exceptions import Draining, StreamBroken
 if TYPE_CHECKING:
     from prefixgate.gateway.pipeline import Delta, Execution, Prepared
     from prefixgate.gateway.service import GatewayService
+    from prefixgate.openai.schema import ParsedRequest
 
 T = TypeVar("T")
 OFFLOAD_BYTES = 1024 * 1024  # more than the text of a prompt of max_prompt_tokens (bytes4)
@@ -108,6 +109,28 @@ class RequestRunner:
             return work()
         async with self._heavy:
             return await asyncio.to_thread(work)
+
+    async def prepare(
+        self, parse: Callable[[], ParsedRequest], tenant: str, request_id: str, size: int
+    ) -> tuple[ParsedRequest, Prepared]:
+        """Parse, fetch the registered documents it names (shared store, one round trip), prepare.
+
+        CPU work runs as ``compute`` runs it; a request naming no registered document is parsed
+        and prepared in one go.
+        """
+        pipeline = self.svc.pipeline
+
+        def first() -> tuple[ParsedRequest, Prepared | None]:
+            req = parse()
+            if req.document_ids:
+                return req, None
+            return req, pipeline.prepare(req, tenant, request_id)
+
+        req, prep = await self.compute(first, size)
+        if prep is None:
+            await self.svc.documents.resolve(tenant, req)
+            prep = await self.compute(lambda: pipeline.prepare(req, tenant, request_id), size)
+        return req, prep
 
     @asynccontextmanager
     async def admitted(

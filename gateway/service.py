@@ -18,13 +18,17 @@ from prefixgate.gateway import nodeclient
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.documents import DocumentLimits, DocumentStore
 from prefixgate.gateway.events import EventSync
+from prefixgate.gateway.membership import Membership
 from prefixgate.gateway.metrics import Metrics, NodeSample
 from prefixgate.gateway.nodeclient import NodeClient
 from prefixgate.gateway.nodeclient.zmq_events import events_connector
 from prefixgate.gateway.nodes import Node, NodePool
-from prefixgate.gateway.pipeline import Pipeline
-from prefixgate.gateway.quotas import PinLedger, PinLimits
+from prefixgate.gateway.pipeline import Execution, Pipeline
+from prefixgate.gateway.quotas import PinLimits
+from prefixgate.gateway.replicated import DocumentRegistry, PinRegistry, open_state
 from prefixgate.gateway.runner import RequestRunner
+from prefixgate.gateway.state_memory import MemoryState
+from prefixgate.gateway.usage import Prices, UsageLedger
 
 log = structlog.get_logger("prefixgate.gateway")
 
@@ -48,21 +52,33 @@ class GatewayService:
         self.index = index if index is not None else open_index(settings, self._index_recovered)
         self.tokenizer = load_tokenizer(settings.tokenizer)
         self.pool = NodePool(settings.stats_interval_s, connect=self._connector())
-        self.documents = DocumentStore(
-            DocumentLimits(s.document_quota_count, s.document_quota_bytes, s.document_store_bytes)
+        # Shared by every replica on the same Redis (embedded otherwise): documents, tenants'
+        # pins, membership changes, usage.
+        self.state = open_state(settings)
+        self.documents = DocumentRegistry(
+            self.state,
+            DocumentLimits(s.document_quota_count, s.document_quota_bytes, s.document_store_bytes),
         )
-        self.pins = PinLedger(
+        self.pins = PinRegistry(
+            self.state,
             PinLimits(
                 s.pin_quota_blocks_per_node, s.pin_quota_node_share, s.pin_quota_blocks, s.pin_max_seconds
-            )
+            ),
         )
-        self.pipeline = Pipeline(
-            settings, self.pool, self.index, self.tokenizer, self.metrics, self.documents
-        )
+        prices = Prices(s.price_input_miss, s.price_input_hit, s.price_output, s.price_currency)
+        self.usage = UsageLedger(self.state, prices, self.metrics.registry, s.usage_flush_s)
+        # Front ends resolve ``document_ids`` first (DocumentRegistry.resolve); the embedded
+        # store still answers the pipeline directly.
+        local_docs = self.state.documents if isinstance(self.state, MemoryState) else DocumentStore()
+        self.pipeline = Pipeline(settings, self.pool, self.index, self.tokenizer, self.metrics, local_docs)
+        self.pipeline.on_finished = self._count_usage
         self.events = EventSync(self.pool, self.index, self.metrics)
         self.pipeline.on_mispredict = self._resync_node
         self.metrics.bind_nodes(self.node_samples)
         self.runner = RequestRunner(self)  # every front end serves requests through it
+        self.membership = Membership(
+            self.state, self.pool, self._add_node, self._forget_node, s.membership_interval_s
+        )
         self.draining = False
         self._started = False
 
@@ -71,6 +87,9 @@ class GatewayService:
         s = self.settings
         ns = Namespace(s.model, "", s.block_size, self.tokenizer.name)
         return events_connector(s.kv_events, ns, nodeclient.connect)
+    def _count_usage(self, ex: Execution) -> None:
+        p = ex.prep
+        self.usage.record(p.tenant, p.model, ex.prompt_tokens, ex.cached_tokens, ex.completion_tokens)
 
     def _resync_node(self, node: Node) -> None:
         self.events.resync(node)
@@ -100,6 +119,13 @@ class GatewayService:
         for node in self.pool.nodes.values():
             self.events.watch(node)
         await self.pool.wait_ready(timeout=5.0)
+        if self.membership.shared:  # changes made through other replicas before this one started
+            try:
+                await self.membership.sync()
+            except Exception as e:
+                log.warning("membership_sync_failed", error=repr(e)[:200])
+        self.membership.start()
+        self.usage.start()
         tenants = len(set(s.api_key_map().values()))
         log.info(
             "gateway_started",
@@ -132,30 +158,51 @@ class GatewayService:
             )
         return out
 
-    async def add_node(self, role: str, address: str) -> Node:
-        """Register a node at runtime: poll its stats and follow its KV events.
-
-        Raises ValueError for an unknown role or an address already registered.
-        """
+    async def _add_node(self, role: str, address: str) -> Node:
         node = self.pool.add(role, address)
         self.events.watch(node)
         await self.pool.refresh(node, timeout=2.0)
         log.info("node_added", node=node.id, role=role, address=address, reachable=node.reachable)
         return node
 
-    async def remove_node(self, node: Node) -> int:
-        """Forget a node: stop its watchers, close its channel (in-flight calls on it end) and
-        drop its blocks from the index. Returns how many blocks the index forgot."""
+    async def _forget_node(self, node: Node) -> None:
         self.events.forget(node)
         await self.pool.remove(node.address)
+        log.info("node_removed", node=node.id, role=node.role, address=node.address)
+
+    async def add_node(self, role: str, address: str) -> Node:
+        """Register a node at runtime: poll its stats and follow its KV events; every replica
+        sharing this one's Redis does the same.
+
+        Raises ValueError for an unknown role or an address already registered.
+        """
+        node = await self._add_node(role, address)
+        await self.membership.record(node, present=True)
+        return node
+
+    async def remove_node(self, node: Node) -> int:
+        """Forget a node: stop its watchers, close its channel (in-flight calls on it end) and
+        drop its blocks from the index; every replica forgets it. Returns how many blocks the
+        index forgot."""
+        await self._forget_node(node)
+        await self.membership.record(node, present=False)
         forgotten = await self.index.clear_node(node.id)
-        log.info("node_removed", node=node.id, role=node.role, address=node.address, index_blocks=forgotten)
+        log.info("node_index_cleared", node=node.id, index_blocks=forgotten)
         return forgotten
+
+    async def drain_node(self, node: Node, drain: bool) -> None:
+        """No new work for the node (or again, ``drain=False``), on every replica."""
+        node.draining = drain
+        await self.membership.record(node, present=True)
 
     async def stop(self) -> None:
         self.runner.close()
+        await self.membership.close()
+        await self.usage.close()
         await self.pipeline.close()
         await self.events.close()
         await self.pool.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.index.close(), 2.0)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.state.close(), 2.0)

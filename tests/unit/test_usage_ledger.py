@@ -1,0 +1,66 @@
+"""Tenant accounting without I/O: prices from every settings source, values, bounds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from prefixgate.gateway import usage
+from prefixgate.gateway.config import load_settings
+from prefixgate.gateway.state import UsageCounts
+from prefixgate.gateway.state_memory import MemoryState
+from prefixgate.gateway.usage import Prices, UsageLedger
+
+
+def test_prices_come_from_defaults_toml_env_and_flags(tmp_path: Path) -> None:
+    s = load_settings(environ={})
+    assert (s.price_input_miss, s.price_input_hit, s.price_output, s.price_currency) == (8.0, 2.0, 0.0, "CNY")
+    toml = tmp_path / "g.toml"
+    toml.write_text('price_input_miss = 4\nprice_currency = "USD"\n')
+    s = load_settings(toml, environ={"PREFIXGATE_PRICE_INPUT_HIT": "1.5"}, overrides={"price_output": 12.0})
+    assert (s.price_input_miss, s.price_input_hit, s.price_output, s.price_currency) == (
+        4.0,
+        1.5,
+        12.0,
+        "USD",
+    )
+
+
+def test_value_prices_computed_cached_and_output_tokens() -> None:
+    c = UsageCounts(requests=3, prompt_tokens=4_000_000, cached_tokens=3_000_000, output_tokens=500_000)
+    assert c.computed_tokens == 1_000_000
+    assert Prices(8, 2, 10).value(c) == {"input_miss": 8.0, "input_hit": 6.0, "output": 5.0, "total": 19.0}
+
+
+async def test_the_buffer_and_the_tenant_labels_are_bounded(monkeypatch: object) -> None:
+    import pytest
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(usage, "MAX_PENDING", 3)
+    mp.setattr(usage, "MAX_TENANT_LABELS", 2)
+    try:
+        state = MemoryState()
+        ledger = UsageLedger(state, Prices(), CollectorRegistry())
+        for t in ("a", "b", "c", "d", "a"):
+            ledger.record(t, "m", prompt=10, cached=20, output=1)  # cached is capped at the prompt
+        assert ledger.dropped == 1 and set(ledger._pending) == {("a", "m"), ("b", "m"), ("c", "m")}
+        assert ledger.m_prompt.labels("_other", "m")._value.get() == 20  # c and d
+        await ledger.flush()
+        assert await state.usage("a") == {("a", "m"): UsageCounts(2, 20, 20, 2)}
+        assert ledger._pending == {}
+    finally:
+        mp.undo()
+
+
+def test_the_admin_command_line_asks_for_one_tenant_and_renders_pins() -> None:
+    from prefixgate.cli import build_parser
+    from prefixgate.gateway.admin_cli import plan_request, render_pins
+
+    args = build_parser().parse_args(["admin", "usage", "--tenant", "acme corp"])
+    method, path, body, _render = plan_request(args)
+    assert (method, path, body) == ("GET", "/admin/usage?tenant=acme+corp", None)
+    args = build_parser().parse_args(["admin", "pins"])
+    assert plan_request(args)[:2] == ("GET", "/admin/cache/pins")
+    (table,) = render_pins({"data": [{"tenant": "t", "node": "prefill-1", "blocks": 46, "until": 1e12}]})
+    assert table.row_count == 1  # type: ignore[union-attr]
