@@ -100,7 +100,7 @@ async def completions(request: Request, respond: Respond, kind: str) -> None:
 
         def build() -> tuple[ParsedRequest, Prepared]:
             req = parse_completion_body(svc, body, kind)
-            return req, svc.pipeline.prepare(req, identity.tenant(), identity.request_id)
+            return req, svc.pipeline.prepare(req, identity.tenant(), identity.request_id, body=body)
 
         parsed, prep = await runner.compute(build, len(raw))
         return prep
@@ -159,6 +159,8 @@ async def _complete(ex: Execution, parsed: ParsedRequest, kind: str, headers: di
         "usage": _usage(ex),
         "system_fingerprint": "prefixgate",
     }
+    if headers:  # an HTTP worker reports its cached tokens at the end: the final count
+        headers = {**headers, "x-prefixgate-cached-tokens": str(ex.cached_tokens)}
     return ORJSONResponse(payload, headers=headers)
 
 

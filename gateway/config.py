@@ -26,6 +26,9 @@ class Settings:
     prefill: list[str] = field(default_factory=list)
     decode: list[str] = field(default_factory=list)
     monolithic: list[str] = field(default_factory=list)
+    # Whole-request workers by URL, each connected by ``nodeclient.connect`` (``http://HOST:PORT``:
+    # an OpenAI-compatible server such as vLLM or SGLang); they join the monolithic pool.
+    worker_urls: list[str] = field(default_factory=list)
     redis: str = ""  # empty: embedded in-memory index
     redis_prefix: str = "prefixgate:"
     model: str = "prefixgate-sim"

@@ -13,8 +13,10 @@ import asyncio
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
 import structlog
 
@@ -25,8 +27,9 @@ from prefixgate.cachetier.writer import IndexWriter
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.documents import DocumentStore
 from prefixgate.gateway.metrics import Metrics
-from prefixgate.gateway.nodeclient import NodeFailure, Prompt, TokenDelta, TokenStream
+from prefixgate.gateway.nodeclient import NodeFailure, OpenAIBody, Prompt, TokenDelta, TokenStream
 from prefixgate.gateway.nodes import Node, NodePool
+from prefixgate.gateway.openai_body import engine_body
 from prefixgate.gateway.routing import Decision, Policy, RouteInput, parse_policy, planner
 from prefixgate.gateway.routing.planner import Plan, RequestView, Rules
 from prefixgate.gateway.vocab import FailureKind, Mode, Stage
@@ -66,6 +69,8 @@ class Prepared:
     hashes: list[int]
     sampling: Sampling
     model: str
+    # The request as an OpenAI-compatible HTTP worker takes it; built only for such a node.
+    openai_body: Callable[[], OpenAIBody] | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -215,6 +220,8 @@ class Execution:
     def _account(self, d: TokenDelta) -> None:
         if d.completion_tokens:
             self.completion_tokens = d.completion_tokens
+        if d.prompt_tokens:  # the engine's own count (an HTTP worker tokenizes itself)
+            self.prompt_tokens = d.prompt_tokens
         if d.finish_reason:
             self.finish_reason = d.finish_reason
             self.outcome = "ok"
@@ -287,7 +294,15 @@ class Pipeline:
         salt = "" if tenant in self.settings.shared_namespaces else tenant
         return Namespace(model, salt, self.settings.block_size, self.tokenizer.name)
 
-    def prepare(self, req: ParsedRequest, tenant: str, request_id: str | None = None) -> Prepared:
+    def prepare(
+        self,
+        req: ParsedRequest,
+        tenant: str,
+        request_id: str | None = None,
+        *,
+        body: Mapping[str, Any] | None = None,
+    ) -> Prepared:
+        """``body``: the client's JSON body, passed on (normalized) to OpenAI-compatible workers."""
         docs = list(req.documents)
         for doc_id in req.document_ids:
             docs.append(self.documents.get(tenant, doc_id))
@@ -328,7 +343,15 @@ class Pipeline:
         ns = self.namespace(req.model, tenant)
         hashes = block_hashes(tokens, s.block_size, ns.root())
         return Prepared(
-            request_id or uuid.uuid4().hex, tenant, ns, layout, tokens, hashes, sampling, req.model
+            request_id or uuid.uuid4().hex,
+            tenant,
+            ns,
+            layout,
+            tokens,
+            hashes,
+            sampling,
+            req.model,
+            partial(engine_body, req, docs, normalize=normalize, raw=body),
         )
 
     # -- plan --------------------------------------------------------------------------------
@@ -371,14 +394,18 @@ class Pipeline:
         policy = self.policy if self.switches.prefix_routing else planner.WITHOUT_PREFIX_ROUTING
         return policy.choose(inp, [n.view() for n in nodes])
 
-    def _monolithic_candidates(self, exclude: set[str]) -> list[Node]:
+    def _serving(self, model: str) -> list[Node]:
+        """The nodes serving ``model``: a request is only ever routed within its model's pools."""
+        return self.pool.serving(model, self.settings.model)
+
+    def _monolithic_candidates(self, exclude: set[str], model: str) -> list[Node]:
         """Nodes that may serve the whole request (``planner.monolithic_candidates``)."""
-        by_id = {n.id: n for n in self.pool.nodes.values()}
+        by_id = {n.id: n for n in self._serving(model)}
         views = [n.view() for n in by_id.values()]
         return [by_id[v.node_id] for v in planner.monolithic_candidates(views, exclude)]
 
     def _plan(self, prep: Prepared, hits: dict[str, int], exclude: set[str], turn: int) -> Plan:
-        views = [n.view() for n in self.pool.nodes.values()]
+        views = [n.view() for n in self._serving(prep.model)]
         request = self._request(prep, hits)
         return planner.plan(request, views, self.policy, self._rules(), exclude=exclude, turn=turn)
 
@@ -449,7 +476,7 @@ class Pipeline:
         if all(f.error.kind.retryable for f in failures):
             excluded = {f.node.id for f in failures if _not_for_monolithic(f.error)}
             for attempt in range(MAX_ATTEMPTS):
-                candidates = self._monolithic_candidates(excluded)
+                candidates = self._monolithic_candidates(excluded, prep.model)
                 if not candidates or not await self._pause(attempt, deadline):
                     break
                 decision = self._choose(candidates, self._route_input(prep, hits, transfer=False))
@@ -466,6 +493,13 @@ class Pipeline:
                 excluded.add(outcome.node.id)
 
         self.metrics.requests.labels(route, "failed").inc()
+        refused = failures[-1] if failures else None
+        if (
+            refused is not None
+            and refused.error.kind == FailureKind.INVALID
+            and refused.node.client.capabilities.openai_body
+        ):  # the engine judged the client's own request: its answer is the client's 400
+            raise InvalidRequest(f"the model server refused the request: {refused.error.detail}")
         if failures and all(f.error.kind == FailureKind.OVERLOADED for f in failures):
             raise Overloaded("every node is at capacity; retry shortly", retry_after=1)
         detail = "; ".join(str(f) for f in failures[-3:]) or f"no node can serve it: {plan.mode.reason}"
@@ -540,8 +574,12 @@ class Pipeline:
         return bool(a.status_at and b.status_at) and a.status_at < b.status_at - gap
 
     @staticmethod
-    def _prompt(prep: Prepared) -> Prompt:
-        return Prompt(prep.request_id, prep.tokens, prep.hashes, prep.sampling)
+    def _prompt(prep: Prepared, node: Node | None = None) -> Prompt:
+        """The prompt for ``node``; with the OpenAI request when the node generates from it."""
+        openai = None
+        if node is not None and node.client.capabilities.openai_body and prep.openai_body is not None:
+            openai = prep.openai_body()
+        return Prompt(prep.request_id, prep.tokens, prep.hashes, prep.sampling, openai)
 
     @staticmethod
     def _blamed(e: NodeFailure, *nodes: Node) -> Node:
@@ -632,7 +670,9 @@ class Pipeline:
         # the policy otherwise sees none of the requests it just sent and piles them on one node.
         node.local_requests += 1
         node.local_tokens += uncached
-        stream = node.client.generate(self._prompt(prep), timeout=max(0.01, deadline - time.monotonic()))
+        stream = node.client.generate(
+            self._prompt(prep, node), timeout=max(0.01, deadline - time.monotonic())
+        )
         try:
             first = await self._first(stream, deadline, None, node)
         except NodeFailure as e:

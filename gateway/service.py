@@ -77,7 +77,9 @@ class GatewayService:
 
     @property
     def models(self) -> set[str]:
-        return {self.settings.model}
+        """The models served: those the nodes name (OpenAI-compatible workers list theirs), and
+        the configured ``model`` for nodes that name none."""
+        return self.pool.models(self.settings.model)
 
     async def start(self) -> None:
         if self._started:
@@ -87,6 +89,7 @@ class GatewayService:
         self.pool.extend("prefill", s.prefill)
         self.pool.extend("decode", s.decode)
         self.pool.extend("monolithic", s.monolithic)
+        self.pool.extend("monolithic", s.worker_urls)
         for node in self.pool.nodes.values():
             self.events.watch(node)
         await self.pool.wait_ready(timeout=5.0)
@@ -96,6 +99,7 @@ class GatewayService:
             prefill=len(s.prefill),
             decode=len(s.decode),
             monolithic=len(s.monolithic),
+            workers=len(s.worker_urls),
             index=self.index.backend,
             auth=f"api keys, {tenants} tenant(s)" if tenants else KEYLESS_NOTICE,
         )

@@ -110,6 +110,15 @@ def _gateway_args(p: argparse.ArgumentParser, *, stack: bool) -> None:
         p.add_argument(
             "--monolithic", action="append", default=None, metavar="ADDR", help="monolithic node host:port"
         )
+        p.add_argument(
+            "--worker-urls",
+            nargs="+",
+            action="extend",
+            default=None,
+            dest="worker_urls",
+            metavar="URL",
+            help="whole-request workers: http://HOST:PORT of OpenAI-compatible servers (vLLM, SGLang, ...)",
+        )
 
 
 def _overrides(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
@@ -146,6 +155,7 @@ _GATEWAY_KEYS = (
     "prefill",
     "decode",
     "monolithic",
+    "worker_urls",
 )
 
 
@@ -166,8 +176,11 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     if settings is None:
         return 2
     configure_logging(settings.log_format, settings.log_level)
-    if not (settings.decode or settings.monolithic):
-        print("prefixgate gateway: give at least one --decode or --monolithic node", file=sys.stderr)
+    if not (settings.decode or settings.monolithic or settings.worker_urls):
+        print(
+            "prefixgate gateway: give at least one --decode or --monolithic node or --worker-urls",
+            file=sys.stderr,
+        )
         return 2
     return run(settings)
 
@@ -176,7 +189,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from prefixgate.gateway.logging import configure_logging
     from prefixgate.gateway.stack import StackOptions, run_stack
 
-    stack_keys = [k for k in _GATEWAY_KEYS if k not in ("prefill", "decode", "monolithic")]
+    stack_keys = [k for k in _GATEWAY_KEYS if k not in ("prefill", "decode", "monolithic", "worker_urls")]
     settings = _settings(args, stack_keys)
     if settings is None:
         return 2

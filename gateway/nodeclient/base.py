@@ -18,9 +18,9 @@ Failures are ``NodeFailure``: which node, at which stage, of which kind; never a
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from prefixgate.gateway.routing.base import KVFormat as KVFormat  # one type: what routing pairs on
 from prefixgate.gateway.vocab import EventKind, FailureKind, Stage
@@ -61,6 +61,8 @@ class NodeStatus:
     instance_id: str = ""  # changes when the node restarts
     prefix_hit_tokens: int = 0
     prompt_tokens: int = 0
+    # The model names the node serves (empty: it does not say; it serves the gateway's model).
+    models: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,16 +102,29 @@ class Capabilities:
     pin: bool = False
     evict: bool = False
     warm: bool = False  # prefill without generating
+    openai_body: bool = False  # generates from the normalized OpenAI request (``Prompt.openai``)
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAIBody:
+    """The request as an OpenAI-compatible engine takes it, after the gateway's normalization:
+    ``kind`` is ``chat`` or ``completion``, ``body`` the JSON object to send."""
+
+    kind: str
+    body: Mapping[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
-    """One request as a node sees it: packed tokens, their block hashes, sampling."""
+    """One request as a node sees it: packed tokens, their block hashes, sampling; and, for
+    nodes that generate from the OpenAI request itself (``Capabilities.openai_body``), that
+    request."""
 
     request_id: str
     tokens: bytes  # packed little-endian uint32, 4 bytes a token
     hashes: Sequence[int]
     sampling: Sampling
+    openai: OpenAIBody | None = None
 
     @property
     def token_count(self) -> int:
@@ -118,11 +133,13 @@ class Prompt:
 
 @dataclass(frozen=True, slots=True)
 class TokenDelta:
-    """One step of generation; ``completion_tokens`` is the running total (0: not reported)."""
+    """One step of generation; ``completion_tokens`` is the running total (0: not reported);
+    ``prompt_tokens`` is the node's own count of the prompt when it reports one (0: not)."""
 
     text: str = ""
     finish_reason: str = ""
     completion_tokens: int = 0
+    prompt_tokens: int = 0
 
 
 @dataclass(slots=True)
