@@ -167,6 +167,8 @@ def node_json(node: Node, index_blocks: int | None = None) -> dict[str, Any]:
             "index_blocks": index_blocks,
         },
         "engine": st.engine if st else None,
+        "models": list(node.models),
+        "cache": cache_ops.cache_view(node),
         "profile": st.profile.name if st else None,
         "instance_id": node.instance_id or None,
         "slowness": round(node.slowness, 3),

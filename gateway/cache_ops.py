@@ -59,6 +59,40 @@ def parse_hash(value: Any, param: str) -> int:
 # -- explain -------------------------------------------------------------------------------------
 
 
+def cache_view(node: Node) -> str:
+    """How the index knows the node's cache: from its KV events, or from routing alone."""
+    return "kv-events" if node.client.capabilities.kv_events else "index-only"
+
+
+def prompt_basis(svc: GatewayService, prep: Prepared) -> dict[str, Any]:
+    """What the block hashes are computed on, and whether that is what the nodes compute.
+
+    Nodes fed tokens compute exactly the gateway's tokens. OpenAI-compatible HTTP workers take
+    the request and apply their own chat template and tokenizer, so for them the hashes (the
+    gateway's tokenizer over the gateway's rendering) are a declared approximation: consistent
+    from request to request, so shared prefixes still meet on one worker, but not their blocks.
+    """
+    nodes = svc.pool.serving(prep.model, svc.settings.model)
+    http = sorted(n.id for n in nodes if n.client.capabilities.openai_body)
+    tokens = sorted(n.id for n in nodes if not n.client.capabilities.openai_body)
+    exact = not http
+    return {
+        "tokenizer": svc.tokenizer.name,
+        "rendering": "gateway",
+        "exact": exact,
+        "approximate_for": http,
+        "exact_for": tokens,
+        "note": (
+            "block hashes are the gateway's tokens of its rendering, which the nodes compute"
+            if exact
+            else "block hashes are the gateway's tokenizer over its own rendering; OpenAI-compatible "
+            "workers render and tokenize themselves, so for them this approximates the prompt's "
+            "prefix structure (their index entries come from routing, not from their cache)"
+        ),
+    }
+
+
+
 def routed(plan: Plan) -> Decision | None:
     """The decision naming the node that computes the prompt: prefill when split, else monolithic."""
     return plan.prefill if plan.mode.mode == Mode.DISAGGREGATED else plan.monolithic
@@ -112,7 +146,8 @@ def _node_rows(svc: GatewayService, prep: Prepared, plan: Plan) -> list[dict[str
             policy_estimates.update({e.node_id: e for e in d.estimates})
     target, split = routed(plan), plan.mode.mode == Mode.DISAGGREGATED
     rows: list[dict[str, Any]] = []
-    for node in sorted(svc.pool.nodes.values(), key=lambda n: (ROLES.index(n.role), n.id)):
+    serving = svc.pool.serving(prep.model, svc.settings.model)  # other models' nodes never serve it
+    for node in sorted(serving, key=lambda n: (ROLES.index(n.role), n.id)):
         hit = plan.hits.get(node.id, 0)
         est = policy_estimates.get(node.id)
         if est is None:  # not a candidate of this plan: the same estimate, outside the policy
@@ -129,6 +164,7 @@ def _node_rows(svc: GatewayService, prep: Prepared, plan: Plan) -> list[dict[str
                 "id": node.id,
                 "role": node.role,
                 "routable": node.routable,
+                "cache": cache_view(node),
                 "hit_blocks": hit,
                 "cached_tokens": min(prep.prompt_tokens, hit * bs),
                 "load": {
@@ -196,6 +232,7 @@ async def explain(svc: GatewayService, prep: Prepared) -> dict[str, Any]:
         },
         "layout": {"segments": segments},
         "block_hashes": [hex_hash(h) for h in prep.hashes],
+        "prompt_basis": prompt_basis(svc, prep),
         "nodes": _node_rows(svc, prep, plan),
         "decision": decision,
     }

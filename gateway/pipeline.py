@@ -255,7 +255,9 @@ class Pipeline:
         self.documents = documents
         self.switches = Switches(settings.disaggregation, settings.prefix_routing, settings.normalization)
         self.policy: Policy = parse_policy(settings.policy, {"load_factor": settings.load_factor})
-        self.turn = 0  # decisions made: the policies' tie-break turn
+        self.turn = 0  # decisions made
+        # The policies' tie-break turn, per model: each model's pools take their own turns.
+        self.turns: dict[str, int] = {}
         self.writer = IndexWriter(index)
         self.on_mispredict: Callable[[Node], None] | None = None
         self.inflight = 0
@@ -387,7 +389,7 @@ class Pipeline:
             hits=hits,
             first_block=prep.hashes[0] if prep.hashes else 0,
             transfer=transfer,
-            turn=self.turn,
+            turn=self.turns.get(prep.model, 0),
         )
 
     def _choose(self, nodes: list[Node], inp: RouteInput) -> Decision:
@@ -414,7 +416,9 @@ class Pipeline:
 
         A real decision: the policies' tie-break turn moves on.
         """
-        plan = self._plan(prep, hits, exclude or set(), self.turn)
+        turn = self.turns.get(prep.model, 0)
+        plan = self._plan(prep, hits, exclude or set(), turn)
+        self.turns[prep.model] = (turn + 1) % TURN_WRAP
         self.turn = (self.turn + 1) % TURN_WRAP
         return plan
 
@@ -423,7 +427,7 @@ class Pipeline:
 
         The admin explain endpoint and prefill-as-a-service use this.
         """
-        return self._plan(prep, hits, set(), self.turn)
+        return self._plan(prep, hits, set(), self.turns.get(prep.model, 0))
 
     # -- execute -------------------------------------------------------------------------------
 

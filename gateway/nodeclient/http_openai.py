@@ -37,6 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prefixgate.cachetier.tokenizer import unpack_ids
 from prefixgate.gateway.nodeclient.base import (
     Capabilities,
+    CostProfile,
     KVEvent,
     NodeFailure,
     NodeStatus,
@@ -46,9 +47,18 @@ from prefixgate.gateway.nodeclient.base import (
     StageTimings,
     TokenDelta,
 )
+from prefixgate.gateway.routing.costmodel import S5000
 from prefixgate.gateway.vocab import FailureKind, Stage
 
 CAPABILITIES = Capabilities(openai_body=True)
+# An HTTP worker states no prefill speed. Without one every prefill would look free and the
+# routing policy would give a cached prefix no weight against load; this declared nominal
+# figure (the reference server's) gives the cache its usual worth.
+NOMINAL_PROFILE = CostProfile(
+    name="nominal",
+    prefill_tokens_per_s=S5000.prefill_tokens_per_s,
+    attention_coeff_s=S5000.attention_coeff_s,
+)
 ENGINE = "openai-http"
 MAX_CONNECTIONS = 1024  # per worker: one per streaming request, the rest waits for the pool
 MAX_KEEPALIVE = 64
@@ -259,6 +269,7 @@ class HttpOpenAIClient:
             running_requests=running,
             queued_requests=waiting,
             instance_id=self._instance,
+            profile=NOMINAL_PROFILE,
             models=self.models,
         )
 
