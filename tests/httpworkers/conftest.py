@@ -66,7 +66,7 @@ class Cluster:
         return self.workers + ([self.mock] if self.mock else [])
 
 
-def start_node(model: str) -> Worker:
+def start_node(model: str, time_scale: float = 0.05) -> Worker:
     proc = spawn(
         [
             "node",
@@ -81,7 +81,7 @@ def start_node(model: str) -> Worker:
             "--block-size",
             str(NODE_BLOCK),
             "--time-scale",
-            "0.05",
+            str(time_scale),
             "--ready-line",
         ]
     )
@@ -162,7 +162,11 @@ def cluster() -> Iterator[Cluster]:
         mock, mock_proc = start_mock("m-c")
         port = free_port()
         urls = [w.url for w in workers] + ([mock.url] if mock else [])
-        gateway = spawn(["gateway", "--port", str(port), "--worker-urls", *urls])
+        # Above the workers' own max_tokens limit (8192): a request they refuse is possible.
+        gateway = spawn(
+            ["gateway", "--port", str(port), "--worker-urls", *urls],
+            env={"PREFIXGATE_MAX_TOKENS_LIMIT": "9000"},
+        )
         procs.append(gateway)
         base = f"http://127.0.0.1:{port}"
         wait_models(base, {"m-a", "m-b"} | ({"m-c"} if mock else set()))

@@ -247,3 +247,10 @@ def test_any_openai_compatible_server_behind_the_gateway(cluster: Cluster) -> No
     assert posts[0]["prompt_head"] == "be brief\n\nno lists\nhello\nthere"
     # The mock's usage counts its prompt characters / 4: the gateway relays the engine's number.
     assert whole.usage.prompt_tokens == max(1, posts[0]["prompt_chars"] // 4)
+
+
+def test_a_request_the_engine_refuses_is_the_clients_400(cluster: Cluster) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        cluster.client().chat.completions.create(model="m-a", messages=chat(808, 10), max_tokens=8500)
+    assert "the model server refused the request" in info.value.message
+    assert "8192" in info.value.message  # the engine's own words
