@@ -41,6 +41,7 @@ from prefixgate.openai.schema import ParsedRequest, parse_request
 SWITCHES = ("disaggregation", "prefix_routing", "normalization")
 ADMIN_BODY_LIMIT = 64 * 1024
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):\d{1,5}$")
+_HTTP_WORKER = re.compile(r"^https?://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):\d{1,5}(/v1)?/?$")
 
 
 def require_admin(handler: Handler) -> Handler:
@@ -207,8 +208,12 @@ async def add_node(request: Request) -> Response:
     role, address = body.get("role"), body.get("address")
     if role not in ROLES:
         raise invalid(f"'role' must be one of {list(ROLES)}", "role")
-    if not isinstance(address, str) or not _ADDRESS.match(address):
-        raise invalid("'address' must be host:port of the node's gRPC server", "address")
+    if not isinstance(address, str) or not (_ADDRESS.match(address) or _HTTP_WORKER.match(address)):
+        raise invalid(
+            "'address' must be host:port of the node's gRPC server, or http://host:port of an "
+            "OpenAI-compatible server",
+            "address",
+        )
     if address in svc.pool.nodes:
         raise Conflict(f"node {address} is already registered", param="address", code="node_exists")
     node = await svc.add_node(str(role), address)

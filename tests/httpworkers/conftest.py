@@ -1,8 +1,10 @@
 """Real OpenAI-compatible HTTP workers on loopback behind one real gateway (``--worker-urls``).
 
 Workers: our own nodes' HTTP endpoint (``prefixgate node ... --http-port``), two serving model
-``m-a`` and one ``m-b``; and, when its venv exists, the peers' mock worker
-(``/work/shared/peers/mock_worker.py``, run from where it is) serving ``m-c``. The gateway is
+``m-a`` and one ``m-b``; and, when it can run here, a third-party mock OpenAI-compatible worker
+(``mock_worker.py`` from the peer-router kit: ``$PREFIXGATE_MOCK_WORKER``, default
+``../shared/peers/mock_worker.py`` next to the checkout; run where it is with the aiohttp venv
+``$PREFIXGATE_PEERS/venv-tools``) serving ``m-c``. The gateway is
 ``prefixgate gateway --worker-urls ...`` with every worker, its ``--model`` left at the default
 (which no worker serves: the models come from the workers).
 """
@@ -22,12 +24,14 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.helpers import Proc, free_port, spawn
+from prefixgate.bench.launch import default_peers_dir
+from tests.helpers import REPO, Proc, free_port, spawn
 
 NODE_BLOCK = 16
-MOCK_SCRIPT = Path(os.environ.get("PREFIXGATE_MOCK_WORKER", "/work/shared/peers/mock_worker.py"))
-PEERS = Path(os.environ.get("PEERS", os.path.join(os.environ.get("TMPDIR", "/tmp"), "prefixgate-peers")))
-MOCK_PYTHON = PEERS / "venv-tools" / "bin" / "python"
+MOCK_SCRIPT = Path(
+    os.environ.get("PREFIXGATE_MOCK_WORKER", REPO.parent / "shared" / "peers" / "mock_worker.py")
+)
+MOCK_PYTHON = default_peers_dir() / "venv-tools" / "bin" / "python"
 
 
 @dataclass
@@ -94,7 +98,7 @@ def start_mock(model: str) -> tuple[Worker | None, subprocess.Popen[bytes] | Non
     """The peers' mock worker, or (None, None) with the reason printed when it cannot run here."""
     missing = [str(p) for p in (MOCK_SCRIPT, MOCK_PYTHON) if not p.exists()]
     if missing:
-        reason = f"mock worker not run: missing {', '.join(missing)} (bash /work/shared/peers/setup.sh tools)"
+        reason = f"mock worker not run: missing {', '.join(missing)} (a venv with aiohttp, orjson, uvloop)"
         if os.environ.get("CI"):
             pytest.fail(reason)
         print(reason, file=sys.stderr)

@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import openai
 import pytest
 from openai import Stream
 from openai.types.chat import ChatCompletionMessageParam
@@ -70,6 +71,31 @@ def test_a_dead_worker_is_replaced_by_its_models_other_worker(slow: Cluster) -> 
         )
         assert raw.headers["x-prefixgate-decode-node"] == alive.node_id
         assert raw.parse().choices[0].message.content
+    deadline = time.monotonic() + 10  # the next health probe (every 0.5 s) finds it gone
     with slow.admin() as a:
-        nodes = {n["id"]: n for n in a.get("/admin/nodes").json()["data"]}
+        while True:
+            nodes = {n["id"]: n for n in a.get("/admin/nodes").json()["data"]}
+            if not nodes[dead.node_id]["reachable"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
     assert not nodes[dead.node_id]["reachable"] and nodes[alive.node_id]["reachable"]
+
+
+def test_a_worker_added_at_runtime_brings_its_model(slow: Cluster) -> None:
+    new = start_node("m-z", time_scale=1.0)
+    assert new.proc is not None
+    try:
+        client = slow.client()
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="m-z", prompt="hello", max_tokens=2)
+        with slow.admin() as a:
+            r = a.post("/admin/nodes", json={"role": "monolithic", "address": new.url})
+            assert r.status_code == 201, r.text
+            assert r.json()["models"] == ["m-z"] and r.json()["reachable"]
+            bad = a.post("/admin/nodes", json={"role": "monolithic", "address": "ftp://127.0.0.1:1"})
+            assert bad.status_code == 400
+        assert "m-z" in {m.id for m in client.models.list().data}
+        raw = client.completions.with_raw_response.create(model="m-z", prompt="hello there", max_tokens=2)
+        assert raw.headers["x-prefixgate-decode-node"] == new.node_id and raw.parse().choices[0].text
+    finally:
+        new.proc.stop()
