@@ -314,7 +314,9 @@ class WarmResult:
         return asdict(self)
 
 
-def warm_targets(svc: GatewayService, plan: Plan, nodes: list[str] | int | None) -> list[Node]:
+def warm_targets(
+    svc: GatewayService, plan: Plan, nodes: list[str] | int | None, model: str | None = None
+) -> list[Node]:
     """The nodes to warm: named ones, or the ``nodes`` best (the routed node first, then the
     other routable nodes of its role by cached blocks, then load)."""
     pool = svc.pool
@@ -332,7 +334,8 @@ def warm_targets(svc: GatewayService, plan: Plan, nodes: list[str] | int | None)
     first = pool.by_id(decision.node_id) if decision is not None and decision.node_id else None
     if first is None:
         raise Unavailable("no node can take the prompt now", retry_after=2)
-    others = [n for n in pool.routable(first.role) if n is not first]
+    serving = set(pool.serving(model, svc.settings.model)) if model is not None else None
+    others = [n for n in pool.routable(first.role) if n is not first and (serving is None or n in serving)]
     others.sort(key=lambda n: (-plan.hits.get(n.id, 0), n.view().outstanding_requests, n.id))
     return [first, *others][:count]
 
@@ -407,7 +410,7 @@ async def warm(
         )
     hits = await svc.index.lookup(prep.hashes) if prep.hashes else {}
     plan = svc.pipeline.preview(prep, hits)
-    targets = warm_targets(svc, plan, nodes)
+    targets = warm_targets(svc, plan, nodes, prep.model)
     grant = None
     if tenant_quota:
         capacities = {n.id: n.status.capacity_blocks if n.status else 0 for n in targets}

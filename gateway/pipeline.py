@@ -734,7 +734,10 @@ class Pipeline:
 
     def _check_prediction(self, node: Node, predicted: int, reported: int) -> None:
         """A node whose reported hits keep falling short of the index's prediction gets resynced:
-        this is how a silently emptied cache (a node restart the events missed) is caught."""
+        this is how a silently emptied cache (a node restart the events missed) is caught. A node
+        without KV events has nothing to resync from (and may not report cached tokens at all)."""
+        if not node.client.capabilities.kv_events:
+            return
         if predicted >= 2 * self.settings.block_size and reported < predicted // 2:
             node.mispredictions += 1
             if node.mispredictions >= MISPREDICTIONS_BEFORE_RESYNC and self.on_mispredict is not None:
