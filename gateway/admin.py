@@ -216,7 +216,10 @@ async def add_node(request: Request) -> Response:
         )
     if address in svc.pool.nodes:
         raise Conflict(f"node {address} is already registered", param="address", code="node_exists")
-    node = await svc.add_node(str(role), address)
+    try:
+        node = await svc.add_node(str(role), address)
+    except ValueError as e:  # a protocol that cannot take this role
+        raise invalid(str(e), "role") from None
     return ORJSONResponse(node_json(node, 0), status_code=201)
 
 

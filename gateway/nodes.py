@@ -174,7 +174,10 @@ class NodePool:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         if address in self.nodes:
             raise ValueError(f"node {address} is already registered")
-        node = Node(role=role, address=address, client=self._connect(address))
+        client = self._connect(address)
+        if role != Role.MONOLITHIC and not client.capabilities.split:
+            raise ValueError(f"node {address} serves whole requests only: add it as a monolithic node")
+        node = Node(role=role, address=address, client=client)
         self.nodes[address] = node
         if self._poll_nodes and not self._closed:
             node.tasks.append(asyncio.create_task(self._poll(node), name=f"stats:{address}"))

@@ -368,6 +368,7 @@ class SSEStream:
         self._whole: TokenDelta | None = None  # a server that answered JSON, not a stream
         self._counted = False
         self._done = False
+        self._clean_end = False  # the server said [DONE]
         self._completion = 0
         self._prompt_tokens = 0
         self._usage_completion = 0
@@ -445,7 +446,10 @@ class SSEStream:
         """The next chunk (None at the end of the stream)."""
         assert self._events is not None
         ev = await anext(self._events, None)
-        if ev is None or ev.data.strip() == "[DONE]":
+        if ev is None:
+            return None
+        if ev.data.strip() == "[DONE]":
+            self._clean_end = True
             return None
         if not ev.data.strip():
             return {}
@@ -472,7 +476,11 @@ class SSEStream:
         while True:
             obj = await self._event()
             if obj is None:
-                raise StopAsyncIteration  # ended without a finish: the caller says what that means
+                if self._clean_end:  # [DONE] without a finish reason: a complete answer all the same
+                    d = self._final("", "stop")
+                    await self.aclose()
+                    return d
+                raise StopAsyncIteration  # cut off without a finish: the caller says what that means
             text, finish = self._choice(obj)
             if finish:
                 await self._drain()

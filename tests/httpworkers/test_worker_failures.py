@@ -94,6 +94,8 @@ def test_a_worker_added_at_runtime_brings_its_model(slow: Cluster) -> None:
             assert r.json()["models"] == ["m-z"] and r.json()["reachable"]
             bad = a.post("/admin/nodes", json={"role": "monolithic", "address": "ftp://127.0.0.1:1"})
             assert bad.status_code == 400
+            split = a.post("/admin/nodes", json={"role": "prefill", "address": "http://127.0.0.1:1"})
+            assert split.status_code == 400 and "monolithic" in split.json()["error"]["message"]
         assert "m-z" in {m.id for m in client.models.list().data}
         raw = client.completions.with_raw_response.create(model="m-z", prompt="hello there", max_tokens=2)
         assert raw.headers["x-prefixgate-decode-node"] == new.node_id and raw.parse().choices[0].text
