@@ -67,15 +67,18 @@ async def _body(request: Request, limit: int = ADMIN_BODY_LIMIT, *, optional: bo
 
 def parse_completion(svc: GatewayService, body: Mapping[str, Any]) -> ParsedRequest:
     """A completion-shaped body (chat form with ``messages``, else prompt form), validated as
-    the client API validates it; ``model`` defaults to the served model."""
+    the client API validates it; ``model`` defaults to the served model (the only one the
+    workers serve, when they name theirs)."""
     s = svc.settings
     kind = "chat" if "messages" in body else "completion"
     if kind == "completion" and "prompt" not in body:
         raise invalid("give 'messages' (chat form) or 'prompt' (completion form)", "prompt")
+    models = svc.models
+    default = next(iter(models)) if len(models) == 1 else s.model
     return parse_request(
-        {"model": s.model, **body},
+        {"model": default, **body},
         kind,
-        models=svc.models,
+        models=models,
         default_max_tokens=s.default_max_tokens,
         max_tokens_limit=s.max_tokens_limit,
         max_documents=s.max_documents,

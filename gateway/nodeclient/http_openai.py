@@ -477,6 +477,7 @@ class SSEStream:
             obj = await self._event()
             if obj is None:
                 if self._clean_end:  # [DONE] without a finish reason: a complete answer all the same
+                    await self._drain()
                     d = self._final("", "stop")
                     await self.aclose()
                     return d
@@ -497,7 +498,15 @@ class SSEStream:
             async with asyncio.timeout(USAGE_WAIT_S):
                 while await self._event() is not None:
                     pass
+                await self._to_the_end()
         except TimeoutError:
+            pass
+
+    async def _to_the_end(self) -> None:
+        """Read the body to its end, so its keep-alive connection goes back to the pool (a
+        response closed early takes its connection with it)."""
+        assert self._events is not None
+        while await anext(self._events, None) is not None:
             pass
 
     async def aclose(self) -> None:
