@@ -55,6 +55,7 @@ class Cluster:
     workers: list[Worker]
     mock: Worker | None = None
     procs: list[Proc] = field(default_factory=list)
+    grpc_port: int = 0
 
     def client(self) -> OpenAI:
         return OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=60)
@@ -164,17 +165,17 @@ def cluster() -> Iterator[Cluster]:
             procs.append(w.proc)
             workers.append(w)
         mock, mock_proc = start_mock("m-c")
-        port = free_port()
+        port, grpc_port = free_port(), free_port()
         urls = [w.url for w in workers] + ([mock.url] if mock else [])
         # Above the workers' own max_tokens limit (8192): a request they refuse is possible.
         gateway = spawn(
-            ["gateway", "--port", str(port), "--worker-urls", *urls],
+            ["gateway", "--port", str(port), "--grpc-port", str(grpc_port), "--worker-urls", *urls],
             env={"PREFIXGATE_MAX_TOKENS_LIMIT": "9000"},
         )
         procs.append(gateway)
         base = f"http://127.0.0.1:{port}"
         wait_models(base, {"m-a", "m-b"} | ({"m-c"} if mock else set()))
-        yield Cluster(base, gateway, workers, mock, procs)
+        yield Cluster(base, gateway, workers, mock, procs, grpc_port)
     finally:
         for p in reversed(procs):
             p.stop()

@@ -9,10 +9,12 @@ from __future__ import annotations
 import re
 import time
 
+import grpc
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from prefixgate.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.helpers import document
 from tests.httpworkers.conftest import NODE_BLOCK, Cluster, Worker
 
@@ -254,3 +256,20 @@ def test_a_request_the_engine_refuses_is_the_clients_400(cluster: Cluster) -> No
         cluster.client().chat.completions.create(model="m-a", messages=chat(808, 10), max_tokens=8500)
     assert "the model server refused the request" in info.value.message
     assert "8192" in info.value.message  # the engine's own words
+
+
+def test_the_grpc_front_end_reaches_http_workers_too(cluster: Cluster) -> None:
+    prompt = document(909, 60)
+    with cluster.of("m-b")[0].http() as c:
+        engine_count = int(c.post("/tokenize", json={"prompt": prompt}).json()["count"])
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        done = stub.Complete(
+            gateway_pb2.CompletionRequest(model="m-b", prompt=prompt, max_tokens=3), timeout=30
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Complete(gateway_pb2.CompletionRequest(model="m-x", prompt=prompt, max_tokens=3), timeout=30)
+    assert done.text and done.finish_reason == "length" and done.route == "monolithic"
+    assert done.decode_node == cluster.of("m-b")[0].node_id
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (engine_count, 3)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
