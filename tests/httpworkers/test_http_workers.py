@@ -6,6 +6,7 @@ shown to a client only when it asked; several models behind one gateway never mi
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 
@@ -273,3 +274,27 @@ def test_the_grpc_front_end_reaches_http_workers_too(cluster: Cluster) -> None:
     assert done.decode_node == cluster.of("m-b")[0].node_id
     assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (engine_count, 3)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_concurrent_streams_share_the_models_workers(cluster: Cluster) -> None:
+    client = openai.AsyncOpenAI(base_url=cluster.base + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+    async def one(i: int) -> tuple[str, str, int]:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="m-a",
+            messages=chat(1000 + i, 60),
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [c async for c in raw.parse()]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        usage = chunks[-1].usage
+        return raw.headers["x-prefixgate-decode-node"], text, usage.completion_tokens if usage else 0
+
+    try:
+        results = await asyncio.gather(*(one(i) for i in range(24)))
+    finally:
+        await client.close()
+    assert all(text and tokens == 6 for _, text, tokens in results)
+    assert {node for node, _, _ in results} == {w.node_id for w in cluster.of("m-a")}
