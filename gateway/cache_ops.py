@@ -92,7 +92,6 @@ def prompt_basis(svc: GatewayService, prep: Prepared) -> dict[str, Any]:
     }
 
 
-
 def routed(plan: Plan) -> Decision | None:
     """The decision naming the node that computes the prompt: prefill when split, else monolithic."""
     return plan.prefill if plan.mode.mode == Mode.DISAGGREGATED else plan.monolithic
