@@ -41,6 +41,7 @@ from prefixgate.openai.schema import ParsedRequest, parse_request
 SWITCHES = ("disaggregation", "prefix_routing", "normalization")
 ADMIN_BODY_LIMIT = 64 * 1024
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):\d{1,5}$")
+_HTTP_WORKER = re.compile(r"^https?://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):\d{1,5}(/v1)?/?$")
 
 
 def require_admin(handler: Handler) -> Handler:
@@ -66,15 +67,18 @@ async def _body(request: Request, limit: int = ADMIN_BODY_LIMIT, *, optional: bo
 
 def parse_completion(svc: GatewayService, body: Mapping[str, Any]) -> ParsedRequest:
     """A completion-shaped body (chat form with ``messages``, else prompt form), validated as
-    the client API validates it; ``model`` defaults to the served model."""
+    the client API validates it; ``model`` defaults to the served model (the only one the
+    workers serve, when they name theirs)."""
     s = svc.settings
     kind = "chat" if "messages" in body else "completion"
     if kind == "completion" and "prompt" not in body:
         raise invalid("give 'messages' (chat form) or 'prompt' (completion form)", "prompt")
+    models = svc.models
+    default = next(iter(models)) if len(models) == 1 else s.model
     return parse_request(
-        {"model": s.model, **body},
+        {"model": default, **body},
         kind,
-        models=svc.models,
+        models=models,
         default_max_tokens=s.default_max_tokens,
         max_tokens_limit=s.max_tokens_limit,
         max_documents=s.max_documents,
@@ -168,6 +172,8 @@ def node_json(node: Node, index_blocks: int | None = None) -> dict[str, Any]:
             "index_blocks": index_blocks,
         },
         "engine": st.engine if st else None,
+        "models": list(node.models),
+        "cache": cache_ops.cache_view(node),
         "profile": st.profile.name if st else None,
         "instance_id": node.instance_id or None,
         "slowness": round(node.slowness, 3),
@@ -206,11 +212,18 @@ async def add_node(request: Request) -> Response:
     role, address = body.get("role"), body.get("address")
     if role not in ROLES:
         raise invalid(f"'role' must be one of {list(ROLES)}", "role")
-    if not isinstance(address, str) or not _ADDRESS.match(address):
-        raise invalid("'address' must be host:port of the node's gRPC server", "address")
+    if not isinstance(address, str) or not (_ADDRESS.match(address) or _HTTP_WORKER.match(address)):
+        raise invalid(
+            "'address' must be host:port of the node's gRPC server, or http://host:port of an "
+            "OpenAI-compatible server",
+            "address",
+        )
     if address in svc.pool.nodes:
         raise Conflict(f"node {address} is already registered", param="address", code="node_exists")
-    node = await svc.add_node(str(role), address)
+    try:
+        node = await svc.add_node(str(role), address)
+    except ValueError as e:  # a protocol that cannot take this role
+        raise invalid(str(e), "role") from None
     return ORJSONResponse(node_json(node, 0), status_code=201)
 
 

@@ -85,7 +85,11 @@ async def completions(request: Request, respond: Respond, kind: str) -> None:
         body = await runner.parse_body(raw)
 
         parsed, prep = await runner.prepare(
-            lambda: parse_completion_body(svc, body, kind), identity.tenant(), identity.request_id, len(raw)
+            lambda: parse_completion_body(svc, body, kind),
+            identity.tenant(),
+            identity.request_id,
+            len(raw),
+            body=body,
         )
         return prep
 

@@ -59,6 +59,39 @@ def parse_hash(value: Any, param: str) -> int:
 # -- explain -------------------------------------------------------------------------------------
 
 
+def cache_view(node: Node) -> str:
+    """How the index knows the node's cache: from its KV events, or from routing alone."""
+    return "kv-events" if node.client.capabilities.kv_events else "index-only"
+
+
+def prompt_basis(svc: GatewayService, prep: Prepared) -> dict[str, Any]:
+    """What the block hashes are computed on, and whether that is what the nodes compute.
+
+    Nodes fed tokens compute exactly the gateway's tokens. OpenAI-compatible HTTP workers take
+    the request and apply their own chat template and tokenizer, so for them the hashes (the
+    gateway's tokenizer over the gateway's rendering) are a declared approximation: consistent
+    from request to request, so shared prefixes still meet on one worker, but not their blocks.
+    """
+    nodes = svc.pool.serving(prep.model, svc.settings.model)
+    http = sorted(n.id for n in nodes if n.client.capabilities.openai_body)
+    tokens = sorted(n.id for n in nodes if not n.client.capabilities.openai_body)
+    exact = not http
+    return {
+        "tokenizer": svc.tokenizer.name,
+        "rendering": "gateway",
+        "exact": exact,
+        "approximate_for": http,
+        "exact_for": tokens,
+        "note": (
+            "block hashes are the gateway's tokens of its rendering, which the nodes compute"
+            if exact
+            else "block hashes are the gateway's tokenizer over its own rendering; OpenAI-compatible "
+            "workers render and tokenize themselves, so for them this approximates the prompt's "
+            "prefix structure (their index entries come from routing, not from their cache)"
+        ),
+    }
+
+
 def routed(plan: Plan) -> Decision | None:
     """The decision naming the node that computes the prompt: prefill when split, else monolithic."""
     return plan.prefill if plan.mode.mode == Mode.DISAGGREGATED else plan.monolithic
@@ -112,7 +145,8 @@ def _node_rows(svc: GatewayService, prep: Prepared, plan: Plan) -> list[dict[str
             policy_estimates.update({e.node_id: e for e in d.estimates})
     target, split = routed(plan), plan.mode.mode == Mode.DISAGGREGATED
     rows: list[dict[str, Any]] = []
-    for node in sorted(svc.pool.nodes.values(), key=lambda n: (ROLES.index(n.role), n.id)):
+    serving = svc.pool.serving(prep.model, svc.settings.model)  # other models' nodes never serve it
+    for node in sorted(serving, key=lambda n: (ROLES.index(n.role), n.id)):
         hit = plan.hits.get(node.id, 0)
         est = policy_estimates.get(node.id)
         if est is None:  # not a candidate of this plan: the same estimate, outside the policy
@@ -129,6 +163,7 @@ def _node_rows(svc: GatewayService, prep: Prepared, plan: Plan) -> list[dict[str
                 "id": node.id,
                 "role": node.role,
                 "routable": node.routable,
+                "cache": cache_view(node),
                 "hit_blocks": hit,
                 "cached_tokens": min(prep.prompt_tokens, hit * bs),
                 "load": {
@@ -196,6 +231,7 @@ async def explain(svc: GatewayService, prep: Prepared) -> dict[str, Any]:
         },
         "layout": {"segments": segments},
         "block_hashes": [hex_hash(h) for h in prep.hashes],
+        "prompt_basis": prompt_basis(svc, prep),
         "nodes": _node_rows(svc, prep, plan),
         "decision": decision,
     }
@@ -277,7 +313,9 @@ class WarmResult:
         return asdict(self)
 
 
-def warm_targets(svc: GatewayService, plan: Plan, nodes: list[str] | int | None) -> list[Node]:
+def warm_targets(
+    svc: GatewayService, plan: Plan, nodes: list[str] | int | None, model: str | None = None
+) -> list[Node]:
     """The nodes to warm: named ones, or the ``nodes`` best (the routed node first, then the
     other routable nodes of its role by cached blocks, then load)."""
     pool = svc.pool
@@ -295,7 +333,8 @@ def warm_targets(svc: GatewayService, plan: Plan, nodes: list[str] | int | None)
     first = pool.by_id(decision.node_id) if decision is not None and decision.node_id else None
     if first is None:
         raise Unavailable("no node can take the prompt now", retry_after=2)
-    others = [n for n in pool.routable(first.role) if n is not first]
+    serving = set(pool.serving(model, svc.settings.model)) if model is not None else None
+    others = [n for n in pool.routable(first.role) if n is not first and (serving is None or n in serving)]
     others.sort(key=lambda n: (-plan.hits.get(n.id, 0), n.view().outstanding_requests, n.id))
     return [first, *others][:count]
 
@@ -370,7 +409,7 @@ async def warm(
         )
     hits = await svc.index.lookup(prep.hashes) if prep.hashes else {}
     plan = svc.pipeline.preview(prep, hits)
-    targets = warm_targets(svc, plan, nodes)
+    targets = warm_targets(svc, plan, nodes, prep.model)
     hold = None
     if tenant_quota:
         capacities = {n.id: n.status.capacity_blocks if n.status else 0 for n in targets}

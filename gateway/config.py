@@ -29,6 +29,9 @@ class Settings:
     # Engine KV events over ZMQ, per worker: "WORKER_ADDR=tcp://H:P[?replay=tcp://H:Q&topic=T]"
     # (gateway.nodeclient.zmq_events); those workers' index entries come from their publisher.
     kv_events: list[str] = field(default_factory=list)
+    # Whole-request workers by URL, each connected by ``nodeclient.connect`` (``http://HOST:PORT``:
+    # an OpenAI-compatible server such as vLLM or SGLang); they join the monolithic pool.
+    worker_urls: list[str] = field(default_factory=list)
     redis: str = ""  # empty: embedded in-memory index
     redis_prefix: str = "prefixgate:"
     model: str = "prefixgate-sim"

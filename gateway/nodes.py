@@ -96,6 +96,16 @@ class Node:
         return s if s > SLOWNESS_DEADBAND or s < 1 / SLOWNESS_DEADBAND else 1.0
 
     @property
+    def models(self) -> tuple[str, ...]:
+        """The models the node says it serves (empty: it does not say)."""
+        return self.status.models if self.status is not None else ()
+
+    def serves(self, model: str, default: str) -> bool:
+        """Whether the node serves ``model``; one that names no model serves ``default``."""
+        models = self.models
+        return model in models if models else model == default
+
+    @property
     def capacity_blocks(self) -> int:
         return self.status.capacity_blocks if self.status is not None else 0
 
@@ -164,7 +174,10 @@ class NodePool:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         if address in self.nodes:
             raise ValueError(f"node {address} is already registered")
-        node = Node(role=role, address=address, client=self._connect(address))
+        client = self._connect(address)
+        if role != Role.MONOLITHIC and not client.capabilities.split:
+            raise ValueError(f"node {address} serves whole requests only: add it as a monolithic node")
+        node = Node(role=role, address=address, client=client)
         self.nodes[address] = node
         if self._poll_nodes and not self._closed:
             node.tasks.append(asyncio.create_task(self._poll(node), name=f"stats:{address}"))
@@ -191,6 +204,26 @@ class NodePool:
 
     def routable(self, role: str) -> list[Node]:
         return [n for n in self.nodes.values() if n.role == role and n.routable]
+
+    def serving(self, model: str, default: str) -> list[Node]:
+        """Every node of every role serving ``model`` (see ``Node.serves``); all of them when no
+        node names a model (one model: requests were checked against it when parsed)."""
+        nodes = list(self.nodes.values())
+        if not any(n.models for n in nodes):
+            return nodes
+        return [n for n in nodes if n.serves(model, default)]
+
+    def models(self, default: str) -> set[str]:
+        """The models the nodes serve: those they name, and ``default`` when some node names
+        none (or no node names any)."""
+        named: set[str] = set()
+        unnamed = False
+        for n in self.nodes.values():
+            if n.models:
+                named.update(n.models)
+            else:
+                unnamed = True
+        return named | {default} if unnamed or not named else named
 
     async def refresh(self, node: Node, timeout: float | None = None) -> bool:
         """Ask the node for its status: the health probe. Feeds reachability and the breaker."""

@@ -13,8 +13,10 @@ import asyncio
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
 import structlog
 
@@ -26,8 +28,9 @@ from prefixgate.gateway.config import Settings
 from prefixgate.gateway.documents import DocumentStore
 from prefixgate.gateway.features import unable
 from prefixgate.gateway.metrics import Metrics
-from prefixgate.gateway.nodeclient import NodeFailure, Prompt, TokenDelta, TokenStream
+from prefixgate.gateway.nodeclient import NodeFailure, OpenAIBody, Prompt, TokenDelta, TokenStream
 from prefixgate.gateway.nodes import Node, NodePool
+from prefixgate.gateway.openai_body import engine_body
 from prefixgate.gateway.routing import Decision, Policy, RouteInput, parse_policy, planner
 from prefixgate.gateway.routing.planner import Plan, RequestView, Rules
 from prefixgate.gateway.vocab import FailureKind, Mode, Stage
@@ -69,6 +72,8 @@ class Prepared:
     sampling: Sampling
     model: str
     needs: dict[Feature, str] = field(default_factory=dict)  # engine features asked for, by field
+    # The request as an OpenAI-compatible HTTP worker takes it; built only for such a node.
+    openai_body: Callable[[], OpenAIBody] | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -218,6 +223,8 @@ class Execution:
     def _account(self, d: TokenDelta) -> None:
         if d.completion_tokens:
             self.completion_tokens = d.completion_tokens
+        if d.prompt_tokens:  # the engine's own count (an HTTP worker tokenizes itself)
+            self.prompt_tokens = d.prompt_tokens
         if d.finish_reason:
             self.finish_reason = d.finish_reason
             self.outcome = "ok"
@@ -251,7 +258,9 @@ class Pipeline:
         self.documents = documents
         self.switches = Switches(settings.disaggregation, settings.prefix_routing, settings.normalization)
         self.policy: Policy = parse_policy(settings.policy, {"load_factor": settings.load_factor})
-        self.turn = 0  # decisions made: the policies' tie-break turn
+        self.turn = 0  # decisions made
+        # The policies' tie-break turn, per model: each model's pools take their own turns.
+        self.turns: dict[str, int] = {}
         self.writer = IndexWriter(index)
         self.on_mispredict: Callable[[Node], None] | None = None
         self.on_finished: Callable[[Execution], None] | None = None  # tenant accounting
@@ -291,7 +300,15 @@ class Pipeline:
         salt = "" if tenant in self.settings.shared_namespaces else tenant
         return Namespace(model, salt, self.settings.block_size, self.tokenizer.name)
 
-    def prepare(self, req: ParsedRequest, tenant: str, request_id: str | None = None) -> Prepared:
+    def prepare(
+        self,
+        req: ParsedRequest,
+        tenant: str,
+        request_id: str | None = None,
+        *,
+        body: Mapping[str, Any] | None = None,
+    ) -> Prepared:
+        """``body``: the client's JSON body, passed on (normalized) to OpenAI-compatible workers."""
         docs = list(req.documents)
         for doc_id in req.document_ids:
             docs.append(self.documents.get(tenant, doc_id))
@@ -332,7 +349,16 @@ class Pipeline:
         ns = self.namespace(req.model, tenant)
         hashes = block_hashes(tokens, s.block_size, ns.root())
         return Prepared(
-            request_id or uuid.uuid4().hex, tenant, ns, layout, tokens, hashes, sampling, req.model, req.needs
+            request_id or uuid.uuid4().hex,
+            tenant,
+            ns,
+            layout,
+            tokens,
+            hashes,
+            sampling,
+            req.model,
+            req.needs,
+            partial(engine_body, req, docs, normalize=normalize, raw=body),
         )
 
     # -- plan --------------------------------------------------------------------------------
@@ -368,21 +394,25 @@ class Pipeline:
             hits=hits,
             first_block=prep.hashes[0] if prep.hashes else 0,
             transfer=transfer,
-            turn=self.turn,
+            turn=self.turns.get(prep.model, 0),
         )
 
     def _choose(self, nodes: list[Node], inp: RouteInput) -> Decision:
         policy = self.policy if self.switches.prefix_routing else planner.WITHOUT_PREFIX_ROUTING
         return policy.choose(inp, [n.view() for n in nodes])
 
-    def _monolithic_candidates(self, exclude: set[str]) -> list[Node]:
+    def _serving(self, model: str) -> list[Node]:
+        """The nodes serving ``model``: a request is only ever routed within its model's pools."""
+        return self.pool.serving(model, self.settings.model)
+
+    def _monolithic_candidates(self, exclude: set[str], model: str) -> list[Node]:
         """Nodes that may serve the whole request (``planner.monolithic_candidates``)."""
-        by_id = {n.id: n for n in self.pool.nodes.values()}
+        by_id = {n.id: n for n in self._serving(model)}
         views = [n.view() for n in by_id.values()]
         return [by_id[v.node_id] for v in planner.monolithic_candidates(views, exclude)]
 
     def _plan(self, prep: Prepared, hits: dict[str, int], exclude: set[str], turn: int) -> Plan:
-        views = [n.view() for n in self.pool.nodes.values()]
+        views = [n.view() for n in self._serving(prep.model)]
         request = self._request(prep, hits)
         return planner.plan(request, views, self.policy, self._rules(), exclude=exclude, turn=turn)
 
@@ -391,7 +421,9 @@ class Pipeline:
 
         A real decision: the policies' tie-break turn moves on.
         """
-        plan = self._plan(prep, hits, exclude or set(), self.turn)
+        turn = self.turns.get(prep.model, 0)
+        plan = self._plan(prep, hits, exclude or set(), turn)
+        self.turns[prep.model] = (turn + 1) % TURN_WRAP
         self.turn = (self.turn + 1) % TURN_WRAP
         return plan
 
@@ -400,7 +432,7 @@ class Pipeline:
 
         The admin explain endpoint and prefill-as-a-service use this.
         """
-        return self._plan(prep, hits, set(), self.turn)
+        return self._plan(prep, hits, set(), self.turns.get(prep.model, 0))
 
     # -- execute -------------------------------------------------------------------------------
 
@@ -454,7 +486,7 @@ class Pipeline:
         if all(f.error.kind.retryable for f in failures):
             excluded = {f.node.id for f in failures if _not_for_monolithic(f.error)} | unserved
             for attempt in range(MAX_ATTEMPTS):
-                candidates = self._monolithic_candidates(excluded)
+                candidates = self._monolithic_candidates(excluded, prep.model)
                 if not candidates or not await self._pause(attempt, deadline):
                     break
                 decision = self._choose(candidates, self._route_input(prep, hits, transfer=False))
@@ -471,6 +503,13 @@ class Pipeline:
                 excluded.add(outcome.node.id)
 
         self.metrics.requests.labels(route, "failed").inc()
+        refused = failures[-1] if failures else None
+        if (
+            refused is not None
+            and refused.error.kind == FailureKind.INVALID
+            and refused.node.client.capabilities.openai_body
+        ):  # the engine judged the client's own request: its answer is the client's 400
+            raise InvalidRequest(f"the model server refused the request: {refused.error.detail}")
         if failures and all(f.error.kind == FailureKind.OVERLOADED for f in failures):
             raise Overloaded("every node is at capacity; retry shortly", retry_after=1)
         detail = "; ".join(str(f) for f in failures[-3:]) or f"no node can serve it: {plan.mode.reason}"
@@ -545,8 +584,12 @@ class Pipeline:
         return bool(a.status_at and b.status_at) and a.status_at < b.status_at - gap
 
     @staticmethod
-    def _prompt(prep: Prepared) -> Prompt:
-        return Prompt(prep.request_id, prep.tokens, prep.hashes, prep.sampling)
+    def _prompt(prep: Prepared, node: Node | None = None) -> Prompt:
+        """The prompt for ``node``; with the OpenAI request when the node generates from it."""
+        openai = None
+        if node is not None and node.client.capabilities.openai_body and prep.openai_body is not None:
+            openai = prep.openai_body()
+        return Prompt(prep.request_id, prep.tokens, prep.hashes, prep.sampling, openai)
 
     @staticmethod
     def _blamed(e: NodeFailure, *nodes: Node) -> Node:
@@ -637,7 +680,9 @@ class Pipeline:
         # the policy otherwise sees none of the requests it just sent and piles them on one node.
         node.local_requests += 1
         node.local_tokens += uncached
-        stream = node.client.generate(self._prompt(prep), timeout=max(0.01, deadline - time.monotonic()))
+        stream = node.client.generate(
+            self._prompt(prep, node), timeout=max(0.01, deadline - time.monotonic())
+        )
         try:
             first = await self._first(stream, deadline, None, node)
         except NodeFailure as e:
@@ -695,7 +740,10 @@ class Pipeline:
 
     def _check_prediction(self, node: Node, predicted: int, reported: int) -> None:
         """A node whose reported hits keep falling short of the index's prediction gets resynced:
-        this is how a silently emptied cache (a node restart the events missed) is caught."""
+        this is how a silently emptied cache (a node restart the events missed) is caught. A node
+        without KV events has nothing to resync from (and may not report cached tokens at all)."""
+        if not node.client.capabilities.kv_events:
+            return
         if predicted >= 2 * self.settings.block_size and reported < predicted // 2:
             node.mispredictions += 1
             if node.mispredictions >= MISPREDICTIONS_BEFORE_RESYNC and self.on_mispredict is not None:

@@ -109,6 +109,8 @@ async def complete(ch: Choices, parsed: ParsedRequest, kind: str, headers: dict[
         "usage": usage(ch),
         "system_fingerprint": FINGERPRINT,
     }
+    if headers:  # an HTTP worker reports its cached tokens at the end: the final count
+        headers = {**headers, "x-prefixgate-cached-tokens": str(ch.cached_tokens)}
     return ORJSONResponse(payload, headers=headers)
 
 

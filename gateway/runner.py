@@ -111,7 +111,12 @@ class RequestRunner:
             return await asyncio.to_thread(work)
 
     async def prepare(
-        self, parse: Callable[[], ParsedRequest], tenant: str, request_id: str, size: int
+        self,
+        parse: Callable[[], ParsedRequest],
+        tenant: str,
+        request_id: str,
+        size: int,
+        body: dict[str, Any] | None = None,
     ) -> tuple[ParsedRequest, Prepared]:
         """Parse, fetch the registered documents it names (shared store, one round trip), prepare.
 
@@ -124,12 +129,12 @@ class RequestRunner:
             req = parse()
             if req.document_ids:
                 return req, None
-            return req, pipeline.prepare(req, tenant, request_id)
+            return req, pipeline.prepare(req, tenant, request_id, body=body)
 
         req, prep = await self.compute(first, size)
         if prep is None:
             await self.svc.documents.resolve(tenant, req)
-            prep = await self.compute(lambda: pipeline.prepare(req, tenant, request_id), size)
+            prep = await self.compute(lambda: pipeline.prepare(req, tenant, request_id, body=body), size)
         return req, prep
 
     @asynccontextmanager

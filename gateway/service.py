@@ -87,6 +87,7 @@ class GatewayService:
         s = self.settings
         ns = Namespace(s.model, "", s.block_size, self.tokenizer.name)
         return events_connector(s.kv_events, ns, nodeclient.connect)
+
     def _count_usage(self, ex: Execution) -> None:
         p = ex.prep
         self.usage.record(p.tenant, p.model, ex.prompt_tokens, ex.cached_tokens, ex.completion_tokens)
@@ -106,7 +107,9 @@ class GatewayService:
 
     @property
     def models(self) -> set[str]:
-        return {self.settings.model}
+        """The models served: those the nodes name (OpenAI-compatible workers list theirs), and
+        the configured ``model`` for nodes that name none."""
+        return self.pool.models(self.settings.model)
 
     async def start(self) -> None:
         if self._started:
@@ -116,6 +119,7 @@ class GatewayService:
         self.pool.extend("prefill", s.prefill)
         self.pool.extend("decode", s.decode)
         self.pool.extend("monolithic", s.monolithic)
+        self.pool.extend("monolithic", s.worker_urls)
         for node in self.pool.nodes.values():
             self.events.watch(node)
         await self.pool.wait_ready(timeout=5.0)
@@ -132,6 +136,7 @@ class GatewayService:
             prefill=len(s.prefill),
             decode=len(s.decode),
             monolithic=len(s.monolithic),
+            workers=len(s.worker_urls),
             index=self.index.backend,
             auth=f"api keys, {tenants} tenant(s)" if tenants else KEYLESS_NOTICE,
         )

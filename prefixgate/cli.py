@@ -119,6 +119,15 @@ def _gateway_args(p: argparse.ArgumentParser, *, stack: bool) -> None:
             help="take WORKER's KV events from its engine's ZMQ publisher "
             "(tcp://H:P[?replay=tcp://H:Q&topic=T]; repeatable)",
         )
+        p.add_argument(
+            "--worker-urls",
+            nargs="+",
+            action="extend",
+            default=None,
+            dest="worker_urls",
+            metavar="URL",
+            help="whole-request workers: http://HOST:PORT of OpenAI-compatible servers (vLLM, SGLang, ...)",
+        )
 
 
 def _overrides(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
@@ -156,6 +165,7 @@ _GATEWAY_KEYS = (
     "decode",
     "monolithic",
     "kv_events",
+    "worker_urls",
 )
 
 
@@ -176,8 +186,11 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     if settings is None:
         return 2
     configure_logging(settings.log_format, settings.log_level)
-    if not (settings.decode or settings.monolithic):
-        print("prefixgate gateway: give at least one --decode or --monolithic node", file=sys.stderr)
+    if not (settings.decode or settings.monolithic or settings.worker_urls):
+        print(
+            "prefixgate gateway: give at least one --decode or --monolithic node or --worker-urls",
+            file=sys.stderr,
+        )
         return 2
     return run(settings)
 
@@ -186,7 +199,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from prefixgate.gateway.logging import configure_logging
     from prefixgate.gateway.stack import StackOptions, run_stack
 
-    stack_keys = [k for k in _GATEWAY_KEYS if k not in ("prefill", "decode", "monolithic")]
+    stack_keys = [k for k in _GATEWAY_KEYS if k not in ("prefill", "decode", "monolithic", "worker_urls")]
     settings = _settings(args, stack_keys)
     if settings is None:
         return 2

@@ -1,5 +1,6 @@
 """The gateway's seam to its nodes: transport-neutral types (``base``), one adapter per node
-protocol (``prefixgate_grpc``) and a scripted fake for tests (``fake``).
+protocol (``prefixgate_grpc``; ``http_openai`` for OpenAI-compatible HTTP workers) and a
+scripted fake for tests (``fake``).
 
 ``connect`` picks the adapter from a node's address.
 """
@@ -16,15 +17,17 @@ from prefixgate.gateway.nodeclient.base import (
     NodeClient,
     NodeFailure,
     NodeStatus,
+    OpenAIBody,
     PrefillReport,
     Prompt,
     StageTimings,
     TokenDelta,
     TokenStream,
 )
+from prefixgate.gateway.nodeclient.http_openai import HttpOpenAIClient
 from prefixgate.gateway.nodeclient.prefixgate_grpc import GrpcNodeClient
 
-SCHEMES = ("grpc",)
+SCHEMES = ("grpc", "http", "https")
 
 
 def split_address(address: str) -> tuple[str, str]:
@@ -40,8 +43,11 @@ def split_address(address: str) -> tuple[str, str]:
 
 
 def connect(address: str) -> NodeClient:
-    """A client for the node at ``address`` (``HOST:PORT`` or ``grpc://HOST:PORT``)."""
-    _scheme, target = split_address(address)
+    """A client for the node at ``address`` (``HOST:PORT`` or ``grpc://HOST:PORT``; an
+    OpenAI-compatible HTTP worker at ``http://HOST:PORT``)."""
+    scheme, target = split_address(address)
+    if scheme in ("http", "https"):
+        return HttpOpenAIClient(address)
     return GrpcNodeClient(target)
 
 
@@ -55,6 +61,7 @@ __all__ = [
     "NodeClient",
     "NodeFailure",
     "NodeStatus",
+    "OpenAIBody",
     "PrefillReport",
     "Prompt",
     "StageTimings",

@@ -18,9 +18,9 @@ Failures are ``NodeFailure``: which node, at which stage, of which kind; never a
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from prefixgate.gateway.routing.base import KVFormat as KVFormat  # one type: what routing pairs on
 from prefixgate.gateway.vocab import EventKind, FailureKind, Stage
@@ -64,6 +64,8 @@ class NodeStatus:
     # Engine features it serves beyond plain sampling (``prefixgate.openai.features``), carried
     # and honoured end to end; a node that reports none serves none (nothing is silently dropped).
     features: frozenset[str] = frozenset()
+    # The model names the node serves (empty: it does not say; it serves the gateway's model).
+    models: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,16 +108,29 @@ class Capabilities:
     # Engine features the protocol serves whatever the status says (a pass-through worker); None:
     # as the node's status reports (``NodeStatus.features``).
     features: frozenset[str] | None = None
+    openai_body: bool = False  # generates from the normalized OpenAI request (``Prompt.openai``)
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAIBody:
+    """The request as an OpenAI-compatible engine takes it, after the gateway's normalization:
+    ``kind`` is ``chat`` or ``completion``, ``body`` the JSON object to send."""
+
+    kind: str
+    body: Mapping[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
-    """One request as a node sees it: packed tokens, their block hashes, sampling."""
+    """One request as a node sees it: packed tokens, their block hashes, sampling; and, for
+    nodes that generate from the OpenAI request itself (``Capabilities.openai_body``), that
+    request."""
 
     request_id: str
     tokens: bytes  # packed little-endian uint32, 4 bytes a token
     hashes: Sequence[int]
     sampling: Sampling
+    openai: OpenAIBody | None = None
 
     @property
     def token_count(self) -> int:
@@ -135,12 +150,14 @@ class TokenLogprob:
 @dataclass(frozen=True, slots=True)
 class TokenDelta:
     """One step of generation; ``completion_tokens`` is the running total (0: not reported).
-    ``logprobs``: one per token of this step, when the request asked for them."""
+    ``logprobs``: one per token of this step, when the request asked for them; ``prompt_tokens``
+    is the node's own count of the prompt when it reports one (0: not)."""
 
     text: str = ""
     finish_reason: str = ""
     completion_tokens: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_tokens: int = 0
 
 
 @dataclass(slots=True)

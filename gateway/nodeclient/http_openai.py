@@ -1,0 +1,522 @@
+"""OpenAI-compatible HTTP workers (vLLM, SGLang, TGI, ... ``http://HOST:PORT``) as nodes.
+
+A worker serves whole requests (a monolithic node): it gets the client's request after the
+gateway's normalization (``Prompt.openai``, built by ``gateway.openai_body``) on
+``/v1/chat/completions`` or ``/v1/completions``, always streamed with
+``stream_options.include_usage``, and its SSE stream is relayed as token deltas. Usage comes
+from the engine: ``prompt_tokens``, ``completion_tokens`` and
+``prompt_tokens_details.cached_tokens`` (vLLM reports the latter with
+``--enable-prompt-tokens-details``, SGLang with ``--enable-cache-report``). A client that goes
+away closes the connection, which is how these engines abort a request.
+
+Status: ``GET /health`` and ``GET /v1/models`` (the served models) each probe, and the engine's
+load where it reports one cheaply: SGLang's ``GET /get_load``, else the request gauges of
+``GET /metrics`` (vLLM ``vllm:num_requests_running``/``waiting``, SGLang
+``sglang:num_running_reqs``/``num_queue_reqs``); without either, the gateway's own in-flight
+count on the worker.
+
+Capabilities are what the wire allows: no KV events (the index learns the worker's blocks from
+routing alone), no eviction, pinning or warming, no split serving.
+
+One ``httpx.AsyncClient`` per worker: pooled keep-alive connections (bounded), every call
+bounded in time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from typing import Any
+
+import httpx
+import orjson
+from httpx_sse import EventSource, ServerSentEvent
+from prometheus_client.parser import text_string_to_metric_families
+
+from prefixgate.cachetier.tokenizer import unpack_ids
+from prefixgate.gateway.nodeclient.base import (
+    Capabilities,
+    CostProfile,
+    KVEvent,
+    NodeFailure,
+    NodeStatus,
+    OpenAIBody,
+    PrefillReport,
+    Prompt,
+    StageTimings,
+    TokenDelta,
+)
+from prefixgate.gateway.routing.costmodel import S5000
+from prefixgate.gateway.vocab import FailureKind, Stage
+
+CAPABILITIES = Capabilities(openai_body=True)
+# An HTTP worker states no prefill speed. Without one every prefill would look free and the
+# routing policy would give a cached prefix no weight against load; this declared nominal
+# figure (the reference server's) gives the cache its usual worth.
+NOMINAL_PROFILE = CostProfile(
+    name="nominal",
+    prefill_tokens_per_s=S5000.prefill_tokens_per_s,
+    attention_coeff_s=S5000.attention_coeff_s,
+)
+ENGINE = "openai-http"
+MAX_CONNECTIONS = 1024  # per worker: one per streaming request, the rest waits for the pool
+MAX_KEEPALIVE = 64
+KEEPALIVE_S = 30.0
+CONNECT_TIMEOUT_S = 5.0
+MAX_PROBE_BYTES = 4 * 1024 * 1024  # /metrics of a busy engine included
+MAX_ERROR_BYTES = 64 * 1024
+MAX_JSON_BYTES = 32 * 1024 * 1024  # a whole (non-streamed) answer, from a server ignoring ``stream``
+MAX_MODELS = 256
+USAGE_WAIT_S = 5.0  # after the finish, for the usage chunk and the end of the stream
+LOAD_GAUGES = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "sglang:num_running_reqs": "running",
+    "sglang:num_queue_reqs": "waiting",
+}
+PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _status_kind(code: int) -> FailureKind:
+    """What an engine's HTTP status means for the gateway (retry elsewhere or not)."""
+    if code in (400, 413, 422):
+        return FailureKind.INVALID
+    if code == 408:
+        return FailureKind.TIMEOUT
+    if code == 429:
+        return FailureKind.OVERLOADED
+    if code in (404, 502, 503, 504):
+        return FailureKind.UNAVAILABLE
+    return FailureKind.INTERNAL
+
+
+def _error_message(raw: bytes) -> str:
+    """The message of an engine's error body (OpenAI's ``error.message``, FastAPI's ``detail``)."""
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return raw.decode("utf-8", errors="replace")[:300]
+    if isinstance(obj, Mapping):
+        err = obj.get("error")
+        if isinstance(err, Mapping) and err.get("message"):
+            return str(err["message"])[:300]
+        for key in ("message", "detail", "error"):
+            if obj.get(key):
+                return str(obj[key])[:300]
+    return str(obj)[:300]
+
+
+def _transport_failure(address: str, stage: Stage, e: Exception) -> NodeFailure:
+    if isinstance(e, httpx.TimeoutException | TimeoutError):
+        return NodeFailure(address, stage, FailureKind.TIMEOUT, f"no answer in time ({type(e).__name__})")
+    if isinstance(e, httpx.ConnectError):
+        return NodeFailure(address, stage, FailureKind.UNAVAILABLE, f"cannot connect: {e}"[:300])
+    return NodeFailure(address, stage, FailureKind.UNAVAILABLE, f"{type(e).__name__}: {e}"[:300])
+
+
+async def _read_bounded(response: httpx.Response, limit: int) -> bytes:
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_bytes():
+        size += len(chunk)
+        if size > limit:
+            raise _TooLarge(f"{response.request.url.path}: body over {limit} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def parse_models(raw: bytes) -> tuple[str, ...]:
+    """The model ids of a ``/v1/models`` answer."""
+    obj = orjson.loads(raw)
+    data = obj.get("data") if isinstance(obj, Mapping) else None
+    if not isinstance(data, list):
+        raise ValueError("/v1/models: no 'data' list")
+    ids = [m["id"] for m in data[:MAX_MODELS] if isinstance(m, Mapping) and isinstance(m.get("id"), str)]
+    return tuple(dict.fromkeys(ids))
+
+
+def parse_get_load(raw: bytes) -> tuple[int, int]:
+    """(running, waiting) from SGLang's ``/get_load`` (one entry per data-parallel rank)."""
+    obj = orjson.loads(raw)
+    ranks = obj if isinstance(obj, list) else [obj]
+    running = waiting = 0
+    seen = False
+    for r in ranks:
+        if isinstance(r, Mapping) and isinstance(r.get("num_reqs"), int):
+            seen = True
+            w = int(r.get("num_waiting_reqs") or 0)
+            waiting += w
+            running += max(0, int(r["num_reqs"]) - w)
+    if not seen:
+        raise ValueError("/get_load: no num_reqs")
+    return running, waiting
+
+
+def parse_metrics(text: str) -> tuple[int, int]:
+    """(running, waiting) from the request gauges of a vLLM or SGLang ``/metrics`` page."""
+    wanted = [line for line in text.splitlines() if line.startswith(tuple(LOAD_GAUGES))]
+    totals = {"running": 0.0, "waiting": 0.0}
+    seen = False
+    for family in text_string_to_metric_families("\n".join(wanted) + "\n"):
+        for sample in family.samples:
+            which = LOAD_GAUGES.get(sample.name)
+            if which is not None:
+                seen = True
+                totals[which] += sample.value
+    if not seen:
+        raise ValueError("/metrics: no request gauges")
+    return int(totals["running"]), int(totals["waiting"])
+
+
+class HttpOpenAIClient:
+    """One OpenAI-compatible HTTP worker (``http://HOST:PORT``, optionally ``.../v1``)."""
+
+    def __init__(self, address: str) -> None:
+        url = httpx.URL(address)
+        if url.scheme not in ("http", "https") or not url.host:
+            raise ValueError(f"an HTTP worker address is http://HOST:PORT, got {address!r}")
+        self._address = address
+        path = url.path.rstrip("/").removesuffix("/v1")
+        authority = url.netloc.decode("ascii")
+        self.node_id = authority + path
+        self._http = httpx.AsyncClient(
+            base_url=f"{url.scheme}://{authority}{path}",
+            limits=httpx.Limits(
+                max_connections=MAX_CONNECTIONS,
+                max_keepalive_connections=MAX_KEEPALIVE,
+                keepalive_expiry=KEEPALIVE_S,
+            ),
+            timeout=httpx.Timeout(30.0, connect=CONNECT_TIMEOUT_S),
+            trust_env=False,  # a worker on loopback is never reached through a proxy
+            follow_redirects=False,
+            headers={"user-agent": "prefixgate"},
+        )
+        self.models: tuple[str, ...] = ()
+        self.inflight = 0
+        self._load_path: str | None = None  # None: not probed yet; "": the engine reports none
+        self._instance = uuid.uuid4().hex[:16]
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return CAPABILITIES
+
+    @property
+    def handoff(self) -> None:
+        return None
+
+    @property
+    def load_source(self) -> str:
+        """Where the worker's load comes from: an engine path, or ``in-flight`` (ours)."""
+        return self._load_path or "in-flight"
+
+    async def _get(self, path: str, timeout: float) -> tuple[int, bytes]:
+        async with self._http.stream("GET", path, timeout=timeout) as r:
+            return r.status_code, await _read_bounded(r, MAX_PROBE_BYTES)
+
+    async def _engine_load(self, timeout: float) -> tuple[int, int] | None:
+        """The engine's (running, waiting), from the first source that works (remembered)."""
+        paths = ("/get_load", "/metrics") if self._load_path is None else (self._load_path,)
+        for path in paths:
+            if not path:
+                continue
+            try:
+                code, raw = await self._get(path, timeout)
+                if code == 200:
+                    load = parse_get_load(raw) if path == "/get_load" else parse_metrics(raw.decode())
+                    self._load_path = path
+                    return load
+            except (httpx.HTTPError, _TooLarge, ValueError):
+                if self._load_path is not None:
+                    raise  # a source that worked and fails now: the probe fails
+        self._load_path = ""
+        return None
+
+    async def status(self, timeout: float) -> NodeStatus:
+        try:
+            async with asyncio.timeout(timeout):
+                (health, _), (code, raw) = await asyncio.gather(
+                    self._get("/health", timeout), self._get("/v1/models", timeout)
+                )
+                if health >= 500:
+                    raise NodeFailure(
+                        self._address, Stage.PROBE, FailureKind.UNAVAILABLE, f"/health: {health}"
+                    )
+                if code != 200:
+                    raise NodeFailure(
+                        self._address, Stage.PROBE, _status_kind(code), f"/v1/models: HTTP {code}"
+                    )
+                self.models = parse_models(raw)
+                load = await self._engine_load(timeout)
+        except NodeFailure:
+            raise
+        except (httpx.HTTPError, TimeoutError) as e:
+            raise _transport_failure(self._address, Stage.PROBE, e) from e
+        except (_TooLarge, ValueError) as e:
+            raise NodeFailure(self._address, Stage.PROBE, FailureKind.INTERNAL, str(e)[:300]) from e
+        running, waiting = load if load is not None else (self.inflight, 0)
+        return NodeStatus(
+            node_id=self.node_id,
+            engine=ENGINE,
+            running_requests=running,
+            queued_requests=waiting,
+            instance_id=self._instance,
+            profile=NOMINAL_PROFILE,
+            models=self.models,
+        )
+
+    def generate(self, prompt: Prompt, *, timeout: float) -> SSEStream:
+        return SSEStream(self, prompt, timeout)
+
+    def fallback_body(self, prompt: Prompt) -> OpenAIBody:
+        """A prompt without an OpenAI request (token ids only): ``/v1/completions`` with the
+        ids, which vLLM and SGLang take; meaningful when the gateway's tokenizer is the
+        engine's."""
+        s = prompt.sampling
+        body: dict[str, Any] = {
+            "model": self.models[0] if self.models else "",
+            "prompt": unpack_ids(prompt.tokens),
+            "max_tokens": s.max_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if s.seed is not None:
+            body["seed"] = s.seed
+        if s.stop:
+            body["stop"] = list(s.stop)
+        return OpenAIBody("completion", body)
+
+    async def open(self, prompt: Prompt, timeout: float) -> httpx.Response:
+        """Send the request; the response (streaming) once its status is 200."""
+        req = prompt.openai or self.fallback_body(prompt)
+        request = self._http.build_request(
+            "POST",
+            PATHS.get(req.kind, PATHS["completion"]),
+            content=orjson.dumps(req.body),
+            headers={
+                "content-type": "application/json",
+                "accept": "text/event-stream",
+                "x-request-id": prompt.request_id,
+            },
+            timeout=httpx.Timeout(timeout, connect=min(CONNECT_TIMEOUT_S, timeout)),
+        )
+        response = await self._http.send(request, stream=True)
+        if response.status_code != 200:
+            try:
+                raw = await _read_bounded(response, MAX_ERROR_BYTES)
+            except _TooLarge:
+                raw = b"(error body too large)"
+            finally:
+                await response.aclose()
+            raise NodeFailure(
+                self._address,
+                Stage.GENERATE,
+                _status_kind(response.status_code),
+                f"HTTP {response.status_code}: {_error_message(raw)}",
+            )
+        return response
+
+    async def kv_events(self, since_seq: int) -> AsyncGenerator[KVEvent, None]:
+        """None: an HTTP worker publishes no KV events over this wire."""
+        none: tuple[KVEvent, ...] = ()
+        for ev in none:
+            yield ev
+
+    def _cannot(self, what: str) -> NodeFailure:
+        return NodeFailure(self._address, Stage.CACHE, FailureKind.INVALID, f"an HTTP worker cannot {what}")
+
+    async def warm(self, prompt: Prompt, *, pin_seconds: float, timeout: float) -> PrefillReport:
+        raise self._cannot("warm a prompt")
+
+    async def evict(self, hashes: Sequence[int], *, everything: bool, timeout: float) -> list[int]:
+        raise self._cannot("evict blocks")
+
+    async def pin(self, hashes: Sequence[int], *, seconds: float, timeout: float) -> tuple[int, int]:
+        raise self._cannot("pin blocks")
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+
+class SSEStream:
+    """One generation on an HTTP worker: its SSE chunks as token deltas.
+
+    The finishing delta is held back until the engine's usage chunk (or the end of the stream)
+    has arrived, so it carries the engine's counts and ``cached_tokens`` is set by then.
+    """
+
+    def __init__(self, client: HttpOpenAIClient, prompt: Prompt, timeout: float) -> None:
+        self.cached_tokens = 0
+        self.timings = StageTimings()
+        self.prefill: PrefillReport | None = None
+        self._client = client
+        self._prompt = prompt
+        self._timeout = timeout
+        self._chat = (prompt.openai.kind if prompt.openai else "completion") == "chat"
+        self._response: httpx.Response | None = None
+        self._events: AsyncIterator[ServerSentEvent] | None = None
+        self._whole: TokenDelta | None = None  # a server that answered JSON, not a stream
+        self._counted = False
+        self._done = False
+        self._clean_end = False  # the server said [DONE]
+        self._completion = 0
+        self._prompt_tokens = 0
+        self._usage_completion = 0
+
+    def __aiter__(self) -> SSEStream:
+        return self
+
+    async def __anext__(self) -> TokenDelta:
+        if self._done:
+            raise StopAsyncIteration
+        address = self._client.address
+        try:
+            if self._events is None and self._whole is None:
+                await self._open()
+            if self._whole is not None:
+                d, self._whole = self._whole, None
+                await self.aclose()
+                return d
+            return await self._next()
+        except (NodeFailure, StopAsyncIteration):
+            await self.aclose()
+            raise
+        except (httpx.HTTPError, TimeoutError) as e:
+            await self.aclose()
+            raise _transport_failure(address, Stage.GENERATE, e) from e
+        except (ValueError, _TooLarge) as e:
+            await self.aclose()
+            raise NodeFailure(address, Stage.GENERATE, FailureKind.INTERNAL, f"bad stream: {e}"[:300]) from e
+
+    async def _open(self) -> None:
+        self._client.inflight += 1
+        self._counted = True
+        self._response = await self._client.open(self._prompt, self._timeout)
+        ctype = self._response.headers.get("content-type", "")
+        if ctype.startswith("application/json"):
+            self._whole = self._whole_answer(
+                orjson.loads(await _read_bounded(self._response, MAX_JSON_BYTES))
+            )
+        else:
+            self._events = EventSource(self._response).aiter_sse()
+
+    def _whole_answer(self, obj: Any) -> TokenDelta:
+        if not isinstance(obj, Mapping):
+            raise ValueError("the answer is not a JSON object")
+        self._check_error(obj)
+        self._usage(obj.get("usage"))
+        choices = obj.get("choices") or [{}]
+        choice = choices[0] if isinstance(choices[0], Mapping) else {}
+        message = choice.get("message") if self._chat else None
+        text = (message or {}).get("content") if self._chat else choice.get("text")
+        finish = str(choice.get("finish_reason") or "stop")
+        return self._final(str(text or ""), finish)
+
+    def _check_error(self, obj: Mapping[str, Any]) -> None:
+        err = obj.get("error")
+        if err:
+            message = err.get("message") if isinstance(err, Mapping) else err
+            raise NodeFailure(self._client.address, Stage.GENERATE, FailureKind.INTERNAL, str(message)[:300])
+
+    def _usage(self, usage: Any) -> None:
+        if not isinstance(usage, Mapping):
+            return
+        self._prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        self._usage_completion = int(usage.get("completion_tokens") or 0)
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, Mapping):
+            self.cached_tokens = int(details.get("cached_tokens") or 0)
+
+    def _final(self, text: str, finish: str) -> TokenDelta:
+        if text:
+            self._completion += 1
+        return TokenDelta(
+            text, finish, self._usage_completion or self._completion, prompt_tokens=self._prompt_tokens
+        )
+
+    async def _event(self) -> Mapping[str, Any] | None:
+        """The next chunk (None at the end of the stream)."""
+        assert self._events is not None
+        ev = await anext(self._events, None)
+        if ev is None:
+            return None
+        if ev.data.strip() == "[DONE]":
+            self._clean_end = True
+            return None
+        if not ev.data.strip():
+            return {}
+        obj = orjson.loads(ev.data)
+        if not isinstance(obj, Mapping):
+            raise ValueError("a stream chunk is not a JSON object")
+        self._check_error(obj)
+        self._usage(obj.get("usage"))
+        return obj
+
+    def _choice(self, obj: Mapping[str, Any]) -> tuple[str, str]:
+        choices = obj.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], Mapping):
+            return "", ""
+        c = choices[0]
+        if self._chat:
+            delta = c.get("delta")
+            text = delta.get("content") if isinstance(delta, Mapping) else None
+        else:
+            text = c.get("text")
+        return str(text or ""), str(c.get("finish_reason") or "")
+
+    async def _next(self) -> TokenDelta:
+        while True:
+            obj = await self._event()
+            if obj is None:
+                if self._clean_end:  # [DONE] without a finish reason: a complete answer all the same
+                    await self._drain()
+                    d = self._final("", "stop")
+                    await self.aclose()
+                    return d
+                raise StopAsyncIteration  # cut off without a finish: the caller says what that means
+            text, finish = self._choice(obj)
+            if finish:
+                await self._drain()
+                d = self._final(text, finish)
+                await self.aclose()
+                return d
+            if text:
+                self._completion += 1
+                return TokenDelta(text, "", self._completion)
+
+    async def _drain(self) -> None:
+        """After the finish: read on to the usage chunk and the end of the stream (bounded)."""
+        try:
+            async with asyncio.timeout(USAGE_WAIT_S):
+                while await self._event() is not None:
+                    pass
+                await self._to_the_end()
+        except TimeoutError:
+            pass
+
+    async def _to_the_end(self) -> None:
+        """Read the body to its end, so its keep-alive connection goes back to the pool (a
+        response closed early takes its connection with it)."""
+        assert self._events is not None
+        while await anext(self._events, None) is not None:
+            pass
+
+    async def aclose(self) -> None:
+        """Close the connection (the engine aborts a request whose connection is gone)."""
+        self._done = True
+        if self._counted:
+            self._counted = False
+            self._client.inflight -= 1
+        response, self._response = self._response, None
+        if response is not None:
+            await response.aclose()

@@ -1,0 +1,156 @@
+"""The body an OpenAI-compatible engine gets for a request: the client's, after normalization.
+
+An HTTP worker (vLLM, SGLang, TGI, any OpenAI-compatible server) renders the chat template and
+tokenizes itself, so it is sent the request rather than tokens: the gateway's normalized
+messages (or completion prompt), and the client's own fields otherwise (sampling and any
+engine-specific knob), minus what only the gateway understands or what it cannot relay.
+
+Normalized messages follow the gateway's canonical layout (``openai.normalize``): with
+normalization on, every system/developer message is merged into one leading system message
+(cleaned text), followed by the request's documents in canonical order, then the conversation
+with cleaned text; with it off, the messages as sent, the documents (if any) in a system
+message before them. Requests that mean the same thing thus reach the engine as the same bytes,
+and its prefix cache shares them.
+
+The engine is always asked to stream with ``stream_options.include_usage``: the gateway relays
+the stream as token deltas and learns usage (cached tokens included) from the engine, whether
+or not the client asked to see usage; the gateway's own response shows usage to a client only
+when it asked.
+
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import orjson
+
+from prefixgate.gateway.nodeclient.base import OpenAIBody
+from prefixgate.openai.normalize import (
+    SYSTEM_ROLES,
+    Document,
+    canonical_json,
+    clean_text,
+    content_text,
+    render_completion,
+)
+from prefixgate.openai.schema import ParsedRequest
+
+# Fields the gateway owns: consumed by it (documents, pins), replaced by it (the prompt, the
+# length, streaming), or that ask for output the gateway's token stream does not carry.
+GATEWAY_FIELDS = frozenset(
+    {
+        "model",
+        "messages",
+        "prompt",
+        "documents",
+        "document_ids",
+        "pin_seconds",
+        "stream",
+        "stream_options",
+        "max_tokens",
+        "max_completion_tokens",
+        "n",
+        "best_of",
+        "echo",
+        "logprobs",
+        "top_logprobs",
+    }
+)
+TEXT_PARTS = ("text", "input_text")
+
+
+def _documents_text(documents: Sequence[Document], normalize: bool) -> str:
+    """The documents as the gateway renders them (canonical order when normalizing)."""
+    return render_completion("", documents=documents, normalize=normalize).text.rstrip("\n")
+
+
+def _clean_content(content: Any) -> Any:
+    """Message content with its text cleaned; text-only part lists become one string (as the
+    gateway renders them), other parts are kept as sent."""
+    if isinstance(content, str):
+        return clean_text(content)
+    if isinstance(content, list):
+        if all(isinstance(p, Mapping) and p.get("type") in TEXT_PARTS for p in content):
+            return clean_text(content_text(content, "content"))
+        return [
+            {**p, "text": clean_text(p["text"])}
+            if isinstance(p, Mapping) and p.get("type") in TEXT_PARTS and isinstance(p.get("text"), str)
+            else p
+            for p in content
+        ]
+    return content
+
+
+def engine_messages(
+    messages: Sequence[Mapping[str, Any]], documents: Sequence[Document], *, normalize: bool
+) -> list[dict[str, Any]]:
+    """The chat as the engine gets it (see the module docstring)."""
+    docs = _documents_text(documents, normalize) if documents else ""
+    if not normalize:
+        out = [dict(m) for m in messages]
+        return [{"role": "system", "content": docs}, *out] if docs else out
+    system: list[str] = []
+    turns: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        if m.get("role") in SYSTEM_ROLES:
+            text = clean_text(content_text(m.get("content"), f"messages[{i}].content"))
+            if text:
+                system.append(text)
+            continue
+        msg = dict(m)
+        if "content" in msg:
+            msg["content"] = _clean_content(msg["content"])
+        turns.append(msg)
+    if docs:
+        system.append(docs)
+    head = [{"role": "system", "content": "\n\n".join(system)}] if system else []
+    return head + turns
+
+
+def _canonical(value: Any) -> Any:
+    """``value`` with every object's keys sorted (one byte form for the engine's template)."""
+    return orjson.loads(canonical_json(value))
+
+
+def engine_body(
+    req: ParsedRequest,
+    documents: Sequence[Document],
+    *,
+    normalize: bool,
+    raw: Mapping[str, Any] | None = None,
+) -> OpenAIBody:
+    """The engine's request for ``req`` (``raw``: the client's JSON body, when there is one;
+    without it, the parsed sampling fields are sent).
+
+    ``req.sampling.max_tokens`` is the gateway's (a request without one gets the gateway's
+    default, clamped to the context window).
+    """
+    if raw is not None:
+        body: dict[str, Any] = {k: v for k, v in raw.items() if k not in GATEWAY_FIELDS}
+    else:
+        s = req.sampling
+        body = {"temperature": s.temperature, "top_p": s.top_p}
+        if s.seed is not None:
+            body["seed"] = s.seed
+        if s.stop:
+            body["stop"] = list(s.stop)
+        if req.user:
+            body["user"] = req.user
+        if req.tools:
+            body["tools"] = list(req.tools)
+    body["model"] = req.model
+    body["max_tokens"] = req.sampling.max_tokens
+    body["stream"] = True
+    body["stream_options"] = {"include_usage": True}
+    if req.kind == "chat":
+        body["messages"] = engine_messages(req.messages, documents, normalize=normalize)
+        if normalize and isinstance(body.get("tools"), list):
+            body["tools"] = _canonical(body["tools"])
+    elif req.prompt_token_ids is not None:
+        body["prompt"] = list(req.prompt_token_ids)
+    else:
+        body["prompt"] = render_completion(req.prompt or "", documents=documents, normalize=normalize).text
+    return OpenAIBody(req.kind, body)
