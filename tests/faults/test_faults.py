@@ -97,6 +97,7 @@ def test_all_prefill_nodes_down_then_back(cluster: Cluster) -> None:
         time.sleep(0.2)
     REPORT[-1].note = f"split path back after {len(routes)} probe requests"
     assert routes[-1] == "disaggregated", routes
+    cluster.wait_routable("prefill", 2)  # both back, not only the one that took the probe
 
 
 def test_decode_node_killed_mid_stream(cluster: Cluster) -> None:
@@ -128,6 +129,7 @@ def test_decode_node_killed_mid_stream(cluster: Cluster) -> None:
 
 
 def test_slow_prefill_node_loses_traffic(cluster: Cluster) -> None:
+    cluster.wait_routable("prefill", 2)
     before = cluster.metric("prefixgate_retries_total")
     slow = cluster.prefill[0]
     healthy = asyncio.run(
