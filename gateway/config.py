@@ -29,7 +29,13 @@ class Settings:
     redis: str = ""  # empty: embedded in-memory index
     redis_prefix: str = "prefixgate:"
     model: str = "prefixgate-sim"
-    tokenizer: str = "bytes4"
+    tokenizer: str = "bytes4"  # bytes4 | hf:/path/tokenizer.json | engine | engine:DIR
+    # The engine's own tokenizer (gateway.tokens): a local directory, else the workers' bundle,
+    # kept under tokenizer_cache_dir (default $XDG_CACHE_HOME/prefixgate/tokenizers).
+    tokenizer_path: str = ""
+    tokenizer_cache_dir: str = ""
+    tokenizer_timeout_s: float = 60.0
+    tokenizer_segment_cache_bytes: int = 64 * 1024 * 1024
     block_size: int = 64
     # A policy spec, ``name`` or ``name:key=value,...`` (``prefixgate:affinity=5``), as ``bench
     # replay --policies`` takes it; ``load_factor`` is the default of the policies that take one.

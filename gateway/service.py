@@ -12,7 +12,6 @@ from prefixgate import cachetier
 from prefixgate.cachetier.index import BlockIndex
 from prefixgate.cachetier.memory import MemoryIndex
 from prefixgate.cachetier.resilient import ResyncHook
-from prefixgate.cachetier.tokenizer import load_tokenizer
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.documents import DocumentLimits, DocumentStore
 from prefixgate.gateway.events import EventSync
@@ -21,6 +20,7 @@ from prefixgate.gateway.nodes import Node, NodePool
 from prefixgate.gateway.pipeline import Pipeline
 from prefixgate.gateway.quotas import PinLedger, PinLimits
 from prefixgate.gateway.runner import RequestRunner
+from prefixgate.gateway.tokens.wiring import gateway_tokenizer, worker_tokenizer
 
 log = structlog.get_logger("prefixgate.gateway")
 
@@ -42,7 +42,7 @@ class GatewayService:
         self.settings = s = settings
         self.metrics = Metrics()
         self.index = index if index is not None else open_index(settings, self._index_recovered)
-        self.tokenizer = load_tokenizer(settings.tokenizer)
+        self.tokenizer = gateway_tokenizer(settings)
         self.pool = NodePool(settings.stats_interval_s)
         self.documents = DocumentStore(
             DocumentLimits(s.document_quota_count, s.document_quota_bytes, s.document_store_bytes)
@@ -87,6 +87,10 @@ class GatewayService:
         self.pool.extend("prefill", s.prefill)
         self.pool.extend("decode", s.decode)
         self.pool.extend("monolithic", s.monolithic)
+        engine_tok = await worker_tokenizer(s)  # ``tokenizer = "engine"`` without a local path
+        if engine_tok is not None:
+            self.tokenizer = self.pipeline.tokenizer = engine_tok
+            log.info("tokenizer_loaded", tokenizer=engine_tok.name, origin=engine_tok.origin)
         for node in self.pool.nodes.values():
             self.events.watch(node)
         await self.pool.wait_ready(timeout=5.0)

@@ -27,7 +27,7 @@ from prefixgate.gateway.tokens.template import (
     read_template_source,
     token_text,
 )
-from prefixgate.openai.normalize import Document, Layout, NormalizationError, Segment
+from prefixgate.openai.normalize import Document, Layout, Segment
 
 DEFAULT_SEGMENT_CACHE_BYTES = 64 << 20
 
@@ -167,7 +167,9 @@ class EngineTokenizer:
         """The model's template over ``messages`` as given (no normalization, no escaping)."""
         if self.template is None:
             raise ChatTemplateError(f"the tokenizer at {self.origin} has no chat template", "messages")
-        return self.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
+        return self.template.render(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs
+        )
 
     def render_chat(
         self,
@@ -210,4 +212,3 @@ class EngineTokenizer:
             segments.append(Segment("template", f"segment[{i}]", offset, end))
             offset = end
         return Layout(text, segments)
-

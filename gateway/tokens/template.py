@@ -52,7 +52,7 @@ class _Generation(jinja2.ext.Extension):
     """``{% generation %}...{% endgeneration %}``: marks assistant text for training masks; the
     rendered text is the body, unchanged (as ``transformers`` renders it)."""
 
-    tags = {"generation"}
+    tags = {"generation"}  # noqa: RUF012 (jinja2 declares it a plain attribute)
 
     def parse(self, parser: Any) -> nodes.Node:
         lineno = next(parser.stream).lineno
@@ -69,7 +69,11 @@ def _raise_exception(message: str) -> None:
 
 
 def _tojson(
-    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
 ) -> str:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -117,7 +121,9 @@ def read_template_source(directory: Path, config: Mapping[str, Any]) -> str | di
         named = {
             str(t["name"]): str(t["template"])
             for t in value
-            if isinstance(t, Mapping) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+            if isinstance(t, Mapping)
+            and isinstance(t.get("name"), str)
+            and isinstance(t.get("template"), str)
         }
         return named or None
     return None
