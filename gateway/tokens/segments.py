@@ -14,7 +14,8 @@ non-normalized added token, as the tokenizer finds them, so the cuts are real sp
 
 Segment ids are kept in an LRU bounded by bytes, keyed by the segment's text: a system prefix or
 a document that comes again is not tokenized again. Segments not in the cache are tokenized in one
-``encode_batch`` call.
+``encode_batch`` call when they are large (the tokenizer's threads share the work). Cutting pays
+even cold: encoding the pieces costs less than encoding the whole text at once.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 
 from prefixgate.cachetier.tokenizer import pack_ids
 
+BATCH_MIN_CHARS = 64 << 10  # missing segments this large in all are tokenized in one parallel batch
 ENTRY_OVERHEAD = 160  # bytes an entry costs beyond its key and value (dict slot, node, objects)
 
 
@@ -165,10 +167,10 @@ class SegmentEncoder:
         missing = [i for i, p in enumerate(parts) if p is None]
         if missing:
             texts = [segments[i] for i in missing]
-            if len(texts) == 1:
-                encoded = [self._hf.encode(texts[0], add_special_tokens=False)]
-            else:
+            if len(texts) > 1 and sum(map(len, texts)) >= BATCH_MIN_CHARS:
                 encoded = self._hf.encode_batch(texts, add_special_tokens=False)
+            else:  # the batch call's thread hand-off costs more than it saves on small input
+                encoded = [self._hf.encode(t, add_special_tokens=False) for t in texts]
             for i, enc in zip(missing, encoded, strict=True):
                 ids = pack_ids(enc.ids)
                 parts[i] = ids
