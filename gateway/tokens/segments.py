@@ -13,9 +13,10 @@ normalization. The text is never cut before those. Matches are found leftmost-lo
 non-normalized added token, as the tokenizer finds them, so the cuts are real split points.
 
 Segment ids are kept in an LRU bounded by bytes, keyed by the segment's text: a system prefix or
-a document that comes again is not tokenized again. Segments not in the cache are tokenized in one
-``encode_batch`` call when they are large (the tokenizer's threads share the work). Cutting pays
-even cold: encoding the pieces costs less than encoding the whole text at once.
+a document that comes again is not tokenized again. Segments not in the cache are tokenized one
+by one on the calling thread (``encode_batch`` would start the tokenizer's own thread pool, which
+competes with the gateway's request threads). Cutting pays even cold: encoding the pieces costs
+less than encoding the whole text at once.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from typing import Any
 
 from prefixgate.cachetier.tokenizer import pack_ids
 
-BATCH_MIN_CHARS = 64 << 10  # missing segments this large in all are tokenized in one parallel batch
 ENTRY_OVERHEAD = 160  # bytes an entry costs beyond its key and value (dict slot, node, objects)
 
 
@@ -160,19 +160,13 @@ class SegmentEncoder:
     def encode(self, text: str) -> bytes:
         if not text:
             return b""
-        if not self.finder.active or self.cache.max_bytes == 0:
+        if not self.finder.active:
             return self.plain(text)
-        segments = self.finder.split(text)
-        parts: list[bytes | None] = [self.cache.get(s) for s in segments]
-        missing = [i for i, p in enumerate(parts) if p is None]
-        if missing:
-            texts = [segments[i] for i in missing]
-            if len(texts) > 1 and sum(map(len, texts)) >= BATCH_MIN_CHARS:
-                encoded = self._hf.encode_batch(texts, add_special_tokens=False)
-            else:  # the batch call's thread hand-off costs more than it saves on small input
-                encoded = [self._hf.encode(t, add_special_tokens=False) for t in texts]
-            for i, enc in zip(missing, encoded, strict=True):
-                ids = pack_ids(enc.ids)
-                parts[i] = ids
-                self.cache.put(segments[i], ids)
-        return b"".join(p for p in parts if p is not None)
+        parts: list[bytes] = []
+        for segment in self.finder.split(text):
+            ids = self.cache.get(segment)
+            if ids is None:
+                ids = pack_ids(self._hf.encode(segment, add_special_tokens=False).ids)
+                self.cache.put(segment, ids)
+            parts.append(ids)
+        return b"".join(parts)
