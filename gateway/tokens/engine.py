@@ -85,6 +85,10 @@ class EngineTokenizer:
             parsed = json.loads(raw)
         except Exception as e:  # tokenizers raises plain Exception subclasses
             raise TokenizerLoadError(f"{tj}: {e}") from None
+        # a prompt is never cut or padded behind the client's back (the length limits say no
+        # instead), and segments must tokenize exactly as the whole text does
+        self.hf.no_truncation()
+        self.hf.no_padding()
         self.config = _read_json(d / "tokenizer_config.json")
         generation = _read_json(d / "generation_config.json")
         model_config = _read_json(d / "config.json")

@@ -166,3 +166,16 @@ def test_the_engine_tokenizer_reads_a_bundle_directory(tmp_path: Path) -> None:
     assert tok.name == SHIPPED.name  # named by content, not path
     assert tok.eos_token_ids == (2, 0) and tok.special_ids == {0, 1, 2}
     assert tok.special_tokens["eos_token"] == "<|im_end|>" and tok.bos_token_id is None
+
+
+def test_a_tokenizer_that_would_truncate_or_pad_does_neither(tmp_path: Path) -> None:
+    raw = json.loads((TOKENIZER_DIR / "tokenizer.json").read_text())
+    raw["truncation"] = {"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}
+    raw["padding"] = {
+        "strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": None,
+        "pad_id": 0, "pad_type_id": 0, "pad_token": "<|endoftext|>",
+    }  # fmt: skip
+    (tmp_path / "tokenizer.json").write_text(json.dumps(raw))
+    tok = EngineTokenizer(tmp_path)
+    text = "<|im_start|>user\n" + "the cache holds the prefix " * 10 + "<|im_end|>\n"
+    assert unpack_ids(tok.encode(text)) == plain(text) and len(plain(text)) > 8
