@@ -19,6 +19,7 @@ import io
 import os
 import tempfile
 import zipfile
+import zlib
 from collections.abc import AsyncIterable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,12 +103,19 @@ def unpack(data: bytes, dest: Path) -> list[str]:
                 raise BundleError(f"tokenizer bundle entry {info.filename[:80]!r} is not a plain file name")
             if info.filename in names:
                 raise BundleError(f"tokenizer bundle names {info.filename!r} twice")
-            with zf.open(info) as src, open(dest / info.filename, "xb") as out:
-                while chunk := src.read(_READ):
-                    total += len(chunk)
-                    if total > MAX_UNPACKED_BYTES:
-                        raise BundleError(f"tokenizer bundle unpacks to more than {MAX_UNPACKED_BYTES} bytes")
-                    out.write(chunk)
+            try:
+                with zf.open(info) as src, open(dest / info.filename, "xb") as out:
+                    while chunk := src.read(_READ):
+                        total += len(chunk)
+                        if total > MAX_UNPACKED_BYTES:
+                            raise BundleError(
+                                f"tokenizer bundle unpacks to more than {MAX_UNPACKED_BYTES} bytes"
+                            )
+                        out.write(chunk)
+            except (zipfile.BadZipFile, zlib.error, EOFError, RuntimeError, NotImplementedError) as e:
+                if isinstance(e, BundleError):
+                    raise
+                raise BundleError(f"tokenizer bundle entry {info.filename!r} cannot be read: {e}") from None
             names.append(info.filename)
     if not names:
         raise BundleError("tokenizer bundle holds no file")

@@ -219,3 +219,12 @@ def test_the_cache_refuses_a_name_that_is_not_a_sha256(tmp_path: Path) -> None:
     with pytest.raises(BundleError):
         BundleCache(tmp_path).store(GOOD, "../" + GOOD_SHA[3:])
     assert BundleCache(tmp_path).lookup("../x") is None
+
+
+def test_a_corrupt_entry_is_a_bundle_error(tmp_path: Path) -> None:
+    noise = b"".join(hashlib.sha256(bytes([i])).digest() for i in range(64))  # does not compress
+    data, _ = make_zip([("tokenizer.json", noise)])
+    body = data.index(b"tokenizer.json") + len("tokenizer.json")  # the local header's name ends here
+    broken = data[:body] + bytes(b ^ 0x5A for b in data[body : body + 16]) + data[body + 16 :]
+    with pytest.raises(BundleError, match="cannot be read"):
+        unpack(broken, tmp_path)
