@@ -30,6 +30,11 @@ timeout_s=60, segment_cache_bytes=64 MiB, local_paths=True) -> EngineTokenizer``
     (prefixgate's canonical chat through the template, then ids), ``segment_stats``.
 
 ``ChatEncoder`` is the protocol the pipeline checks for: a tokenizer that renders chats itself.
+
+In a running gateway the instance is ``GatewayService.tokenizer`` (the same object as
+``Pipeline.tokenizer``) when the ``tokenizer`` setting is ``engine``/``engine:DIR`` or
+``tokenizer_path`` is set (``wiring``); with ``engine`` and no path it is loaded from the workers in
+``GatewayService.start``.
 """
 
 from __future__ import annotations

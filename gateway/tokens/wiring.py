@@ -39,7 +39,8 @@ def gateway_tokenizer(settings: Settings) -> Tokenizer:
 def worker_addresses(settings: Settings) -> list[str]:
     """Workers that may speak the SMG protocol (not the HTTP ones), in the order configured."""
     out: list[str] = []
-    for a in [*settings.prefill, *settings.decode, *settings.monolithic]:
+    extra = getattr(settings, "worker_urls", None) or []  # smg-style worker flags, where present
+    for a in [*settings.prefill, *settings.decode, *settings.monolithic, *extra]:
         if a and not a.startswith(("http://", "https://")) and a not in out:
             out.append(a)
     return out
