@@ -6,8 +6,9 @@ per stage and in total; target: the 128K-token prompt in <= 10 ms (p50).
 
 With ``--tokenizer-path DIR`` (``shipped``: the nodes' tokenizer) it also times the engine
 tokenizer's path (``gateway.tokens``): the model's chat template over the canonical messages +
-tokenization + hash, for prompts of about that many of the model's tokens, cold (segment cache
-empty) and with the system prompt and documents repeated (cache warm, a new question each time).
+tokenization + hash, for prompts of about that many of the model's tokens: one plain encode of
+the whole text (for comparison), cold (segment cache empty) and with the system prompt and
+documents repeated (cache warm, a new question each time).
 """
 
 from __future__ import annotations
@@ -155,10 +156,16 @@ def _engine_pass(tok: EngineTokenizer, body: Mapping[str, Any], i: int) -> tuple
 
 
 def measure_engine(
-    tok: EngineTokenizer, body: Mapping[str, Any], iterations: int, target: int, warm: bool
+    tok: EngineTokenizer,
+    body: Mapping[str, Any],
+    iterations: int,
+    target: int,
+    warm: bool,
+    whole: bool = False,
 ) -> HotpathResult:
     """Template + tokenize + hash per request; ``warm``: the segment cache holds the system prompt
-    and documents (every request has a new question), else it is emptied before each request."""
+    and documents (every request has a new question), else it is emptied before each request;
+    ``whole``: one plain ``encode`` of the whole text instead (no segments, for comparison)."""
     root = Namespace(model="prefixgate-sim", block_size=BLOCK_SIZE, tokenizer=tok.name).root()
     times: dict[str, list[float]] = {"template": [], "tokenize": [], "hash": [], "total": []}
     clock = time.perf_counter_ns
@@ -178,7 +185,7 @@ def measure_engine(
         t0 = clock()
         text = tok.render_chat(messages, documents=docs, tools=body.get("tools"))
         t1 = clock()
-        tokens = tok.encode(text)
+        tokens = tok.segments.plain(text) if whole else tok.encode(text)
         t2 = clock()
         hashes = block_hashes(tokens, BLOCK_SIZE, root)
         t3 = clock()
@@ -232,6 +239,7 @@ def run_engine(path: str, sizes: Sequence[int], fixed: int | None) -> list[tuple
     for n in sizes:
         body = engine_body(tok, n)
         iters = fixed or engine_iterations(n)
+        rows.append(("none (whole text)", measure_engine(tok, body, iters, n, warm=False, whole=True)))
         rows.append(("cold", measure_engine(tok, body, iters, n, warm=False)))
         rows.append(("repeated docs", measure_engine(tok, body, iters, n, warm=True)))
     return rows
