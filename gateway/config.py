@@ -35,6 +35,7 @@ class Settings:
     tokenizer_path: str = ""
     tokenizer_cache_dir: str = ""
     tokenizer_timeout_s: float = 60.0
+    tokenizer_worker_paths: bool = True  # use a worker's reported tokenizer_path when it exists here
     tokenizer_segment_cache_bytes: int = 64 * 1024 * 1024
     block_size: int = 64
     # A policy spec, ``name`` or ``name:key=value,...`` (``prefixgate:affinity=5``), as ``bench

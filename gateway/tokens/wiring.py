@@ -55,4 +55,5 @@ async def worker_tokenizer(settings: Settings) -> EngineTokenizer | None:
         cache_dir=settings.tokenizer_cache_dir or None,
         timeout_s=settings.tokenizer_timeout_s,
         segment_cache_bytes=settings.tokenizer_segment_cache_bytes,
+        local_paths=settings.tokenizer_worker_paths,
     )

@@ -89,19 +89,29 @@ async def _serve(settings: Settings) -> tuple[GatewayService, httpx.AsyncClient]
     return svc, httpx.AsyncClient(transport=transport, base_url="http://gateway", timeout=30)
 
 
-@pytest.mark.parametrize("source", ["tokenizer_path", "workers"])
+SOURCES: dict[str, tuple[dict[str, Any], str]] = {
+    "tokenizer_path": ({"tokenizer_path": str(TOKENIZER_DIR)}, str(TOKENIZER_DIR)),
+    "worker's tokenizer_path": ({"tokenizer": "engine"}, "tokenizer_path"),
+    "GetTokenizer": ({"tokenizer": "engine", "tokenizer_worker_paths": False}, "bundle"),
+}
+
+
+@pytest.mark.parametrize("source", list(SOURCES))
 async def test_a_repeated_prefix_is_found_cached_on_the_node(
     node: NodeServer, source: str, tmp_path: Path
 ) -> None:
-    options: dict[str, Any] = (
-        {"tokenizer_path": str(TOKENIZER_DIR)}
-        if source == "tokenizer_path"
-        else {"tokenizer": "engine", "tokenizer_cache_dir": str(tmp_path)}
+    options, origin = SOURCES[source]
+    settings = Settings(
+        monolithic=[f"grpc://{node.address}"],
+        block_size=BS,
+        stats_interval_s=0.2,
+        tokenizer_cache_dir=str(tmp_path),
+        **options,
     )
-    settings = Settings(monolithic=[node.address], block_size=BS, stats_interval_s=0.2, **options)
     svc, client = await _serve(settings)
     try:
         assert isinstance(svc.tokenizer, EngineTokenizer) and svc.pipeline.tokenizer is svc.tokenizer
+        assert origin in svc.tokenizer.origin
         cached: list[int] = []
         for question in ("What is a page?", "What is a block?"):
             messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
