@@ -163,4 +163,17 @@ def load_settings(
         parse_policy(settings.policy, {"load_factor": settings.load_factor})
     except ValueError as e:
         raise ValueError(f"setting 'policy': {e}") from None
+    _check_tokenizer(settings)
     return settings
+
+
+def _check_tokenizer(settings: Settings) -> None:
+    """A tokenizer spec or path that cannot work is a settings error, said before anything starts."""
+    spec = settings.tokenizer
+    if not (spec in ("", "bytes4", "engine") or spec.startswith(("hf:", "engine:"))):
+        raise ValueError(
+            f"setting 'tokenizer': {spec!r}: use bytes4, hf:/path/tokenizer.json, engine or engine:DIR"
+        )
+    path = spec[len("engine:") :] if spec.startswith("engine:") else settings.tokenizer_path
+    if path and not Path(path).expanduser().is_dir():
+        raise ValueError(f"setting 'tokenizer_path': {path!r} is not a directory")

@@ -43,8 +43,13 @@ def test_the_default_tokenizer_is_unchanged() -> None:
 
 
 def test_the_tokenizer_path_setting_from_flags_toml_and_environment(tmp_path: Path) -> None:
-    assert load_settings(overrides={"tokenizer_path": "/x"}).tokenizer_path == "/x"
-    assert load_settings(environ={"PREFIXGATE_TOKENIZER_PATH": "/y"}).tokenizer_path == "/y"
+    d = str(TOKENIZER_DIR)
+    assert load_settings(overrides={"tokenizer_path": d}, environ={}).tokenizer_path == d
+    assert load_settings(environ={"PREFIXGATE_TOKENIZER_PATH": d}).tokenizer_path == d
+    with pytest.raises(ValueError, match="tokenizer_path"):
+        load_settings(overrides={"tokenizer_path": str(tmp_path / "missing")}, environ={})
+    with pytest.raises(ValueError, match="tokenizer"):
+        load_settings(overrides={"tokenizer": "sentencepiece"}, environ={})
     toml = tmp_path / "g.toml"
     toml.write_text(f'[gateway]\ntokenizer = "engine:{TOKENIZER_DIR}"\n')
     svc = GatewayService(load_settings(toml, environ={}))
