@@ -35,7 +35,14 @@ class Settings:
     redis: str = ""  # empty: embedded in-memory index
     redis_prefix: str = "prefixgate:"
     model: str = "prefixgate-sim"
-    tokenizer: str = "bytes4"
+    tokenizer: str = "bytes4"  # bytes4 | hf:/path/tokenizer.json | engine | engine:DIR
+    # The engine's own tokenizer (gateway.tokens): a local directory, else the workers' bundle,
+    # kept under tokenizer_cache_dir (default $XDG_CACHE_HOME/prefixgate/tokenizers).
+    tokenizer_path: str = ""
+    tokenizer_cache_dir: str = ""
+    tokenizer_timeout_s: float = 60.0
+    tokenizer_worker_paths: bool = True  # use a worker's reported tokenizer_path when it exists here
+    tokenizer_segment_cache_bytes: int = 64 * 1024 * 1024
     block_size: int = 64
     # A policy spec, ``name`` or ``name:key=value,...`` (``prefixgate:affinity=5``), as ``bench
     # replay --policies`` takes it; ``load_factor`` is the default of the policies that take one.
@@ -177,4 +184,17 @@ def load_settings(
         parse_policy(settings.policy, {"load_factor": settings.load_factor})
     except ValueError as e:
         raise ValueError(f"setting 'policy': {e}") from None
+    _check_tokenizer(settings)
     return settings
+
+
+def _check_tokenizer(settings: Settings) -> None:
+    """A tokenizer spec or path that cannot work is a settings error, said before anything starts."""
+    spec = settings.tokenizer
+    if not (spec in ("", "bytes4", "engine") or spec.startswith(("hf:", "engine:"))):
+        raise ValueError(
+            f"setting 'tokenizer': {spec!r}: use bytes4, hf:/path/tokenizer.json, engine or engine:DIR"
+        )
+    path = spec[len("engine:") :] if spec.startswith("engine:") else settings.tokenizer_path
+    if path and not Path(path).expanduser().is_dir():
+        raise ValueError(f"setting 'tokenizer_path': {path!r} is not a directory")

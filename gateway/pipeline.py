@@ -33,6 +33,7 @@ from prefixgate.gateway.nodes import Node, NodePool
 from prefixgate.gateway.openai_body import engine_body
 from prefixgate.gateway.routing import Decision, Policy, RouteInput, parse_policy, planner
 from prefixgate.gateway.routing.planner import Plan, RequestView, Rules
+from prefixgate.gateway.tokens import ChatEncoder
 from prefixgate.gateway.vocab import FailureKind, Mode, Stage
 from prefixgate.openai.exceptions import InvalidRequest, Overloaded, StreamBroken, Unavailable
 from prefixgate.openai.features import Feature
@@ -314,7 +315,12 @@ class Pipeline:
             docs.append(self.documents.get(tenant, doc_id))
         normalize = self.switches.normalization
         try:
-            if req.kind == "chat":
+            if req.kind == "chat" and isinstance(self.tokenizer, ChatEncoder):
+                # the model's own chat template over the canonical messages (gateway.tokens)
+                layout, tokens = self.tokenizer.encode_chat(
+                    req.messages, documents=docs, tools=req.tools, normalize=normalize
+                )
+            elif req.kind == "chat":
                 layout = render_chat(req.messages, documents=docs, tools=req.tools, normalize=normalize)
                 tokens = self.tokenizer.encode(layout.text)
             elif req.prompt_token_ids is not None:

@@ -13,7 +13,6 @@ from prefixgate.cachetier.hashing import Namespace
 from prefixgate.cachetier.index import BlockIndex
 from prefixgate.cachetier.memory import MemoryIndex
 from prefixgate.cachetier.resilient import ResyncHook
-from prefixgate.cachetier.tokenizer import load_tokenizer
 from prefixgate.gateway import nodeclient
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.documents import DocumentLimits, DocumentStore
@@ -28,6 +27,7 @@ from prefixgate.gateway.quotas import PinLimits
 from prefixgate.gateway.replicated import DocumentRegistry, PinRegistry, open_state
 from prefixgate.gateway.runner import RequestRunner
 from prefixgate.gateway.state_memory import MemoryState
+from prefixgate.gateway.tokens.wiring import gateway_tokenizer, worker_tokenizer
 from prefixgate.gateway.usage import Prices, UsageLedger
 
 log = structlog.get_logger("prefixgate.gateway")
@@ -50,7 +50,7 @@ class GatewayService:
         self.settings = s = settings
         self.metrics = Metrics()
         self.index = index if index is not None else open_index(settings, self._index_recovered)
-        self.tokenizer = load_tokenizer(settings.tokenizer)
+        self.tokenizer = gateway_tokenizer(settings)
         self.pool = NodePool(settings.stats_interval_s, connect=self._connector())
         # Shared by every replica on the same Redis (embedded otherwise): documents, tenants'
         # pins, membership changes, usage.
@@ -120,6 +120,10 @@ class GatewayService:
         self.pool.extend("decode", s.decode)
         self.pool.extend("monolithic", s.monolithic)
         self.pool.extend("monolithic", s.worker_urls)
+        engine_tok = await worker_tokenizer(s)  # ``tokenizer = "engine"`` without a local path
+        if engine_tok is not None:
+            self.tokenizer = self.pipeline.tokenizer = engine_tok
+            log.info("tokenizer_loaded", tokenizer=engine_tok.name, origin=engine_tok.origin)
         for node in self.pool.nodes.values():
             self.events.watch(node)
         await self.pool.wait_ready(timeout=5.0)

@@ -29,6 +29,18 @@ def _gateway_args(p: argparse.ArgumentParser, *, stack: bool) -> None:
     p.add_argument("--model", default=None, help="served model name")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="bytes4 (default) | hf:/path/tokenizer.json | engine (the model's own, from the workers)"
+        " | engine:DIR",
+    )
+    p.add_argument(
+        "--tokenizer-path",
+        default=None,
+        metavar="DIR",
+        help="the model's tokenizer directory (tokenizer.json + chat template); implies --tokenizer engine",
+    )
+    p.add_argument(
         "--policy", default=None, help="routing policy: name or name:key=value,... (default prefixgate)"
     )
     p.add_argument("--admin-token", default=None)
@@ -141,6 +153,8 @@ _GATEWAY_KEYS = (
     "redis",
     "model",
     "block_size",
+    "tokenizer",
+    "tokenizer_path",
     "policy",
     "admin_token",
     "api_keys",

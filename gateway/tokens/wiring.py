@@ -1,0 +1,59 @@
+"""The gateway's tokenizer from its settings.
+
+``tokenizer`` is ``bytes4`` (the default), ``hf:/path/tokenizer.json``, ``engine`` or
+``engine:DIR``. ``engine`` means the model's own tokenizer and chat template: from
+``tokenizer_path`` (``--tokenizer-path``, TOML, ``PREFIXGATE_TOKENIZER_PATH``) when set, else from
+the workers when the gateway starts (their ``tokenizer_path`` or ``GetTokenizer``, see
+``loader``). Setting ``tokenizer_path`` alone selects ``engine`` too.
+"""
+
+from __future__ import annotations
+
+from prefixgate.cachetier.tokenizer import Tokenizer, load_tokenizer
+from prefixgate.gateway.config import Settings
+from prefixgate.gateway.tokens.engine import EngineTokenizer
+from prefixgate.gateway.tokens.loader import load_engine_tokenizer, open_tokenizer_dir
+
+
+def engine_path(settings: Settings) -> str | None:
+    """The local directory to load, "" when the workers must give it, None when not ``engine``."""
+    spec = settings.tokenizer
+    if spec.startswith("engine:"):
+        return spec[len("engine:") :]
+    if spec == "engine" or settings.tokenizer_path:
+        return settings.tokenizer_path
+    return None
+
+
+def gateway_tokenizer(settings: Settings) -> Tokenizer:
+    """The tokenizer to start with: the engine's when it is local, else the ``tokenizer`` spec
+    (for ``engine`` from the workers, ``bytes4`` until ``worker_tokenizer`` replaces it)."""
+    path = engine_path(settings)
+    if path:
+        return open_tokenizer_dir(path, segment_cache_bytes=settings.tokenizer_segment_cache_bytes)
+    if path is None:
+        return load_tokenizer(settings.tokenizer)
+    return load_tokenizer("bytes4")
+
+
+def worker_addresses(settings: Settings) -> list[str]:
+    """Workers that may speak the SMG protocol (not the HTTP ones), in the order configured."""
+    out: list[str] = []
+    extra = getattr(settings, "worker_urls", None) or []  # smg-style worker flags, where present
+    for a in [*settings.prefill, *settings.decode, *settings.monolithic, *extra]:
+        if a and not a.startswith(("http://", "https://")) and a not in out:
+            out.append(a)
+    return out
+
+
+async def worker_tokenizer(settings: Settings) -> EngineTokenizer | None:
+    """The engine tokenizer from the workers, when ``engine`` is asked for without a path."""
+    if engine_path(settings) != "":
+        return None
+    return await load_engine_tokenizer(
+        workers=worker_addresses(settings),
+        cache_dir=settings.tokenizer_cache_dir or None,
+        timeout_s=settings.tokenizer_timeout_s,
+        segment_cache_bytes=settings.tokenizer_segment_cache_bytes,
+        local_paths=settings.tokenizer_worker_paths,
+    )
