@@ -1,0 +1,1 @@
+"""The gateway's own tokens: prompts to ids and ids back to text."""
