@@ -1,10 +1,14 @@
 """The gateway's seam to its nodes: transport-neutral types (``base``), one adapter per node
 protocol (``prefixgate_grpc``) and a scripted fake for tests (``fake``).
 
-``connect`` picks the adapter from a node's address.
+``connect`` picks the adapter from a node's address: bare ``HOST:PORT`` is our own protocol,
+``grpc://`` the SMG engine protocol (``smg_common``, ``smg_sglang``, ``smg_vllm``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 from prefixgate.gateway.nodeclient.base import (
     Capabilities,
@@ -24,25 +28,45 @@ from prefixgate.gateway.nodeclient.base import (
 )
 from prefixgate.gateway.nodeclient.prefixgate_grpc import GrpcNodeClient
 
-SCHEMES = ("grpc",)
+BARE = "prefixgate"  # a bare HOST:PORT: prefixgate's own node protocol
+
+
+def _prefixgate(address: str, target: str, options: dict[str, Any]) -> NodeClient:
+    return GrpcNodeClient(target)
+
+
+def _smg(address: str, target: str, options: dict[str, Any]) -> NodeClient:
+    from prefixgate.gateway.nodeclient.smg_common import SmgNodeClient, SmgOptions
+
+    smg = options.get("smg")
+    return SmgNodeClient(address, target, smg if isinstance(smg, SmgOptions) else None)
+
+
+# One line a protocol: scheme -> adapter factory ``(address, HOST:PORT, options) -> NodeClient``.
+ADAPTERS: dict[str, Callable[[str, str, dict[str, Any]], NodeClient]] = {
+    BARE: _prefixgate,
+    "grpc": _smg,  # the SMG engine protocol: SGLang or vLLM, detected per worker
+}
+SCHEMES = tuple(ADAPTERS)
 
 
 def split_address(address: str) -> tuple[str, str]:
-    """(scheme, HOST:PORT); a bare HOST:PORT is today's protocol, ``grpc``."""
+    """(scheme, HOST:PORT); a bare HOST:PORT is our own protocol, ``prefixgate``."""
     scheme, sep, rest = address.partition("://")
     if not sep:
-        return "grpc", address
-    if scheme not in SCHEMES:
-        raise ValueError(f"unknown node protocol {scheme!r} in {address!r}; known: {', '.join(SCHEMES)}")
+        return BARE, address
+    if scheme not in ADAPTERS:
+        raise ValueError(f"unknown node protocol {scheme!r} in {address!r}; known: {', '.join(ADAPTERS)}")
     if not rest:
         raise ValueError(f"no HOST:PORT in node address {address!r}")
     return scheme, rest
 
 
-def connect(address: str) -> NodeClient:
-    """A client for the node at ``address`` (``HOST:PORT`` or ``grpc://HOST:PORT``)."""
-    _scheme, target = split_address(address)
-    return GrpcNodeClient(target)
+def connect(address: str, **options: Any) -> NodeClient:
+    """A client for the node at ``address``: ``HOST:PORT`` (prefixgate.v1) or ``grpc://HOST:PORT``
+    (SGLang/vLLM over the SMG protocol; ``smg=SmgOptions(...)`` configures it)."""
+    scheme, target = split_address(address)
+    return ADAPTERS[scheme](address, target, options)
 
 
 __all__ = [

@@ -100,6 +100,7 @@ class Capabilities:
     pin: bool = False
     evict: bool = False
     warm: bool = False  # prefill without generating
+    flush: bool = False  # drop the node's whole cache (the most an engine without evict offers)
 
 
 @dataclass(frozen=True, slots=True)
