@@ -21,7 +21,7 @@ import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import grpc
 import structlog
@@ -287,7 +287,7 @@ class SmgNodeClient:
                 )
             from tokenizers import Tokenizer
 
-            loaded: Any = Tokenizer.from_file(str(file))
+            loaded = cast(Codec, Tokenizer.from_file(str(file)))
             self._codec = loaded
             return loaded
         return self._codec
