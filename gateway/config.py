@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from prefixgate.gateway import workers
 from prefixgate.gateway.routing import parse_policy
 
 ENV_PREFIX = "PREFIXGATE_"
@@ -26,6 +27,11 @@ class Settings:
     prefill: list[str] = field(default_factory=list)
     decode: list[str] = field(default_factory=list)
     monolithic: list[str] = field(default_factory=list)
+    # smg-style workers (gateway/workers.py): ``worker_urls`` joins the monolithic pool; a prefill
+    # entry may be "URL BOOTSTRAP_PORT"; ``backend`` fixes the grpc:// runtime (else detected).
+    worker_urls: list[str] = field(default_factory=list)
+    bootstrap_ports: list[str] = field(default_factory=list)  # "URL=PORT"
+    backend: str = ""
     redis: str = ""  # empty: embedded in-memory index
     redis_prefix: str = "prefixgate:"
     model: str = "prefixgate-sim"
@@ -151,7 +157,7 @@ def load_settings(
         if name not in hints:
             raise ValueError(f"unknown setting {name!r}")
         values[name] = _coerce(name, hints[name], raw)
-    settings = dataclasses.replace(Settings(), **values)
+    settings = workers.normalize(dataclasses.replace(Settings(), **values))
     try:
         parse_policy(settings.policy, {"load_factor": settings.load_factor})
     except ValueError as e:

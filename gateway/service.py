@@ -13,6 +13,7 @@ from prefixgate.cachetier.index import BlockIndex
 from prefixgate.cachetier.memory import MemoryIndex
 from prefixgate.cachetier.resilient import ResyncHook
 from prefixgate.cachetier.tokenizer import load_tokenizer
+from prefixgate.gateway import workers
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.documents import DocumentLimits, DocumentStore
 from prefixgate.gateway.events import EventSync
@@ -43,7 +44,9 @@ class GatewayService:
         self.metrics = Metrics()
         self.index = index if index is not None else open_index(settings, self._index_recovered)
         self.tokenizer = load_tokenizer(settings.tokenizer)
-        self.pool = NodePool(settings.stats_interval_s)
+        self.pool = NodePool(
+            settings.stats_interval_s, connect=workers.connector(settings, self.tokenizer.name)
+        )
         self.documents = DocumentStore(
             DocumentLimits(s.document_quota_count, s.document_quota_bytes, s.document_store_bytes)
         )

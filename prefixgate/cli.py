@@ -14,6 +14,7 @@ from typing import Any
 
 from prefixgate.backends.cli import add_node_arguments, run_node
 from prefixgate.bench.cli import add_bench_parser
+from prefixgate.gateway import workers
 from prefixgate.gateway.admin_cli import add_admin_parser
 from prefixgate.gateway.config import Settings, load_settings
 
@@ -102,10 +103,29 @@ def _gateway_args(p: argparse.ArgumentParser, *, stack: bool) -> None:
     p.add_argument("--metrics-token", default=None, help="bearer token required by /metrics (default: none)")
     if not stack:
         p.add_argument(
-            "--prefill", action="append", default=None, metavar="ADDR", help="prefill node host:port"
+            "--prefill",
+            action="append",
+            nargs="+",
+            default=None,
+            metavar="URL",
+            help="prefill worker: grpc://HOST:PORT [BOOTSTRAP_PORT] (SGLang/vLLM) or HOST:PORT (ours)",
         )
         p.add_argument(
-            "--decode", action="append", default=None, metavar="ADDR", help="decode node host:port"
+            "--decode", action="append", default=None, metavar="URL", help="decode worker (grpc://HOST:PORT)"
+        )
+        p.add_argument(
+            "--worker-urls",
+            action="append",
+            nargs="+",
+            default=None,
+            metavar="URL",
+            help="workers of a monolithic pool (grpc://HOST:PORT ...)",
+        )
+        p.add_argument(
+            "--backend",
+            choices=["sglang", "vllm"],
+            default=None,
+            help="runtime of the grpc:// workers (default: detected per worker)",
         )
         p.add_argument(
             "--monolithic", action="append", default=None, metavar="ADDR", help="monolithic node host:port"
@@ -146,6 +166,8 @@ _GATEWAY_KEYS = (
     "prefill",
     "decode",
     "monolithic",
+    "worker_urls",
+    "backend",
 )
 
 
@@ -162,6 +184,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from prefixgate.gateway.logging import configure_logging
     from prefixgate.gateway.server import run
 
+    args.prefill = workers.flag_entries(args.prefill)
+    args.worker_urls = workers.flat_urls(args.worker_urls)
     settings = _settings(args, _GATEWAY_KEYS)
     if settings is None:
         return 2
@@ -176,7 +200,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     from prefixgate.gateway.logging import configure_logging
     from prefixgate.gateway.stack import StackOptions, run_stack
 
-    stack_keys = [k for k in _GATEWAY_KEYS if k not in ("prefill", "decode", "monolithic")]
+    stack_keys = [
+        k for k in _GATEWAY_KEYS if k not in ("prefill", "decode", "monolithic", "worker_urls", "backend")
+    ]
     settings = _settings(args, stack_keys)
     if settings is None:
         return 2
