@@ -98,7 +98,9 @@ def failure(node_id: str, stage: Stage, err: BaseException) -> NodeFailure:
 class Codec(Protocol):
     """The engine's tokenizer as the gateway uses it here (``tokenizers.Tokenizer`` is one)."""
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> Any: ...
+    def encode(
+        self, sequence: Any, pair: Any | None = ..., is_pretokenized: bool = ..., add_special_tokens: bool = ...
+    ) -> Any: ...
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
@@ -473,6 +475,7 @@ class GenerateStream:
         self.rid = ""
         self.defer_abort = False  # a PD decode leg: abort only once it produced something
         self.call: Any = None
+        self.inflight_read: asyncio.Future[Any] | None = None  # a read a cancelled caller left running
         self._detok: Detokenizer | None = None
         self._completion = 0
         self._chunks = 0
@@ -599,9 +602,12 @@ class GenerateStream:
     async def _deferred_abort(self, call: Any) -> None:
         """A decode leg whose KV may still be arriving: wait for its first item (the handoff is
         done), at most ``DEFERRED_ABORT_MAX_WAIT_S``, then abort it."""
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception, asyncio.CancelledError):
             async with asyncio.timeout(DEFERRED_ABORT_MAX_WAIT_S):
-                await call.read()
+                if self.inflight_read is not None:
+                    await asyncio.shield(self.inflight_read)
+                else:
+                    await call.read()
         await self.client.abort(self.rid)
         if not call.done():
             call.cancel()

@@ -226,7 +226,10 @@ class BootstrapStream(GenerateStream):
                 )
             report = await self._prefill_task
         except BaseException:
-            first.cancel()
+            if self.defer_abort and not first.done():
+                self.inflight_read = first  # the deferred abort waits for it (cancelling it aborts)
+            else:
+                first.cancel()
             await self.aclose()
             raise
         self.prefill = PrefillReport(report.cached_tokens, 0.0, 0.0, 0.0, 0)
@@ -240,9 +243,9 @@ class BootstrapStream(GenerateStream):
             async for msg in self.prefill_call:
                 last = SGLANG.parse(msg, 0)
         except (grpc.aio.AioRpcError, TimeoutError) as e:
+            self._prefill_done = True  # the engine ended it: nothing to abort
             raise failure(self.p.address, Stage.PREFILL, e) from e
-        finally:
-            self._prefill_done = True
+        self._prefill_done = True
         if last is None or not last.complete:
             raise NodeFailure(
                 self.p.address, Stage.PREFILL, FailureKind.INTERNAL, "prefill leg ended without complete"
