@@ -99,7 +99,11 @@ class Codec(Protocol):
     """The engine's tokenizer as the gateway uses it here (``tokenizers.Tokenizer`` is one)."""
 
     def encode(
-        self, sequence: Any, pair: Any | None = ..., is_pretokenized: bool = ..., add_special_tokens: bool = ...
+        self,
+        sequence: Any,
+        pair: Any | None = ...,
+        is_pretokenized: bool = ...,
+        add_special_tokens: bool = ...,
     ) -> Any: ...
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
