@@ -131,7 +131,9 @@ class ChainRehasher:
             if which == "stored":
                 out += self.stored(ev.stored)  # type: ignore[attr-defined]
             elif which == "removed":
-                out += self.removed(ev.removed.block_hashes)  # type: ignore[attr-defined]
+                r = ev.removed  # type: ignore[attr-defined]
+                if (r.tier if r.HasField("tier") else 0) in _DEVICE_TIERS:  # a host copy going is not
+                    out += self.removed(r.block_hashes)
             elif which == "cleared":
                 out.append(self.clear())
         return out
