@@ -215,6 +215,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         time_scale=args.time_scale,
         capacity_blocks=args.capacity_blocks,
         block_size=settings.block_size,
+        protocol=args.protocol,
     )
     try:
         import uvloop
@@ -235,6 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--engine", default="sim", help="node engine (default sim)")
     up.add_argument("--time-scale", type=float, default=1.0, help="simulated time multiplier (default 1)")
     up.add_argument("--capacity-blocks", type=int, default=0, help="KV blocks per node (default: node's)")
+    up.add_argument(
+        "--protocol",
+        choices=["prefixgate", "smg"],
+        default="prefixgate",
+        help="how the gateway talks to the nodes: ours (default) or the SMG engine protocol (grpc://)",
+    )
     up.set_defaults(func=cmd_up)
 
     gw = sub.add_parser("gateway", help="run the gateway alone")
