@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import httpx
 from openai import OpenAI
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.helpers import free_port, spawn
 
@@ -19,7 +20,7 @@ def test_up_over_the_smg_protocol() -> None:
         m = proc.wait_for(r"prefixgate ready in [0-9.]+s: (http://\S+/v1)", timeout=60)
         base = m.group(1)
         client = OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=30)
-        messages = [{"role": "user", "content": LONG}]
+        messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": LONG}]
         for _ in range(2):
             raw = client.chat.completions.with_raw_response.create(
                 model="prefixgate-sim",
