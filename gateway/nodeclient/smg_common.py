@@ -514,6 +514,9 @@ class GenerateStream:
         except (grpc.aio.AioRpcError, TimeoutError) as e:
             self._closed = True
             raise failure(self.node_id, self.stage, e) from e
+        except NodeFailure as e:  # detection failed: at this stage, for the retry's bookkeeping
+            self._closed = True
+            raise NodeFailure(self.node_id, self.stage, e.kind, e.detail) from e
         assert self.client.runtime is not None
         self.call = self.client.stub.Generate(request, timeout=self.timeout)
 

@@ -109,6 +109,14 @@ async def test_generate_gives_the_nodes_greedy_text(nodes: StartNode, client: Cl
     assert (text, finish, completion) == (expected, "length", 12)
 
 
+async def test_an_engine_answering_one_complete_is_read_too(nodes: StartNode, client: Client) -> None:
+    ns = await nodes("monolithic")
+    expected = HF.decode(await direct_ids(ns, LONG, 12))
+    s = client(ns).generate(prompt(LONG), timeout=30)
+    s.engine_stream = False  # stream=false: one complete holding every output id
+    assert await collect(s) == (expected, "length", 12)
+
+
 async def test_stop_string_is_trimmed_and_single_token_stops_go_to_the_engine(
     nodes: StartNode, client: Client
 ) -> None:
