@@ -8,8 +8,8 @@ engine protocol, ``grpc://``: token ids in and out, detokenized by the gateway) 
 peer router (HTTP to the node), smg also over ``grpc://`` (``smg-grpc``). For each cell (concurrent
 clients x prompt size x streaming or not) a closed loop of ``clients`` httpx clients sends unique
 chat prompts (8 output tokens) for ``--seconds`` after a short warm-up, and reports latency
-p50/p99 (whole response), TTFT p50/p99 (first SSE event with a choice), req/s, errors, and the router's CPU time per request (utime + stime of
-its process group, /proc) — the figure that transfers best to other machines. "Added" is the
+p50/p99 (whole response), TTFT p50/p99 (first SSE event with a choice), req/s, errors, and the
+router's CPU time per request (utime + stime of its process group, /proc) — the figure that transfers best to other machines. "Added" is the
 target's figure minus ``direct``'s in the same cell.
 
 Targets checked (prefixgate), against smg (the reference Rust gateway) in the same run: added
