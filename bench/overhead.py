@@ -3,14 +3,15 @@
 One simulated node with a zero-cost engine (``--profile instant``) serves every target, so
 what remains is software: HTTP, parsing, rendering, hashing, routing, the extra hop. Targets:
 ``direct`` (the node's own OpenAI-compatible endpoint), ``prefixgate`` (the gateway with the
-node as its monolithic node, gRPC ``Generate``), ``prefixgate-grpc`` (the same over the node's SMG
-engine protocol, ``grpc://``: token ids in and out, detokenized by the gateway) and every installed
-peer router (HTTP to the node), smg also over ``grpc://`` (``smg-grpc``). For each cell (concurrent
-clients x prompt size x streaming or not) a closed loop of ``clients`` httpx clients sends unique
-chat prompts (8 output tokens) for ``--seconds`` after a short warm-up, and reports latency
-p50/p99 (whole response), TTFT p50/p99 (first SSE event with a choice), req/s, errors, and the
-router's CPU time per request (utime + stime of its process group, /proc) — the figure that transfers best to other machines. "Added" is the
-target's figure minus ``direct``'s in the same cell.
+node as its monolithic node, gRPC ``Generate``), ``prefixgate-grpc`` (the same over the node's
+SMG engine protocol, ``grpc://``: token ids in and out, detokenized by the gateway) and every
+installed peer router (HTTP to the node), smg also over ``grpc://`` (``smg-grpc``). For each
+cell (concurrent clients x prompt size x streaming or not) a closed loop of ``clients`` httpx
+clients sends unique chat prompts (8 output tokens) for ``--seconds`` after a short warm-up,
+and reports latency p50/p99 (whole response), TTFT p50/p99 (first SSE event with a choice),
+req/s, errors, and the router's CPU time per request (utime + stime of its process group,
+/proc) — the figure that transfers best to other machines. "Added" is the target's figure
+minus ``direct``'s in the same cell.
 
 Targets checked (prefixgate), against smg (the reference Rust gateway) in the same run: added
 p50 at 1 client (2 KB, JSON) <= smg's; streaming TTFT added at 1 client (2 KB) <= smg's; req/s at
