@@ -215,6 +215,7 @@ class SmgNodeClient:
         self._codec: Codec | None = self.options.codec
         self._detect_lock = asyncio.Lock()
         self._background: set[asyncio.Task[None]] = set()
+        self._no_loads = False  # GetLoads answered UNIMPLEMENTED
 
     # -- identity and capabilities -----------------------------------------------------------
 
@@ -302,7 +303,7 @@ class SmgNodeClient:
         try:
             async with asyncio.timeout(timeout):
                 runtime = await self.detect(timeout)
-                loads = await runtime.loads(self.stub, timeout)
+                loads = await self._loads(runtime, timeout)
         except NodeFailure:
             raise
         except (grpc.aio.AioRpcError, TimeoutError) as e:
@@ -310,6 +311,22 @@ class SmgNodeClient:
         info = self.info
         assert info is not None
         return _status(info, loads)
+
+    async def _loads(self, runtime: Runtime, timeout: float) -> Any:
+        """GetLoads; an engine without it is probed with HealthCheck and reports no load."""
+        if not self._no_loads:
+            try:
+                return await runtime.loads(self.stub, timeout)
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                self._no_loads = True
+                log.warning("smg_get_loads_unimplemented", address=self._address)
+        resp = await self.stub.HealthCheck(runtime.health_request(), timeout=timeout)
+        if not resp.healthy:
+            detail = f"unhealthy: {resp.message}"
+            raise NodeFailure(self._address, Stage.PROBE, FailureKind.UNAVAILABLE, detail)
+        return None
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -356,7 +373,7 @@ class SmgNodeClient:
 
         while rounds < RESUBSCRIBE_LIMIT:
             rounds += 1
-            cursor = -1
+            cursors: dict[int, int] = {}  # per DP rank: each rank numbers its own batches
             call = self.stub.SubscribeKvEvents(
                 common_pb2.SubscribeKvEventsRequest(
                     start_sequence_number=0, load_records_before_first_batch=False
@@ -368,12 +385,14 @@ class SmgNodeClient:
                     if not batch.events and not batch.HasField("snapshot"):
                         continue  # a load record: no events, the cursor stays
                     n = batch.sequence_number
+                    rank = batch.dp_rank if batch.HasField("dp_rank") else 0
+                    cursor = cursors.get(rank, -1)
                     if n <= cursor:
                         continue  # seen
                     if n != cursor + 1:
-                        reason = f"gap: {cursor} then {n}"
+                        reason = f"gap on rank {rank}: {cursor} then {n}"
                         break
-                    cursor, rounds = n, 0
+                    cursors[rank], rounds = n, 0
                     try:
                         changes = rehash.batch(batch.events)
                     except Overflow:

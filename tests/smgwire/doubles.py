@@ -32,16 +32,20 @@ def stored(block_hash: int, ids: list[int], parent: int | None = None) -> common
     return common_pb2.KvCacheEvent(stored=s)
 
 
-def batch(seq: int, *events: common_pb2.KvCacheEvent) -> common_pb2.KvEventBatch:
-    return common_pb2.KvEventBatch(sequence_number=seq, events=list(events))
+def batch(seq: int, *events: common_pb2.KvCacheEvent, rank: int | None = None) -> common_pb2.KvEventBatch:
+    b = common_pb2.KvEventBatch(sequence_number=seq, events=list(events))
+    if rank is not None:
+        b.dp_rank = rank
+    return b
 
 
 class ScriptedSglang(spb_grpc.SglangSchedulerServicer):  # type: ignore[misc]
     """Metadata of a 16-token-page SGLang engine, and KV events from ``script``."""
 
-    def __init__(self, script: Script | None) -> None:
+    def __init__(self, script: Script | None, loads: bool = True) -> None:
         self.script = script
         self.subscriptions = 0
+        self.loads = loads
 
     async def HealthCheck(self, request: Any, context: Any) -> Any:
         return spb.HealthCheckResponse(healthy=True)
@@ -55,6 +59,8 @@ class ScriptedSglang(spb_grpc.SglangSchedulerServicer):  # type: ignore[misc]
         return spb.GetServerInfoResponse(server_args=args)
 
     async def GetLoads(self, request: Any, context: Any) -> Any:
+        if not self.loads:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no loads here")
         return spb.GetLoadsResponse(loads=[spb.SchedulerLoad(max_total_num_tokens=1600)])
 
     async def SubscribeKvEvents(self, request: Any, context: Any) -> AsyncIterator[Any]:

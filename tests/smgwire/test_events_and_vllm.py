@@ -38,9 +38,9 @@ async def engine() -> AsyncIterator[Any]:
     clients: list[SmgNodeClient] = []
 
     async def start(
-        script: doubles.Script | None, block_size: int = BS
+        script: doubles.Script | None, block_size: int = BS, loads: bool = True
     ) -> tuple[doubles.ScriptedSglang, SmgNodeClient]:
-        servicer = doubles.ScriptedSglang(script)
+        servicer = doubles.ScriptedSglang(script, loads)
         server, addr = await doubles.serve(doubles.add_sglang(servicer))
         servers.append(server)
         c = SmgNodeClient(
@@ -124,6 +124,26 @@ async def test_lost_events_clear_the_node_and_resubscribe(engine: Any, how: Any)
         ("stored", h[0], (h[1],)),
     ]
     assert servicer.subscriptions == 2
+
+
+async def test_data_parallel_ranks_number_their_batches_apart(engine: Any) -> None:
+    script = lambda n: [  # noqa: E731
+        doubles.batch(0, doubles.stored(1, PAGES[0]), rank=0),
+        doubles.batch(0, doubles.stored(2, PAGES[0]), rank=1),
+        doubles.batch(1, doubles.stored(3, PAGES[1], parent=1), rank=0),
+    ]
+    servicer, c = await engine(script)
+    events = await take(c, 4)
+    h = gw(PAGES[:2])
+    assert shape(events)[1:] == [("stored", 0, (h[0],)), ("stored", 0, (h[0],)), ("stored", h[0], (h[1],))]
+    assert servicer.subscriptions == 1  # no gap seen
+
+
+async def test_an_engine_without_get_loads_is_probed_with_health_check(engine: Any) -> None:
+    _, c = await engine(None, loads=False)
+    for _ in range(2):
+        st = await c.status(timeout=5)
+        assert st.engine == "sglang" and st.running_requests == 0
 
 
 async def test_unimplemented_turns_kv_events_off(engine: Any) -> None:
