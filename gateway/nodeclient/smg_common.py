@@ -190,10 +190,17 @@ def stop_token_ids(codec: Codec, stops: Sequence[str]) -> list[int]:
     still matched by the gateway's own stop decoder."""
     out: list[int] = []
     for s in stops:
+        if not s:
+            continue
         ids = list(codec.encode(s, add_special_tokens=False).ids)
         if len(ids) == 1 and ids[0] not in out:
             out.append(ids[0])
     return out
+
+
+def requested_stop_ids(prompt: Prompt) -> list[int]:
+    """Stop token ids the request itself names (a sampling field when the schema has one)."""
+    return [int(t) for t in getattr(prompt.sampling, "stop_token_ids", None) or ()]
 
 
 def new_request_id(prompt: Prompt) -> str:
@@ -521,11 +528,14 @@ class GenerateStream:
         codec = self.client.codec()
         self.rid = self.rid or new_request_id(self.prompt)
         self._detok = self.detokenizer(codec)
-        stops = stop_token_ids(codec, self.prompt.sampling.stop)
+        stops = requested_stop_ids(self.prompt)
+        stops += [t for t in stop_token_ids(codec, self.prompt.sampling.stop) if t not in stops]
         return runtime.request(self.prompt, self.rid, stops, stream=self.engine_stream)
 
     def detokenizer(self, codec: Codec) -> Detokenizer:
-        return Detokenizer(codec, stop=self.prompt.sampling.stop)
+        return Detokenizer(
+            codec, stop=self.prompt.sampling.stop, stop_token_ids=requested_stop_ids(self.prompt)
+        )
 
     async def open(self) -> None:
         try:
