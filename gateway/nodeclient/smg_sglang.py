@@ -47,6 +47,7 @@ from prefixgate.gateway.nodeclient.smg_common import (
 from prefixgate.gateway.vocab import FailureKind, Stage
 
 ROOM_LIMIT = (1 << 31) - 1  # the gRPC room is int32
+BLAME_GRACE_S = 0.3  # a failed decode leg waits this long for its prefill leg's own verdict
 ROLES = {"prefill": "prefill", "decode": "decode"}
 
 
@@ -213,17 +214,23 @@ class BootstrapStream(GenerateStream):
         self.prefill_call = self.p.stub.Generate(request, timeout=self.timeout)
         self.call = self.client.stub.Generate(request, timeout=self.timeout)
         self._prefill_task = asyncio.ensure_future(self._drain_prefill())
-        first = asyncio.ensure_future(self.read())
+        first: asyncio.Future[Any] = asyncio.ensure_future(self.call.read())
         try:
             await asyncio.wait({first, self._prefill_task}, return_when=asyncio.FIRST_COMPLETED)
             if not first.done() and self._prefill_task.exception() is not None:
                 self.defer_abort = False  # no hand-off happened: nothing is in flight to the decode node
                 self._prefill_task.result()  # raises the prefill node's failure
-            out = await first
-            if out is None:
-                raise NodeFailure(
-                    self.client.address, Stage.DECODE, FailureKind.INTERNAL, "stream ended before any token"
-                )
+            try:
+                msg = await first
+            except (grpc.aio.AioRpcError, TimeoutError) as e:
+                await self._blame_prefill_first()
+                raise failure(self.client.address, Stage.DECODE, e) from e
+            if msg is grpc.aio.EOF:
+                await self._blame_prefill_first()
+                detail = "stream ended before any token"
+                raise NodeFailure(self.client.address, Stage.DECODE, FailureKind.INTERNAL, detail)
+            self._items += 1
+            out = SGLANG.parse(msg, 0)
             report = await self._prefill_task
         except BaseException:
             if self.defer_abort and not first.done():
@@ -235,6 +242,17 @@ class BootstrapStream(GenerateStream):
         self.prefill = PrefillReport(report.cached_tokens, 0.0, 0.0, 0.0, 0)
         self.cached_tokens = report.cached_tokens  # the prefill leg's count (decode's is ignored)
         return out
+
+    async def _blame_prefill_first(self) -> None:
+        """The decode leg failed before its first item; a decode leg often fails because its
+        prefill leg did (no hand-off comes): when the prefill leg fails too, within a short
+        grace, that failure is the one raised."""
+        task = self._prefill_task
+        assert task is not None
+        await asyncio.wait({task}, timeout=BLAME_GRACE_S)
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            self.defer_abort = False
+            task.result()
 
     async def _drain_prefill(self) -> Output:
         """The prefill leg to its end: its ``complete`` (finish "length" after the hand-off)."""
