@@ -94,3 +94,26 @@ async def test_the_scheme_picks_the_adapter() -> None:
     finally:
         await ours.close()
         await smg.close()
+
+
+def test_engine_status_codes_become_failure_kinds() -> None:
+    import grpc
+
+    from prefixgate.gateway.nodeclient.smg_common import failure
+    from prefixgate.gateway.vocab import FailureKind, Stage
+
+    def err(code: grpc.StatusCode, *trailer: tuple[str, str]) -> grpc.aio.AioRpcError:
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailer), "x")
+
+    kinds = {
+        grpc.StatusCode.INVALID_ARGUMENT: FailureKind.INVALID,  # 400, not retried
+        grpc.StatusCode.RESOURCE_EXHAUSTED: FailureKind.OVERLOADED,  # 429 when every node says so
+        grpc.StatusCode.UNAVAILABLE: FailureKind.UNAVAILABLE,  # another worker is tried
+        grpc.StatusCode.DEADLINE_EXCEEDED: FailureKind.TIMEOUT,
+        grpc.StatusCode.FAILED_PRECONDITION: FailureKind.INTERNAL,  # the node's state: retried elsewhere
+        grpc.StatusCode.INTERNAL: FailureKind.INTERNAL,
+    }
+    for code, kind in kinds.items():
+        assert failure("w", Stage.GENERATE, err(code)).kind == kind, code
+    grammar = err(grpc.StatusCode.FAILED_PRECONDITION, ("smg-constraint-failed", "engine"))
+    assert failure("w", Stage.GENERATE, grammar).kind == FailureKind.INVALID  # the request's fault
