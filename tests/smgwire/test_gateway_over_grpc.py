@@ -69,6 +69,14 @@ async def test_a_prefill_node_that_cannot_hand_off_is_retried_around(nodes: Star
                 assert r.headers["x-prefixgate-prefill-node"] == f"grpc://{good.address}"
                 assert r.json()["choices"][0]["text"]
             rows = {n["address"]: n for n in (await http.get("/admin/nodes")).json()["data"]}
+            # eviction on engines that can only flush their whole cache says what it did
+            some = (await http.post("/admin/cache/evict", json={"prompt": PROMPT, "model": MODEL})).json()
+            assert {n["action"] for n in some["nodes"].values()} == {"index only"}
+            every = (await http.post("/admin/cache/evict", json={"all": True})).json()
+            assert {n["action"] for n in every["nodes"].values()} == {"whole-node flush"}
+            good_node = every["nodes"][f"grpc://{good.address}"]
+            assert good_node["error"] is None and good_node["index_removed"] >= 0
+            assert good.node.pool.snapshot() == []  # the node's cache really went
     failed = rows[f"grpc://{broken.address}"]
     assert failed["engine"] == "sglang" and "prefill" in (failed["last_error"] or "")  # tried, blamed
 
