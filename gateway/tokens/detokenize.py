@@ -50,7 +50,7 @@ class IncrementalDecoder:
             return ""
         before = self._decode(self._ids[self._prefix : self._read])
         full = self._decode(self._ids[self._prefix :])
-        if full.endswith(REPLACEMENT) or not full.startswith(before):
+        if len(full) <= len(before) or full.endswith(REPLACEMENT):  # as HF ``DecodeStream`` does
             return ""
         self._prefix, self._read = self._read, len(self._ids)
         return full[len(before) :]
@@ -63,7 +63,7 @@ class IncrementalDecoder:
         before = self._decode(self._ids[self._prefix : self._read])
         full = self._decode(self._ids[self._prefix :])
         self._prefix = self._read = len(self._ids)
-        return full[len(before) :] if full.startswith(before) else full
+        return full[len(before) :]
 
 
 class StopMatcher:
