@@ -224,3 +224,16 @@ async def test_vllm_prefill_failure_is_the_prefill_nodes(vllm: Any, nodes: Start
         await s.__anext__()
     assert e.value.node_id == p.address and e.value.stage == Stage.PREFILL
     await s.aclose()
+
+
+async def test_vllm_decode_is_still_sent_when_the_prefill_returns_no_params(vllm: Any) -> None:
+    pre, p, _ = await vllm("kv_both")  # answers without kv_transfer_params_json
+    dec, d, dns = await vllm("kv_consumer")
+    await p.status(timeout=5)
+    await d.status(timeout=5)
+    assert p.handoff is not None
+    s = p.handoff.start(prompt(LONG), p, d, timeout=30)
+    assert isinstance(s, RelayStream)
+    text, finish, _ = await collect(s)
+    assert (text, finish) == (HF.decode(await direct_ids(dns, LONG, 12)), "length")
+    assert not s.relayed and dec.params_seen == [] and len(pre.requests) == 1
