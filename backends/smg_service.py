@@ -594,12 +594,18 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
                     return
                 nxt = None
                 if rec.kind == EventKind.SNAPSHOT:
-                    if first:
-                        first = False
-                        continue
-                    await context.abort(grpc.StatusCode.DATA_LOSS, "KV events lost: clear and resubscribe")
-                first = False
-                kv = event_batch_events(rec, self._tokens_of, self.node.block_size)
+                    if not first:
+                        await context.abort(
+                            grpc.StatusCode.DATA_LOSS, "KV events lost: clear and resubscribe"
+                        )
+                    # follow(0) starts with the pool as it is when the follower first runs: blocks
+                    # stored since ``held`` was taken are in it (again sending a held one is harmless)
+                    first = False
+                    pairs = list(zip(rec.block_hashes, rec.parent_hashes, strict=False))
+                    kv = held_blocks_events(pairs, self._tokens_of, self.node.block_size)
+                else:
+                    first = False
+                    kv = event_batch_events(rec, self._tokens_of, self.node.block_size)
                 if not kv:
                     continue
                 seq += 1
@@ -609,4 +615,5 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
         finally:
             if nxt is not None:
                 nxt.cancel()
+                await asyncio.gather(nxt, return_exceptions=True)  # before closing what it runs
             await follow.aclose()

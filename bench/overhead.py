@@ -3,13 +3,15 @@
 One simulated node with a zero-cost engine (``--profile instant``) serves every target, so
 what remains is software: HTTP, parsing, rendering, hashing, routing, the extra hop. Targets:
 ``direct`` (the node's own OpenAI-compatible endpoint), ``prefixgate`` (the gateway with the
-node as its monolithic node, gRPC ``Generate``) and every installed peer router (HTTP to the
-node). For each cell (concurrent clients x prompt size x streaming or not) a closed loop of
-``clients`` httpx clients sends unique chat prompts (8 output tokens) for ``--seconds``
-after a short warm-up, and reports latency p50/p99 (whole response), TTFT p50/p99 (first SSE
-event with a choice), req/s, errors, and the router's CPU time per request (utime + stime of
-its process group, /proc) — the figure that transfers best to other machines. "Added" is the
-target's figure minus ``direct``'s in the same cell.
+node as its monolithic node, gRPC ``Generate``), ``prefixgate-grpc`` (the same over the node's
+SMG engine protocol, ``grpc://``: token ids in and out, detokenized by the gateway) and every
+installed peer router (HTTP to the node), smg also over ``grpc://`` (``smg-grpc``). For each
+cell (concurrent clients x prompt size x streaming or not) a closed loop of ``clients`` httpx
+clients sends unique chat prompts (8 output tokens) for ``--seconds`` after a short warm-up,
+and reports latency p50/p99 (whole response), TTFT p50/p99 (first SSE event with a choice),
+req/s, errors, and the router's CPU time per request (utime + stime of its process group,
+/proc) — the figure that transfers best to other machines. "Added" is the target's figure
+minus ``direct``'s in the same cell.
 
 Targets checked (prefixgate), against smg (the reference Rust gateway) in the same run: added
 p50 at 1 client (2 KB, JSON) <= smg's; streaming TTFT added at 1 client (2 KB) <= smg's; req/s at
@@ -33,11 +35,14 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
+from prefixgate.backends.hftok import TOKENIZER_DIR
 from prefixgate.bench import launch
 from prefixgate.bench.report import percentile, write_json
 from prefixgate.bench.textgen import segment_text
 
 CLIENTS = (1, 32, 256)
+# prefixgate over grpc:// sends the node's token ids: it tokenizes with the tokenizer the node ships
+SHIPPED_TOKENIZER = {"PREFIXGATE_TOKENIZER": f"hf:{TOKENIZER_DIR / 'tokenizer.json'}"}
 SIZES = (2_048, 262_144)
 QUICK_CLIENTS = (1, 32)
 QUICK_SIZES = (2_048,)
@@ -211,27 +216,29 @@ def _find(rows: Sequence[dict[str, Any]], target: str, clients: int, size: int, 
     return None
 
 
-def verdicts(rows: Sequence[dict[str, Any]], reference: str = "smg") -> dict[str, Any]:
-    """prefixgate's targets against ``reference`` in the same run; None where a cell was not run."""
+def verdicts(
+    rows: Sequence[dict[str, Any]], reference: str = "smg", ours: str = "prefixgate"
+) -> dict[str, Any]:
+    """``ours``'s targets against ``reference`` in the same run; None where a cell was not run."""
     small = min((r["prompt_bytes"] for r in rows), default=2048)
 
     def cell(target: str, clients: int, stream: bool, key: str) -> Any:
         r = _find(rows, target, clients, small, stream)
         return r.get(key) if r else None
 
-    cpu = [r["cpu_ms_per_req"] for r in rows if r["target"] == "prefixgate" and r["prompt_bytes"] == small]
+    cpu = [r["cpu_ms_per_req"] for r in rows if r["target"] == ours and r["prompt_bytes"] == small]
     out: dict[str, Any] = {"reference": reference}
     for name, clients, stream, key, better in (
         ("added_p50_ms_1_client", 1, False, "added_p50_ms", "le"),
         ("stream_added_ttft_p50_ms_1_client", 1, True, "added_ttft_p50_ms", "le"),
         ("req_s_32_clients", 32, False, "req_per_s", "ge"),
     ):
-        ours, theirs = cell("prefixgate", clients, stream, key), cell(reference, clients, stream, key)
-        out[name] = ours
+        mine, theirs = cell(ours, clients, stream, key), cell(reference, clients, stream, key)
+        out[name] = mine
         out[f"{reference}_{name}"] = theirs
         met = None
-        if ours is not None and theirs is not None:
-            met = ours <= theirs if better == "le" else ours >= theirs
+        if mine is not None and theirs is not None:
+            met = mine <= theirs if better == "le" else mine >= theirs
         out[f"{name}_{better}_{reference}"] = met
     out["cpu_ms_per_req_small_prompts"] = round(max(cpu), 4) if cpu else None
     out[f"cpu_le_{TARGET_CPU_MS}_ms"] = max(cpu) <= TARGET_CPU_MS if cpu else None
@@ -343,6 +350,9 @@ def run(args: argparse.Namespace) -> int:
         "smg": "smg",
         "sglang": "sglang-router",
         "vllm": "vllm-router",
+        # both gateways in front of the node's SMG engine protocol (token ids over gRPC)
+        "prefixgate-grpc": "prefixgate (grpc://)",
+        "smg-grpc": "smg (grpc://)",
     }
     labels["litellm"] = "LiteLLM"
     console.print(
@@ -354,11 +364,20 @@ def run(args: argparse.Namespace) -> int:
     nodes = launch.start_nodes(1, node_opts, logs)
     node = nodes[0]
     try:
-        for target in ["direct", "prefixgate", *peers]:
+        targets = ["direct", "prefixgate", "prefixgate-grpc", *peers] + (
+            ["smg-grpc"] if "smg" in peers else []
+        )
+        for target in targets:
             router: launch.Child | None = None
             try:
                 if target == "prefixgate":
                     router = launch.start_gateway(logs, monolithic=[node.address])
+                elif target == "prefixgate-grpc":
+                    router = launch.start_gateway(
+                        logs, monolithic=[f"grpc://{node.address}"], name=target, env=SHIPPED_TOKENIZER
+                    )
+                elif target == "smg-grpc":
+                    router = launch.start_peer("smg", Path(args.peers_venv), [f"grpc://{node.address}"], logs)
                 elif target != "direct":
                     router = launch.start_peer(target, Path(args.peers_venv), [node.url], logs)
             except (OSError, RuntimeError, TimeoutError) as e:
@@ -400,6 +419,14 @@ def run(args: argparse.Namespace) -> int:
         f"req/s at 32 clients {v['req_s_32_clients']} (smg {v['smg_req_s_32_clients']}); "
         f"CPU/request {v['cpu_ms_per_req_small_prompts']} ms (target <= {TARGET_CPU_MS})"
     )
+    vg = verdicts(rows, reference="smg-grpc", ours="prefixgate-grpc")
+    console.print(
+        "over grpc:// (SMG engine protocol), prefixgate vs smg: added p50 at 1 client "
+        f"{vg['added_p50_ms_1_client']} ms (smg {vg['smg-grpc_added_p50_ms_1_client']}); "
+        f"streaming TTFT added {vg['stream_added_ttft_p50_ms_1_client']} ms "
+        f"(smg {vg['smg-grpc_stream_added_ttft_p50_ms_1_client']}); "
+        f"req/s at 32 clients {vg['req_s_32_clients']} (smg {vg['smg-grpc_req_s_32_clients']})"
+    )
     report = {
         "config": {
             "engine_profile": "instant",
@@ -415,6 +442,7 @@ def run(args: argparse.Namespace) -> int:
         },
         "cells": rows,
         "targets": v,
+        "targets_grpc": vg,
         "skipped": skipped,
         "failed": failed,
     }

@@ -246,9 +246,13 @@ class NodeEviction:
     evicted: list[int] = field(default_factory=list)
     index_removed: int = 0
     error: str | None = None
+    # What was done where: "node and index" (the node evicted the blocks), "whole-node flush"
+    # (a node that can only flush its whole cache was asked for everything), "index only".
+    action: str = "node and index"
 
     def to_json(self, max_hashes: int = 1024) -> dict[str, Any]:
         return {
+            "action": self.action,
             "evicted_blocks": len(self.evicted),
             "block_hashes": [hex_hash(h) for h in self.evicted[:max_hashes]],
             "truncated": len(self.evicted) > max_hashes,
@@ -261,8 +265,20 @@ async def _evict_node(
     svc: GatewayService, node: Node, hashes: Sequence[int], everything: bool
 ) -> NodeEviction:
     out = NodeEviction(node.id)
-    if not node.client.capabilities.evict:
-        out.error = "the node's protocol cannot evict blocks"
+    can = node.client.capabilities
+    if not can.evict and can.flush and everything:
+        out.action = "whole-node flush"
+        try:
+            await node.client.evict((), everything=True, timeout=NODE_RPC_TIMEOUT_S)
+        except NodeFailure as e:
+            out.error = f"{e.kind}: {e.detail}"
+    elif not can.evict:
+        out.action = "index only"
+        out.error = (
+            "the node's protocol cannot evict single blocks (only its whole cache, with 'all')"
+            if can.flush
+            else "the node's protocol cannot evict blocks"
+        )
     else:
         try:
             out.evicted = await node.client.evict(hashes, everything=everything, timeout=NODE_RPC_TIMEOUT_S)

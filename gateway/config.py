@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from prefixgate.gateway import workers
 from prefixgate.gateway.routing import parse_policy
 
 ENV_PREFIX = "PREFIXGATE_"
@@ -29,9 +30,11 @@ class Settings:
     # Engine KV events over ZMQ, per worker: "WORKER_ADDR=tcp://H:P[?replay=tcp://H:Q&topic=T]"
     # (gateway.nodeclient.zmq_events); those workers' index entries come from their publisher.
     kv_events: list[str] = field(default_factory=list)
-    # Whole-request workers by URL, each connected by ``nodeclient.connect`` (``http://HOST:PORT``:
-    # an OpenAI-compatible server such as vLLM or SGLang); they join the monolithic pool.
+    # smg-style workers (gateway/workers.py): ``worker_urls`` joins the monolithic pool; a prefill
+    # entry may be "URL BOOTSTRAP_PORT"; ``backend`` fixes the grpc:// runtime (else detected).
     worker_urls: list[str] = field(default_factory=list)
+    bootstrap_ports: list[str] = field(default_factory=list)  # "URL=PORT"
+    backend: str = ""
     redis: str = ""  # empty: embedded in-memory index
     redis_prefix: str = "prefixgate:"
     model: str = "prefixgate-sim"
@@ -179,7 +182,7 @@ def load_settings(
         if name not in hints:
             raise ValueError(f"unknown setting {name!r}")
         values[name] = _coerce(name, hints[name], raw)
-    settings = dataclasses.replace(Settings(), **values)
+    settings = workers.normalize(dataclasses.replace(Settings(), **values))
     try:
         parse_policy(settings.policy, {"load_factor": settings.load_factor})
     except ValueError as e:

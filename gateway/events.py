@@ -81,7 +81,7 @@ class EventSync:
         if not node.client.capabilities.kv_events:
             return  # the index learns this node's blocks from routing alone
         quick = True  # a resync reconnects at once, unless the last one made no progress
-        while True:
+        while node.client.capabilities.kv_events:  # a node may find out it has none (SMG: UNIMPLEMENTED)
             events = None
             try:
                 events = node.client.kv_events(self.last_seq.get(node.address, 0))

@@ -13,7 +13,7 @@ from prefixgate.cachetier.hashing import Namespace
 from prefixgate.cachetier.index import BlockIndex
 from prefixgate.cachetier.memory import MemoryIndex
 from prefixgate.cachetier.resilient import ResyncHook
-from prefixgate.gateway import nodeclient
+from prefixgate.gateway import workers
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.documents import DocumentLimits, DocumentStore
 from prefixgate.gateway.events import EventSync
@@ -83,10 +83,13 @@ class GatewayService:
         self._started = False
 
     def _connector(self) -> Callable[[str], NodeClient]:
-        """``nodeclient.connect``, with KV events over ZMQ for the workers ``kv_events`` names."""
+        """``nodeclient.connect`` for smg-style workers (``workers.connector``: the engine's own
+        tokenizer detokenizes when the gateway has it), with KV events over ZMQ for the workers
+        ``kv_events`` names."""
         s = self.settings
         ns = Namespace(s.model, "", s.block_size, self.tokenizer.name)
-        return events_connector(s.kv_events, ns, nodeclient.connect)
+        codec = getattr(self.tokenizer, "hf", None)  # an EngineTokenizer's ``tokenizers.Tokenizer``
+        return events_connector(s.kv_events, ns, workers.connector(s, lambda: self.tokenizer.name, codec))
 
     def _count_usage(self, ex: Execution) -> None:
         p = ex.prep

@@ -37,6 +37,7 @@ class NodeProcess:
     node_id: str
     address: str
     proc: subprocess.Popen[bytes]
+    bootstrap_port: int = 0  # a prefill node's SGLang bootstrap port (protocol "smg")
 
 
 @dataclass
@@ -52,6 +53,9 @@ class StackOptions:
     prefill_profile: str = ""
     decode_profile: str = ""
     extra_node_args: list[str] = field(default_factory=list)
+    # "prefixgate": our own node protocol; "smg": the SMG engine protocol (grpc:// workers, as
+    # SGLang nodes, PD through a bootstrap port on each prefill node)
+    protocol: str = "prefixgate"
 
 
 def node_host(gateway_host: str) -> str:
@@ -97,9 +101,14 @@ def start_nodes(opts: StackOptions) -> list[NodeProcess]:
             node_address = node_host(opts.host)
             port = free_port(node_address)
             node_id = f"{role}-{i}"
-            proc = subprocess.Popen(node_command(role, node_id, port, opts), preexec_fn=_die_with_parent)
+            cmd = node_command(role, node_id, port, opts)
+            bootstrap = free_port(node_address) if opts.protocol == "smg" and role == "prefill" else 0
+            if bootstrap:
+                cmd += ["--bootstrap-port", str(bootstrap)]
+            proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
             host = f"[{node_address}]" if ":" in node_address else node_address
-            nodes.append(NodeProcess(role, node_id, f"{host}:{port}", proc))
+            scheme = "grpc://" if opts.protocol == "smg" else ""
+            nodes.append(NodeProcess(role, node_id, f"{scheme}{host}:{port}", proc, bootstrap))
     return nodes
 
 
@@ -139,6 +148,16 @@ def stop_nodes(nodes: list[NodeProcess], grace: float = 5.0) -> None:
             n.proc.wait()
 
 
+def use_smg_workers(settings: Settings, nodes: list[NodeProcess]) -> None:
+    """Our nodes as grpc:// workers: their bootstrap ports, and the tokenizer they ship (token
+    ids are the engine's on that protocol; the gateway tokenizes and detokenizes with it)."""
+    from prefixgate.backends.hftok import TOKENIZER_DIR
+
+    settings.bootstrap_ports = [f"{n.address}={n.bootstrap_port}" for n in nodes if n.bootstrap_port]
+    if settings.tokenizer == "bytes4":
+        settings.tokenizer = f"hf:{TOKENIZER_DIR / 'tokenizer.json'}"
+
+
 async def run_stack(settings: Settings, opts: StackOptions) -> int:
     from prefixgate.gateway.server import EXIT_WORK_CUT, make_server
 
@@ -148,6 +167,8 @@ async def run_stack(settings: Settings, opts: StackOptions) -> int:
         await wait_nodes(nodes)
         settings.prefill = [n.address for n in nodes if n.role == "prefill"]
         settings.decode = [n.address for n in nodes if n.role == "decode"]
+        if opts.protocol == "smg":
+            use_smg_workers(settings, nodes)
         if settings.port == 0:
             settings.port = free_port(settings.host)
         if settings.grpc_port == 0:  # the local stack always serves the gRPC front end too

@@ -14,6 +14,7 @@ from typing import Any
 
 from prefixgate.backends.cli import add_node_arguments, run_node
 from prefixgate.bench.cli import add_bench_parser
+from prefixgate.gateway import workers
 from prefixgate.gateway.admin_cli import add_admin_parser
 from prefixgate.gateway.config import Settings, load_settings
 
@@ -114,10 +115,30 @@ def _gateway_args(p: argparse.ArgumentParser, *, stack: bool) -> None:
     p.add_argument("--metrics-token", default=None, help="bearer token required by /metrics (default: none)")
     if not stack:
         p.add_argument(
-            "--prefill", action="append", default=None, metavar="ADDR", help="prefill node host:port"
+            "--prefill",
+            action="append",
+            nargs="+",
+            default=None,
+            metavar="URL",
+            help="prefill worker: grpc://HOST:PORT [BOOTSTRAP_PORT] (SGLang/vLLM) or HOST:PORT (ours)",
         )
         p.add_argument(
-            "--decode", action="append", default=None, metavar="ADDR", help="decode node host:port"
+            "--decode", action="append", default=None, metavar="URL", help="decode worker (grpc://HOST:PORT)"
+        )
+        p.add_argument(
+            "--worker-urls",
+            action="append",
+            nargs="+",
+            default=None,
+            metavar="URL",
+            help="workers of a monolithic pool: grpc://HOST:PORT (SGLang/vLLM) or http://HOST:PORT "
+            "(any OpenAI-compatible server)",
+        )
+        p.add_argument(
+            "--backend",
+            choices=["sglang", "vllm"],
+            default=None,
+            help="runtime of the grpc:// workers (default: detected per worker)",
         )
         p.add_argument(
             "--monolithic", action="append", default=None, metavar="ADDR", help="monolithic node host:port"
@@ -130,15 +151,6 @@ def _gateway_args(p: argparse.ArgumentParser, *, stack: bool) -> None:
             metavar="WORKER=tcp://H:P",
             help="take WORKER's KV events from its engine's ZMQ publisher "
             "(tcp://H:P[?replay=tcp://H:Q&topic=T]; repeatable)",
-        )
-        p.add_argument(
-            "--worker-urls",
-            nargs="+",
-            action="extend",
-            default=None,
-            dest="worker_urls",
-            metavar="URL",
-            help="whole-request workers: http://HOST:PORT of OpenAI-compatible servers (vLLM, SGLang, ...)",
         )
 
 
@@ -180,6 +192,7 @@ _GATEWAY_KEYS = (
     "monolithic",
     "kv_events",
     "worker_urls",
+    "backend",
 )
 
 
@@ -196,6 +209,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from prefixgate.gateway.logging import configure_logging
     from prefixgate.gateway.server import run
 
+    args.prefill = workers.flag_entries(args.prefill)
+    args.worker_urls = workers.flat_urls(args.worker_urls)
     settings = _settings(args, _GATEWAY_KEYS)
     if settings is None:
         return 2
@@ -213,7 +228,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     from prefixgate.gateway.logging import configure_logging
     from prefixgate.gateway.stack import StackOptions, run_stack
 
-    stack_keys = [k for k in _GATEWAY_KEYS if k not in ("prefill", "decode", "monolithic", "worker_urls")]
+    stack_keys = [
+        k for k in _GATEWAY_KEYS if k not in ("prefill", "decode", "monolithic", "worker_urls", "backend")
+    ]
     settings = _settings(args, stack_keys)
     if settings is None:
         return 2
@@ -226,6 +243,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         time_scale=args.time_scale,
         capacity_blocks=args.capacity_blocks,
         block_size=settings.block_size,
+        protocol=args.protocol,
     )
     try:
         import uvloop
@@ -246,6 +264,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--engine", default="sim", help="node engine (default sim)")
     up.add_argument("--time-scale", type=float, default=1.0, help="simulated time multiplier (default 1)")
     up.add_argument("--capacity-blocks", type=int, default=0, help="KV blocks per node (default: node's)")
+    up.add_argument(
+        "--protocol",
+        choices=["prefixgate", "smg"],
+        default="prefixgate",
+        help="how the gateway talks to the nodes: ours (default) or the SMG engine protocol (grpc://)",
+    )
     up.set_defaults(func=cmd_up)
 
     gw = sub.add_parser("gateway", help="run the gateway alone")

@@ -2,10 +2,14 @@
 protocol (``prefixgate_grpc``; ``http_openai`` for OpenAI-compatible HTTP workers) and a
 scripted fake for tests (``fake``).
 
-``connect`` picks the adapter from a node's address.
+``connect`` picks the adapter from a node's address: bare ``HOST:PORT`` is our own protocol,
+``grpc://`` the SMG engine protocol (``smg_common``, ``smg_sglang``, ``smg_vllm``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 from prefixgate.gateway.nodeclient.base import (
     Capabilities,
@@ -27,28 +31,52 @@ from prefixgate.gateway.nodeclient.base import (
 from prefixgate.gateway.nodeclient.http_openai import HttpOpenAIClient
 from prefixgate.gateway.nodeclient.prefixgate_grpc import GrpcNodeClient
 
-SCHEMES = ("grpc", "http", "https")
+BARE = "prefixgate"  # a bare HOST:PORT: prefixgate's own node protocol
+
+
+def _prefixgate(address: str, target: str, options: dict[str, Any]) -> NodeClient:
+    return GrpcNodeClient(target)
+
+
+def _smg(address: str, target: str, options: dict[str, Any]) -> NodeClient:
+    from prefixgate.gateway.nodeclient.smg_common import SmgNodeClient, SmgOptions
+
+    smg = options.get("smg")
+    return SmgNodeClient(address, target, smg if isinstance(smg, SmgOptions) else None)
+
+
+def _http(address: str, target: str, options: dict[str, Any]) -> NodeClient:
+    return HttpOpenAIClient(address)
+
+
+# One line a protocol: scheme -> adapter factory ``(address, HOST:PORT, options) -> NodeClient``.
+ADAPTERS: dict[str, Callable[[str, str, dict[str, Any]], NodeClient]] = {
+    BARE: _prefixgate,
+    "grpc": _smg,  # the SMG engine protocol: SGLang or vLLM, detected per worker
+    "http": _http,  # an OpenAI-compatible HTTP worker
+    "https": _http,
+}
+SCHEMES = tuple(ADAPTERS)
 
 
 def split_address(address: str) -> tuple[str, str]:
-    """(scheme, HOST:PORT); a bare HOST:PORT is today's protocol, ``grpc``."""
+    """(scheme, HOST:PORT); a bare HOST:PORT is our own protocol, ``prefixgate``."""
     scheme, sep, rest = address.partition("://")
     if not sep:
-        return "grpc", address
-    if scheme not in SCHEMES:
-        raise ValueError(f"unknown node protocol {scheme!r} in {address!r}; known: {', '.join(SCHEMES)}")
+        return BARE, address
+    if scheme not in ADAPTERS:
+        raise ValueError(f"unknown node protocol {scheme!r} in {address!r}; known: {', '.join(ADAPTERS)}")
     if not rest:
         raise ValueError(f"no HOST:PORT in node address {address!r}")
     return scheme, rest
 
 
-def connect(address: str) -> NodeClient:
-    """A client for the node at ``address`` (``HOST:PORT`` or ``grpc://HOST:PORT``; an
-    OpenAI-compatible HTTP worker at ``http://HOST:PORT``)."""
+def connect(address: str, **options: Any) -> NodeClient:
+    """A client for the node at ``address``: ``HOST:PORT`` (prefixgate.v1) or ``grpc://HOST:PORT``
+    (SGLang/vLLM over the SMG protocol; ``smg=SmgOptions(...)`` configures it) or
+    ``http://HOST:PORT`` (an OpenAI-compatible HTTP worker)."""
     scheme, target = split_address(address)
-    if scheme in ("http", "https"):
-        return HttpOpenAIClient(address)
-    return GrpcNodeClient(target)
+    return ADAPTERS[scheme](address, target, options)
 
 
 __all__ = [

@@ -109,6 +109,7 @@ class Capabilities:
     # as the node's status reports (``NodeStatus.features``).
     features: frozenset[str] | None = None
     openai_body: bool = False  # generates from the normalized OpenAI request (``Prompt.openai``)
+    flush: bool = False  # drop the node's whole cache (the most an engine without evict offers)
 
 
 @dataclass(frozen=True, slots=True)

@@ -117,7 +117,7 @@ def test_status_codes_and_the_stage_trailer_become_kind_and_blame() -> None:
 
 
 def test_the_address_picks_the_protocol() -> None:
-    assert nodeclient.split_address("127.0.0.1:5000") == ("grpc", "127.0.0.1:5000")
+    assert nodeclient.split_address("127.0.0.1:5000") == ("prefixgate", "127.0.0.1:5000")
     assert nodeclient.split_address("grpc://[::1]:5000") == ("grpc", "[::1]:5000")
     assert nodeclient.split_address("http://127.0.0.1:5000") == ("http", "127.0.0.1:5000")
     with pytest.raises(ValueError, match="unknown node protocol"):

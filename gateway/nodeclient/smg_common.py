@@ -1,0 +1,661 @@
+"""What SGLang and vLLM share on the SMG engine protocol (``smg-grpc-proto``): the channel, the
+failure mapping, runtime detection, status from GetServerInfo/GetModelInfo/GetLoads, the token
+stream (ids in, text out through ``gateway.tokens.detokenize``), abort on close, and the KV index
+from ``SubscribeKvEvents``.
+
+What differs per runtime (request and response messages, Abort, split serving) is a ``Runtime``:
+``smg_sglang.SGLANG`` and ``smg_vllm.VLLM``. A ``grpc://`` worker is one ``SmgNodeClient``; its
+runtime is given (``--backend``) or detected on the first probe the way smg detects it: the
+first of the two services whose ``HealthCheck`` answers.
+
+Capabilities are what the protocol offers: generation, split serving, KV events (until the
+engine answers UNIMPLEMENTED), a whole-node ``FlushCache``; no per-block evict, no pin, no warm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, cast
+
+import grpc
+import structlog
+
+from prefixgate.cachetier.tokenizer import unpack_ids
+from prefixgate.gateway.nodeclient.base import (
+    Capabilities,
+    CostProfile,
+    Handoff,
+    KVEvent,
+    KVFormat,
+    NodeFailure,
+    NodeStatus,
+    PrefillReport,
+    Prompt,
+    StageTimings,
+    TokenDelta,
+)
+from prefixgate.gateway.nodeclient.smg_events import ChainRehasher, Overflow
+from prefixgate.gateway.tokens.detokenize import Detokenizer
+from prefixgate.gateway.vocab import EventKind, FailureKind, Stage
+
+log = structlog.get_logger("prefixgate.nodeclient.smg")
+
+# ENGINES.md §0: HTTP/2 keepalive 30 s / 10 s while idle; the SGLang servicer takes messages up to
+# 256 MiB and pings no closer than 10 s apart.
+CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+    ("grpc.max_send_message_length", 256 * 1024 * 1024),
+    ("grpc.enable_retries", 0),
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+]
+DEFAULT_BOOTSTRAP_PORT = 8998  # smg's DEFAULT_BOOTSTRAP_PORT
+DEFERRED_ABORT_MAX_WAIT_S = 30.0  # a decode leg is aborted only after its first item, at most this late
+ABORT_TIMEOUT_S = 2.0
+RESUBSCRIBE_LIMIT = 8  # clear+resubscribe rounds in a row without a data batch, then give up
+CONSTRAINT_TRAILER = "smg-constraint-failed"
+
+KINDS: dict[grpc.StatusCode, FailureKind] = {
+    grpc.StatusCode.UNAVAILABLE: FailureKind.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: FailureKind.TIMEOUT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: FailureKind.OVERLOADED,
+    grpc.StatusCode.CANCELLED: FailureKind.CANCELLED,
+    grpc.StatusCode.INVALID_ARGUMENT: FailureKind.INVALID,
+    grpc.StatusCode.OUT_OF_RANGE: FailureKind.INVALID,
+    grpc.StatusCode.UNIMPLEMENTED: FailureKind.INVALID,
+    grpc.StatusCode.NOT_FOUND: FailureKind.INVALID,  # no such model / adapter on the engine
+    grpc.StatusCode.ABORTED: FailureKind.CANCELLED,
+}
+
+
+def failure(node_id: str, stage: Stage, err: BaseException) -> NodeFailure:
+    """A failed call, in the gateway's words. FAILED_PRECONDITION is the request's fault when the
+    engine says a grammar failed (``smg-constraint-failed``), else the node's (e.g. a prefill
+    node without a bootstrap port): another node may serve it."""
+    if isinstance(err, grpc.aio.AioRpcError):
+        code = err.code()
+        kind = KINDS.get(code, FailureKind.INTERNAL)
+        if code == grpc.StatusCode.FAILED_PRECONDITION:
+            trailers = {k: v for k, v in (err.trailing_metadata() or ())}
+            kind = FailureKind.INVALID if CONSTRAINT_TRAILER in trailers else FailureKind.INTERNAL
+        return NodeFailure(node_id, stage, kind, f"{code.name}: {err.details() or ''}")
+    if isinstance(err, TimeoutError):
+        return NodeFailure(node_id, stage, FailureKind.TIMEOUT, "timed out")
+    return NodeFailure(node_id, stage, FailureKind.INTERNAL, repr(err))
+
+
+class Codec(Protocol):
+    """The engine's tokenizer as the gateway uses it here (``tokenizers.Tokenizer`` is one)."""
+
+    def encode(
+        self,
+        sequence: Any,
+        pair: Any | None = ...,
+        is_pretokenized: bool = ...,
+        add_special_tokens: bool = ...,
+    ) -> Any: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+@dataclass(slots=True)
+class SmgOptions:
+    """How the gateway talks to one ``grpc://`` worker.
+
+    ``backend``: "sglang" | "vllm" | "" (detect). ``bootstrap_port``: the prefill node's SGLang
+    bootstrap port as given with ``--prefill URL PORT`` (None: the engine's own
+    ``disaggregation_bootstrap_port``, else 8998). ``root_of(lora, cache_salt)``: the namespace
+    root the gateway hashes prompts of that namespace from (KV events are re-hashed with it).
+    ``codec``: the engine's tokenizer (None: loaded from ``GetModelInfo.tokenizer_path``).
+    """
+
+    backend: str = ""
+    bootstrap_port: int | None = None
+    block_size: int = 0
+    root_of: Callable[[str, str], int | None] | None = None
+    codec: Codec | None = None
+
+
+@dataclass(slots=True)
+class Output:
+    """One Generate response, runtime-neutral. Counters are cumulative (a runtime that reports
+    deltas adds them up)."""
+
+    complete: bool
+    ids: list[int]
+    index: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str = ""
+    matched: str | int | None = None
+    kv_transfer_params_json: str = ""
+
+
+@dataclass(slots=True)
+class EngineInfo:
+    """What GetModelInfo and GetServerInfo said once (never polled again, as smg does)."""
+
+    runtime: str
+    model_path: str = ""
+    served_model_name: str = ""
+    tokenizer_path: str = ""
+    page_size: int = 0
+    role: str = ""  # "prefill" | "decode" | "monolithic"
+    kv_format: KVFormat = field(default_factory=KVFormat)
+    instance_id: str = ""
+    max_running: int = 0
+    bootstrap_port: int = 0  # from server_args (SGLang)
+    kv_connector: str = ""  # vLLM
+    kv_events: bool = True  # until SubscribeKvEvents says UNIMPLEMENTED
+    eos_token_ids: tuple[int, ...] = ()
+
+
+class Runtime(Protocol):
+    """One engine family on the SMG protocol."""
+
+    name: str
+    service: str
+
+    def stub(self, channel: grpc.aio.Channel) -> Any: ...
+
+    def health_request(self) -> Any: ...
+
+    async def info(self, stub: Any, timeout: float) -> EngineInfo: ...
+
+    async def loads(self, stub: Any, timeout: float) -> Any: ...
+
+    def request(self, prompt: Prompt, rid: str, stop_token_ids: Sequence[int], *, stream: bool) -> Any: ...
+
+    def parse(self, msg: Any, completion_so_far: int) -> Output: ...
+
+    async def abort(self, stub: Any, rid: str) -> None: ...
+
+    def handoff(self) -> Handoff: ...
+
+
+def stop_token_ids(codec: Codec, stops: Sequence[str]) -> list[int]:
+    """Stop strings that are exactly one token, as ids (ENGINES.md §1.2); all stop strings are
+    still matched by the gateway's own stop decoder."""
+    out: list[int] = []
+    for s in stops:
+        if not s:
+            continue
+        ids = list(codec.encode(s, add_special_tokens=False).ids)
+        if len(ids) == 1 and ids[0] not in out:
+            out.append(ids[0])
+    return out
+
+
+def requested_stop_ids(prompt: Prompt) -> list[int]:
+    """Stop token ids the request itself names (a sampling field when the schema has one)."""
+    return [int(t) for t in getattr(prompt.sampling, "stop_token_ids", None) or ()]
+
+
+def new_request_id(prompt: Prompt) -> str:
+    """Unique per dispatch (a retry on another node is another dispatch): ``{rid}-{uuid}``."""
+    return f"{prompt.request_id}-{uuid.uuid4().hex[:16]}"
+
+
+class SmgNodeClient:
+    """A ``grpc://`` worker: SGLang or vLLM over the SMG engine protocol."""
+
+    def __init__(self, address: str, target: str, options: SmgOptions | None = None) -> None:
+        self._address = address
+        self.target = target
+        self.options = options or SmgOptions()
+        self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.runtime: Runtime | None = None
+        self.stub: Any = None
+        self.info: EngineInfo | None = None
+        self._codec: Codec | None = self.options.codec
+        self._detect_lock = asyncio.Lock()
+        self._background: set[asyncio.Task[None]] = set()
+        self._no_loads = False  # GetLoads answered UNIMPLEMENTED
+
+    # -- identity and capabilities -----------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    @property
+    def host(self) -> str:
+        host = self.target.rsplit(":", 1)[0]
+        return host[1:-1] if host.startswith("[") else host
+
+    @property
+    def capabilities(self) -> Capabilities:
+        events = self.info.kv_events if self.info is not None else True
+        return Capabilities(split=True, kv_events=events, pin=False, evict=False, warm=False, flush=True)
+
+    @property
+    def handoff(self) -> Handoff | None:
+        return self.runtime.handoff() if self.runtime is not None else None
+
+    # -- detection and metadata ----------------------------------------------------------------
+
+    async def detect(self, timeout: float) -> Runtime:
+        """The runtime (given, or the first service whose HealthCheck answers), and its metadata."""
+        if self.runtime is not None and self.info is not None:
+            return self.runtime
+        async with self._detect_lock:
+            if self.runtime is None or self.info is None:
+                runtime = await self._probe_runtimes(timeout)
+                stub = runtime.stub(self.channel)
+                info = await runtime.info(stub, timeout)
+                self.runtime, self.stub, self.info = runtime, stub, info
+                log.info("smg_worker_detected", address=self._address, runtime=runtime.name, role=info.role)
+        assert self.runtime is not None
+        return self.runtime
+
+    async def _probe_runtimes(self, timeout: float) -> Runtime:
+        from prefixgate.gateway.nodeclient.smg_sglang import SGLANG
+        from prefixgate.gateway.nodeclient.smg_vllm import VLLM
+
+        known: dict[str, Runtime] = {"sglang": SGLANG, "vllm": VLLM}
+        if self.options.backend:
+            return known[self.options.backend]
+        last: BaseException | None = None
+        for runtime in known.values():
+            try:
+                resp = await runtime.stub(self.channel).HealthCheck(runtime.health_request(), timeout=timeout)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    last = e
+                    continue
+                raise failure(self._address, Stage.PROBE, e) from e
+            except TimeoutError as e:
+                raise failure(self._address, Stage.PROBE, e) from e
+            if resp.healthy:
+                return runtime
+            raise NodeFailure(
+                self._address, Stage.PROBE, FailureKind.UNAVAILABLE, f"unhealthy: {resp.message}"
+            )
+        detail = f"neither SglangScheduler nor VllmEngine answers ({last!r})"
+        raise NodeFailure(self._address, Stage.PROBE, FailureKind.INVALID, detail)
+
+    def codec(self) -> Codec:
+        """The engine's tokenizer: given, or ``tokenizer.json`` under GetModelInfo's path."""
+        if self._codec is None:
+            path = Path(self.info.tokenizer_path if self.info is not None else "")
+            file = path / "tokenizer.json" if path.is_dir() else path
+            if not file.is_file():
+                raise NodeFailure(
+                    self._address,
+                    Stage.GENERATE,
+                    FailureKind.INVALID,
+                    f"no tokenizer for this worker (GetModelInfo tokenizer_path {str(path)!r} is not "
+                    "local; give the gateway the engine's tokenizer)",
+                )
+            from tokenizers import Tokenizer
+
+            loaded = cast(Codec, Tokenizer.from_file(str(file)))
+            self._codec = loaded
+            return loaded
+        return self._codec
+
+    async def status(self, timeout: float) -> NodeStatus:
+        try:
+            async with asyncio.timeout(timeout):
+                runtime = await self.detect(timeout)
+                loads = await self._loads(runtime, timeout)
+        except NodeFailure:
+            raise
+        except (grpc.aio.AioRpcError, TimeoutError) as e:
+            raise failure(self._address, Stage.PROBE, e) from e
+        info = self.info
+        assert info is not None
+        return _status(info, loads)
+
+    async def _loads(self, runtime: Runtime, timeout: float) -> Any:
+        """GetLoads; an engine without it is probed with HealthCheck and reports no load."""
+        if not self._no_loads:
+            try:
+                return await runtime.loads(self.stub, timeout)
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                self._no_loads = True
+                log.warning("smg_get_loads_unimplemented", address=self._address)
+        resp = await self.stub.HealthCheck(runtime.health_request(), timeout=timeout)
+        if not resp.healthy:
+            detail = f"unhealthy: {resp.message}"
+            raise NodeFailure(self._address, Stage.PROBE, FailureKind.UNAVAILABLE, detail)
+        return None
+
+    # -- generation ------------------------------------------------------------------------------
+
+    def generate(self, prompt: Prompt, *, timeout: float) -> GenerateStream:
+        return GenerateStream(self, prompt, timeout, Stage.GENERATE)
+
+    def spawn(self, coro: Any) -> None:
+        """Run ``coro`` in the background (aborts after a close), kept until it ends."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def abort(self, rid: str) -> None:
+        if self.runtime is None:
+            return
+        with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError, asyncio.CancelledError):
+            async with asyncio.timeout(ABORT_TIMEOUT_S):
+                await self.runtime.abort(self.stub, rid)
+
+    # -- KV events -------------------------------------------------------------------------------
+
+    async def kv_events(self, since_seq: int) -> AsyncGenerator[KVEvent, None]:
+        """The node's blocks in the gateway's hashes. Every subscription starts from nothing (the
+        protocol keeps no history for a cursor): an empty SNAPSHOT first, then the changes. A gap
+        in the engine's sequence, DATA_LOSS or OUT_OF_RANGE clears the node and resubscribes at 0;
+        UNIMPLEMENTED turns the node's ``kv_events`` capability off (the index then learns its
+        blocks from routing alone)."""
+        try:
+            await self.detect(5.0)
+        except NodeFailure:
+            return
+        info = self.info
+        assert info is not None and self.runtime is not None
+        bs = self.options.block_size or info.page_size
+        root_of = self.options.root_of
+        if not info.kv_events or root_of is None or bs <= 0:
+            return
+        instance = uuid.uuid4().hex
+        seq = 0
+        yield KVEvent(seq, instance, EventKind.SNAPSHOT)
+        rehash = ChainRehasher(bs, root_of)
+        rounds = 0
+        from smg_grpc_proto.generated import common_pb2
+
+        while rounds < RESUBSCRIBE_LIMIT:
+            rounds += 1
+            cursors: dict[int, int] = {}  # per DP rank: each rank numbers its own batches
+            call = self.stub.SubscribeKvEvents(
+                common_pb2.SubscribeKvEventsRequest(
+                    start_sequence_number=0, load_records_before_first_batch=False
+                )
+            )
+            reason = ""
+            try:
+                async for batch in call:
+                    if not batch.events and not batch.HasField("snapshot"):
+                        continue  # a load record: no events, the cursor stays
+                    n = batch.sequence_number
+                    rank = batch.dp_rank if batch.HasField("dp_rank") else 0
+                    cursor = cursors.get(rank, -1)
+                    if n <= cursor:
+                        continue  # seen
+                    if n != cursor + 1:
+                        reason = f"gap on rank {rank}: {cursor} then {n}"
+                        break
+                    cursors[rank], rounds = n, 0
+                    try:
+                        changes = rehash.batch(batch.events)
+                    except Overflow:
+                        reason = "too many blocks to track"
+                        break
+                    for ch in changes:
+                        seq += 1
+                        yield KVEvent(seq, instance, ch.kind, ch.parent, ch.hashes)
+                else:
+                    return  # the engine ended the stream: EventSync reconnects
+            except grpc.aio.AioRpcError as e:
+                code = e.code()
+                if code == grpc.StatusCode.UNIMPLEMENTED:
+                    info.kv_events = False
+                    log.warning("smg_kv_events_unimplemented", address=self._address)
+                    return
+                if code not in (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.OUT_OF_RANGE):
+                    raise failure(self._address, Stage.EVENTS, e) from e
+                reason = f"{code.name}: {e.details()}"
+            finally:
+                call.cancel()
+            log.info("smg_kv_events_resubscribe", address=self._address, reason=reason)
+            seq += 1
+            yield KVEvent(seq, instance, EventKind.CLEARED)
+            rehash.clear()
+        raise NodeFailure(self._address, Stage.EVENTS, FailureKind.INTERNAL, "KV events keep breaking")
+
+    # -- cache operations --------------------------------------------------------------------------
+
+    async def warm(self, prompt: Prompt, *, pin_seconds: float, timeout: float) -> PrefillReport:
+        raise NodeFailure(self._address, Stage.PREFILL, FailureKind.INVALID, "this protocol cannot warm")
+
+    async def evict(self, hashes: Sequence[int], *, everything: bool, timeout: float) -> list[int]:
+        """Only ``everything`` is possible: the whole node's cache through ``FlushCache``."""
+        if not everything:
+            raise NodeFailure(self._address, Stage.CACHE, FailureKind.INVALID, "only a whole-node flush")
+        from smg_grpc_proto.generated import common_pb2
+
+        try:
+            await self.detect(timeout)
+            resp = await self.stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=timeout)
+        except (grpc.aio.AioRpcError, TimeoutError) as e:
+            raise failure(self._address, Stage.CACHE, e) from e
+        if not resp.success:
+            raise NodeFailure(self._address, Stage.CACHE, FailureKind.INTERNAL, resp.message)
+        return []
+
+    async def pin(self, hashes: Sequence[int], *, seconds: float, timeout: float) -> tuple[int, int]:
+        raise NodeFailure(self._address, Stage.CACHE, FailureKind.INVALID, "this protocol cannot pin")
+
+    async def close(self) -> None:
+        tasks = list(self._background)
+        if tasks:  # deferred aborts still waiting get a moment, then go
+            _done, pending = await asyncio.wait(tasks, timeout=ABORT_TIMEOUT_S)
+            for t in pending:
+                t.cancel()
+        await self.channel.close()
+
+
+def _status(info: EngineInfo, loads: Any) -> NodeStatus:
+    bs = max(1, info.page_size)
+    running = waiting = used = total = uncached = max_running = 0
+    for load in getattr(loads, "loads", ()):
+        running += load.num_running_reqs
+        waiting += load.num_waiting_reqs
+        used += load.num_used_tokens
+        total += load.max_total_num_tokens
+        uncached += getattr(load, "num_waiting_uncached_tokens", 0)
+        max_running += load.max_running_requests
+    return NodeStatus(
+        node_id="",
+        role=info.role,
+        engine=info.runtime,
+        kv_format=info.kv_format,
+        capacity_blocks=total // bs,
+        used_blocks=used // bs,
+        queued_requests=waiting,
+        queued_tokens=uncached,
+        running_requests=running,
+        max_concurrency=max_running or info.max_running,
+        profile=CostProfile(name=info.runtime),
+        instance_id=info.instance_id,
+    )
+
+
+class GenerateStream:
+    """One Generate call as a TokenStream: ids in, detokenized text out.
+
+    The engine streams (``stream=true``): text comes from chunks only, the ``complete`` gives the
+    finish and usage (its ids repeat the last chunk's); when the engine answers one ``complete``
+    (``stream=false``) its ids are the output. A stop string the gateway matches ends the choice
+    at once ("stop"); closing before the finish aborts the engine's work (``abort_policy``).
+    """
+
+    def __init__(self, client: SmgNodeClient, prompt: Prompt, timeout: float, stage: Stage) -> None:
+        self.client = client
+        self.prompt = prompt
+        self.timeout = timeout
+        self.stage = stage
+        self.cached_tokens = 0
+        self.timings = StageTimings()
+        self.prefill: PrefillReport | None = None
+        self.rid = ""
+        self.defer_abort = False  # a PD decode leg: abort only once it produced something
+        self.call: Any = None
+        self.inflight_read: asyncio.Future[Any] | None = None  # a read a cancelled caller left running
+        self._detok: Detokenizer | None = None
+        self._completion = 0
+        self._chunks = 0
+        self._items = 0
+        self._finished = False  # the engine said complete (nothing to abort)
+        self._closed = False
+        self._pending: list[TokenDelta] = []
+        self.engine_stream = True
+
+    def __aiter__(self) -> GenerateStream:
+        return self
+
+    @property
+    def node_id(self) -> str:
+        return self.client.address
+
+    async def _prepare(self) -> Any:
+        """Detect the runtime, build the request (overridden by handoff legs)."""
+        runtime = await self.client.detect(min(self.timeout, 5.0))
+        codec = self.client.codec()
+        self.rid = self.rid or new_request_id(self.prompt)
+        self._detok = self.detokenizer(codec)
+        stops = requested_stop_ids(self.prompt)
+        stops += [t for t in stop_token_ids(codec, self.prompt.sampling.stop) if t not in stops]
+        return runtime.request(self.prompt, self.rid, stops, stream=self.engine_stream)
+
+    def detokenizer(self, codec: Codec) -> Detokenizer:
+        return Detokenizer(
+            codec, stop=self.prompt.sampling.stop, stop_token_ids=requested_stop_ids(self.prompt)
+        )
+
+    async def open(self) -> None:
+        try:
+            request = await self._prepare()
+        except (grpc.aio.AioRpcError, TimeoutError) as e:
+            self._closed = True
+            raise failure(self.node_id, self.stage, e) from e
+        except NodeFailure as e:  # detection failed: at this stage, for the retry's bookkeeping
+            self._closed = True
+            raise NodeFailure(self.node_id, self.stage, e.kind, e.detail) from e
+        assert self.client.runtime is not None
+        self.call = self.client.stub.Generate(request, timeout=self.timeout)
+
+    async def start(self) -> Output | None:
+        """Open the call(s); a handoff may read the first response while doing so."""
+        await self.open()
+        return None
+
+    async def read(self) -> Output | None:
+        """The next response (None: the engine ended the stream)."""
+        assert self.client.runtime is not None
+        try:
+            msg = await self.call.read()
+        except (grpc.aio.AioRpcError, TimeoutError) as e:
+            await self.aclose()
+            raise failure(self.node_id, self.stage, e) from e
+        if msg is grpc.aio.EOF:
+            return None
+        self._items += 1
+        return self.client.runtime.parse(msg, self._completion)
+
+    async def __anext__(self) -> TokenDelta:
+        if self._pending:
+            return self._pending.pop(0)
+        if self._closed:
+            raise StopAsyncIteration
+        early: Output | None = None
+        if self.call is None:
+            early = await self.start()
+        while True:
+            out, early = (early, None) if early is not None else (await self.read(), None)
+            if out is None:
+                await self.aclose()
+                what = "before any token" if self._chunks == 0 else "without finishing"
+                raise NodeFailure(self.node_id, self.stage, FailureKind.INTERNAL, f"stream ended {what}")
+            delta = self.consume(out)
+            if delta is not None:
+                return delta
+
+    def consume(self, out: Output) -> TokenDelta | None:
+        """A response -> the delta to show (None: nothing to show yet)."""
+        if out.index != 0:
+            return None  # one choice a request (the gateway sends n=1)
+        assert self._detok is not None
+        if self.prefill is None:  # split: the prefill leg's count stands (it did the prefill)
+            self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
+        self._completion = max(self._completion, out.completion_tokens)
+        if not out.complete:
+            self._chunks += 1
+            piece = self._detok.push(out.ids)
+            if piece.stopped:
+                return self._finish(piece.text, "stop")
+            return TokenDelta(piece.text, "", self._completion) if piece.text else None
+        self._finished = True
+        text = ""
+        if self._chunks == 0 and out.ids:  # stream=false: the ids are the whole output
+            piece = self._detok.push(out.ids)
+            text = piece.text
+            if piece.stopped:
+                return self._finish(text, "stop")
+        tail = self._detok.finish()
+        text += tail.text
+        reason = "stop" if tail.stopped else (out.finish_reason or "stop")
+        if reason == "abort":
+            self._closed = True
+            raise NodeFailure(
+                self.node_id, self.stage, FailureKind.INTERNAL, "the engine aborted the request"
+            )
+        return self._finish(text, reason)
+
+    def _finish(self, text: str, reason: str) -> TokenDelta:
+        self._closed = True
+        return TokenDelta(text, reason, self._completion)
+
+    async def aclose(self) -> None:
+        """Cancel the engine's work if it is still running (abort policy of ENGINES.md §1.5)."""
+        was_closed, self._closed = self._closed, True
+        self._pending.clear()
+        call = self.call
+        if call is None or self._finished:
+            return
+        self._finished = True
+        if self.defer_abort and self._items == 0 and not was_closed:
+            self.client.spawn(self._deferred_abort(call))
+            return
+        self.client.spawn(self.client.abort(self.rid))
+        if not call.done():
+            call.cancel()
+
+    async def _deferred_abort(self, call: Any) -> None:
+        """A decode leg whose KV may still be arriving: wait for its first item (the handoff is
+        done), at most ``DEFERRED_ABORT_MAX_WAIT_S``, then abort it."""
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            async with asyncio.timeout(DEFERRED_ABORT_MAX_WAIT_S):
+                if self.inflight_read is not None:
+                    await asyncio.shield(self.inflight_read)
+                else:
+                    await call.read()
+        await self.client.abort(self.rid)
+        if not call.done():
+            call.cancel()
+
+
+def server_args_json(raw: str) -> dict[str, Any]:
+    try:
+        value = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def packed_ids(prompt: Prompt) -> list[int]:
+    return unpack_ids(prompt.tokens)

@@ -1,0 +1,246 @@
+"""vLLM over the SMG engine protocol (``vllm.grpc.engine.VllmEngine``), ENGINES.md §2.
+
+Differences from SGLang: sampling fields are vLLM's (``temperature`` optional, ``top_k`` 0 =
+off, ``max_tokens``), string stops are kept (the engine matches them too; the gateway's stop
+decoder still runs on the output), responses carry no request id and chunk ``completion_tokens``
+are deltas (added up here). Abort takes a list of ids.
+
+Split serving is the sequential ``kv_transfer_params_json`` relay (``RelayHandoff``, NIXL-style):
+the prefill leg runs sanitised (no stream, one token, no stops, ``ignore_eos``) with
+``{"do_remote_decode": true}``; its ``complete`` carries the transfer parameters, relayed verbatim
+to the decode leg under the same request id. No parameters back: the decode leg is still sent
+(it recomputes the prompt). The Mooncake push variant (a gateway-minted ``transfer_id``) is not
+spoken here.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
+
+from prefixgate.gateway.nodeclient.base import (
+    FailedStream,
+    KVFormat,
+    NodeClient,
+    NodeFailure,
+    PrefillReport,
+    Prompt,
+    TokenStream,
+)
+from prefixgate.gateway.nodeclient.smg_common import (
+    EngineInfo,
+    GenerateStream,
+    Output,
+    SmgNodeClient,
+    failure,
+    packed_ids,
+)
+from prefixgate.gateway.vocab import FailureKind, Stage
+
+PREFILL_PARAMS = json.dumps({"do_remote_decode": True, "do_remote_prefill": False})
+ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
+_I32 = (1 << 31) - 1
+
+
+def sampling_params(prompt: Prompt, stop_token_ids: Sequence[int]) -> pb.SamplingParams:
+    s = prompt.sampling
+    params = pb.SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=0,
+        min_p=0.0,
+        frequency_penalty=0.0,
+        presence_penalty=0.0,
+        repetition_penalty=1.0,
+        min_tokens=0,
+        stop=list(s.stop),
+        stop_token_ids=list(stop_token_ids),
+        skip_special_tokens=True,
+        spaces_between_special_tokens=True,
+        ignore_eos=False,
+        n=1,
+    )
+    if s.max_tokens > 0:
+        params.max_tokens = s.max_tokens
+    if s.seed is not None:
+        params.seed = s.seed & _I32
+    return params
+
+
+def prefill_params(prompt: Prompt) -> pb.SamplingParams:
+    """The prefill leg: one token, length-capped (the engine returns transfer parameters only
+    for a request that finished LENGTH), nothing that could stop it early."""
+    s = prompt.sampling
+    return pb.SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=0,
+        repetition_penalty=1.0,
+        max_tokens=1,
+        min_tokens=0,
+        ignore_eos=True,
+        skip_special_tokens=True,
+        n=1,
+    )
+
+
+class VllmRuntime:
+    name = "vllm"
+    service = "vllm.grpc.engine.VllmEngine"
+
+    def stub(self, channel: grpc.aio.Channel) -> Any:
+        return pb_grpc.VllmEngineStub(channel)
+
+    def health_request(self) -> Any:
+        return pb.HealthCheckRequest()
+
+    async def info(self, stub: Any, timeout: float) -> EngineInfo:
+        model = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+        server = await stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout)
+        started = int(time.time() - server.uptime_seconds)
+        layout = f"vllm/{server.kv_connector}/{server.attention_backend}"
+        return EngineInfo(
+            runtime=self.name,
+            model_path=model.model_path,
+            served_model_name=model.served_model_name,
+            tokenizer_path=model.tokenizer_path,
+            page_size=server.block_size,
+            role=ROLES.get(server.kv_role, "monolithic"),
+            kv_format=KVFormat(model.model_path, server.block_size, server.kv_cache_dtype, layout, 0),
+            instance_id=f"{server.kv_engine_id or model.model_path}@{started}",
+            max_running=server.max_num_seqs,
+            kv_connector=server.kv_connector,
+            eos_token_ids=tuple(model.eos_token_ids),
+        )
+
+    async def loads(self, stub: Any, timeout: float) -> Any:
+        return await stub.GetLoads(pb.GetLoadsRequest(), timeout=timeout)
+
+    def request(self, prompt: Prompt, rid: str, stop_token_ids: Sequence[int], *, stream: bool) -> Any:
+        return pb.GenerateRequest(
+            request_id=rid,
+            tokenized=pb.TokenizedInput(input_ids=packed_ids(prompt)),
+            sampling_params=sampling_params(prompt, stop_token_ids),
+            stream=stream,
+        )
+
+    def parse(self, msg: Any, completion_so_far: int) -> Output:
+        if msg.HasField("chunk"):
+            c = msg.chunk
+            return Output(
+                False,
+                list(c.token_ids),
+                c.index,
+                c.prompt_tokens,
+                completion_so_far + c.completion_tokens,  # a delta on this runtime
+                c.cached_tokens,
+            )
+        c = msg.complete
+        which = c.WhichOneof("matched_stop")
+        return Output(
+            True,
+            list(c.output_ids),
+            c.index,
+            c.prompt_tokens,
+            max(completion_so_far, c.completion_tokens),
+            c.cached_tokens,
+            c.finish_reason,
+            getattr(c, which) if which else None,
+            c.kv_transfer_params_json if c.HasField("kv_transfer_params_json") else "",
+        )
+
+    async def abort(self, stub: Any, rid: str) -> None:
+        await stub.Abort(pb.AbortRequest(request_ids=[rid]))
+
+    def handoff(self) -> RelayHandoff:
+        return RELAY_HANDOFF
+
+
+VLLM = VllmRuntime()
+
+
+class RelayStream(GenerateStream):
+    """Prefill leg to completion, then the decode leg with its transfer parameters."""
+
+    def __init__(self, prefill: SmgNodeClient, decode: SmgNodeClient, prompt: Prompt, timeout: float) -> None:
+        super().__init__(decode, prompt, timeout, Stage.DECODE)
+        self.defer_abort = True
+        self.p = prefill
+        self.prefill_call: Any = None
+        self.relayed = False
+
+    async def start(self) -> Output | None:
+        try:
+            await self.p.detect(min(self.timeout, 5.0))
+        except NodeFailure as e:
+            self._closed = True
+            raise NodeFailure(self.p.address, Stage.PREFILL, e.kind, e.detail) from e
+        try:
+            request = await self._prepare()
+        except (grpc.aio.AioRpcError, TimeoutError) as e:
+            self._closed = True
+            raise failure(self.client.address, Stage.DECODE, e) from e
+        except NodeFailure:
+            self._closed = True
+            raise
+        if self.p.runtime is not VLLM or self.client.runtime is not VLLM:
+            self._closed = True
+            raise NodeFailure(
+                self.client.address, Stage.TRANSFER, FailureKind.FORMAT_REFUSED, "not a vLLM pair"
+            )
+        leg = pb.GenerateRequest()
+        leg.CopyFrom(request)
+        leg.stream = False
+        leg.sampling_params.CopyFrom(prefill_params(self.prompt))
+        leg.kv_transfer_params_json = PREFILL_PARAMS
+        t0 = time.perf_counter()
+        complete: Output | None = None
+        self.prefill_call = self.p.stub.Generate(leg, timeout=self.timeout)
+        try:
+            async for msg in self.prefill_call:
+                out = VLLM.parse(msg, 0)
+                if out.complete:
+                    complete = out
+        except (grpc.aio.AioRpcError, TimeoutError) as e:
+            self._closed = True
+            raise failure(self.p.address, Stage.PREFILL, e) from e
+        except BaseException:
+            self._closed = True
+            self.p.spawn(self.p.abort(self.rid))
+            self.prefill_call.cancel()
+            raise
+        if complete is None:
+            self._closed = True
+            raise NodeFailure(
+                self.p.address, Stage.PREFILL, FailureKind.INTERNAL, "prefill leg ended without complete"
+            )
+        self.prefill = PrefillReport(complete.cached_tokens, 0.0, time.perf_counter() - t0, 0.0, 0)
+        self.cached_tokens = complete.cached_tokens
+        if complete.kv_transfer_params_json:
+            request.kv_transfer_params_json = complete.kv_transfer_params_json
+            self.relayed = True
+        self.call = self.client.stub.Generate(request, timeout=self.timeout)
+        return None
+
+
+class RelayHandoff:
+    """vLLM split serving on a (prefill, decode) pair of SMG workers."""
+
+    def start(
+        self, prompt: Prompt, prefill: NodeClient, decode: NodeClient, *, timeout: float
+    ) -> TokenStream:
+        if not isinstance(prefill, SmgNodeClient) or not isinstance(decode, SmgNodeClient):
+            refused = "a vLLM prefill node relays KV only to a vLLM decode node"
+            return FailedStream(
+                NodeFailure(decode.address, Stage.TRANSFER, FailureKind.FORMAT_REFUSED, refused)
+            )
+        return RelayStream(prefill, decode, prompt, timeout)
+
+
+RELAY_HANDOFF = RelayHandoff()

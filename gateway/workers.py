@@ -1,0 +1,145 @@
+"""Worker flags as smg spells them, and the node-client factory they configure.
+
+``--prefill URL [BOOTSTRAP_PORT]`` (repeatable), ``--decode URL``, ``--worker-urls URL ...`` (a
+monolithic pool) and ``--backend sglang|vllm`` carry over from an smg command line; the older
+``--prefill HOST:PORT`` / ``--monolithic HOST:PORT`` (our own nodes) keep working. In a TOML file
+or ``PREFIXGATE_*`` a prefill entry with a bootstrap port is one string, ``"URL PORT"``.
+
+``normalize`` turns those into the settings the gateway runs on (prefill addresses without the
+port, ``bootstrap_ports`` as ``URL=PORT``, worker URLs added to the monolithic pool) and
+``connector`` builds each address's client, passing what a ``grpc://`` worker needs: the
+runtime, the bootstrap port, the gateway's namespace (KV events are hashed into it) and the
+engine's tokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from prefixgate.cachetier.hashing import Namespace
+
+if TYPE_CHECKING:
+    from prefixgate.gateway.config import Settings
+    from prefixgate.gateway.nodeclient import NodeClient
+
+BACKENDS = ("sglang", "vllm")
+NO_PORT = ("none", "")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    url: str
+    bootstrap_port: int | None = None
+
+
+def parse_worker(entry: str) -> WorkerSpec:
+    """``"URL"`` or ``"URL BOOTSTRAP_PORT"`` (``none`` for no port), as ``--prefill`` takes them."""
+    parts = entry.split()
+    if not parts or len(parts) > 2:
+        raise ValueError(f"worker {entry!r}: expected URL [BOOTSTRAP_PORT]")
+    url = parts[0]
+    if len(parts) == 1 or parts[1].lower() in NO_PORT:
+        return WorkerSpec(url)
+    try:
+        port = int(parts[1])
+    except ValueError:
+        raise ValueError(f"worker {entry!r}: bootstrap port {parts[1]!r} is not a number") from None
+    if not 0 < port < 65536:
+        raise ValueError(f"worker {entry!r}: bootstrap port {port} is out of range")
+    return WorkerSpec(url, port)
+
+
+def flag_entries(values: Sequence[Sequence[str]] | None) -> list[str] | None:
+    """``--prefill`` given as ``append`` + ``nargs='+'``: each occurrence as one entry string."""
+    if values is None:
+        return None
+    return [" ".join(v) for v in values]
+
+
+def flat_urls(values: Sequence[Sequence[str]] | None) -> list[str] | None:
+    """``--worker-urls A B --worker-urls C``: every URL."""
+    if values is None:
+        return None
+    return [u for v in values for u in v]
+
+
+def normalize(settings: Settings) -> Settings:
+    """Settings with worker entries resolved: checked, ports split out, worker URLs pooled."""
+    if settings.backend and settings.backend not in BACKENDS:
+        raise ValueError(f"setting 'backend': use one of {', '.join(BACKENDS)}, got {settings.backend!r}")
+    ports = dict(_port_entry(p) for p in settings.bootstrap_ports)
+    prefill: list[str] = []
+    for entry in settings.prefill:
+        spec = parse_worker(entry)
+        prefill.append(spec.url)
+        if spec.bootstrap_port is not None:
+            ports[spec.url] = spec.bootstrap_port
+    decode = [_single(e, "decode") for e in settings.decode]
+    monolithic = [_single(e, "monolithic") for e in settings.monolithic]
+    monolithic += [_single(e, "worker-urls") for e in settings.worker_urls if e not in monolithic]
+    return dataclasses.replace(
+        settings,
+        prefill=prefill,
+        decode=decode,
+        monolithic=monolithic,
+        worker_urls=[],
+        bootstrap_ports=[f"{u}={p}" for u, p in ports.items()],
+    )
+
+
+def _single(entry: str, flag: str) -> str:
+    spec = parse_worker(entry)
+    if spec.bootstrap_port is not None:
+        raise ValueError(f"--{flag} {entry!r}: only a prefill worker takes a bootstrap port")
+    return spec.url
+
+
+def _port_entry(entry: str) -> tuple[str, int]:
+    url, sep, port = entry.rpartition("=")
+    if not sep or not port.isdigit():
+        raise ValueError(f"setting 'bootstrap_ports': expected URL=PORT, got {entry!r}")
+    return url, int(port)
+
+
+def _codec(spec: str) -> Any:
+    """The engine's tokenizer for detokenizing, when the gateway tokenizes with one (``hf:``)."""
+    if not spec.startswith("hf:"):
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(spec[3:])
+
+
+def connector(
+    settings: Settings, tokenizer_name: str | Callable[[], str], codec: Any = None
+) -> Callable[[str], NodeClient]:
+    """``NodePool``'s client factory for these settings.
+
+    ``tokenizer_name`` (or a function giving it, when the gateway loads the engine's tokenizer
+    after it starts) names the namespace events are re-hashed into; ``codec`` is the engine's
+    ``tokenizers.Tokenizer`` for detokenizing (None: from the ``tokenizer`` spec, else the
+    worker's ``tokenizer_path``)."""
+    from prefixgate.gateway import nodeclient
+    from prefixgate.gateway.nodeclient.smg_common import SmgOptions
+
+    ports = dict(_port_entry(p) for p in settings.bootstrap_ports)
+    bs = settings.block_size
+    model = settings.model
+    codec = codec if codec is not None else _codec(settings.tokenizer)
+    name_of = tokenizer_name if callable(tokenizer_name) else lambda: tokenizer_name
+
+    def root_of(lora: str, salt: str) -> int | None:
+        # Engine events name no tenant; the default namespace is the keyless tenant's ("").
+        return None if lora else Namespace(model, salt, bs, name_of()).root()
+
+    def connect(address: str) -> NodeClient:
+        scheme, _target = nodeclient.split_address(address)
+        if scheme != "grpc":
+            return nodeclient.connect(address)
+        options = SmgOptions(settings.backend, ports.get(address), bs, root_of, codec)
+        return nodeclient.connect(address, smg=options)
+
+    return connect

@@ -1,0 +1,106 @@
+"""The whole gateway (``prefixgate gateway``, its own process) in front of our nodes over
+``grpc://``: a prefill node that cannot hand off is retried around, and a client that goes away
+mid-stream gets its request aborted on the node."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+
+from prefixgate.backends.hftok import TOKENIZER_DIR
+from prefixgate.backends.smg_service import SglangSchedulerService
+from tests.helpers import Proc, free_port, spawn
+from tests.smgwire.conftest import MODEL, StartNode
+
+PROMPT = (
+    "<|im_start|>user\n"
+    + "Tell me about prefix caches and KV pages. " * 6
+    + "<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+@asynccontextmanager
+async def gateway(*workers: str) -> AsyncIterator[str]:
+    """The gateway process; waits without blocking the loop our nodes run in."""
+    port = free_port()
+    argv = ["gateway", "--port", str(port), "--model", MODEL, "--block-size", "16", *workers]
+    proc: Proc = spawn(argv, env={"PREFIXGATE_TOKENIZER": f"hf:{TOKENIZER_DIR / 'tokenizer.json'}"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        async with httpx.AsyncClient(timeout=2) as http:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and proc.proc.poll() is None:
+                try:
+                    if (await http.get(f"{base}/readyz")).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(0.1)
+            else:
+                raise TimeoutError("\n".join(list(proc.lines)[-30:]))
+        yield base
+    finally:
+        rc = await asyncio.to_thread(proc.stop, timeout=15)
+        assert rc == 0, "\n".join(list(proc.lines)[-30:])
+
+
+def body(**kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, **kw}
+
+
+async def test_a_prefill_node_that_cannot_hand_off_is_retried_around(nodes: StartNode) -> None:
+    broken = await nodes("prefill", bootstrap_port=None)
+    good = await nodes("prefill")
+    dec = await nodes("decode")
+    flags = ["--prefill", f"grpc://{broken.address}", "1", "--prefill", f"grpc://{good.address}"]
+    flags += ["--decode", f"grpc://{dec.address}"]
+    async with gateway(*flags) as base:
+        async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+            for _ in range(4):
+                r = await http.post("/v1/completions", json=body())
+                assert r.status_code == 200, r.text
+                assert r.headers["x-prefixgate-route"] == "disaggregated"
+                assert r.headers["x-prefixgate-prefill-node"] == f"grpc://{good.address}"
+                assert r.json()["choices"][0]["text"]
+            rows = {n["address"]: n for n in (await http.get("/admin/nodes")).json()["data"]}
+            # eviction on engines that can only flush their whole cache says what it did
+            some = (await http.post("/admin/cache/evict", json={"prompt": PROMPT, "model": MODEL})).json()
+            assert {n["action"] for n in some["nodes"].values()} == {"index only"}
+            every = (await http.post("/admin/cache/evict", json={"all": True})).json()
+            assert {n["action"] for n in every["nodes"].values()} == {"whole-node flush"}
+            good_node = every["nodes"][f"grpc://{good.address}"]
+            assert good_node["error"] is None and good_node["index_removed"] >= 0
+            assert good.node.pool.snapshot() == []  # the node's cache really went
+    failed = rows[f"grpc://{broken.address}"]
+    assert failed["engine"] == "sglang" and "prefill" in (failed["last_error"] or "")  # tried, blamed
+
+
+async def test_a_client_gone_mid_stream_aborts_the_request(
+    nodes: StartNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[str] = []
+    original = SglangSchedulerService.Abort
+
+    async def recording(self: SglangSchedulerService, request: Any, context: Any) -> Any:
+        seen.append(request.request_id)
+        return await original(self, request, context)
+
+    monkeypatch.setattr(SglangSchedulerService, "Abort", recording)
+    mono = await nodes("monolithic", time_scale=1.0)
+    async with gateway("--worker-urls", f"grpc://{mono.address}") as base:
+        async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+            async with http.stream("POST", "/v1/completions", json=body(max_tokens=500, stream=True)) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        break  # one chunk, then the client goes
+            deadline = time.monotonic() + 5
+            while not seen and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+    assert len(seen) == 1
