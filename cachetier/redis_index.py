@@ -4,7 +4,7 @@ Key schema and scripts: ``redis_schema.py`` and ``cachetier/README.md``. Runs on
 or a Redis Cluster, told apart by asking the server (``INFO cluster``) on first use:
 
 - single Redis: a lookup is one EVALSHA (one round trip) that binary-searches every node's
-  ZSET; a store batch is one MULTI/EXEC holding one script call per node, so no half-written
+  buckets; a store batch is one MULTI/EXEC holding one script call per node, so no half-written
   batch is ever visible;
 - Cluster: a lookup is one EVALSHA per shard (its nodes' ZSETs, the prompt's hashes once), to
   all shards in parallel: one round trip; a store batch is one script call per
@@ -33,10 +33,13 @@ from redis.exceptions import NoScriptError, SlotNotCoveredError
 
 from prefixgate.cachetier.index import DEFAULT_CAPACITY_BLOCKS, IndexStats, NodeOccupancy, StoreOp
 from prefixgate.cachetier.redis_schema import (
+    CLEAR_LUA,
     DEFAULT_PREFIX,
     EPOCH_LUA,
     LOOKUP_LUA,
     LOOKUP_SHARD_LUA,
+    NODE_HASHES_LUA,
+    REMOVE_LUA,
     SET_CAPACITY_LUA,
     STORE_LUA,
     KeySchema,
@@ -48,7 +51,6 @@ from prefixgate.cachetier.redis_schema import (
 DEFAULT_TTL_SECONDS = 3600
 Client = aioredis.Redis | RedisCluster
 _Call = tuple[str, list[str], list[Any]]  # script name, keys, args
-_REMOVE_CHUNK = 4096
 
 
 def connect(url: str, *, max_connections: int = 64, timeout: float = 2.0) -> aioredis.Redis:
@@ -174,7 +176,7 @@ class RedisIndex:
         client = await self.connected()
         if isinstance(client, RedisCluster):
             return await self._lookup_by_shard(client, names, blob)
-        keys = [self.keys.blocks(n) for n in names]
+        keys = [self.keys.meta(n) for n in names]
         runs = await self._eval(client, "lookup", keys, [blob])
         return {n: int(r) for n, r in zip(names, runs, strict=True)}
 
@@ -183,14 +185,14 @@ class RedisIndex:
         sent once per shard."""
         shards: dict[str, tuple[ClusterNode, list[str]]] = {}
         for n in names:
-            primary = client.get_node_from_key(self.keys.blocks(n))
+            primary = client.get_node_from_key(self.keys.meta(n))
             if primary is None:
                 raise SlotNotCoveredError(f"no primary serves node {n!r}")
             shards.setdefault(primary.name, (primary, []))[1].append(n)
         runs: dict[str, int] = {}
 
         async def on_shard(primary: ClusterNode, nodes: list[str]) -> None:
-            keys = [self.keys.blocks(n) for n in nodes]
+            keys = [self.keys.meta(n) for n in nodes]
             text, sha = self._scripts["lookup_shard"]
             try:
                 res = await client.execute_command("EVALSHA", sha, 0, blob, *keys, target_nodes=primary)
@@ -215,8 +217,31 @@ class RedisIndex:
 
     async def node_hashes(self, node: str) -> set[int]:
         client = await self.connected()
-        members = await client.zrange(self.keys.blocks(node), 0, -1)
-        return {unpack_hash(_bytes(m)) for m in members}
+        members = await self._pipeline_scripts(client, [("node_hashes", self._node_keys(node), [])])
+        return {unpack_hash(_bytes(m)) for m in members[0]}
+
+    async def memory_usage(self, node: str) -> tuple[int, int, str]:
+        """(bytes, blocks, encoding of its buckets): ``MEMORY USAGE`` summed over the node's
+        keys (meta, bucket ZSET, buckets); the encoding is the buckets' ("mixed" if several)."""
+        client = await self.connected()
+        raw = await client.hmget(self.keys.meta(node), ["L", "s", "n"])
+        level, split, held = (int(v) if v is not None else 0 for v in raw)
+        keys = [self.keys.meta(node), self.keys.order(node)]
+        keys += [self.keys.bucket(node, i) for i in range((1 << level) + split)]
+        usage = 0
+        encodings: set[str] = set()
+        for i in range(0, len(keys), 500):
+            pipe = client.pipeline(transaction=False)
+            for k in keys[i : i + 500]:
+                pipe.memory_usage(k, samples=0)
+                pipe.object("encoding", k)
+            raw = await pipe.execute()
+            usage += sum(int(v or 0) for v in raw[0::2])
+            for k, enc in zip(keys[i : i + 500], raw[1::2], strict=True):
+                if enc is not None and ":b:" in k:
+                    encodings.add(enc.decode() if isinstance(enc, bytes) else str(enc))
+        encoding = encodings.pop() if len(encodings) == 1 else ("mixed" if encodings else "")
+        return usage, held, encoding
 
     async def stats(self) -> IndexStats:
         self._known_at = float("-inf")
@@ -224,13 +249,12 @@ class RedisIndex:
         client = await self.connected()
         pipe = client.pipeline(transaction=False)
         for n in names:
-            pipe.zcard(self.keys.blocks(n))
-            pipe.hget(self.keys.meta(n), "c")
+            pipe.hmget(self.keys.meta(n), ["n", "c"])
         raw = await pipe.execute()
         occ: dict[str, NodeOccupancy] = {}
-        for i, n in enumerate(names):
-            cap = raw[2 * i + 1]
-            occ[n] = NodeOccupancy(n, int(raw[2 * i]), int(cap) if cap is not None else self.default_capacity)
+        for n, (held, cap) in zip(names, raw, strict=True):
+            blocks = int(held) if held is not None else 0
+            occ[n] = NodeOccupancy(n, blocks, int(cap) if cap is not None else self.default_capacity)
         return IndexStats(self.backend, sum(o.blocks for o in occ.values()), occ)
 
     async def ping(self) -> None:
@@ -293,7 +317,7 @@ class RedisIndex:
                 op = ops[i]
                 args.append(pack_hash(op.parent) if op.parent else b"")
                 args.append(pack_hashes(op.hashes))
-            calls.append(("store", [self.keys.blocks(node), self.keys.meta(node)], args))
+            calls.append(("store", self._node_keys(node), args))
         results = await self._write_calls(calls, register=list(by_node))
         out = [False] * len(ops)
         for (node, idx), res in zip(by_node.items(), results, strict=True):
@@ -306,9 +330,7 @@ class RedisIndex:
         args = self._store_head(node, "r")
         for chain in chains:
             args += [b"", pack_hashes(chain)]
-        res = await self._write_calls(
-            [("store", [self.keys.blocks(node), self.keys.meta(node)], args)], register=[node]
-        )
+        res = await self._write_calls([("store", self._node_keys(node), args)], register=[node])
         self._epochs.pop(node, None)  # a replaced node is whole again, whatever its epoch was
         self._lost.discard(node)
         self._saw_epoch(node, res[0][-1])
@@ -316,32 +338,23 @@ class RedisIndex:
     async def set_capacity(self, node: str, blocks: int) -> None:
         blocks = max(0, blocks)
         args = [blocks, self.ttl_seconds, _new_epoch()]
-        res = await self._write_calls(
-            [("set_capacity", [self.keys.blocks(node), self.keys.meta(node)], args)], register=[node]
-        )
+        res = await self._write_calls([("set_capacity", self._node_keys(node), args)], register=[node])
         self._capacity[node] = blocks
         self._saw_epoch(node, res[0])
 
     async def remove(self, node: str, hashes: Iterable[int]) -> int:
-        members = list(dict.fromkeys(pack_hash(h) for h in hashes))
+        members = b"".join(dict.fromkeys(pack_hash(h) for h in hashes))
         if not members:
             return 0
-        key = self.keys.blocks(node)
         client = await self.connected()
-        pipe = client.pipeline(transaction=True)  # one slot: a transaction on Cluster too
-        for i in range(0, len(members), _REMOVE_CHUNK):
-            pipe.zrem(key, *members[i : i + _REMOVE_CHUNK])
-        pipe.expire(key, self.ttl_seconds)
-        pipe.expire(self.keys.meta(node), self.ttl_seconds)
-        raw = await pipe.execute()
-        return sum(int(r) for r in raw[:-2])
+        raw = await self._pipeline_scripts(
+            client, [("remove", self._node_keys(node), [self.ttl_seconds, members])]
+        )
+        return int(raw[0])
 
     async def clear_node(self, node: str) -> int:
         client = await self.connected()
-        pipe = client.pipeline(transaction=True)
-        pipe.zcard(self.keys.blocks(node))
-        pipe.delete(self.keys.blocks(node))
-        raw = await pipe.execute()
+        raw = await self._pipeline_scripts(client, [("clear", self._node_keys(node), [])])
         return int(raw[0])
 
     async def purge(self) -> int:
@@ -358,11 +371,28 @@ class RedisIndex:
         self._epochs.clear()
         return n
 
+    async def purge_legacy(self) -> int:
+        """Delete the keys an earlier layout left under this prefix (they would expire by their
+        TTL anyway; nothing here reads them)."""
+        client = await self.connected()
+        keys = [k async for k in client.scan_iter(match=self.keys.pattern, count=1000)]
+        old = [k for k in keys if self.keys.is_legacy(k.decode() if isinstance(k, bytes) else str(k))]
+        n = 0
+        for i in range(0, len(old), 1000):
+            pipe = client.pipeline(transaction=False)
+            for k in old[i : i + 1000]:
+                pipe.execute_command("UNLINK", k)
+            n += sum(int(r) for r in await pipe.execute())
+        return n
+
     async def close(self) -> None:
         if self._owns_client:
             await self.client.aclose()
 
     # -- plumbing ------------------------------------------------------------------------
+
+    def _node_keys(self, node: str) -> list[str]:
+        return [self.keys.meta(node), self.keys.order(node)]
 
     def _store_head(self, node: str, mode: str) -> list[bytes | str | int]:
         cap = self._capacity.get(node, self.default_capacity)
@@ -453,5 +483,8 @@ _SCRIPTS = {
     "lookup_shard": LOOKUP_SHARD_LUA,
     "store": STORE_LUA,
     "set_capacity": SET_CAPACITY_LUA,
+    "remove": REMOVE_LUA,
+    "clear": CLEAR_LUA,
+    "node_hashes": NODE_HASHES_LUA,
     "epoch": EPOCH_LUA,
 }

@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import random
+import time
 
 import pytest
 import redis.asyncio as aioredis
 
 from prefixgate.cachetier.index import StoreOp
 from prefixgate.cachetier.redis_index import RedisIndex
-from prefixgate.cachetier.redis_schema import KeySchema, pack_hash, pack_hashes
+from prefixgate.cachetier.redis_schema import (
+    BUCKET_FILL,
+    KeySchema,
+    bucket_of,
+    pack_hash,
+    pack_hashes,
+    unpack_hash,
+)
 from tests.cachetier.support import test_prefix
 
 
@@ -18,12 +27,48 @@ async def test_key_schema_puts_each_node_in_one_hash_slot(rindex: RedisIndex) ->
     await rindex.store([StoreOp("p0", (1, 2, 3)), StoreOp("p1", (1,))])
     raw = await rindex.client.keys(rindex.keys.pattern)
     keys = sorted(k.decode() if isinstance(k, bytes) else k for k in raw)
-    p = rindex.keys.prefix
-    assert keys == sorted([f"{p}nodes", f"{p}{{p0}}:z", f"{p}{{p0}}:m", f"{p}{{p1}}:z", f"{p}{{p1}}:m"])
-    assert await rindex.client.zscore(rindex.keys.blocks("p0"), pack_hash(3)) is not None
+    v = rindex.keys.prefix + "v2:"
+    node_keys = [f"{v}{{{n}}}:{k}" for n in ("p0", "p1") for k in ("m", "z", "b:0")]
+    assert keys == sorted([f"{v}nodes", *node_keys])
+    assert await rindex.client.zscore(rindex.keys.bucket("p0", 0), pack_hash(3)) is not None
     # Members are 8-byte packed hashes; chains are stored root last (highest score).
-    members = await rindex.client.zrange(rindex.keys.blocks("p0"), 0, -1)
+    members = await rindex.client.zrange(rindex.keys.bucket("p0", 0), 0, -1)
     assert members == [pack_hash(3), pack_hash(2), pack_hash(1)]
+
+
+async def test_buckets_split_one_at_a_time_and_stay_small(rindex: RedisIndex) -> None:
+    """Linear hashing: a growing node splits buckets as it goes; every bucket stays listpack."""
+    rng = random.Random(3)
+    chain = tuple(rng.getrandbits(64) for _ in range(5000))
+    assert await rindex.store([StoreOp("n", chain)]) == [True]
+    meta = await rindex.client.hgetall(rindex.keys.meta("n"))
+    buckets = (1 << int(meta[b"L"])) + int(meta[b"s"])
+    assert int(meta[b"n"]) == 5000 and buckets >= 5000 // BUCKET_FILL
+    sizes = [await rindex.client.zcard(rindex.keys.bucket("n", i)) for i in range(buckets)]
+    assert sum(sizes) == 5000 and max(sizes) <= 128
+    for i in range(buckets):
+        members = await rindex.client.zrange(rindex.keys.bucket("n", i), 0, -1)
+        level, split = int(meta[b"L"]), int(meta[b"s"])
+        assert {bucket_of(unpack_hash(bytes(m)), level, split) for m in members} <= {i}
+    _, _, encoding = await rindex.memory_usage("n")
+    assert encoding == "listpack"
+    assert await rindex.lookup((*chain, 7), ["n"]) == {"n": 5000}
+
+
+async def test_the_previous_layout_is_ignored_and_can_be_dropped(rindex: RedisIndex) -> None:
+    """Keys of the one-ZSET layout under the same prefix are never read, and go when asked."""
+    p = rindex.keys.prefix
+    await rindex.client.zadd(f"{p}{{old}}:z", {pack_hash(1): 1, pack_hash(2): 0})
+    await rindex.client.hset(f"{p}{{old}}:m", mapping={"c": 10, "e": "x"})
+    await rindex.client.zadd(f"{p}nodes", {"old": time.time()})
+    await rindex.store([StoreOp("new", (1, 2))])
+    assert await rindex.known_nodes() == ["new"]
+    assert await rindex.lookup([1, 2], ["old", "new"]) == {"old": 0, "new": 2}
+    assert (await rindex.stats()).total_blocks == 2
+    assert await rindex.purge_legacy() == 3
+    raw = await rindex.client.keys(rindex.keys.pattern)
+    assert all(bytes(k).decode().startswith(p + "v2:") for k in raw)
+    assert await rindex.lookup([1, 2], ["new"]) == {"new": 2}
 
 
 def test_prefix_must_not_break_the_hash_tag() -> None:
@@ -36,11 +81,13 @@ async def test_writes_set_and_refresh_the_ttl(url: str) -> None:
     index = RedisIndex.from_url(url, prefix=test_prefix(), ttl_seconds=120)
     try:
         await index.store([StoreOp("n", (1, 2))])
-        for key in (index.keys.blocks("n"), index.keys.meta("n"), index.keys.registry):
+        for key in (index.keys.meta("n"), index.keys.registry):
             assert 0 < await index.client.ttl(key) <= 120
-        await index.client.expire(index.keys.blocks("n"), 5)
+        for key in (index.keys.order("n"), index.keys.bucket("n", 0)):  # outlive the meta
+            assert 120 < await index.client.ttl(key) <= 150
+        await index.client.expire(index.keys.order("n"), 5)
         await index.set_capacity("n", 10)
-        assert await index.client.ttl(index.keys.blocks("n")) > 5
+        assert await index.client.ttl(index.keys.order("n")) > 5
     finally:
         await index.purge()
         await index.close()
@@ -52,6 +99,7 @@ async def test_store_batch_is_atomic(rindex: RedisIndex, url: str) -> None:
     ops = [StoreOp(n, c) for n, c in chains.items()]
     probe = aioredis.Redis.from_url(url)
     seen: set[tuple[int, ...]] = set()
+    filled: set[tuple[bool, ...]] = set()
     done = asyncio.Event()
 
     async def poll() -> None:
@@ -60,8 +108,11 @@ async def test_store_batch_is_atomic(rindex: RedisIndex, url: str) -> None:
                 break
             pipe = probe.pipeline(transaction=True)
             for n in chains:
-                pipe.zcard(rindex.keys.blocks(n))
-            seen.add(tuple(await pipe.execute()))
+                pipe.hget(rindex.keys.meta(n), "n")
+                pipe.zcard(rindex.keys.bucket(n, 0))
+            raw = await pipe.execute()
+            seen.add(tuple(int(v or 0) for v in raw[0::2]))  # blocks counted
+            filled.add(tuple(int(v) > 0 for v in raw[1::2]))  # blocks really there
 
     try:
         poller = asyncio.create_task(poll())
@@ -72,6 +123,7 @@ async def test_store_batch_is_atomic(rindex: RedisIndex, url: str) -> None:
     finally:
         await probe.aclose()
     assert seen <= {(0, 0, 0, 0), (800, 800, 800, 800)}
+    assert filled <= {(False,) * 4, (True,) * 4}
     assert await rindex.lookup(chains["n2"]) == {"n0": 0, "n1": 0, "n2": 800, "n3": 0}
 
 
@@ -104,11 +156,11 @@ async def test_scripts_missing_from_the_server_are_loaded_again(rindex: RedisInd
 async def test_memory_per_block_is_small(rindex: RedisIndex) -> None:
     chains = [tuple(range(10_000 * c + 1, 10_000 * c + 1001)) for c in range(5)]
     await rindex.store([StoreOp("big", c) for c in chains] + [StoreOp("small", chains[0][:100])])
-    big = await rindex.client.memory_usage(rindex.keys.blocks("big"), samples=0)
-    small = await rindex.client.memory_usage(rindex.keys.blocks("small"), samples=0)
-    assert big is not None and small is not None
-    assert big / 5000 <= 120  # skiplist encoding (see README for the measured figure)
-    assert small / 100 <= 30  # listpack encoding for small sets
+    big, big_held, _ = await rindex.memory_usage("big")
+    small, small_held, _ = await rindex.memory_usage("small")
+    assert (big_held, small_held) == (5000, 100)
+    assert big / 5000 <= 40  # listpack buckets (see README for the measured figure)
+    assert small / 100 <= 30
 
 
 async def test_purge_deletes_only_its_own_prefix(url: str) -> None:
@@ -117,7 +169,7 @@ async def test_purge_deletes_only_its_own_prefix(url: str) -> None:
     try:
         await a.store([StoreOp("n", (1,))])
         await b.store([StoreOp("n", (1,))])
-        assert await a.purge() == 3
+        assert await a.purge() == 4
         assert await b.lookup([1]) == {"n": 1}
     finally:
         await b.purge()
