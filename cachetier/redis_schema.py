@@ -110,6 +110,8 @@ class KeySchema:
 # -- Lua ------------------------------------------------------------------------------------
 # Bucket of an 8-byte member under linear hashing: the low 32 bits of the hash modulo
 # 2^L, or 2^(L+1) for buckets already split in this round (below the split pointer s).
+# ``bucket_name`` gives the id as a string, memoized: Lua turns numbers into strings with a
+# slow "%.14g" (implicitly in ``..`` and in redis.call arguments), which would dominate a store.
 _BUCKET_FN = """
 local function bucket_in(mem, size, s)
   local b1, b2, b3, b4 = string.byte(mem, 1, 4)
@@ -117,6 +119,15 @@ local function bucket_in(mem, size, s)
   local a = v % size
   if a < s then a = v % (size * 2) end
   return a
+end
+local names = {}
+local function bucket_name(a)
+  local name = names[a]
+  if not name then
+    name = string.format('%d', a)
+    names[a] = name
+  end
+  return name
 end
 """
 
@@ -136,7 +147,7 @@ for k = 1, #metas do
     local size, s = 2 ^ tonumber(f[1]), tonumber(f[2]) or 0
     local function held(j)
       local mem = string.sub(blob, j * 8 - 7, j * 8)
-      return redis.call('ZSCORE', stem .. bucket_in(mem, size, s), mem)
+      return redis.call('ZSCORE', stem .. bucket_name(bucket_in(mem, size, s)), mem)
     end
     if held(1) then
       local lo, hi = 1, n
@@ -174,12 +185,16 @@ local m, o = KEYS[1], KEYS[2]
 local stem = string.sub(m, 1, -2) .. 'b:'
 local st = {{}}
 
-local function bkey(id) return stem .. id end
+local function bkey(id) return stem .. bucket_name(id) end
 local function bucket_of(mem) return bucket_in(mem, st.size, st.s) end
 local function nbuckets() return st.size + st.s end
 
--- ZADD/ZREM/ZMSCORE with at most 1000 arguments per call (Lua's unpack limit)
+-- ZADD/ZREM/ZMSCORE with at most ``step`` arguments per call (Lua's unpack limit)
 local function chunked(cmd, key, flag, args, step)
+  if #args <= step then
+    if flag then return redis.call(cmd, key, flag, unpack(args)) end
+    return redis.call(cmd, key, unpack(args))
+  end
   local total, res = 0, {{}}
   for c = 1, #args, step do
     local part = {{}}
@@ -192,7 +207,8 @@ local function chunked(cmd, key, flag, args, step)
       total = total + r
     end
   end
-  return total, res
+  if cmd == 'ZMSCORE' then return res end
+  return total
 end
 
 -- Read the node's state. ``epoch`` set: create the node if it has no epoch (dropping buckets
@@ -203,7 +219,7 @@ local function open_node(ttl, cap, epoch)
     redis.call('HSETNX', m, 'c', cap)
     if redis.call('HSETNX', m, 'e', epoch) == 1 then
       local old = redis.call('ZRANGE', o, 0, -1)
-      for i = 1, #old do redis.call('DEL', bkey(old[i])) end
+      for i = 1, #old do redis.call('DEL', stem .. old[i]) end
       redis.call('DEL', o)
       redis.call('HSET', m, 'L', 0, 's', 0, 'n', 0, 'r', now)
     end
@@ -262,8 +278,8 @@ local function grow_for(expected)
       chunked('ZADD', bkey(dst), nil, move, 1000)
       chunked('ZREM', bkey(src), nil, gone, 1000)
       redis.call('EXPIRE', bkey(dst), st.bttl)
-      redis.call('ZADD', o, 'LT', string.format('%d', low), dst)
-      if #gone * 2 == #all then redis.call('ZREM', o, src) end
+      redis.call('ZADD', o, 'LT', string.format('%d', low), bucket_name(dst))
+      if #gone * 2 == #all then redis.call('ZREM', o, bucket_name(src)) end
     end
     st.s = st.s + 1
     if st.s == st.size then st.L, st.s, st.size = st.L + 1, 0, big end
@@ -274,14 +290,18 @@ end
 -- score offered. One ZADD per touched bucket; the bucket ZSET learns new buckets (which get a
 -- TTL) and lowered bounds in one ZADD LT. Updates the count.
 local function add(groups, mins, flag)
-  local ids, bounds = {{}}, {{}}
-  for id in pairs(groups) do ids[#ids + 1] = id end
-  local _, known = chunked('ZMSCORE', o, nil, ids, 1000)
+  local ids, names_, bounds = {{}}, {{}}, {{}}
+  for id in pairs(groups) do
+    ids[#ids + 1] = id
+    names_[#names_ + 1] = bucket_name(id)
+  end
+  local known = chunked('ZMSCORE', o, nil, names_, 1000)
   for k, id in ipairs(ids) do
-    st.n = st.n + chunked('ZADD', bkey(id), flag, groups[id], 1000)
-    if not known[k] then redis.call('EXPIRE', bkey(id), st.bttl) end
+    local key = bkey(id)
+    st.n = st.n + chunked('ZADD', key, flag, groups[id], 1000)
+    if not known[k] then redis.call('EXPIRE', key, st.bttl) end
     bounds[#bounds + 1] = string.format('%d', mins[id])
-    bounds[#bounds + 1] = id
+    bounds[#bounds + 1] = names_[k]
   end
   chunked('ZADD', o, 'LT', bounds, 1000)
 end
@@ -298,8 +318,8 @@ local function evict(k)
     if #e == 0 then break end
     local id, bound = e[1], tonumber(e[2])
     local nextb = e[4] and tonumber(e[4])
-    local key = bkey(id)
-    local head = redis.call('ZRANGE', key, 0, k, 'WITHSCORES')
+    local key = stem .. id
+    local head = redis.call('ZRANGE', key, 0, math.min(k, 7), 'WITHSCORES')
     if #head == 0 then
       redis.call('ZREM', o, id)
     elseif tonumber(head[2]) > bound then
@@ -309,7 +329,9 @@ local function evict(k)
       while c < k and 2 * c < #head and (not nextb or tonumber(head[2 * c + 2]) < nextb) do c = c + 1 end
       redis.call('ZREMRANGEBYRANK', key, 0, c - 1)
       k, st.n = k - c, st.n - c
-      if 2 * c < #head then redis.call('ZADD', o, head[2 * c + 2], id) else redis.call('ZREM', o, id) end
+      local nxt = head[2 * c + 2]
+      if not nxt then nxt = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')[2] end
+      if nxt then redis.call('ZADD', o, nxt, id) else redis.call('ZREM', o, id) end
     end
   end
 end
@@ -412,7 +434,7 @@ end
 local removed = 0
 for id, g in pairs(groups) do
   removed = removed + chunked('ZREM', bkey(id), nil, g, 1000)
-  if redis.call('EXISTS', bkey(id)) == 0 then redis.call('ZREM', o, id) end
+  if redis.call('EXISTS', bkey(id)) == 0 then redis.call('ZREM', o, bucket_name(id)) end
 end
 st.n = st.n - removed
 close_node()
