@@ -38,11 +38,11 @@ from prefixgate.cachetier.redis_schema import (
     EPOCH_LUA,
     LOOKUP_LUA,
     LOOKUP_SHARD_LUA,
-    NODE_HASHES_LUA,
     REMOVE_LUA,
     SET_CAPACITY_LUA,
     STORE_LUA,
     KeySchema,
+    entries,
     pack_hash,
     pack_hashes,
     unpack_hash,
@@ -217,31 +217,22 @@ class RedisIndex:
 
     async def node_hashes(self, node: str) -> set[int]:
         client = await self.connected()
-        members = await self._pipeline_scripts(client, [("node_hashes", self._node_keys(node), [])])
-        return {unpack_hash(_bytes(m)) for m in members[0]}
+        buckets = await client.hvals(self.keys.blocks(node))
+        return {unpack_hash(m) for b in buckets for m in entries(_bytes(b))}
 
     async def memory_usage(self, node: str) -> tuple[int, int, str]:
-        """(bytes, blocks, encoding of its buckets): ``MEMORY USAGE`` summed over the node's
-        keys (meta, bucket ZSET, buckets); the encoding is the buckets' ("mixed" if several)."""
+        """(bytes, blocks, encoding of its blocks HASH): ``MEMORY USAGE`` summed over the
+        node's keys (meta, blocks, bucket ZSET), and the blocks it holds."""
         client = await self.connected()
-        raw = await client.hmget(self.keys.meta(node), ["L", "s", "n"])
-        level, split, held = (int(v) if v is not None else 0 for v in raw)
-        keys = [self.keys.meta(node), self.keys.order(node)]
-        keys += [self.keys.bucket(node, i) for i in range((1 << level) + split)]
-        usage = 0
-        encodings: set[str] = set()
-        for i in range(0, len(keys), 500):
-            pipe = client.pipeline(transaction=False)
-            for k in keys[i : i + 500]:
-                pipe.memory_usage(k, samples=0)
-                pipe.object("encoding", k)
-            raw = await pipe.execute()
-            usage += sum(int(v or 0) for v in raw[0::2])
-            for k, enc in zip(keys[i : i + 500], raw[1::2], strict=True):
-                if enc is not None and ":b:" in k:
-                    encodings.add(enc.decode() if isinstance(enc, bytes) else str(enc))
-        encoding = encodings.pop() if len(encodings) == 1 else ("mixed" if encodings else "")
-        return usage, held, encoding
+        pipe = client.pipeline(transaction=False)
+        for k in self.keys.node_keys(node):
+            pipe.memory_usage(k, samples=0)
+        pipe.hget(self.keys.meta(node), "n")
+        pipe.object("encoding", self.keys.blocks(node))
+        raw = await pipe.execute()
+        usage = sum(int(v or 0) for v in raw[:3])
+        enc = raw[4]
+        return usage, int(raw[3] or 0), enc.decode() if isinstance(enc, bytes) else str(enc or "")
 
     async def stats(self) -> IndexStats:
         self._known_at = float("-inf")
@@ -392,7 +383,7 @@ class RedisIndex:
     # -- plumbing ------------------------------------------------------------------------
 
     def _node_keys(self, node: str) -> list[str]:
-        return [self.keys.meta(node), self.keys.order(node)]
+        return self.keys.node_keys(node)
 
     def _store_head(self, node: str, mode: str) -> list[bytes | str | int]:
         cap = self._capacity.get(node, self.default_capacity)
@@ -485,6 +476,5 @@ _SCRIPTS = {
     "set_capacity": SET_CAPACITY_LUA,
     "remove": REMOVE_LUA,
     "clear": CLEAR_LUA,
-    "node_hashes": NODE_HASHES_LUA,
     "epoch": EPOCH_LUA,
 }

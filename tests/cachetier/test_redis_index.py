@@ -14,8 +14,10 @@ from prefixgate.cachetier.index import StoreOp
 from prefixgate.cachetier.redis_index import RedisIndex
 from prefixgate.cachetier.redis_schema import (
     BUCKET_FILL,
+    ENTRY_BYTES,
     KeySchema,
     bucket_of,
+    entries,
     pack_hash,
     pack_hashes,
     unpack_hash,
@@ -28,30 +30,31 @@ async def test_key_schema_puts_each_node_in_one_hash_slot(rindex: RedisIndex) ->
     raw = await rindex.client.keys(rindex.keys.pattern)
     keys = sorted(k.decode() if isinstance(k, bytes) else k for k in raw)
     v = rindex.keys.prefix + "v2:"
-    node_keys = [f"{v}{{{n}}}:{k}" for n in ("p0", "p1") for k in ("m", "z", "b:0")]
+    node_keys = [f"{v}{{{n}}}:{k}" for n in ("p0", "p1") for k in ("m", "h", "z")]
     assert keys == sorted([f"{v}nodes", *node_keys])
-    assert await rindex.client.zscore(rindex.keys.bucket("p0", 0), pack_hash(3)) is not None
-    # Members are 8-byte packed hashes; chains are stored root last (highest score).
-    members = await rindex.client.zrange(rindex.keys.bucket("p0", 0), 0, -1)
-    assert members == [pack_hash(3), pack_hash(2), pack_hash(1)]
+    # One bucket while small: 8-byte packed hashes, each with its tick, least recent first;
+    # a chain is touched root last (the root is the most recent).
+    bucket = await rindex.client.hget(rindex.keys.blocks("p0"), "0")
+    assert isinstance(bucket, bytes) and len(bucket) == 3 * ENTRY_BYTES
+    assert entries(bucket) == [pack_hash(3), pack_hash(2), pack_hash(1)]
 
 
 async def test_buckets_split_one_at_a_time_and_stay_small(rindex: RedisIndex) -> None:
-    """Linear hashing: a growing node splits buckets as it goes; every bucket stays listpack."""
+    """Linear hashing: a growing node splits buckets as it goes; each holds its own hashes."""
     rng = random.Random(3)
     chain = tuple(rng.getrandbits(64) for _ in range(5000))
     assert await rindex.store([StoreOp("n", chain)]) == [True]
     meta = await rindex.client.hgetall(rindex.keys.meta("n"))
-    buckets = (1 << int(meta[b"L"])) + int(meta[b"s"])
-    assert int(meta[b"n"]) == 5000 and buckets >= 5000 // BUCKET_FILL
-    sizes = [await rindex.client.zcard(rindex.keys.bucket("n", i)) for i in range(buckets)]
-    assert sum(sizes) == 5000 and max(sizes) <= 128
-    for i in range(buckets):
-        members = [bytes(m) for m in await rindex.client.zrange(rindex.keys.bucket("n", i), 0, -1)]  # type: ignore[arg-type]
-        level, split = int(meta[b"L"]), int(meta[b"s"])
-        assert {bucket_of(unpack_hash(m), level, split) for m in members} <= {i}
-    _, _, encoding = await rindex.memory_usage("n")
-    assert encoding == "listpack"
+    level, split = int(meta[b"L"]), int(meta[b"s"])
+    assert int(meta[b"n"]) == 5000 and (1 << level) + split >= 5000 // BUCKET_FILL
+    raw = await rindex.client.hgetall(rindex.keys.blocks("n"))
+    buckets = {int(k): entries(bytes(v)) for k, v in raw.items()}  # type: ignore[arg-type]
+    assert (
+        sum(len(b) for b in buckets.values()) == 5000
+        and max(len(b) for b in buckets.values()) <= 3 * BUCKET_FILL
+    )
+    for i, members in buckets.items():
+        assert {bucket_of(unpack_hash(m), level, split) for m in members} == {i}
     assert await rindex.lookup((*chain, 7), ["n"]) == {"n": 5000}
 
 
@@ -81,13 +84,11 @@ async def test_writes_set_and_refresh_the_ttl(url: str) -> None:
     index = RedisIndex.from_url(url, prefix=test_prefix(), ttl_seconds=120)
     try:
         await index.store([StoreOp("n", (1, 2))])
-        for key in (index.keys.meta("n"), index.keys.registry):
+        for key in (*index.keys.node_keys("n"), index.keys.registry):
             assert 0 < await index.client.ttl(key) <= 120
-        for key in (index.keys.order("n"), index.keys.bucket("n", 0)):  # outlive the meta
-            assert 120 < await index.client.ttl(key) <= 150
-        await index.client.expire(index.keys.order("n"), 5)
+        await index.client.expire(index.keys.blocks("n"), 5)
         await index.set_capacity("n", 10)
-        assert await index.client.ttl(index.keys.order("n")) > 5
+        assert await index.client.ttl(index.keys.blocks("n")) > 5
     finally:
         await index.purge()
         await index.close()
@@ -109,7 +110,7 @@ async def test_store_batch_is_atomic(rindex: RedisIndex, url: str) -> None:
             pipe = probe.pipeline(transaction=True)
             for n in chains:
                 pipe.hget(rindex.keys.meta(n), "n")
-                pipe.zcard(rindex.keys.bucket(n, 0))
+                pipe.hlen(rindex.keys.blocks(n))
             raw = await pipe.execute()
             seen.add(tuple(int(v or 0) for v in raw[0::2]))  # blocks counted
             filled.add(tuple(int(v) > 0 for v in raw[1::2]))  # blocks really there
@@ -159,7 +160,7 @@ async def test_memory_per_block_is_small(rindex: RedisIndex) -> None:
     big, big_held, _ = await rindex.memory_usage("big")
     small, small_held, _ = await rindex.memory_usage("small")
     assert (big_held, small_held) == (5000, 100)
-    assert big / 5000 <= 40  # listpack buckets (see README for the measured figure)
+    assert big / 5000 <= 40  # packed buckets (see README for the measured figure)
     assert small / 100 <= 30
 
 
