@@ -70,12 +70,21 @@ def test_index_contract_on_the_cluster(redis_cluster: RedisClusterHarness) -> No
     async def plain() -> BlockIndex:
         return RedisIndex.from_url(redis_cluster.url, prefix=test_prefix(), default_capacity=CAPACITY)
 
+    async def packed() -> BlockIndex:
+        return RedisIndex.from_url(
+            redis_cluster.url, prefix=test_prefix(), layout="packed", default_capacity=CAPACITY
+        )
+
     async def resilient() -> BlockIndex:
         return open_index(
             redis_cluster.url, prefix=test_prefix(), default_capacity=CAPACITY, lookup_timeout=2.0
         )
 
-    for name, factory, examples in (("cluster", plain, 20), ("resilient-cluster", resilient, 8)):
+    for name, factory, examples in (
+        ("cluster", plain, 20),
+        ("cluster-packed", packed, 12),
+        ("resilient-cluster", resilient, 8),
+    ):
         machine = type(f"IndexContract_{name}", (IndexContract,), {"factory": staticmethod(factory)})
         run_state_machine_as_test(
             machine,
