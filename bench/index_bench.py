@@ -212,12 +212,18 @@ async def lookups_under_writes(
 
 
 async def used_memory(client: Client) -> int:
-    """``INFO used_memory``, summed over the primaries of a cluster (after a moment for the
-    replication buffers of the last writes to drain)."""
-    if isinstance(client, RedisCluster):
-        per_node = await client.info("memory", target_nodes=RedisCluster.PRIMARIES)
-        return sum(int(info["used_memory"]) for info in per_node.values())
-    return int((await client.info("memory"))["used_memory"])
+    """``INFO used_memory``, summed over the primaries of a cluster, once the keys of an earlier
+    run (``UNLINK``ed, so freed in the background) are gone: bounded wait."""
+    deadline = time.monotonic() + 10.0
+    while True:
+        if isinstance(client, RedisCluster):
+            infos = list((await client.info("memory", target_nodes=RedisCluster.PRIMARIES)).values())
+        else:
+            infos = [await client.info("memory")]
+        pending = sum(int(i.get("lazyfree_pending_objects", 0)) for i in infos)
+        if pending == 0 or time.monotonic() > deadline:
+            return sum(int(i["used_memory"]) for i in infos)
+        await asyncio.sleep(0.1)
 
 
 async def check_answers(index: BlockIndex, reference: MemoryIndex, work: Workload) -> None:
