@@ -354,8 +354,10 @@ for i = 5, #ARGV, 2 do
           end
           writes[#writes + 1] = name
           writes[#writes + 1] = new
-          bounds[#bounds + 1] = string.format('%d', tick_at(new, 1))
-          bounds[#bounds + 1] = name
+          if not chain or #old == 0 then  -- a chain only raises ticks: other bounds stay valid
+            bounds[#bounds + 1] = string.format('%d', tick_at(new, 1))
+            bounds[#bounds + 1] = name
+          end
         end
         chunked('HSET', h, writes)
         for c = 1, #bounds, 1000 do
