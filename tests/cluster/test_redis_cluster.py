@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 from redis.asyncio.cluster import RedisCluster
 
+from prefixgate.bench import index_bench
 from prefixgate.cachetier import open_index
 from prefixgate.cachetier.index import BlockIndex, StoreOp
 from prefixgate.cachetier.redis_index import RedisIndex
@@ -133,6 +134,22 @@ async def _purge(index: RedisIndex) -> None:
         await index.purge()
     finally:
         await index.close()
+
+
+async def test_index_bench_measures_both_layouts_on_the_cluster(redis_cluster: RedisClusterHarness) -> None:
+    """``bench index --cluster URL --layout zset,packed``: one row per layout, same answers as
+    the in-memory index (the bench checks), and the packed layout well under 100 B/block."""
+    workload = ["--nodes", "2", "--blocks-per-node", "2000", "--sizes", "64,256", "--samples", "20"]
+    args = index_bench.parse_args(
+        ["--redis", "", "--cluster", redis_cluster.url, *workload, "--write-rate", "5000"]
+    )
+    res = await index_bench.run(args)
+    rows = {b.backend: b for b in res.backends}
+    assert set(rows) == {"redis-cluster zset", "redis-cluster packed"}
+    assert all(b.blocks_held == 4000 and b.blocks_per_s > 0 for b in rows.values())
+    packed, zset = rows["redis-cluster packed"].bytes_per_block, rows["redis-cluster zset"].bytes_per_block
+    assert packed is not None and zset is not None and packed < 40 < zset
+    assert rows["redis-cluster packed"].loaded_p99_ms is not None
 
 
 async def test_failover_drill_master_killed_under_load(redis_cluster: RedisClusterHarness) -> None:
