@@ -133,8 +133,10 @@ local st = {{}}
 local function bucket_of(mem) return bucket_in(mem, st.size, st.s) end
 local function nbuckets() return st.size + st.s end
 
+-- A tick's 6 bytes as two short strings (the high 4 change rarely within a store): pushed
+-- next to the member into one table.concat, no per-entry string is built.
 local hi_key, hi_str = nil, nil
-local function entry(mem, tick)
+local function tick_parts(tick)
   local v = tick + OFFSET
   local lo = v % 65536
   local hi = (v - lo) / 65536
@@ -146,7 +148,7 @@ local function entry(mem, tick)
     hi_key, hi_str = hi, string.char(x % 256, b, c, d)
   end
   local l2 = lo % 256
-  return mem .. hi_str .. string.char((lo - l2) / 256, l2)
+  return hi_str, string.char((lo - l2) / 256, l2)
 end
 
 -- redis.call with at most 1000 variable arguments per call (Lua's unpack limit); the replies
@@ -305,11 +307,17 @@ for i = 5, #ARGV, 2 do
           base = redis.call('HINCRBY', m, 'l', -n) + n  -- block j gets base - j: deepest lowest
         end
         local groups, order, seen = {}, {}, {}
+        local size, split = st.size, st.s
         for j = n, 1, -1 do  -- ascending ticks
-          local mem = string.sub(blob, j * 8 - 7, j * 8)
+          local pos = j * 8 - 7
+          local mem = string.sub(blob, pos, pos + 7)
           if not seen[mem] then  -- a hash twice in one chain (never from chained hashes): once
             seen[mem] = true
-            local name = bucket_name(bucket_of(mem))
+            local b1, b2, b3, b4 = string.byte(blob, pos, pos + 3)  -- bucket_of, inlined
+            local v = b1 + 256 * (b2 + 256 * (b3 + 256 * b4))
+            local a = v % size
+            if a < split then a = v % (size * 2) end
+            local name = names[a] or bucket_name(a)
             local g = groups[name]
             if not g then
               g = {}
@@ -324,21 +332,22 @@ for i = 5, #ARGV, 2 do
         local writes, bounds = {}, {}
         for q, name in ipairs(order) do
           local old = blobs[q] or ''
-          local g, parts, cuts = groups[name], {}, {}
+          local g, parts, cuts, np = groups[name], {}, {}, 0
           for x = 1, #g, 2 do
             local mem = g[x]
-            local p = find_entry(old, mem)
-            if chain then
+            local p = string.find(old, mem, 1, true)
+            while p and (p - 1) % ENTRY ~= 0 do p = string.find(old, mem, p + 1, true) end
+            if chain or not p then  -- a fragment: held blocks keep their place
               if p then cuts[#cuts + 1] = p else st.n = st.n + 1 end
-              parts[#parts + 1] = entry(mem, g[x + 1])
-            elseif not p then  -- a fragment: held blocks keep their place
-              st.n = st.n + 1
-              parts[#parts + 1] = entry(mem, g[x + 1])
+              local hi6, lo6 = tick_parts(g[x + 1])
+              parts[np + 1], parts[np + 2], parts[np + 3] = mem, hi6, lo6
+              np = np + 3
             end
           end
           local new
           if not chain then
-            new = table.concat(parts) .. old
+            parts[np + 1] = old
+            new = table.concat(parts)
           elseif #cuts == 0 then
             new = old .. table.concat(parts)
           else  -- the re-touched entries leave their place: one concatenation of what stays
@@ -349,7 +358,7 @@ for i = 5, #ARGV, 2 do
               from = p + ENTRY
             end
             pieces[#pieces + 1] = string.sub(old, from)
-            for _, e in ipairs(parts) do pieces[#pieces + 1] = e end
+            for k = 1, np do pieces[#pieces + 1] = parts[k] end
             new = table.concat(pieces)
           end
           writes[#writes + 1] = name
