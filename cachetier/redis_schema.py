@@ -8,7 +8,7 @@ every gateway sharing a prefix must use the same one. Neither reads the other's 
   blocks), ≈ 104 bytes of Redis memory per block.
 - ``packed``: keys under ``V = P + "v2:"`` (``V{node}:m`` meta, ``V{node}:h`` buckets of packed
   14-byte entries, ``V{node}:z`` bucket bounds, ``Vnodes``); scripts in
-  ``redis_scripts_packed.py``. ≈ 18 bytes per block, writes ≈ 4× the Redis CPU per block.
+  ``redis_scripts_packed.py``. ≈ 18 bytes per block, writes ≈ 3–7× the Redis CPU per block.
 
 ``{node}`` is a Redis Cluster hash tag: all of one node's keys live in one slot. Block hashes
 already embed model, tenant salt and block size (``hashing.py``), so tenants never share a
