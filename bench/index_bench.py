@@ -1,7 +1,12 @@
 """Index benchmark: lookup latency, write throughput and Redis memory per block.
 
-``python -m prefixgate.bench.index_bench [--redis URL] [--json FILE]`` (also ``prefixgate bench index``);
-``--redis`` may name any node of a Redis Cluster (the figures are then the cluster's).
+``python -m prefixgate.bench.index_bench [--redis URL] [--cluster [URL]] [--json FILE]`` (also
+``prefixgate bench index``); ``--redis`` may name any node of a Redis Cluster (the figures are then
+the cluster's); ``--cluster`` adds a Redis Cluster run next to the single Redis one, on the
+cluster at URL or, without one, on a private 3-master, 3-replica loopback cluster started for
+the run (``redis_cluster.py``, the one the cluster tests use), and prints one table of both;
+``--layout`` picks the key layouts measured (both by default: ``zset`` and ``packed``, so the
+two are compared in one run).
 Several nodes each hold a realistic set (background chains plus a random leading part of
 each test prompt), so every lookup binary-searches real, large sets. Redis runs use a
 private key prefix and delete their keys afterwards. Targets: Redis lookup p99 <= 2 ms at
@@ -25,6 +30,7 @@ from redis.asyncio.cluster import RedisCluster
 from rich.console import Console
 from rich.table import Table
 
+from prefixgate.bench.redis_cluster import RedisClusterHarness
 from prefixgate.cachetier.index import BlockIndex, StoreOp
 from prefixgate.cachetier.memory import MemoryIndex
 from prefixgate.cachetier.redis_index import Client, RedisIndex
@@ -34,6 +40,7 @@ from prefixgate.cachetier.writer import IndexWriter
 TARGET_REDIS_P99_MS = 2.0
 TARGET_MEMORY_P99_MS = 0.2
 TARGET_BYTES_PER_BLOCK = 100.0
+START_CLUSTER = "start"  # --cluster without a URL
 
 
 @dataclass(slots=True)
@@ -58,6 +65,23 @@ class WriteRow:
 
 
 @dataclass(slots=True)
+class BackendRow:
+    """One Redis deployment's figures, side by side in the comparison table."""
+
+    backend: str
+    lookup_p50_ms: float = 0.0
+    lookup_p99_ms: float = 0.0
+    lookup_blocks: int = 0
+    blocks_per_s: float = 0.0
+    loaded_p50_ms: float | None = None
+    loaded_p99_ms: float | None = None
+    bytes_per_block: float | None = None
+    bytes_per_block_info: float | None = None
+    blocks_held: int = 0
+    encoding: str = ""
+
+
+@dataclass(slots=True)
 class Results:
     nodes: int
     blocks_per_node: int
@@ -67,6 +91,7 @@ class Results:
     redis_bytes_per_block_info: float | None = None
     redis_blocks_held: int = 0
     redis_encoding: str = ""
+    backends: list[BackendRow] = field(default_factory=list)
     targets: dict[str, bool] = field(default_factory=dict)
 
 
@@ -187,11 +212,18 @@ async def lookups_under_writes(
 
 
 async def used_memory(client: Client) -> int:
-    """``INFO used_memory``, summed over the primaries of a cluster."""
-    if isinstance(client, RedisCluster):
-        per_node = await client.info("memory", target_nodes=RedisCluster.PRIMARIES)
-        return sum(int(info["used_memory"]) for info in per_node.values())
-    return int((await client.info("memory"))["used_memory"])
+    """``INFO used_memory``, summed over the primaries of a cluster, once the keys of an earlier
+    run (``UNLINK``ed, so freed in the background) are gone: bounded wait."""
+    deadline = time.monotonic() + 10.0
+    while True:
+        if isinstance(client, RedisCluster):
+            infos = list((await client.info("memory", target_nodes=RedisCluster.PRIMARIES)).values())
+        else:
+            infos = [await client.info("memory")]
+        pending = sum(int(i.get("lazyfree_pending_objects", 0)) for i in infos)
+        if pending == 0 or time.monotonic() > deadline:
+            return sum(int(i["used_memory"]) for i in infos)
+        await asyncio.sleep(0.1)
 
 
 async def check_answers(index: BlockIndex, reference: MemoryIndex, work: Workload) -> None:
@@ -200,6 +232,57 @@ async def check_answers(index: BlockIndex, reference: MemoryIndex, work: Workloa
             got, want = await index.lookup(p, work.nodes), await reference.lookup(p, work.nodes)
             if got != want:
                 raise SystemExit(f"lookup mismatch between {index.backend} and memory: {got} != {want}")
+
+
+async def run_redis(
+    url: str,
+    layout: str,
+    work: Workload,
+    memory: MemoryIndex,
+    args: argparse.Namespace,
+    rng: random.Random,
+    res: Results,
+) -> BackendRow:
+    """Populate, check and measure one Redis deployment (single or Cluster) and key layout
+    under a private prefix."""
+    capacity = args.blocks_per_node * 2
+    rindex = RedisIndex.from_url(url, prefix=f"prefixgate-bench-{uuid.uuid4().hex[:8]}:", layout=layout)
+    client = await rindex.connected()  # single Redis or Cluster, as the server says
+    name = f"{'redis-cluster' if rindex.cluster else 'redis'} {layout}"
+    row = BackendRow(name)
+    before = await used_memory(client)
+    try:
+        wrow = await populate(rindex, name, work, capacity)
+        res.writes.append(wrow)
+        row.blocks_per_s = wrow.blocks_per_s
+        await asyncio.sleep(0.5)
+        after = await used_memory(client)
+        await check_answers(rindex, memory, work)
+        lookups = await measure_lookups(rindex, name, work, args.samples, rng)
+        res.lookups += lookups
+        big = lookups[-1]
+        row.lookup_p50_ms, row.lookup_p99_ms, row.lookup_blocks = big.p50_ms, big.p99_ms, big.blocks
+        resilient = ResilientIndex(rindex, mirror=False, lookup_timeout=0.05)
+        res.lookups += await measure_lookups(resilient, f"{name}+resilient", work, args.samples, rng)
+        if args.write_rate > 0:
+            loaded = await lookups_under_writes(rindex, name, work, args.samples, rng, args.write_rate)
+            res.lookups.append(loaded)
+            row.loaded_p50_ms, row.loaded_p99_ms = loaded.p50_ms, loaded.p99_ms
+        usage = held = 0
+        encodings: set[str] = set()
+        for node in work.nodes:
+            node_usage, node_held, encoding = await rindex.memory_usage(node)
+            usage += node_usage
+            held += node_held
+            encodings.add(encoding)
+        row.blocks_held = held
+        row.encoding = encodings.pop() if len(encodings) == 1 else "mixed"
+        row.bytes_per_block = usage / held if held else None
+        row.bytes_per_block_info = (after - before) / held if held else None
+    finally:
+        await rindex.purge()
+        await rindex.close()
+    return row
 
 
 async def run(args: argparse.Namespace) -> Results:
@@ -213,35 +296,28 @@ async def run(args: argparse.Namespace) -> Results:
     res.writes.append(await populate(memory, "memory", work, capacity))
     res.lookups += await measure_lookups(memory, "memory", work, args.samples, rng)
 
-    if args.redis:
-        rindex = RedisIndex.from_url(args.redis, prefix=f"prefixgate-bench-{uuid.uuid4().hex[:8]}:")
-        client = await rindex.connected()  # single Redis or Cluster, as the server says
-        name = "redis-cluster" if rindex.cluster else "redis"
-        before = await used_memory(client)
-        try:
-            res.writes.append(await populate(rindex, name, work, capacity))
-            after = await used_memory(client)
-            await check_answers(rindex, memory, work)
-            res.lookups += await measure_lookups(rindex, name, work, args.samples, rng)
-            resilient = ResilientIndex(rindex, mirror=False, lookup_timeout=0.05)
-            res.lookups += await measure_lookups(resilient, f"{name}+resilient", work, args.samples, rng)
-            if args.write_rate > 0:
-                row = await lookups_under_writes(rindex, name, work, args.samples, rng, args.write_rate)
-                res.lookups.append(row)
-            usage = 0
-            held = 0
-            for node in work.nodes:
-                key = rindex.keys.blocks(node)
-                usage += int(await client.memory_usage(key, samples=0) or 0)
-                held += int(await client.zcard(key))
-                enc = await client.object("encoding", key)
-                res.redis_encoding = enc.decode() if isinstance(enc, bytes) else str(enc)
-            res.redis_blocks_held = held
-            res.redis_bytes_per_block = usage / held if held else None
-            res.redis_bytes_per_block_info = (after - before) / held if held else None
-        finally:
-            await rindex.purge()
-            await rindex.close()
+    urls = [args.redis] if args.redis else []
+    harness: RedisClusterHarness | None = None
+    if args.cluster == START_CLUSTER:
+        harness = RedisClusterHarness().start()
+        urls.append(harness.url)
+    elif args.cluster:
+        urls.append(args.cluster)
+    layouts = [x.strip() for x in args.layout.split(",") if x.strip()]
+    try:
+        for url in urls:
+            for layout in layouts:
+                res.backends.append(await run_redis(url, layout, work, memory, args, rng, res))
+    finally:
+        if harness is not None:
+            harness.stop()
+    if res.backends:
+        first = res.backends[0]
+        res.redis_bytes_per_block, res.redis_bytes_per_block_info = (
+            first.bytes_per_block,
+            first.bytes_per_block_info,
+        )
+        res.redis_blocks_held, res.redis_encoding = first.blocks_held, first.encoding
 
     def p99(backend: str, size: int) -> float | None:
         return next((r.p99_ms for r in res.lookups if r.backend == backend and r.blocks == size), None)
@@ -252,16 +328,17 @@ async def run(args: argparse.Namespace) -> Results:
         res.targets[f"memory lookup p99 <= {TARGET_MEMORY_P99_MS} ms @ {big}"] = (
             mem_p99 <= TARGET_MEMORY_P99_MS
         )
-    for name in ("redis", "redis-cluster"):
-        red_p99 = p99(name, big)
+    for b in res.backends:
+        red_p99 = p99(b.backend, big)
         if red_p99 is not None:
-            res.targets[f"{name} lookup p99 <= {TARGET_REDIS_P99_MS} ms @ {big}"] = (
+            res.targets[f"{b.backend} lookup p99 <= {TARGET_REDIS_P99_MS} ms @ {big}"] = (
                 red_p99 <= TARGET_REDIS_P99_MS
             )
-    if res.redis_bytes_per_block is not None:
-        res.targets[f"redis <= {TARGET_BYTES_PER_BLOCK:.0f} B/block"] = (
-            res.redis_bytes_per_block <= TARGET_BYTES_PER_BLOCK
-        )
+    for b in res.backends:
+        if b.bytes_per_block is not None:
+            res.targets[f"{b.backend} <= {TARGET_BYTES_PER_BLOCK:.0f} B/block"] = (
+                b.bytes_per_block <= TARGET_BYTES_PER_BLOCK
+            )
     return res
 
 
@@ -293,14 +370,51 @@ def render(res: Results, console: Console) -> None:
             str(x.dropped),
         )
     console.print(w)
-    if res.redis_bytes_per_block is not None:
-        info = res.redis_bytes_per_block_info or 0.0
-        console.print(
-            f"redis memory: {res.redis_bytes_per_block:.1f} B/block (MEMORY USAGE, {res.redis_encoding}), "
-            f"{info:.1f} B/block (INFO used_memory delta), {res.redis_blocks_held:,} blocks held"
-        )
+    for b in res.backends:
+        if b.bytes_per_block is not None:
+            info = b.bytes_per_block_info or 0.0
+            console.print(
+                f"{b.backend} memory: {b.bytes_per_block:.1f} B/block (MEMORY USAGE, {b.encoding}), "
+                f"{info:.1f} B/block (INFO used_memory delta), {b.blocks_held:,} blocks held"
+            )
+    if len(res.backends) > 1:
+        console.print(comparison(res))
     for name, ok in res.targets.items():
         console.print(f"{'PASS' if ok else 'MISS'}  {name}")
+
+
+def comparison(res: Results) -> Table:
+    """One table: every Redis deployment measured in this run, side by side."""
+
+    def ms(v: float | None) -> str:
+        return f"{v:.2f}" if v is not None else "-"
+
+    def bpb(v: float | None) -> str:
+        return f"{v:.1f}" if v is not None else "-"
+
+    t = Table(title="Redis deployments and key layouts side by side (same workload, same run)")
+    t.add_column("")
+    for b in res.backends:
+        t.add_column(b.backend, justify="right")
+    size = max((b.lookup_blocks for b in res.backends), default=0)
+    rows: list[tuple[str, list[str]]] = [
+        (
+            f"lookup p50 / p99 ms @ {size:,} blocks",
+            [f"{ms(b.lookup_p50_ms)} / {ms(b.lookup_p99_ms)}" for b in res.backends],
+        ),
+        ("writes (blocks/s, IndexWriter)", [f"{b.blocks_per_s:,.0f}" for b in res.backends]),
+        (
+            "lookup p50 / p99 ms under write load",
+            [f"{ms(b.loaded_p50_ms)} / {ms(b.loaded_p99_ms)}" for b in res.backends],
+        ),
+        (
+            "B/block (MEMORY USAGE / INFO delta)",
+            [f"{bpb(b.bytes_per_block)} / {bpb(b.bytes_per_block_info)}" for b in res.backends],
+        ),
+    ]
+    for label, cells in rows:
+        t.add_row(label, *cells)
+    return t
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -311,6 +425,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="Redis URL; '' to skip Redis")
+    ap.add_argument(
+        "--cluster",
+        nargs="?",
+        const=START_CLUSTER,
+        default="",
+        metavar="URL",
+        help="also run on a Redis Cluster: any node's URL, or none to start a private loopback cluster",
+    )
+    ap.add_argument(
+        "--layout",
+        default="zset,packed",
+        help="Redis key layouts to measure, comma-separated: zset (default layout), packed",
+    )
     ap.add_argument("--nodes", type=int, default=6)
     ap.add_argument("--blocks-per-node", type=int, default=50_000)
     ap.add_argument("--sizes", default="64,1024,8192", help="prompt lengths in blocks")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefixgate.cachetier.index import DEFAULT_CAPACITY_BLOCKS, BlockIndex
 from prefixgate.cachetier.memory import MemoryIndex
 from prefixgate.cachetier.redis_index import DEFAULT_TTL_SECONDS, RedisIndex
-from prefixgate.cachetier.redis_schema import DEFAULT_PREFIX
+from prefixgate.cachetier.redis_schema import DEFAULT_LAYOUT, DEFAULT_PREFIX
 from prefixgate.cachetier.resilient import ResilientIndex, ResyncHook
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -15,6 +15,7 @@ def open_index(
     url: str | None,
     *,
     prefix: str = DEFAULT_PREFIX,
+    layout: str = DEFAULT_LAYOUT,
     default_capacity: int = DEFAULT_CAPACITY_BLOCKS,
     ttl_seconds: int = DEFAULT_TTL_SECONDS,
     lookup_timeout: float = 0.005,
@@ -39,6 +40,7 @@ def open_index(
         max_connections=max_connections,
         timeout=call_timeout,
         prefix=prefix,
+        layout=layout,
         default_capacity=default_capacity,
         ttl_seconds=ttl_seconds,
     )

@@ -1,12 +1,14 @@
 """Redis implementation of ``BlockIndex``: one index shared by every gateway replica.
 
-Key schema and scripts: ``redis_schema.py`` and ``cachetier/README.md``. Runs on a single Redis
-or a Redis Cluster, told apart by asking the server (``INFO cluster``) on first use:
+Key schema: ``redis_schema.py``; scripts of the two layouts (``zset``, the default, and
+``packed``): ``redis_scripts_zset.py``, ``redis_scripts_packed.py``; see ``cachetier/README.md``.
+Runs on a single Redis or a Redis Cluster, told apart by asking the server (``INFO cluster``)
+on first use:
 
 - single Redis: a lookup is one EVALSHA (one round trip) that binary-searches every node's
-  ZSET; a store batch is one MULTI/EXEC holding one script call per node, so no half-written
+  blocks; a store batch is one MULTI/EXEC holding one script call per node, so no half-written
   batch is ever visible;
-- Cluster: a lookup is one EVALSHA per shard (its nodes' ZSETs, the prompt's hashes once), to
+- Cluster: a lookup is one EVALSHA per shard (its nodes' keys, the prompt's hashes once), to
   all shards in parallel: one round trip; a store batch is one script call per
   node (a node's keys share a hash tag, so each node's part is atomic; a batch spanning nodes
   is not). ``MOVED``/``ASK``/failover are the cluster client's; ``NOSCRIPT`` is reloaded here.
@@ -31,15 +33,13 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, SlotNotCoveredError
 
+from prefixgate.cachetier import redis_scripts_packed, redis_scripts_zset
 from prefixgate.cachetier.index import DEFAULT_CAPACITY_BLOCKS, IndexStats, NodeOccupancy, StoreOp
 from prefixgate.cachetier.redis_schema import (
+    DEFAULT_LAYOUT,
     DEFAULT_PREFIX,
-    EPOCH_LUA,
-    LOOKUP_LUA,
-    LOOKUP_SHARD_LUA,
-    SET_CAPACITY_LUA,
-    STORE_LUA,
     KeySchema,
+    entries,
     pack_hash,
     pack_hashes,
     unpack_hash,
@@ -95,6 +95,7 @@ class RedisIndex:
         client: Client,
         *,
         prefix: str = DEFAULT_PREFIX,
+        layout: str = DEFAULT_LAYOUT,
         default_capacity: int = DEFAULT_CAPACITY_BLOCKS,
         ttl_seconds: int = DEFAULT_TTL_SECONDS,
         nodes_refresh: float = 1.0,
@@ -107,7 +108,7 @@ class RedisIndex:
         if ttl_seconds <= 0:
             raise ValueError("ttl_seconds must be positive")
         self.client: Client = client
-        self.keys = KeySchema(prefix)
+        self.keys = KeySchema(prefix, layout)
         self.default_capacity = max(0, default_capacity)
         self.ttl_seconds = ttl_seconds
         self.nodes_refresh = nodes_refresh
@@ -117,7 +118,8 @@ class RedisIndex:
         self._timeout = timeout
         self._mode_known = isinstance(client, RedisCluster) or url is None
         self._mode_lock: asyncio.Lock | None = None
-        self._scripts = {name: (text, _sha1(text)) for name, text in _SCRIPTS.items()}
+        scripts = _PACKED_SCRIPTS if self.keys.packed else _ZSET_SCRIPTS
+        self._scripts = {name: (text, _sha1(text)) for name, text in scripts.items()}
         self._known: set[str] = set()
         self._known_at = float("-inf")
         self._epochs: dict[str, bytes] = {}  # node -> epoch last seen
@@ -174,7 +176,7 @@ class RedisIndex:
         client = await self.connected()
         if isinstance(client, RedisCluster):
             return await self._lookup_by_shard(client, names, blob)
-        keys = [self.keys.blocks(n) for n in names]
+        keys = [self.keys.lookup_key(n) for n in names]
         runs = await self._eval(client, "lookup", keys, [blob])
         return {n: int(r) for n, r in zip(names, runs, strict=True)}
 
@@ -183,14 +185,14 @@ class RedisIndex:
         sent once per shard."""
         shards: dict[str, tuple[ClusterNode, list[str]]] = {}
         for n in names:
-            primary = client.get_node_from_key(self.keys.blocks(n))
+            primary = client.get_node_from_key(self.keys.lookup_key(n))
             if primary is None:
                 raise SlotNotCoveredError(f"no primary serves node {n!r}")
             shards.setdefault(primary.name, (primary, []))[1].append(n)
         runs: dict[str, int] = {}
 
         async def on_shard(primary: ClusterNode, nodes: list[str]) -> None:
-            keys = [self.keys.blocks(n) for n in nodes]
+            keys = [self.keys.lookup_key(n) for n in nodes]
             text, sha = self._scripts["lookup_shard"]
             try:
                 res = await client.execute_command("EVALSHA", sha, 0, blob, *keys, target_nodes=primary)
@@ -215,8 +217,29 @@ class RedisIndex:
 
     async def node_hashes(self, node: str) -> set[int]:
         client = await self.connected()
-        members = await client.zrange(self.keys.blocks(node), 0, -1)
-        return {unpack_hash(_bytes(m)) for m in members}
+        if not self.keys.packed:
+            members = await client.zrange(self.keys.blocks(node), 0, -1)
+            return {unpack_hash(_bytes(m)) for m in members}
+        buckets = await client.hvals(self.keys.blocks(node))
+        return {unpack_hash(m) for b in buckets for m in entries(_bytes(b))}
+
+    async def memory_usage(self, node: str) -> tuple[int, int, str]:
+        """(bytes, blocks, encoding of its blocks key): ``MEMORY USAGE`` summed over the node's
+        block keys (zset: the block ZSET; packed: buckets, bounds and meta), blocks held."""
+        client = await self.connected()
+        keys = self.keys.node_keys(node) if self.keys.packed else [self.keys.blocks(node)]
+        pipe = client.pipeline(transaction=False)
+        for k in keys:
+            pipe.memory_usage(k, samples=0)
+        if self.keys.packed:
+            pipe.hget(self.keys.meta(node), "n")
+        else:
+            pipe.zcard(self.keys.blocks(node))
+        pipe.object("encoding", self.keys.blocks(node))
+        raw = await pipe.execute()
+        usage = sum(int(v or 0) for v in raw[: len(keys)])
+        enc = raw[-1]
+        return usage, int(raw[-2] or 0), enc.decode() if isinstance(enc, bytes) else str(enc or "")
 
     async def stats(self) -> IndexStats:
         self._known_at = float("-inf")
@@ -224,13 +247,17 @@ class RedisIndex:
         client = await self.connected()
         pipe = client.pipeline(transaction=False)
         for n in names:
-            pipe.zcard(self.keys.blocks(n))
-            pipe.hget(self.keys.meta(n), "c")
+            if self.keys.packed:
+                pipe.hmget(self.keys.meta(n), ["n", "c"])
+            else:
+                pipe.zcard(self.keys.blocks(n))
+                pipe.hget(self.keys.meta(n), "c")
         raw = await pipe.execute()
+        pairs = raw if self.keys.packed else list(zip(raw[0::2], raw[1::2], strict=True))
         occ: dict[str, NodeOccupancy] = {}
-        for i, n in enumerate(names):
-            cap = raw[2 * i + 1]
-            occ[n] = NodeOccupancy(n, int(raw[2 * i]), int(cap) if cap is not None else self.default_capacity)
+        for n, (held, cap) in zip(names, pairs, strict=True):
+            blocks = int(held) if held is not None else 0
+            occ[n] = NodeOccupancy(n, blocks, int(cap) if cap is not None else self.default_capacity)
         return IndexStats(self.backend, sum(o.blocks for o in occ.values()), occ)
 
     async def ping(self) -> None:
@@ -293,7 +320,7 @@ class RedisIndex:
                 op = ops[i]
                 args.append(pack_hash(op.parent) if op.parent else b"")
                 args.append(pack_hashes(op.hashes))
-            calls.append(("store", [self.keys.blocks(node), self.keys.meta(node)], args))
+            calls.append(("store", self._node_keys(node), args))
         results = await self._write_calls(calls, register=list(by_node))
         out = [False] * len(ops)
         for (node, idx), res in zip(by_node.items(), results, strict=True):
@@ -306,9 +333,7 @@ class RedisIndex:
         args = self._store_head(node, "r")
         for chain in chains:
             args += [b"", pack_hashes(chain)]
-        res = await self._write_calls(
-            [("store", [self.keys.blocks(node), self.keys.meta(node)], args)], register=[node]
-        )
+        res = await self._write_calls([("store", self._node_keys(node), args)], register=[node])
         self._epochs.pop(node, None)  # a replaced node is whole again, whatever its epoch was
         self._lost.discard(node)
         self._saw_epoch(node, res[0][-1])
@@ -316,9 +341,7 @@ class RedisIndex:
     async def set_capacity(self, node: str, blocks: int) -> None:
         blocks = max(0, blocks)
         args = [blocks, self.ttl_seconds, _new_epoch()]
-        res = await self._write_calls(
-            [("set_capacity", [self.keys.blocks(node), self.keys.meta(node)], args)], register=[node]
-        )
+        res = await self._write_calls([("set_capacity", self._node_keys(node), args)], register=[node])
         self._capacity[node] = blocks
         self._saw_epoch(node, res[0])
 
@@ -326,8 +349,11 @@ class RedisIndex:
         members = list(dict.fromkeys(pack_hash(h) for h in hashes))
         if not members:
             return 0
-        key = self.keys.blocks(node)
         client = await self.connected()
+        if self.keys.packed:
+            call = ("remove", self._node_keys(node), [self.ttl_seconds, b"".join(members)])
+            return int((await self._pipeline_scripts(client, [call]))[0])
+        key = self.keys.blocks(node)
         pipe = client.pipeline(transaction=True)  # one slot: a transaction on Cluster too
         for i in range(0, len(members), _REMOVE_CHUNK):
             pipe.zrem(key, *members[i : i + _REMOVE_CHUNK])
@@ -338,6 +364,8 @@ class RedisIndex:
 
     async def clear_node(self, node: str) -> int:
         client = await self.connected()
+        if self.keys.packed:
+            return int((await self._pipeline_scripts(client, [("clear", self._node_keys(node), [])]))[0])
         pipe = client.pipeline(transaction=True)
         pipe.zcard(self.keys.blocks(node))
         pipe.delete(self.keys.blocks(node))
@@ -358,11 +386,28 @@ class RedisIndex:
         self._epochs.clear()
         return n
 
+    async def purge_other_layout(self) -> int:
+        """Delete the keys the other layout left under this prefix (after switching layouts;
+        they would expire by their TTL anyway, and nothing here reads them)."""
+        client = await self.connected()
+        keys = [k async for k in client.scan_iter(match=self.keys.pattern, count=1000)]
+        old = [k for k in keys if self.keys.of_other_layout(k.decode() if isinstance(k, bytes) else str(k))]
+        n = 0
+        for i in range(0, len(old), 1000):
+            pipe = client.pipeline(transaction=False)
+            for k in old[i : i + 1000]:
+                pipe.execute_command("UNLINK", k)
+            n += sum(int(r) for r in await pipe.execute())
+        return n
+
     async def close(self) -> None:
         if self._owns_client:
             await self.client.aclose()
 
     # -- plumbing ------------------------------------------------------------------------
+
+    def _node_keys(self, node: str) -> list[str]:
+        return self.keys.node_keys(node)
 
     def _store_head(self, node: str, mode: str) -> list[bytes | str | int]:
         cap = self._capacity.get(node, self.default_capacity)
@@ -448,10 +493,19 @@ def _sha1(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()
 
 
-_SCRIPTS = {
-    "lookup": LOOKUP_LUA,
-    "lookup_shard": LOOKUP_SHARD_LUA,
-    "store": STORE_LUA,
-    "set_capacity": SET_CAPACITY_LUA,
-    "epoch": EPOCH_LUA,
+_ZSET_SCRIPTS = {
+    "lookup": redis_scripts_zset.LOOKUP_LUA,
+    "lookup_shard": redis_scripts_zset.LOOKUP_SHARD_LUA,
+    "store": redis_scripts_zset.STORE_LUA,
+    "set_capacity": redis_scripts_zset.SET_CAPACITY_LUA,
+    "epoch": redis_scripts_zset.EPOCH_LUA,
+}
+_PACKED_SCRIPTS = {
+    "lookup": redis_scripts_packed.LOOKUP_LUA,
+    "lookup_shard": redis_scripts_packed.LOOKUP_SHARD_LUA,
+    "store": redis_scripts_packed.STORE_LUA,
+    "set_capacity": redis_scripts_packed.SET_CAPACITY_LUA,
+    "remove": redis_scripts_packed.REMOVE_LUA,
+    "clear": redis_scripts_packed.CLEAR_LUA,
+    "epoch": redis_scripts_packed.EPOCH_LUA,
 }

@@ -1,20 +1,18 @@
-"""Key schema and Lua scripts of the Redis index (pure: names and text, no I/O).
+"""Key schema of the Redis index, for both layouts (pure: names and packing, no I/O).
 
-Keys, under a configurable prefix ``P`` (``prefixgate:`` by default); ``{node}`` is a Redis Cluster
-hash tag, so all of one node's keys live in one slot:
+Two layouts, chosen per deployment (``RedisIndex(layout=...)``, ``open_index(layout=...)``);
+every gateway sharing a prefix must use the same one. Neither reads the other's keys.
 
-- ``P{node}:z`` — ZSET, one member per block the node holds: the block hash as 8 bytes
-  little-endian; score = the node's LRU tick (higher = more recent), so ZSET order is LRU order.
-- ``P{node}:m`` — HASH: ``c`` capacity in blocks, ``t`` the rising LRU tick (chains from the
-  root), ``l`` the falling tick (fragments enter as least recent), ``e`` the node's epoch: a
-  random token written when the hash is created. A client that saw another token (or none)
-  knows the node's data was lost (Redis restarted empty, flushed, keys expired) and resyncs it.
-- ``Pnodes`` — ZSET registry of known nodes: member = node name, score = unix time of the last
-  write; entries older than the TTL are ignored and pruned.
+- ``zset`` (default): one skiplist ZSET per node (``P{node}:z``, meta ``P{node}:m``, registry
+  ``Pnodes``); scripts in ``redis_scripts_zset.py``. Fastest writes (one ``ZADD`` per ~500
+  blocks), ≈ 104 bytes of Redis memory per block.
+- ``packed``: keys under ``V = P + "v2:"`` (``V{node}:m`` meta, ``V{node}:h`` buckets of packed
+  14-byte entries, ``V{node}:z`` bucket bounds, ``Vnodes``); scripts in
+  ``redis_scripts_packed.py``. ≈ 18 bytes per block, writes ≈ 3–7× the Redis CPU per block.
 
-Every write refreshes the TTL of the keys it touches, so an abandoned node's keys expire.
-Block hashes already embed model, tenant salt and block size (see ``hashing.py``), so tenants
-never share a member even though they share the keys of a node.
+``{node}`` is a Redis Cluster hash tag: all of one node's keys live in one slot. Block hashes
+already embed model, tenant salt and block size (``hashing.py``), so tenants never share a
+member even though they share the keys of a node. See ``cachetier/README.md``.
 """
 
 from __future__ import annotations
@@ -24,6 +22,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 DEFAULT_PREFIX = "prefixgate:"
+LAYOUTS = ("zset", "packed")
+DEFAULT_LAYOUT = "zset"
+PACKED_VERSION = "v2:"  # the packed layout's keys live under P + "v2:"
+BUCKET_FILL = 64  # average blocks per bucket before a split (a bucket is a ~0.9 KB string)
+ENTRY_BYTES = 14  # 8-byte hash + 6-byte tick
 
 _LE64 = struct.Struct("<Q")
 
@@ -42,159 +45,76 @@ def unpack_hash(member: bytes) -> int:
     return value
 
 
+def entries(bucket: bytes) -> list[bytes]:
+    """The 8-byte members of a bucket's packed entries (each followed by its 6-byte tick)."""
+    return [bucket[i : i + 8] for i in range(0, len(bucket), ENTRY_BYTES)]
+
+
+def bucket_of(h: int, level: int, split: int) -> int:
+    """Linear hashing: the bucket of hash ``h`` among ``2**level + split`` buckets."""
+    low = h & 0xFFFFFFFF
+    a = low % (1 << level)
+    return low % (2 << level) if a < split else a
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + ch if ch in "*?[]\\" else ch for ch in text)
+
+
 @dataclass(frozen=True, slots=True)
 class KeySchema:
     prefix: str = DEFAULT_PREFIX
+    layout: str = DEFAULT_LAYOUT
 
     def __post_init__(self) -> None:
         if "{" in self.prefix or "}" in self.prefix:
             raise ValueError("the key prefix must not contain '{' or '}' (they are the node's hash tag)")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown index layout {self.layout!r}: one of {', '.join(LAYOUTS)}")
 
-    def blocks(self, node: str) -> str:
-        return f"{self.prefix}{{{node}}}:z"
+    @property
+    def packed(self) -> bool:
+        return self.layout == "packed"
+
+    @property
+    def versioned(self) -> str:
+        """The prefix of this layout's keys."""
+        return self.prefix + PACKED_VERSION if self.packed else self.prefix
 
     def meta(self, node: str) -> str:
-        return f"{self.prefix}{{{node}}}:m"
+        return f"{self.versioned}{{{node}}}:m"
+
+    def blocks(self, node: str) -> str:
+        """zset: the node's block ZSET; packed: its HASH of buckets."""
+        return f"{self.versioned}{{{node}}}:{'h' if self.packed else 'z'}"
+
+    def order(self, node: str) -> str:
+        """packed: the node's ZSET of buckets by (a lower bound of) their least recent tick."""
+        return f"{self.versioned}{{{node}}}:z"
+
+    def node_keys(self, node: str) -> list[str]:
+        """Every key of one node, in the order the write scripts take them."""
+        if self.packed:
+            return [self.meta(node), self.blocks(node), self.order(node)]
+        return [self.blocks(node), self.meta(node)]
+
+    def lookup_key(self, node: str) -> str:
+        """The key the lookup scripts are given for a node."""
+        return self.meta(node) if self.packed else self.blocks(node)
 
     @property
     def registry(self) -> str:
-        return f"{self.prefix}nodes"
+        return f"{self.versioned}nodes"
 
     @property
     def pattern(self) -> str:
-        """SCAN pattern matching every key of this prefix (glob characters escaped)."""
-        out = []
-        for ch in self.prefix:
-            out.append("\\" + ch if ch in "*?[]\\" else ch)
-        return "".join(out) + "*"
+        """SCAN pattern matching every key of this prefix, any layout (glob characters escaped)."""
+        return _glob_escape(self.prefix) + "*"
 
-
-# Leading run per node by binary search over the prompt's blob (prefix-closed sets).
-# ``blob``: packed hashes; ``zsets``: the nodes' block ZSETs. Returns one integer per ZSET.
-_LOOKUP_BODY = """
-local n = #blob / 8
-local out = {}
-for k = 1, #zsets do
-  local z = zsets[k]
-  local run = 0
-  if n > 0 and redis.call('ZSCORE', z, string.sub(blob, 1, 8)) then
-    local lo, hi = 1, n
-    while lo < hi do
-      local mid = math.floor((lo + hi + 1) / 2)
-      if redis.call('ZSCORE', z, string.sub(blob, mid * 8 - 7, mid * 8)) then
-        lo = mid
-      else
-        hi = mid - 1
-      end
-    end
-    run = lo
-  end
-  out[k] = run
-end
-return out
-"""
-
-# Single Redis: KEYS the nodes' block ZSETs, ARGV[1] packed hashes.
-LOOKUP_LUA = "local blob = ARGV[1]\nlocal zsets = KEYS\n" + _LOOKUP_BODY
-
-# Cluster, one call per shard: ARGV[1] packed hashes, ARGV[2..] the block ZSETs of the nodes
-# whose slots this shard serves (several slots: they cannot be declared as KEYS, and a key of
-# another shard fails the call, which the caller treats like any failed lookup).
-LOOKUP_SHARD_LUA = (
-    "#!lua flags=no-writes,allow-cross-slot-keys\nlocal blob = ARGV[1]\nlocal zsets = {unpack(ARGV, 2)}\n"
-    + _LOOKUP_BODY
-)
-
-# Store chains on one node, in order; mirrors ``NodeBlocks.store`` exactly.
-# A chain from the root takes scores from the rising tick ``t`` (touched in reverse, root last);
-# a fragment after a parent adds only its new blocks, below every score, from the falling tick ``l``.
-# KEYS[1] block ZSET, KEYS[2] meta HASH.
-# ARGV[1] capacity if the node has none yet, ARGV[2] TTL seconds, ARGV[3] 'r' = replace (clear
-# first) or 's', ARGV[4] epoch token if the node has none yet, ARGV[5..] pairs (parent member or
-# '' for the root, packed chain). Returns 1/0 per pair, then the node's epoch.
-STORE_LUA = """
-local z, m = KEYS[1], KEYS[2]
-redis.call('HSETNX', m, 'c', ARGV[1])
-redis.call('HSETNX', m, 'e', ARGV[4])
-local cap = tonumber(redis.call('HGET', m, 'c'))
-if ARGV[3] == 'r' then redis.call('DEL', z) end
-local out = {}
-local function zadd(flag, args)
-  if flag then
-    redis.call('ZADD', z, flag, unpack(args))
-  else
-    redis.call('ZADD', z, unpack(args))
-  end
-end
-for i = 5, #ARGV, 2 do
-  local parent, blob = ARGV[i], ARGV[i + 1]
-  if parent ~= '' and not redis.call('ZSCORE', z, parent) then
-    out[#out + 1] = 0
-  else
-    out[#out + 1] = 1
-    if cap > 0 then
-      local n = math.min(#blob / 8, cap)
-      local protect = 0
-      if n > 0 then
-        local args = {}
-        local flag = nil
-        if parent == '' then
-          -- touch in reverse (root last): a parent is always more recent than its children
-          local top = redis.call('HINCRBY', m, 't', n)
-          local score = top - n
-          for j = n, 1, -1 do
-            score = score + 1
-            args[#args + 1] = string.format('%d', score)
-            args[#args + 1] = string.sub(blob, j * 8 - 7, j * 8)
-            if #args >= 1000 then zadd(flag, args); args = {} end
-          end
-          protect = n
-        else
-          -- new blocks enter as the least recent, deepest lowest; held ones keep their score
-          flag = 'NX'
-          local low = redis.call('HINCRBY', m, 'l', -n)
-          local score = low + n
-          for j = 1, n do
-            score = score - 1
-            args[#args + 1] = string.format('%d', score)
-            args[#args + 1] = string.sub(blob, j * 8 - 7, j * 8)
-            if #args >= 1000 then zadd(flag, args); args = {} end
-          end
-        end
-        if #args > 0 then zadd(flag, args) end
-      end
-      -- evict least recent first (leaves before parents), never the chain just stored
-      local size = redis.call('ZCARD', z)
-      local k = math.min(size - cap, size - protect)
-      if k > 0 then redis.call('ZPOPMIN', z, k) end
-    end
-  end
-end
-redis.call('EXPIRE', z, ARGV[2])
-redis.call('EXPIRE', m, ARGV[2])
-out[#out + 1] = redis.call('HGET', m, 'e')
-return out
-"""
-
-# KEYS[1] block ZSET, KEYS[2] meta HASH; ARGV[1] capacity (>= 0), ARGV[2] TTL seconds,
-# ARGV[3] epoch token if the node has none yet. Returns the node's epoch.
-SET_CAPACITY_LUA = """
-local z, m = KEYS[1], KEYS[2]
-local cap = tonumber(ARGV[1])
-redis.call('HSET', m, 'c', cap)
-redis.call('HSETNX', m, 'e', ARGV[3])
-local k = redis.call('ZCARD', z) - cap
-if k > 0 then redis.call('ZPOPMIN', z, k) end
-redis.call('EXPIRE', z, ARGV[2])
-redis.call('EXPIRE', m, ARGV[2])
-return redis.call('HGET', m, 'e')
-"""
-
-# Epoch check of one node. KEYS[1] meta HASH; ARGV[1] '1' to also prove that Redis accepts
-# writes (a same-value HSET: refused under maxmemory + noeviction like any real write).
-# Returns the node's epoch, or false when the node's data is gone.
-EPOCH_LUA = """
-local e = redis.call('HGET', KEYS[1], 'e')
-if e and ARGV[1] == '1' then redis.call('HSET', KEYS[1], 'e', e) end
-return e
-"""
+    def of_other_layout(self, key: str) -> bool:
+        """A key of this prefix that the other layout wrote (never read by this one)."""
+        if not key.startswith(self.prefix):
+            return False
+        if self.packed:
+            return not key.startswith(self.versioned)
+        return key.startswith(self.prefix + PACKED_VERSION)

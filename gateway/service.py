@@ -42,7 +42,9 @@ def open_index(settings: Settings, on_resync: ResyncHook | None = None) -> Block
     """Embedded index, or the shared Redis one behind its degraded-mode wrapper."""
     if not settings.redis:
         return MemoryIndex()
-    return cachetier.open_index(settings.redis, prefix=settings.redis_prefix, on_resync=on_resync)
+    return cachetier.open_index(
+        settings.redis, prefix=settings.redis_prefix, layout=settings.redis_layout, on_resync=on_resync
+    )
 
 
 class GatewayService:

@@ -6,15 +6,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import random
-import shutil
 import socket
 import subprocess
-import tempfile
-import time
 import uuid
 
 import pytest
+
+from prefixgate.bench.redis_cluster import RedisClusterHarness, wait_pong
+
+__all__ = ["PrivateRedis", "RedisClusterHarness", "TcpProxy", "redis_url", "test_prefix", "wait_pong"]
 
 REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
 REDIS_URL = f"redis://{REDIS_HOST}:{REDIS_PORT}/0"
@@ -145,131 +145,3 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _free_cluster_port() -> int:
-    """A free port whose cluster bus port (port + 10000) is free too."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 50000)
-        try:
-            for p in (port, port + 10000):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no free port pair for a cluster node")
-
-
-def wait_pong(port: int, proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ping = subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True, timeout=5)
-        if ping.stdout.strip() == b"PONG":
-            return
-        if proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"redis-server on port {port} did not start")
-
-
-class RedisClusterHarness:
-    """A real Redis Cluster on loopback: 3 masters and 3 replicas in a temp directory.
-
-    Fast failure detection (``cluster-node-timeout``) so a failover drill takes seconds.
-    """
-
-    def __init__(self, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 1000) -> None:
-        self.masters, self.replicas = masters, replicas
-        self.node_timeout_ms = node_timeout_ms
-        self.ports: list[int] = []
-        while len(self.ports) < masters * (1 + replicas):
-            port = _free_cluster_port()
-            if port not in self.ports:
-                self.ports.append(port)
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
-        self.dir = tempfile.mkdtemp(prefix="prefixgate-cluster-")
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.ports[0]}/0"
-
-    def start(self) -> RedisClusterHarness:
-        try:
-            for port in self.ports:
-                self.start_node(port)
-            subprocess.run(
-                ["redis-cli", "--cluster", "create"]
-                + [f"127.0.0.1:{p}" for p in self.ports]
-                + ["--cluster-replicas", str(self.replicas), "--cluster-yes"],
-                capture_output=True,
-                timeout=60,
-                check=True,
-            )
-            self.wait_ok()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def start_node(self, port: int) -> None:
-        node_dir = os.path.join(self.dir, str(port))
-        os.makedirs(node_dir, exist_ok=True)
-        proc = subprocess.Popen(
-            [
-                "redis-server",
-                "--port", str(port),
-                "--bind", "127.0.0.1",
-                "--dir", node_dir,
-                "--cluster-enabled", "yes",
-                "--cluster-config-file", "nodes.conf",
-                "--cluster-node-timeout", str(self.node_timeout_ms),
-                "--save", "",
-                "--appendonly", "no",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        self.procs[port] = proc
-        wait_pong(port, proc)
-
-    def cli(self, port: int, *args: str) -> str:
-        out = subprocess.run(["redis-cli", "-p", str(port), *args], capture_output=True, timeout=10)
-        return out.stdout.decode().strip()
-
-    def wait_ok(self, timeout: float = 30.0) -> None:
-        """Until every live node reports cluster_state:ok and sees as many masters as it should."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            live = [p for p, proc in self.procs.items() if proc.poll() is None]
-            if all(self._ok(p) for p in live):
-                return
-            time.sleep(0.1)
-        raise TimeoutError("Redis Cluster not ok: " + self.cli(self.ports[0], "cluster", "nodes"))
-
-    def _ok(self, port: int) -> bool:
-        state_ok = "cluster_state:ok" in self.cli(port, "cluster", "info")
-        return state_ok and len(self.master_ports(port)) >= self.masters
-
-    def master_ports(self, seen_by: int = 0) -> list[int]:
-        """Masters not marked failed, as the node on port ``seen_by`` (any live one) sees them."""
-        if not seen_by:
-            seen_by = next(p for p, proc in self.procs.items() if proc.poll() is None)
-        out = []
-        for line in self.cli(seen_by, "cluster", "nodes").splitlines():
-            fields = line.split()
-            if "master" in fields[2] and "fail" not in fields[2]:
-                out.append(int(fields[1].split("@")[0].rsplit(":", 1)[1]))
-        return sorted(out)
-
-    def kill(self, port: int) -> None:
-        proc = self.procs.pop(port)
-        proc.kill()
-        proc.wait()
-
-    def stop(self) -> None:
-        for port in list(self.procs):
-            self.kill(port)
-        shutil.rmtree(self.dir, ignore_errors=True)

@@ -2,12 +2,14 @@
 
 The contract suite runs against it, a gateway pointed at one cluster node routes by it, and a
 master is killed under load: its replica takes over, no lookup fails, degraded mode comes and
-goes, and the index is consistent after the resync.
+goes, and the index is consistent after the resync. A last drill, on a cluster of its own,
+loses a whole shard (master and replica) under load and gets it back empty.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import time
 import uuid
@@ -20,6 +22,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 from redis.asyncio.cluster import RedisCluster
 
+from prefixgate.bench import index_bench
 from prefixgate.cachetier import open_index
 from prefixgate.cachetier.index import BlockIndex, StoreOp
 from prefixgate.cachetier.redis_index import RedisIndex
@@ -28,7 +31,7 @@ from tests.cachetier.support import RedisClusterHarness, test_prefix
 from tests.contract.test_index_contract import CAPACITY, IndexContract
 from tests.faults.cluster import Cluster, Tally, drive
 from tests.faults.conftest import REPORT
-from tests.shared_index.test_shared_index import doc_body, post
+from tests.shared_index.test_shared_index import doc_body, index_log_events, post
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 
@@ -68,12 +71,21 @@ def test_index_contract_on_the_cluster(redis_cluster: RedisClusterHarness) -> No
     async def plain() -> BlockIndex:
         return RedisIndex.from_url(redis_cluster.url, prefix=test_prefix(), default_capacity=CAPACITY)
 
+    async def packed() -> BlockIndex:
+        return RedisIndex.from_url(
+            redis_cluster.url, prefix=test_prefix(), layout="packed", default_capacity=CAPACITY
+        )
+
     async def resilient() -> BlockIndex:
         return open_index(
             redis_cluster.url, prefix=test_prefix(), default_capacity=CAPACITY, lookup_timeout=2.0
         )
 
-    for name, factory, examples in (("cluster", plain, 20), ("resilient-cluster", resilient, 8)):
+    for name, factory, examples in (
+        ("cluster", plain, 20),
+        ("cluster-packed", packed, 12),
+        ("resilient-cluster", resilient, 8),
+    ):
         machine = type(f"IndexContract_{name}", (IndexContract,), {"factory": staticmethod(factory)})
         run_state_machine_as_test(
             machine,
@@ -122,6 +134,22 @@ async def _purge(index: RedisIndex) -> None:
         await index.purge()
     finally:
         await index.close()
+
+
+async def test_index_bench_measures_both_layouts_on_the_cluster(redis_cluster: RedisClusterHarness) -> None:
+    """``bench index --cluster URL --layout zset,packed``: one row per layout, same answers as
+    the in-memory index (the bench checks), and the packed layout well under 100 B/block."""
+    workload = ["--nodes", "2", "--blocks-per-node", "2000", "--sizes", "64,256", "--samples", "20"]
+    args = index_bench.parse_args(
+        ["--redis", "", "--cluster", redis_cluster.url, *workload, "--write-rate", "5000"]
+    )
+    res = await index_bench.run(args)
+    rows = {b.backend: b for b in res.backends}
+    assert set(rows) == {"redis-cluster zset", "redis-cluster packed"}
+    assert all(b.blocks_held == 4000 and b.blocks_per_s > 0 for b in rows.values())
+    packed, zset = rows["redis-cluster packed"].bytes_per_block, rows["redis-cluster zset"].bytes_per_block
+    assert packed is not None and zset is not None and packed < 40 < zset
+    assert rows["redis-cluster packed"].loaded_p99_ms is not None
 
 
 async def test_failover_drill_master_killed_under_load(redis_cluster: RedisClusterHarness) -> None:
@@ -207,3 +235,129 @@ async def test_failover_drill_master_killed_under_load(redis_cluster: RedisClust
     finally:
         await index.primary.purge()
         await index.close()
+
+
+async def test_whole_shard_lost_drill_master_and_replica_killed_under_load() -> None:
+    """A shard gone entirely (its master and its replica killed, ~3 s: far past the lookup
+    deadline) while a gateway serves requests and an index takes lookups and writes. Without
+    full slot coverage the cluster refuses everything, so routing runs without the shared index
+    (degraded mode); no request fails. The shard comes back empty: the recovery resyncs the
+    nodes whose writes were dropped, the epoch check finds the nodes whose data the shard lost,
+    and the index ends up holding exactly what every node holds. Own cluster: it takes a shard
+    down, which the module's cluster must not see."""
+    harness = await asyncio.to_thread(lambda: RedisClusterHarness().start())
+    prefix = f"prefixgate-test-{uuid.uuid4().hex[:8]}:"
+    gateway = Cluster.create(
+        2,
+        2,
+        ["--time-scale", "0.05"],
+        gateway_args=["--redis", harness.url],
+        gateway_env={"PREFIXGATE_REDIS_PREFIX": prefix},
+    )
+    nodes = [f"node-{i}" for i in range(12)]
+    depth = dict.fromkeys(nodes, 0)  # node n holds chain(n)[:depth[n]]: what its snapshot says
+
+    def chain(node: str, k: int) -> tuple[int, ...]:
+        base = (nodes.index(node) + 1) << 32
+        return tuple(range(base + 1, base + k + 1))
+
+    resynced: list[tuple[frozenset[str], str]] = []
+
+    async def resync(names: frozenset[str], reason: str) -> None:
+        """What the gateway does: each node's snapshot replaces its set in the index."""
+        resynced.append((names, reason))
+        for n in names:
+            await index.replace_node(n, [chain(n, depth[n])])
+
+    index = open_index(harness.url, prefix=test_prefix(), call_timeout=0.5, probe_interval=0.1)
+    assert isinstance(index, ResilientIndex) and isinstance(index.primary, RedisIndex)
+    index.check_interval = 0.2
+    index.on_resync = resync
+    lookups = failures = 0
+    stop = asyncio.Event()
+
+    async def lookup_load() -> None:
+        nonlocal lookups, failures
+        while not stop.is_set():
+            n = nodes[lookups % len(nodes)]
+            try:
+                await index.lookup(chain(n, 64), nodes)
+            except Exception:  # would be a request failure in the gateway
+                failures += 1
+            lookups += 1
+            await asyncio.sleep(0.002)
+
+    async def write_load() -> None:
+        i = 0
+        while not stop.is_set():
+            n = nodes[i % len(nodes)]
+            depth[n] += 4
+            await index.store([StoreOp(n, chain(n, depth[n]))])
+            i += 1
+            await asyncio.sleep(0.005)
+
+    try:
+        await asyncio.to_thread(gateway.start)
+        with structlog.testing.capture_logs() as logs:
+            tasks = [asyncio.create_task(lookup_load()), asyncio.create_task(write_load())]
+            bodies = [doc_body(300 + i % 12, 1500, f"q{i}") for i in range(160)]
+            requests = asyncio.create_task(drive(gateway.url, bodies, 4))
+            await asyncio.sleep(0.5)
+            victim = harness.master_ports()[0]
+            shard = [victim, *harness.replicas_of(victim)]
+            for port in shard:
+                harness.kill(port)
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 10 and not index.degraded:
+                await asyncio.sleep(0.05)
+            assert index.degraded, "a lost shard must put the index in degraded mode"
+            await asyncio.sleep(max(0.0, 3.0 - (time.monotonic() - t0)))  # the shard stays gone
+            down = time.monotonic() - t0
+            for port in shard:  # back, empty: same identity and slots, no data
+                await asyncio.to_thread(harness.restart, port)
+            await asyncio.to_thread(harness.wait_ok)
+            t1 = time.monotonic()
+            while time.monotonic() - t1 < 20 and (index.degraded or index.counters.recoveries < 1):
+                await asyncio.sleep(0.1)
+            took = time.monotonic() - t1
+            results = await requests
+            stop.set()
+            await asyncio.gather(*tasks)
+            deadline = time.monotonic() + 10  # the last checks and resyncs
+            consistent = False
+            while time.monotonic() < deadline and not consistent:
+                await asyncio.sleep(0.3)
+                held = {n: await index.primary.node_hashes(n) for n in nodes}
+                consistent = all(held[n] == set(chain(n, depth[n])) for n in nodes)
+            assert not index.degraded
+            for n in nodes:  # consistent: Redis holds what every node holds
+                assert await index.primary.node_hashes(n) == set(chain(n, depth[n])), n
+        events = [e["event"] for e in logs]
+        assert failures == 0 and lookups > 100
+        assert events.count("index.degraded") >= 1 and events.count("index.recovered") >= 1, events
+        reasons = {why for _, why in resynced}
+        assert "recovered" in reasons  # nodes whose writes were dropped while degraded
+        assert events.count("index.data_lost") >= 1  # nodes whose data the empty shard lost
+        ok = sum(1 for r in results if r.status == 200 and r.finish)
+        gateway_events = index_log_events(gateway)
+        assert ok == len(results), [r.error for r in results if r.status != 200][:5]
+        assert gateway_events.get("index.degraded", 0) >= 1 and gateway_events.get("index.recovered", 0) >= 1
+        REPORT.append(
+            Tally(
+                "Redis Cluster shard lost (master + replica)",
+                sent=len(results) + lookups,
+                succeeded=ok + lookups - failures,
+                failed=len(results) - ok + failures,
+                note=f"{len(results)} requests + {lookups} index lookups; shard down {down:.1f}s, "
+                f"recovered {took:.1f}s after it returned empty; gateway {gateway_events}; "
+                f"{index.counters.dropped_writes} writes dropped, "
+                f"{sum(len(r) for r, _ in resynced)} node resyncs ({', '.join(sorted(reasons))}), "
+                "index consistent",
+            )
+        )
+    finally:
+        assert gateway.stop() == 0
+        with contextlib.suppress(Exception):
+            await index.primary.purge()
+        await index.close()
+        harness.stop()

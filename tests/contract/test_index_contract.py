@@ -143,6 +143,10 @@ async def _redis() -> BlockIndex:
     return RedisIndex.from_url(redis_url(), prefix=test_prefix(), default_capacity=CAPACITY)
 
 
+async def _redis_packed() -> BlockIndex:
+    return RedisIndex.from_url(redis_url(), prefix=test_prefix(), layout="packed", default_capacity=CAPACITY)
+
+
 async def _resilient() -> BlockIndex:
     # generous deadline: this suite checks semantics; degraded mode has its own tests
     return open_index(redis_url(), prefix=test_prefix(), default_capacity=CAPACITY, lookup_timeout=2.0)
@@ -288,6 +292,7 @@ class IndexContract(RuleBasedStateMachine):
 IMPLEMENTATIONS: dict[str, tuple[Factory, int]] = {
     "memory": (_memory, 150),
     "redis": (_redis, 100),
+    "redis-packed": (_redis_packed, 100),
     "resilient-redis": (_resilient, 40),
 }
 

@@ -355,3 +355,35 @@ def test_redis_out_of_memory_is_degraded_mode_and_fails_no_request(
         assert recovered and events.get("index.recovered", 0) >= 1
     finally:
         assert c.stop() == 0
+
+
+def test_a_gateway_on_the_packed_layout_routes_by_it(
+    redis_server: tuple[int, subprocess.Popen[bytes]],
+) -> None:
+    """``PREFIXGATE_REDIS_LAYOUT=packed``: the index lives in the packed keys and still routes."""
+    port, _ = redis_server
+    prefix = f"prefixgate-test-{uuid.uuid4().hex[:8]}:"
+    c = Cluster.create(
+        2,
+        1,
+        ["--time-scale", "0.05"],
+        gateway_args=["--redis", f"redis://127.0.0.1:{port}/0"],
+        gateway_env={"PREFIXGATE_REDIS_PREFIX": prefix, "PREFIXGATE_REDIS_LAYOUT": "packed"},
+    )
+    c.start()
+    try:
+        for seed in range(2):
+            first = post(c.url, doc_body(seed, question="first question"))
+            time.sleep(0.3)  # the writer batches off the hot path
+            again = post(c.url, doc_body(seed, question="another question"))
+            assert again.headers["x-prefixgate-prefill-node"] == first.headers["x-prefixgate-prefill-node"]
+            assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        keys = subprocess.run(
+            ["redis-cli", "-p", str(port), "--scan", "--pattern", prefix + "*"],
+            capture_output=True,
+            text=True,
+        ).stdout.split()
+        assert keys and all(k.startswith(prefix + "v2:") for k in keys), keys
+        assert any(k.endswith(":h") for k in keys)
+    finally:
+        assert c.stop() == 0
