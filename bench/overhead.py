@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import sys
 import time
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-from prefixgate.bench import launch
+from prefixgate.bench import launch, stages
 from prefixgate.bench.report import percentile, write_json
 from prefixgate.bench.textgen import segment_text
 
@@ -302,6 +302,56 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--quick", action="store_true", help="a smoke run: 1 and 32 clients, 2 KB, 0.4 s a cell, no peers"
     )
     p.add_argument("--json", dest="json_out", help="write the figures as JSON to this file")
+    p.add_argument(
+        "--profile-out",
+        help="sample prefixgate's measured cells with py-spy and write, into this directory, the raw "
+        "stacks and the CPU by stage of the request path (bench.stages) per cell",
+    )
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
+
+
+@contextlib.contextmanager
+def _profiled(
+    out: str | None, target: str, cell: Cell, router: launch.Child | None
+) -> Iterator[stages.Sampler | None]:
+    """A py-spy sampler on prefixgate during one measured cell, when ``--profile-out`` asks."""
+    if not out or target != "prefixgate" or router is None:
+        yield None
+        return
+    with stages.Sampler(router.pid, Path(out) / f"{_slug(target + ' ' + cell.name)}.raw") as sampler:
+        yield sampler
+
+
+def _write_profile(sampler: stages.Sampler, out: Path, requests: int, console: Console) -> dict[str, Any]:
+    rep = sampler.report(requests)
+    write_json(str(sampler.out.with_suffix(".json")), rep, console)
+    if rep.get("error"):
+        console.print(f"[yellow]profile[/]: {rep['error']}")
+    return rep
+
+
+def render_stages(profiles: Mapping[str, Any]) -> Table:
+    """CPU per request by stage, one column per profiled cell (the event loop thread's share)."""
+    t = Table(title="prefixgate CPU per request by stage (py-spy samples x main-thread CPU), ms")
+    names = [n for n, p in profiles.items() if p.get("stages")]
+    t.add_column("stage")
+    for n in names:
+        t.add_column(n.removeprefix("prefixgate "), justify="right")
+    order: list[str] = []
+    for n in names:
+        order += [s for s in profiles[n]["stages"] if s not in order]
+    for s in order:
+        t.add_row(s, *(f"{profiles[n]['stages'].get(s, {}).get('ms_per_req', 0.0):.3f}" for n in names))
+    threads = sorted({k for n in names for k in profiles[n].get("cpu_ms_per_req_by_thread", {})})
+    for th in threads:
+        t.add_row(
+            f"thread {th}",
+            *(f"{profiles[n].get('cpu_ms_per_req_by_thread', {}).get(th, 0.0):.3f}" for n in names),
+        )
+    return t
 
 
 def _loop_run(main: Coroutine[Any, Any, Sample]) -> Sample:
@@ -349,6 +399,7 @@ def run(args: argparse.Namespace) -> int:
         f"overhead: {len(cells)} cells x {1 + 1 + len(peers)} targets, {seconds:g} s a cell; logs in {logs}"
     )
     rows: list[dict[str, Any]] = []
+    profiles: dict[str, Any] = {}
     failed: dict[str, str] = {}
     prompts = Prompts()
     nodes = launch.start_nodes(1, node_opts, logs)
@@ -372,11 +423,16 @@ def run(args: argparse.Namespace) -> int:
                     _loop_run(closed_loop(url, headers, cell, warmup, 1000, prompts, args.request_timeout))
                     cpu0 = launch.group_cpu_seconds(router.pid) if router else None
                     ncpu0 = launch.cpu_seconds(node.pid)
-                    sample = _loop_run(
-                        closed_loop(
-                            url, headers, cell, seconds, args.max_requests, prompts, args.request_timeout
+                    with _profiled(args.profile_out, target, cell, router) as sampler:
+                        sample = _loop_run(
+                            closed_loop(
+                                url, headers, cell, seconds, args.max_requests, prompts, args.request_timeout
+                            )
                         )
-                    )
+                    if sampler is not None:
+                        profiles[f"{target} {cell.name}"] = _write_profile(
+                            sampler, Path(args.profile_out), len(sample.latencies) + sample.errors, console
+                        )
                     cpu = launch.group_cpu_seconds(router.pid) - cpu0 if router and cpu0 is not None else None
                     rows.append(cell_json(target, cell, sample, cpu, launch.cpu_seconds(node.pid) - ncpu0))
                     console.print(
@@ -418,6 +474,9 @@ def run(args: argparse.Namespace) -> int:
         "skipped": skipped,
         "failed": failed,
     }
+    if profiles:
+        report["profiles"] = profiles
+        console.print(render_stages(profiles))
     if args.json_out:
         write_json(args.json_out, report, console)
     return 0 if rows else 1
