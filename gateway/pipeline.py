@@ -710,16 +710,17 @@ class Pipeline:
         t = ex.timings
         ttft = (t.first_token_at - t.start) if t.first_token_at else 0.0
         m = self.metrics
-        m.requests.labels(ex.route, ex.outcome).inc()
-        m.ttft.labels(ex.route).observe(ttft)
-        m.ttft_segment.labels("queue").observe(t.queue_s)
-        m.ttft_segment.labels("prefill").observe(t.prefill_s)
-        m.ttft_segment.labels("transfer").observe(t.transfer_s)
-        m.ttft_segment.labels("first_token").observe(max(0.0, ttft - t.queue_s - t.prefill_s - t.transfer_s))
         node = (ex.prefill_node or ex.decode_node).id
-        m.prefill.labels(node).observe(t.prefill_s)
-        if ex.prefill_node is not None:
-            m.transfer.labels(ex.prefill_node.id).observe(t.transfer_s)
+        m.observe_request(
+            ex.route,
+            ex.outcome,
+            ttft=ttft,
+            queue_s=t.queue_s,
+            prefill_s=t.prefill_s,
+            transfer_s=t.transfer_s,
+            node=node,
+            transfer_node=ex.prefill_node.id if ex.prefill_node is not None else None,
+        )
         m.observe_hit(node, ex.prompt_tokens, ex.cached_tokens, ex.predicted_tokens)
         self._check_prediction(ex.prefill_node or ex.decode_node, ex.predicted_tokens, ex.cached_tokens)
         log.info(
