@@ -23,6 +23,7 @@ from prefixgate.gateway.admin import admin_routes
 from prefixgate.gateway.config import KEYLESS_TENANT
 from prefixgate.gateway.grpc_front import GrpcFront
 from prefixgate.gateway.httpcommon import (
+    SSE_DONE,
     DisconnectWatch,
     Endpoint,
     EventStream,
@@ -189,9 +190,8 @@ async def _stream(ex: Execution, parsed: ParsedRequest, kind: str) -> AsyncGener
             if d.text or first or d.finish_reason:
                 yield _sse(chunk(d.text, d.finish_reason or None, first))
                 first = False
-        if parsed.include_usage:
-            yield _sse({**base, "choices": [], "usage": _usage(ex)})
-        yield b"data: [DONE]\n\n"
+        usage = _sse({**base, "choices": [], "usage": _usage(ex)}) if parsed.include_usage else b""
+        yield usage + SSE_DONE  # one write for the two last events
     except StreamBroken as e:
         yield _sse(from_domain(e).body())
 

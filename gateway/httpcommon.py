@@ -34,6 +34,7 @@ Handler = Callable[[Request], Awaitable[Response]]
 Respond = Callable[[Response], Awaitable[None]]
 SelfResponding = Callable[[Request, Respond], Awaitable[None]]
 REQUEST_ID_HEADERS = ("x-prefixgate-request-id", "x-request-id")
+SSE_DONE = b"data: [DONE]\n\n"  # OpenAI's last event of a stream
 
 
 class ORJSONResponse(JSONResponse):
@@ -165,6 +166,10 @@ class EventStream(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         async for chunk in self.body_iterator:
+            if chunk.endswith(SSE_DONE):  # the last event: written with the end of the body
+                self.on_last()
+                await send({"type": "http.response.body", "body": chunk, "more_body": False})
+                return
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         self.on_last()
         await send({"type": "http.response.body", "body": b"", "more_body": False})

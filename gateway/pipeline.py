@@ -154,6 +154,10 @@ class Execution:
         self.failure: NodeFailure | None = None  # what broke the stream after the first token
         self._on_close = on_close
         self._stall_timeout_s = stall_timeout_s
+        self._waiting_since = 0.0  # loop time at which ``_next`` began waiting; 0 when not waiting
+        self._waiter: asyncio.Task[object] | None = None
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._stalled = False
         self._done = False
 
     @property
@@ -198,19 +202,48 @@ class Execution:
             await self.close()
 
     async def _next(self) -> TokenDelta:
-        """The next delta, or a TIMEOUT failure of the decode node when it stalls."""
+        """The next delta, or a TIMEOUT failure of the decode node when it stalls.
+
+        One timer watches the waits (``_watch``), re-armed once a stall period, instead of one
+        timer armed and cancelled for every token: that cost more than relaying the token.
+        """
         if self._stall_timeout_s <= 0:
             return await self._stream.__anext__()
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        self._waiter = task
+        self._waiting_since = loop.time()
+        if self._watchdog is None:
+            self._watchdog = loop.call_at(self._waiting_since + self._stall_timeout_s, self._watch)
+        cancelling = task.cancelling() if task is not None else 0
         try:
-            async with asyncio.timeout(self._stall_timeout_s):
-                return await self._stream.__anext__()
-        except TimeoutError:
-            raise NodeFailure(
-                self.decode_node.id,
-                Stage.DECODE,
-                FailureKind.TIMEOUT,
-                f"no token for {self._stall_timeout_s:g}s",
-            ) from None
+            return await self._stream.__anext__()
+        except asyncio.CancelledError:
+            if self._stalled and task is not None and task.uncancel() <= cancelling:
+                raise NodeFailure(
+                    self.decode_node.id,
+                    Stage.DECODE,
+                    FailureKind.TIMEOUT,
+                    f"no token for {self._stall_timeout_s:g}s",
+                ) from None
+            raise  # cancelled from outside (client gone, shutdown)
+        finally:
+            self._waiting_since = 0.0
+            self._waiter = None
+
+    def _watch(self) -> None:
+        """Cancel the wait in progress if it has lasted the stall timeout, else watch it on."""
+        self._watchdog = None
+        if not self._waiting_since or self._done:
+            return  # not waiting: the next wait re-arms
+        loop = asyncio.get_running_loop()
+        due = self._waiting_since + self._stall_timeout_s
+        if loop.time() >= due:
+            self._stalled = True
+            if self._waiter is not None:
+                self._waiter.cancel()
+        else:
+            self._watchdog = loop.call_at(due, self._watch)
 
     def _account(self, d: TokenDelta) -> None:
         if d.completion_tokens:
@@ -224,6 +257,9 @@ class Execution:
         if self._done:
             return
         self._done = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         try:
             await self._stream.aclose()
         finally:
