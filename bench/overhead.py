@@ -469,9 +469,12 @@ def run(args: argparse.Namespace) -> int:
                 console.print(f"[red]failed[/] {target}: {failed[target]}")
         for rnd in range(args.rounds):
             # Interleaved: every target in turn for each cell, so a machine whose speed drifts
-            # (other load) drifts for all of them alike.
+            # (other load) drifts for all of them alike; the order rotates with the round, so no
+            # target always follows the same one (the node's KV events reach every gateway).
+            order = list(routers.items())
+            order = order[rnd % len(order) :] + order[: rnd % len(order)]
             for cell in cells:
-                for target, router in routers.items():
+                for target, router in order:
                     url = router.url if router else node.url
                     headers = router.headers if router else {}
                     _loop_run(closed_loop(url, headers, cell, warmup, 1000, prompts, args.request_timeout))
