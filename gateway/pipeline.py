@@ -378,7 +378,8 @@ class Pipeline:
         except Exception as e:  # an index failure degrades routing, never the request
             log.warning("index_lookup_failed", error=repr(e)[:200], request_id=prep.request_id)
             return {}
-        self.metrics.index_lookup.labels(self.index.backend).observe(time.perf_counter() - t0)
+        m = self.metrics
+        m.child(m.index_lookup, self.index.backend).observe(time.perf_counter() - t0)
         return hits
 
     def _request(self, prep: Prepared, hits: dict[str, int]) -> RequestView:
