@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from prefixgate.gateway.auth import valid_request_id
+from prefixgate.gateway.connections import DISCONNECT_EXTENSION, DisconnectHook
 from prefixgate.gateway.logging import bind_request, current_request_id
 from prefixgate.gateway.runner import Caller, RequestRunner
 from prefixgate.gateway.service import GatewayService
@@ -177,26 +178,42 @@ class EventStream(Response):
 
 class DisconnectWatch:
     """Cancel the current task if the client disconnects, from ``arm()`` (once the body is read)
-    until ``disarm()`` (before a streaming response takes over reading the connection)."""
+    until ``disarm()`` (before the response's last message).
+
+    Under the gateway's own protocol (``gateway.connections``) the request's disconnect hook
+    calls back; under any other server a task waits on ``receive()`` for the disconnect.
+    """
 
     def __init__(self, request: Request) -> None:
         self.request = request
         self.gone = False
         self._task: asyncio.Task[None] | None = None
+        self._unregister: Callable[[], None] | None = None
 
     def arm(self) -> None:
         handler = asyncio.current_task()
         assert handler is not None
 
+        def left() -> None:
+            self.gone = True
+            handler.cancel()
+
+        hook = self.request.scope.get("extensions", {}).get(DISCONNECT_EXTENSION)
+        if isinstance(hook, DisconnectHook):
+            self._unregister = hook.register(left)
+            return
+
         async def watch() -> None:
             while (await self.request.receive())["type"] != "http.disconnect":
                 pass
-            self.gone = True
-            handler.cancel()
+            left()
 
         self._task = asyncio.get_running_loop().create_task(watch())
 
     def disarm(self) -> None:
+        if self._unregister is not None:
+            self._unregister()
+            self._unregister = None
         if self._task is not None:
             self._task.cancel()
             self._task = None
