@@ -23,9 +23,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import statistics
 import sys
 import time
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from rich.console import Console
 from rich.table import Table
 
 from prefixgate.backends.hftok import TOKENIZER_DIR
-from prefixgate.bench import launch
+from prefixgate.bench import launch, stages
 from prefixgate.bench.report import percentile, write_json
 from prefixgate.bench.textgen import segment_text
 
@@ -48,6 +49,7 @@ QUICK_CLIENTS = (1, 32)
 QUICK_SIZES = (2_048,)
 OUTPUT_TOKENS = 8
 TARGET_CPU_MS = 0.5
+BASELINE = "baseline"  # the --baseline-src gateway's target name
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,11 +202,42 @@ def cell_json(target: str, cell: Cell, s: Sample, cpu_s: float | None, node_cpu_
     return out
 
 
-def add_deltas(rows: list[dict[str, Any]]) -> None:
-    """``added_*_ms``: a target's figure minus ``direct``'s in the same cell."""
-    base = {(r["clients"], r["prompt_bytes"], r["stream"]): r for r in rows if r["target"] == "direct"}
+_CELL_KEYS = ("clients", "prompt_bytes")
+
+
+def medians(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (target, cell): the median of each figure over the rounds, errors summed."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for r in rows:
-        b = base.get((r["clients"], r["prompt_bytes"], r["stream"]))
+        groups.setdefault((r["target"], r["clients"], r["prompt_bytes"], r["stream"]), []).append(r)
+    out = []
+    for group in groups.values():
+        row = dict(group[0])
+        for k, v in row.items():
+            if k in ("errors", "ok"):
+                row[k] = sum(g[k] for g in group)
+            elif (
+                isinstance(v, float | int)
+                and not isinstance(v, bool)
+                and k not in ("clients", "prompt_bytes")
+            ):
+                vals = [g[k] for g in group if g.get(k) is not None]
+                row[k] = round(statistics.median(vals), 4) if vals else None
+        row["rounds"] = len(group)
+        row.pop("round", None)
+        out.append(row)
+    return out
+
+
+def add_deltas(rows: list[dict[str, Any]]) -> None:
+    """``added_*_ms``: a target's figure minus ``direct``'s in the same cell (and round)."""
+
+    def key(r: dict[str, Any]) -> tuple[Any, ...]:
+        return (r.get("round"), r["clients"], r["prompt_bytes"], r["stream"])
+
+    base = {key(r): r for r in rows if r["target"] == "direct"}
+    for r in rows:
+        b = base.get(key(r))
         for k in ("p50_ms", "p99_ms", "ttft_p50_ms", "ttft_p99_ms"):
             r[f"added_{k}"] = round(r[k] - b[k], 3) if b is not None and r["target"] != "direct" else None
 
@@ -309,6 +342,68 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--quick", action="store_true", help="a smoke run: 1 and 32 clients, 2 KB, 0.4 s a cell, no peers"
     )
     p.add_argument("--json", dest="json_out", help="write the figures as JSON to this file")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure every cell this many times, the targets in turn each time; the table gives medians",
+    )
+    p.add_argument(
+        "--baseline-src",
+        help="also measure a gateway run from this source tree (PYTHONPATH, e.g. an exported older "
+        "commit) in the same run, interleaved with the current one",
+    )
+    p.add_argument(
+        "--profile-out",
+        help="sample prefixgate's measured cells with py-spy and write, into this directory, the raw "
+        "stacks and the CPU by stage of the request path (bench.stages) per cell",
+    )
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
+
+
+@contextlib.contextmanager
+def _profiled(
+    out: str | None, target: str, cell: Cell, router: launch.Child | None, rnd: int = 0
+) -> Iterator[stages.Sampler | None]:
+    """A py-spy sampler on a prefixgate gateway during one measured cell (``--profile-out``)."""
+    if not out or target not in ("prefixgate", BASELINE) or router is None:
+        yield None
+        return
+    name = _slug(f"{target} {cell.name}") + (f"-r{rnd + 1}" if rnd else "")
+    with stages.Sampler(router.pid, Path(out) / f"{name}.raw") as sampler:
+        yield sampler
+
+
+def _write_profile(sampler: stages.Sampler, out: Path, requests: int, console: Console) -> dict[str, Any]:
+    rep = sampler.report(requests)
+    write_json(str(sampler.out.with_suffix(".json")), rep, console)
+    if rep.get("error"):
+        console.print(f"[yellow]profile[/]: {rep['error']}")
+    return rep
+
+
+def render_stages(profiles: Mapping[str, Any]) -> Table:
+    """CPU per request by stage, one column per profiled cell (the event loop thread's share)."""
+    t = Table(title="prefixgate CPU per request by stage (py-spy samples x main-thread CPU), ms")
+    names = [n for n, p in profiles.items() if p.get("stages")]
+    t.add_column("stage")
+    for n in names:
+        t.add_column(n.removeprefix("prefixgate "), justify="right")
+    order: list[str] = []
+    for n in names:
+        order += [s for s in profiles[n]["stages"] if s not in order]
+    for s in order:
+        t.add_row(s, *(f"{profiles[n]['stages'].get(s, {}).get('ms_per_req', 0.0):.3f}" for n in names))
+    threads = sorted({k for n in names for k in profiles[n].get("cpu_ms_per_req_by_thread", {})})
+    for th in threads:
+        t.add_row(
+            f"thread {th}",
+            *(f"{profiles[n].get('cpu_ms_per_req_by_thread', {}).get(th, 0.0):.3f}" for n in names),
+        )
+    return t
 
 
 def _loop_run(main: Coroutine[Any, Any, Sample]) -> Sample:
@@ -355,59 +450,79 @@ def run(args: argparse.Namespace) -> int:
         "smg-grpc": "smg (grpc://)",
     }
     labels["litellm"] = "LiteLLM"
+    targets = ["direct", "prefixgate", *([BASELINE] if args.baseline_src else []), "prefixgate-grpc", *peers]
+    targets += ["smg-grpc"] if "smg" in peers else []
+    labels[BASELINE] = "prefixgate baseline"
     console.print(
-        f"overhead: {len(cells)} cells x {1 + 1 + len(peers)} targets, {seconds:g} s a cell; logs in {logs}"
+        f"overhead: {len(cells)} cells x {len(targets)} targets x {args.rounds} rounds, "
+        f"{seconds:g} s a cell; logs in {logs}"
     )
     rows: list[dict[str, Any]] = []
+    profiles: dict[str, Any] = {}
     failed: dict[str, str] = {}
     prompts = Prompts()
     nodes = launch.start_nodes(1, node_opts, logs)
     node = nodes[0]
+    routers: dict[str, launch.Child | None] = {"direct": None}
     try:
-        targets = ["direct", "prefixgate", "prefixgate-grpc", *peers] + (
-            ["smg-grpc"] if "smg" in peers else []
-        )
-        for target in targets:
-            router: launch.Child | None = None
+        for target in targets[1:]:
             try:
                 if target == "prefixgate":
-                    router = launch.start_gateway(logs, monolithic=[node.address])
+                    routers[target] = launch.start_gateway(logs, monolithic=[node.address])
+                elif target == BASELINE:
+                    routers[target] = launch.start_gateway(
+                        logs, monolithic=[node.address], name=BASELINE, env={"PYTHONPATH": args.baseline_src}
+                    )
                 elif target == "prefixgate-grpc":
-                    router = launch.start_gateway(
+                    routers[target] = launch.start_gateway(
                         logs, monolithic=[f"grpc://{node.address}"], name=target, env=SHIPPED_TOKENIZER
                     )
                 elif target == "smg-grpc":
-                    router = launch.start_peer("smg", Path(args.peers_venv), [f"grpc://{node.address}"], logs)
-                elif target != "direct":
-                    router = launch.start_peer(target, Path(args.peers_venv), [node.url], logs)
+                    routers[target] = launch.start_peer(
+                        "smg", Path(args.peers_venv), [f"grpc://{node.address}"], logs
+                    )
+                else:
+                    routers[target] = launch.start_peer(target, Path(args.peers_venv), [node.url], logs)
             except (OSError, RuntimeError, TimeoutError) as e:
                 failed[target] = str(e).splitlines()[0][:300]
                 console.print(f"[red]failed[/] {target}: {failed[target]}")
-                continue
-            url = router.url if router else node.url
-            headers = router.headers if router else {}
-            try:
-                for cell in cells:
+        for rnd in range(args.rounds):
+            # Interleaved: every target in turn for each cell, so a machine whose speed drifts
+            # (other load) drifts for all of them alike; the order rotates with the round, so no
+            # target always follows the same one (the node's KV events reach every gateway).
+            order = list(routers.items())
+            order = order[rnd % len(order) :] + order[: rnd % len(order)]
+            for cell in cells:
+                for target, router in order:
+                    url = router.url if router else node.url
+                    headers = router.headers if router else {}
                     _loop_run(closed_loop(url, headers, cell, warmup, 1000, prompts, args.request_timeout))
                     cpu0 = launch.group_cpu_seconds(router.pid) if router else None
                     ncpu0 = launch.cpu_seconds(node.pid)
-                    sample = _loop_run(
-                        closed_loop(
-                            url, headers, cell, seconds, args.max_requests, prompts, args.request_timeout
+                    with _profiled(args.profile_out, target, cell, router, rnd) as sampler:
+                        sample = _loop_run(
+                            closed_loop(
+                                url, headers, cell, seconds, args.max_requests, prompts, args.request_timeout
+                            )
                         )
-                    )
+                    if sampler is not None:
+                        key = f"{target} {cell.name}" + (f" r{rnd + 1}" if args.rounds > 1 else "")
+                        profiles[key] = _write_profile(
+                            sampler, Path(args.profile_out), len(sample.latencies) + sample.errors, console
+                        )
                     cpu = launch.group_cpu_seconds(router.pid) - cpu0 if router and cpu0 is not None else None
                     rows.append(cell_json(target, cell, sample, cpu, launch.cpu_seconds(node.pid) - ncpu0))
+                    rows[-1]["round"] = rnd + 1
                     console.print(
                         f"  {labels.get(target, target)} {cell.name}: p50 {rows[-1]['p50_ms']:.2f} ms, "
                         f"{rows[-1]['req_per_s']:.0f} req/s, errors {sample.errors}"
                     )
-            finally:
-                if router is not None:
-                    launch.stop([router], grace=3.0)
     finally:
+        launch.stop([r for r in routers.values() if r is not None], grace=3.0)
         launch.stop(nodes, grace=3.0)
     add_deltas(rows)
+    per_round = rows
+    rows = medians(rows) if args.rounds > 1 else rows
     rows.sort(key=lambda r: (r["stream"], r["prompt_bytes"], r["clients"]))
     console.print(render(rows, labels))
     v = verdicts(rows)
@@ -438,14 +553,20 @@ def run(args: argparse.Namespace) -> int:
             "warmup_s": warmup,
             "keepalive": True,
             "quick": bool(args.quick),
+            "rounds": args.rounds,
+            "baseline_src": args.baseline_src,
             "peers": {t: launch.PEER_VERSIONS[t] for t in peers},
         },
         "cells": rows,
         "targets": v,
         "targets_grpc": vg,
+        **({"cells_by_round": per_round} if args.rounds > 1 else {}),
         "skipped": skipped,
         "failed": failed,
     }
+    if profiles:
+        report["profiles"] = profiles
+        console.print(render_stages(profiles))
     if args.json_out:
         write_json(args.json_out, report, console)
     return 0 if rows else 1

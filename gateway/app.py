@@ -14,7 +14,7 @@ from typing import Any
 import structlog
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
 from prefixgate.gateway import choices, responses
@@ -24,6 +24,7 @@ from prefixgate.gateway.grpc_front import GrpcFront
 from prefixgate.gateway.httpcommon import (
     DisconnectWatch,
     Endpoint,
+    EventStream,
     ORJSONResponse,
     Respond,
     caller_of,
@@ -70,8 +71,8 @@ def parse_completion_body(svc: GatewayService, body: dict[str, Any], kind: str) 
 async def completions(request: Request, respond: Respond, kind: str) -> None:
     """Serve one completion through the runner; the slot is held until the response is sent.
 
-    A non-streaming request is cancelled (work on the nodes included) when the client leaves
-    before its answer; a streaming one too, until its first byte is sent.
+    A request is cancelled (work on the nodes included) when the client leaves before its
+    answer, or, streaming, before its last event.
     """
     svc = service_of(request)
     runner = svc.runner
@@ -100,16 +101,9 @@ async def completions(request: Request, respond: Respond, kind: str) -> None:
         async with choices.run(runner, caller_of(request), prepare, count) as ex:
             assert parsed is not None
             headers = ex.headers() if svc.settings.response_headers else {}
-            if parsed.stream:
-                watch.disarm()  # from here the streaming response watches the connection
+            if parsed.stream:  # the watch stays armed until the stream's last message
                 async with aclosing(responses.stream(ex, parsed, kind)) as body:
-                    await respond(
-                        StreamingResponse(
-                            body,
-                            media_type="text/event-stream",
-                            headers={**headers, "cache-control": "no-cache"},
-                        )
-                    )
+                    await respond(EventStream(body, {**headers, "cache-control": "no-cache"}, watch.disarm))
                 return
             response = await responses.complete(ex, parsed, kind, headers)
             watch.disarm()
@@ -119,7 +113,7 @@ async def completions(request: Request, respond: Respond, kind: str) -> None:
             task = asyncio.current_task()
             if task is not None:
                 task.uncancel()
-            log.info("client_disconnected", path=request.url.path)
+            log.info("client_disconnected", path=request.scope["path"])
             return
         raise
     finally:
@@ -205,10 +199,17 @@ async def documents_delete(request: Request) -> Response:
     return ORJSONResponse({"id": doc_id, "object": "document", "deleted": True})
 
 
+#: The client API's completion endpoints, by path (POST); ``gateway.hotroutes`` dispatches them
+#: ahead of Starlette.
+COMPLETION_ENDPOINTS = {
+    "/v1/chat/completions": Endpoint(chat_completions),
+    "/v1/completions": Endpoint(text_completions),
+}
+
+
 def routes() -> list[Route]:
     return [
-        Route("/v1/chat/completions", Endpoint(chat_completions), methods=["POST"]),
-        Route("/v1/completions", Endpoint(text_completions), methods=["POST"]),
+        *(Route(path, endpoint, methods=["POST"]) for path, endpoint in COMPLETION_ENDPOINTS.items()),
         Route("/v1/models", guard(list_models), methods=["GET"]),
         Route("/v1/documents", guard(documents_create), methods=["POST"]),
         Route("/v1/documents/{doc_id:str}", guard(documents_get), methods=["GET"]),

@@ -16,9 +16,11 @@ header of any size. This subclass adds, per connection:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import resource
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import httptools
 import orjson
@@ -56,6 +58,50 @@ def error_response(status: int, message: str, code: str) -> bytes:
         % (status, _REASONS.get(status, b""), len(body))
     )
     return head + body
+
+
+#: ``scope["extensions"]`` key of the request's :class:`DisconnectHook`.
+DISCONNECT_EXTENSION = "prefixgate.disconnect"
+
+
+class DisconnectHook:
+    """Callbacks run when a request's connection is lost before its response completed.
+
+    The protocol puts one in every request's scope (``DISCONNECT_EXTENSION``), so a handler can
+    learn that its client left without a task of its own waiting on ``receive()`` for it.
+    """
+
+    __slots__ = ("callbacks", "fired")
+
+    def __init__(self) -> None:
+        self.callbacks: list[Callable[[], None]] = []
+        self.fired = False
+
+    def register(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Run ``callback`` on disconnect (soon, if the client has left already); returns the
+        function that unregisters it."""
+        if self.fired:
+            asyncio.get_running_loop().call_soon(callback)
+            return _nothing
+        self.callbacks.append(callback)
+
+        def unregister() -> None:
+            with contextlib.suppress(ValueError):
+                self.callbacks.remove(callback)
+
+        return unregister
+
+    def fire(self) -> None:
+        if self.fired:
+            return
+        self.fired = True
+        callbacks, self.callbacks = self.callbacks, []
+        for callback in callbacks:
+            callback()
+
+
+def _nothing() -> None:
+    pass
 
 
 class _Rejected(Exception):
@@ -111,6 +157,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._header_bytes = 0
         self._closing = False
         self._idle_since = 0.0
+        self._hook: DisconnectHook | None = None
 
     # -- connection lifecycle -------------------------------------------------------------------
 
@@ -128,6 +175,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._closing = True
         self._disarm()
         super().connection_lost(exc)
+        self._client_gone()
+
+    def _client_gone(self) -> None:
+        """Tell the current request's handler, if its response is not complete."""
+        if self._hook is not None and self.cycle is not None and not self.cycle.response_complete:
+            self._hook.fire()
 
     def _evictable(self) -> bool:
         return (
@@ -195,6 +248,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if cycle is not None:  # the app reads a disconnect and its answer is dropped
             cycle.disconnected = True
             cycle.message_event.set()
+            self._client_gone()
 
     # -- parsing --------------------------------------------------------------------------------
 
@@ -237,6 +291,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         if self._closing:
             return
+        self._hook = DisconnectHook()  # the request's task starts on the next loop iteration
+        extensions = cast(dict[str, Any], self.scope.setdefault("extensions", {}))
+        extensions[DISCONNECT_EXTENSION] = self._hook
         self._arm(self.limits.body_timeout_s, self._body_timeout)
         if self.scope.get("http_version") == "1.0" and type(self.cycle) is RequestResponseCycle:
             # uvicorn builds the cycle itself; its layout is unchanged by the subclass.

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from prefixgate.cachetier.index import IndexStats
@@ -232,16 +234,53 @@ class Metrics:
         self.per_node: dict[str, HitCounts] = {}
         self.totals = HitCounts()
         self._index_nodes: set[str] = set()
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def child(self, metric: MetricWrapperBase, *labels: str) -> Any:
+        """``metric.labels(*labels)``, remembered: the request path observes the same few series
+        every time, and ``labels`` takes a lock and builds a key on each call. Only for series
+        never removed (the per-request ones; ``index_blocks`` is not)."""
+        key = (id(metric), labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
+
+    def observe_request(
+        self,
+        route: str,
+        outcome: str,
+        *,
+        ttft: float,
+        queue_s: float,
+        prefill_s: float,
+        transfer_s: float,
+        node: str,
+        transfer_node: str | None,
+    ) -> None:
+        """One finished request's outcome, TTFT and its segments, the node's prefill time (and
+        the prefill node's transfer time on the split path)."""
+        child = self.child
+        child(self.requests, route, outcome).inc()
+        child(self.ttft, route).observe(ttft)
+        child(self.ttft_segment, "queue").observe(queue_s)
+        child(self.ttft_segment, "prefill").observe(prefill_s)
+        child(self.ttft_segment, "transfer").observe(transfer_s)
+        child(self.ttft_segment, "first_token").observe(max(0.0, ttft - queue_s - prefill_s - transfer_s))
+        child(self.prefill, node).observe(prefill_s)
+        if transfer_node is not None:
+            child(self.transfer, transfer_node).observe(transfer_s)
 
     def bind_nodes(self, source: Callable[[], Iterable[NodeSample]]) -> None:
         """Export per-node gauges read from ``source`` at every scrape."""
         self.registry.register(NodeCollector(source))
 
     def observe_hit(self, node: str, prompt: int, cached: int, predicted: int) -> None:
-        self.prompt_tokens.labels(node).inc(prompt)
-        self.cached_tokens.labels(node).inc(cached)
-        self.predicted_cached_tokens.labels(node).inc(predicted)
-        self.computed_tokens.labels(node).inc(max(0, prompt - cached))
+        child = self.child
+        child(self.prompt_tokens, node).inc(prompt)
+        child(self.cached_tokens, node).inc(cached)
+        child(self.predicted_cached_tokens, node).inc(predicted)
+        child(self.computed_tokens, node).inc(max(0, prompt - cached))
         counts = self.per_node.setdefault(node, HitCounts())
         for c in (counts, self.totals):
             c.prompt += prompt
@@ -250,8 +289,8 @@ class Metrics:
             c.requests += 1
         t = self.totals
         if t.prompt:
-            self.hit_ratio.labels("reported").set(t.ratio(t.cached))
-            self.hit_ratio.labels("predicted").set(t.ratio(t.predicted))
+            child(self.hit_ratio, "reported").set(t.ratio(t.cached))
+            child(self.hit_ratio, "predicted").set(t.ratio(t.predicted))
 
     def refresh_index(self, stats: IndexStats) -> None:
         """Set the index occupancy gauges; nodes the index forgot disappear from the output."""

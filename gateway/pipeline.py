@@ -163,6 +163,10 @@ class Execution:
         self.failure: NodeFailure | None = None  # what broke the stream after the first token
         self._on_close = on_close
         self._stall_timeout_s = stall_timeout_s
+        self._waiting_since = 0.0  # loop time at which ``_next`` began waiting; 0 when not waiting
+        self._waiter: asyncio.Task[object] | None = None
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._stalled = False
         self._done = False
 
     @property
@@ -207,19 +211,48 @@ class Execution:
             await self.close()
 
     async def _next(self) -> TokenDelta:
-        """The next delta, or a TIMEOUT failure of the decode node when it stalls."""
+        """The next delta, or a TIMEOUT failure of the decode node when it stalls.
+
+        One timer watches the waits (``_watch``), re-armed once a stall period, instead of one
+        timer armed and cancelled for every token: that cost more than relaying the token.
+        """
         if self._stall_timeout_s <= 0:
             return await self._stream.__anext__()
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        self._waiter = task
+        self._waiting_since = loop.time()
+        if self._watchdog is None:
+            self._watchdog = loop.call_at(self._waiting_since + self._stall_timeout_s, self._watch)
+        cancelling = task.cancelling() if task is not None else 0
         try:
-            async with asyncio.timeout(self._stall_timeout_s):
-                return await self._stream.__anext__()
-        except TimeoutError:
-            raise NodeFailure(
-                self.decode_node.id,
-                Stage.DECODE,
-                FailureKind.TIMEOUT,
-                f"no token for {self._stall_timeout_s:g}s",
-            ) from None
+            return await self._stream.__anext__()
+        except asyncio.CancelledError:
+            if self._stalled and task is not None and task.uncancel() <= cancelling:
+                raise NodeFailure(
+                    self.decode_node.id,
+                    Stage.DECODE,
+                    FailureKind.TIMEOUT,
+                    f"no token for {self._stall_timeout_s:g}s",
+                ) from None
+            raise  # cancelled from outside (client gone, shutdown)
+        finally:
+            self._waiting_since = 0.0
+            self._waiter = None
+
+    def _watch(self) -> None:
+        """Cancel the wait in progress if it has lasted the stall timeout, else watch it on."""
+        self._watchdog = None
+        if not self._waiting_since or self._done:
+            return  # not waiting: the next wait re-arms
+        loop = asyncio.get_running_loop()
+        due = self._waiting_since + self._stall_timeout_s
+        if loop.time() >= due:
+            self._stalled = True
+            if self._waiter is not None:
+                self._waiter.cancel()
+        else:
+            self._watchdog = loop.call_at(due, self._watch)
 
     def _account(self, d: TokenDelta) -> None:
         if d.completion_tokens:
@@ -235,6 +268,9 @@ class Execution:
         if self._done:
             return
         self._done = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         try:
             await self._stream.aclose()
         finally:
@@ -378,7 +414,8 @@ class Pipeline:
         except Exception as e:  # an index failure degrades routing, never the request
             log.warning("index_lookup_failed", error=repr(e)[:200], request_id=prep.request_id)
             return {}
-        self.metrics.index_lookup.labels(self.index.backend).observe(time.perf_counter() - t0)
+        m = self.metrics
+        m.child(m.index_lookup, self.index.backend).observe(time.perf_counter() - t0)
         return hits
 
     def _request(self, prep: Prepared, hits: dict[str, int]) -> RequestView:
@@ -769,16 +806,17 @@ class Pipeline:
         t = ex.timings
         ttft = (t.first_token_at - t.start) if t.first_token_at else 0.0
         m = self.metrics
-        m.requests.labels(ex.route, ex.outcome).inc()
-        m.ttft.labels(ex.route).observe(ttft)
-        m.ttft_segment.labels("queue").observe(t.queue_s)
-        m.ttft_segment.labels("prefill").observe(t.prefill_s)
-        m.ttft_segment.labels("transfer").observe(t.transfer_s)
-        m.ttft_segment.labels("first_token").observe(max(0.0, ttft - t.queue_s - t.prefill_s - t.transfer_s))
         node = (ex.prefill_node or ex.decode_node).id
-        m.prefill.labels(node).observe(t.prefill_s)
-        if ex.prefill_node is not None:
-            m.transfer.labels(ex.prefill_node.id).observe(t.transfer_s)
+        m.observe_request(
+            ex.route,
+            ex.outcome,
+            ttft=ttft,
+            queue_s=t.queue_s,
+            prefill_s=t.prefill_s,
+            transfer_s=t.transfer_s,
+            node=node,
+            transfer_node=ex.prefill_node.id if ex.prefill_node is not None else None,
+        )
         m.observe_hit(node, ex.prompt_tokens, ex.cached_tokens, ex.predicted_tokens)
         self._check_prediction(ex.prefill_node or ex.decode_node, ex.predicted_tokens, ex.cached_tokens)
         log.info(

@@ -17,7 +17,7 @@ import orjson
 from starlette.responses import Response
 
 from prefixgate.gateway.choices import Choices
-from prefixgate.gateway.httpcommon import ORJSONResponse
+from prefixgate.gateway.httpcommon import SSE_DONE, ORJSONResponse
 from prefixgate.gateway.nodeclient.base import TokenLogprob
 from prefixgate.openai.errors import from_domain
 from prefixgate.openai.exceptions import StreamBroken
@@ -147,8 +147,7 @@ async def stream(ch: Choices, parsed: ParsedRequest, kind: str) -> AsyncGenerato
             if d.text or not started[i] or d.finish_reason or d.logprobs:
                 yield sse(chunk(i, d.text, d.finish_reason or None, not started[i], d.logprobs))
                 started[i] = True
-        if parsed.include_usage:
-            yield sse({**base, "choices": [], "usage": usage(ch)})
-        yield b"data: [DONE]\n\n"
+        last = sse({**base, "choices": [], "usage": usage(ch)}) if parsed.include_usage else b""
+        yield last + SSE_DONE  # one write for the two last events
     except StreamBroken as e:
         yield sse(from_domain(e).body())

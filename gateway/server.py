@@ -13,9 +13,10 @@ from types import FrameType
 import structlog
 import uvicorn
 
-from prefixgate.gateway.app import create_app
+from prefixgate.gateway.app import COMPLETION_ENDPOINTS, create_app
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.connections import ConnectionLimits, fd_bounded_connections, limited_protocol
+from prefixgate.gateway.hotroutes import HotRoutes
 from prefixgate.gateway.http_guard import HttpGuard, Inflight
 from prefixgate.gateway.service import GatewayService
 
@@ -84,7 +85,7 @@ def make_server(
     svc = service or GatewayService(settings)
     inflight = Inflight()
     config = uvicorn.Config(
-        HttpGuard(create_app(svc), settings, inflight),
+        HttpGuard(HotRoutes(create_app(svc), COMPLETION_ENDPOINTS), settings, inflight),
         host=settings.host,
         port=settings.port,
         loop="uvloop",

@@ -227,6 +227,18 @@ async def test_a_stream_that_stalls_after_the_first_token_ends_with_an_error_cha
         assert h.node("p1").breaker.failures == 0 and h.node("d1").active_streams == 0
 
 
+async def test_a_slow_stream_whose_every_token_comes_within_the_stall_timeout_is_not_cut() -> None:
+    """The stall timeout bounds each wait for a token, not the stream: six tokens 0.06 s apart
+    (0.3 s in all) under a 0.15 s stall timeout all arrive."""
+    texts = ("a", "b", "c", "d", "e", "f")
+    d1 = FakeNodeClient("d1", decode=Tokens(texts=texts, stall_s=0.06))
+    async with harness(("prefill", FakeNodeClient("p1")), ("decode", d1), stall_timeout_s=0.15) as h:
+        ex = await h.pipeline.execute(h.prep())
+        got = [d.text async for d in ex.stream()]
+        assert got == list(texts) and ex.outcome == "ok"
+        assert h.node("d1").breaker.failures == 0
+
+
 async def test_a_split_stuck_while_the_decode_node_fails_its_probes_is_charged_to_the_decode_node() -> None:
     p1 = FakeNodeClient("p1", prefill=first_call_hangs())
     d1, d2 = FakeNodeClient("d1"), FakeNodeClient("d2")
