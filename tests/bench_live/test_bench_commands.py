@@ -26,13 +26,14 @@ def test_overhead_quick_writes_every_figure(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     report = json.loads(out.read_text())
     cells = report["cells"]
-    assert {c["target"] for c in cells} == {"direct", "prefixgate"}
+    # prefixgate twice: over its own protocol and over grpc:// (the SMG engine protocol)
+    assert {c["target"] for c in cells} == {"direct", "prefixgate", "prefixgate-grpc"}
     assert {(c["clients"], c["stream"]) for c in cells} == {(1, False), (32, False), (1, True), (32, True)}
     for c in cells:
         assert c["ok"] > 0 and c["errors"] == 0
         for key in ("p50_ms", "p99_ms", "ttft_p50_ms", "ttft_p99_ms", "req_per_s", "node_cpu_ms_per_req"):
             assert c[key] > 0, key
-        if c["target"] == "prefixgate":
+        if c["target"] in ("prefixgate", "prefixgate-grpc"):
             assert c["cpu_ms_per_req"] > 0 and c["added_p50_ms"] is not None
     t = report["targets"]
     for key in (
