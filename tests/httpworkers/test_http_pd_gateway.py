@@ -75,10 +75,10 @@ def nodes() -> Iterator[Cluster]:
             n.proc.stop(timeout=10)
 
 
-def _gateway(args: list[str]) -> tuple[Proc, str]:
+def _gateway(args: list[str], env: dict[str, str] | None = None) -> tuple[Proc, str]:
     port = free_port()
     # The nodes render messages as sent (a real engine does): so does the gateway, for equal text.
-    env = {"PREFIXGATE_NORMALIZATION": "false"}
+    env = {"PREFIXGATE_NORMALIZATION": "false", **(env or {})}
     p = spawn(["gateway", "--port", str(port), "--grpc-port", str(free_port()), *args], env=env)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -156,6 +156,7 @@ def test_a_closed_stream_ends_both_legs(pair: Pair, nodes: Cluster) -> None:
         lines = r.iter_lines()
         got = [line for line, _ in zip(lines, range(6), strict=False) if line.startswith("data: ")]
         assert got
+        assert _running(nodes.decode) >= 1  # still decoding while the client reads
     deadline = time.monotonic() + 20
     load = {}
     while time.monotonic() < deadline:
@@ -177,13 +178,23 @@ def test_a_killed_prefill_node_fails_no_request(backend: str, nodes: Cluster) ->
     (prefill,) = _nodes("prefill")
     gateway: Proc | None = None
     try:
-        gateway, base = _gateway(_pd_args(prefill, nodes.decode, backend))
+        # Probes far apart: the first request after the kill meets the dead node itself.
+        slow_probes = {"PREFIXGATE_STATS_INTERVAL_S": "30"}
+        gateway, base = _gateway(_pd_args(prefill, nodes.decode, backend), slow_probes)
         content = f"(killed {backend}) {LONG}"
         direct = _ask(nodes.monolithic.url, content, stream=False)
         assert _ask(base, content, stream=True)[:3] == direct[:3]
         prefill.proc.stop(signal.SIGKILL, timeout=10)
         answers = [_ask(base, content, stream=i % 2 == 0) for i in range(4)]
         assert [a[:3] for a in answers] == [direct[:3]] * 4  # served (by the decode node, whole)
+        failed = [json.loads(line) for line in gateway.lines if '"node_attempt_failed"' in line]
+        assert failed and all(f["node"] == prefill.url.removeprefix("http://") for f in failed), failed
+        assert {f["stage"] for f in failed} == {"prefill"}
+        listed = httpx.get(f"{base}/admin/nodes", timeout=5, trust_env=False).json()["data"]
+        by_role = {n["role"]: n for n in listed}
+        assert by_role["decode"]["last_error"] is None  # never blamed for its partner's death
+        assert by_role["decode"]["circuit"] == "closed"
+        assert by_role["prefill"]["last_error"]
         metrics = httpx.get(f"{base}/metrics", timeout=5, trust_env=False).text
         assert 'prefixgate_fallbacks_total{reason="split_failed"}' in metrics or (
             'prefixgate_fallbacks_total{reason="unavailable"}' in metrics
