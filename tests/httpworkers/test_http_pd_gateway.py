@@ -90,7 +90,15 @@ def _gateway(args: list[str], env: dict[str, str] | None = None) -> tuple[Proc, 
 
 
 def _pd_args(prefill: NodeInfo, decode: NodeInfo, backend: str) -> list[str]:
-    return ["--prefill", prefill.url, str(prefill.bootstrap_port), "--decode", decode.url, "--backend", backend]
+    return [
+        "--prefill",
+        prefill.url,
+        str(prefill.bootstrap_port),
+        "--decode",
+        decode.url,
+        "--backend",
+        backend,
+    ]
 
 
 @dataclass
@@ -227,7 +235,15 @@ def _refused(*args: str) -> str:
             "--prefill http:// workers cannot be paired with --decode grpc://127.0.0.1:10",
         ),
         (
-            ["--prefill", "grpc://127.0.0.1:9", "8998", "--decode", "http://127.0.0.1:10", "--backend", "vllm"],
+            [
+                "--prefill",
+                "grpc://127.0.0.1:9",
+                "8998",
+                "--decode",
+                "http://127.0.0.1:10",
+                "--backend",
+                "vllm",
+            ],
             "--decode http:// workers cannot be paired with --prefill grpc://127.0.0.1:9",
         ),
         (
