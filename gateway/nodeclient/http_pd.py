@@ -234,6 +234,9 @@ class BootstrapStream(_SplitStream):
         self._prefill_task = asyncio.ensure_future(
             self.p.answer(prefill_body, self.rid, Stage.PREFILL, self.timeout)
         )
+        # The report as soon as the prefill leg is done: a first token that never comes is then
+        # the decode node's (``stream.prefill`` set), not the prefill node's.
+        self._prefill_task.add_done_callback(self._prefill_done)
         self._decode_leg(decode_body)
         first = asyncio.ensure_future(self._first_decoded())
         try:
@@ -251,9 +254,14 @@ class BootstrapStream(_SplitStream):
                 first.cancel()
                 with contextlib.suppress(BaseException):
                     await first
-        self._report(answer)
+        if self.prefill is None:
+            self._report(answer)
         self._take_cached()
         return delta
+
+    def _prefill_done(self, task: asyncio.Task[Mapping[str, Any]]) -> None:
+        if not task.cancelled() and task.exception() is None and self.prefill is None:
+            self._report(task.result())
 
     async def _blame_prefill_first(self) -> None:
         """The decode leg failed before its first token: when the prefill leg fails too (within

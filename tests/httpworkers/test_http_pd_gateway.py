@@ -5,9 +5,10 @@ text the node gives whole and the text sglang-router / vllm-router give through 
 (their install and launch are the interop test's, ``tests/interop/test_http_pd_interop.py``).
 
 The prefill work happens on the prefill node only (its prompt-token counter moves, the decode
-node's does not); a repeated prompt reports the prefill node's cached tokens; a prefill node
-killed under the gateway costs no request (the gateway falls back); pools that cannot hand KV to
-each other are refused at startup.
+node's does not); a repeated prompt reports the prefill node's cached tokens; a client that goes
+away ends both legs; a prefill node killed under the gateway costs no request (the gateway falls
+back) and a killed decode node none either (its partner serves), each blamed alone; pools that
+cannot hand KV to each other are refused at startup.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
+from openai import OpenAI
 
 from tests.helpers import REPO, Proc, free_port, spawn
 from tests.interop.test_http_pd_interop import (
@@ -143,6 +145,13 @@ def test_the_gateway_serves_pd_like_the_router_and_the_node(pair: Pair, nodes: C
     assert streamed[:3] == direct[:3]
     assert streamed[3] >= BS  # the repeated prompt's full blocks were reused on the prefill node
 
+    text = OpenAI(base_url=f"{pair.gateway}/v1", api_key="unused", max_retries=0, timeout=60)
+    whole = OpenAI(base_url=f"{nodes.monolithic.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    got, want = (
+        c.completions.create(model=MODEL, prompt=content, max_tokens=8, temperature=0) for c in (text, whole)
+    )
+    assert got.choices[0].text == want.choices[0].text and got.choices[0].text
+
     assert nodes.prefill.prompt_tokens() > prefilled  # the prefill node computed the prompts
     assert nodes.decode.prompt_tokens() == decode_prefilled  # the decode node only decoded
 
@@ -211,6 +220,39 @@ def test_a_killed_prefill_node_fails_no_request(backend: str, nodes: Cluster) ->
         if gateway is not None:
             gateway.stop(timeout=10)
         prefill.proc.stop(timeout=10)
+
+
+@pytest.mark.parametrize("backend", sorted(ROUTERS))
+def test_a_killed_decode_node_is_blamed_and_its_partner_serves(backend: str, nodes: Cluster) -> None:
+    decodes = _nodes("decode", "decode")
+    gateway: Proc | None = None
+    try:
+        slow_probes = {"PREFIXGATE_STATS_INTERVAL_S": "30"}
+        args = [*_pd_args(nodes.prefill, decodes[0], backend), "--decode", decodes[1].url]
+        gateway, base = _gateway(args, slow_probes)
+        content = f"(decode killed {backend}) {LONG}"
+        # The node the gateway decodes this prompt on (it stays its choice: the pair is idle) dies.
+        doomed = _decoded_on(base, content)
+        (dead,) = [d for d in decodes if d.url == f"http://{doomed}"]
+        direct = _ask(nodes.monolithic.url, content, stream=False)
+        dead.proc.stop(signal.SIGKILL, timeout=10)
+        for i in range(4):
+            assert _ask(base, content, stream=i % 2 == 1)[:3] == direct[:3]
+        failed = [json.loads(line) for line in gateway.lines if '"node_attempt_failed"' in line]
+        assert failed, "the dead decode node was never tried"
+        assert {(f["node"], f["stage"]) for f in failed} == {(doomed, "decode")}
+    finally:
+        if gateway is not None:
+            gateway.stop(timeout=10)
+        for d in decodes:
+            d.proc.stop(timeout=10)
+
+
+def _decoded_on(base: str, content: str) -> str:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 2}
+    r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60, trust_env=False)
+    assert r.status_code == 200, r.text
+    return r.headers["x-prefixgate-decode-node"]
 
 
 def _refused(*args: str) -> str:
