@@ -147,7 +147,9 @@ class _SplitStream:
         self.d = decode
         self.prompt = prompt
         self.timeout = timeout
-        self.rid = uuid.uuid4().hex
+        # One id for both legs (vLLM pairs them by it), fresh per attempt: a retry never meets the
+        # remains of an attempt that an engine still holds.
+        self.rid = f"{prompt.request_id}-{uuid.uuid4().hex[:8]}"
         self._decode: SSEStream | None = None
         self._prefill_cached: int | None = None  # what the prefill leg reported
         self._started = False
@@ -178,7 +180,8 @@ class _SplitStream:
         raise NotImplementedError
 
     def _decode_leg(self, body: OpenAIBody) -> SSEStream:
-        self._decode = SSEStream(self.d, dataclasses.replace(self.prompt, openai=body), self.timeout)
+        leg = dataclasses.replace(self.prompt, request_id=self.rid, openai=body)
+        self._decode = SSEStream(self.d, leg, self.timeout)
         return self._decode
 
     async def _first_decoded(self) -> TokenDelta:
