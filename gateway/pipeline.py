@@ -657,7 +657,10 @@ class Pipeline:
         pnode.breaker.on_dispatch()
         dnode.breaker.on_dispatch()
         stream = handoff.start(
-            self._prompt(prep), pnode.client, dnode.client, timeout=max(0.01, deadline - time.monotonic())
+            self._prompt(prep, pnode),
+            pnode.client,
+            dnode.client,
+            timeout=max(0.01, deadline - time.monotonic()),
         )
         try:
             first = await self._first(stream, deadline, pnode, dnode)

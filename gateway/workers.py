@@ -9,7 +9,9 @@ or ``PREFIXGATE_*`` a prefill entry with a bootstrap port is one string, ``"URL 
 port, ``bootstrap_ports`` as ``URL=PORT``, worker URLs added to the monolithic pool) and
 ``connector`` builds each address's client, passing what a ``grpc://`` worker needs: the
 runtime, the bootstrap port, the gateway's namespace (KV events are hashed into it) and the
-engine's tokenizer.
+engine's tokenizer; an ``http://`` prefill or decode worker gets the backend's PD over HTTP
+(``nodeclient.http_pd``). Pools that cannot hand KV to each other (``http://`` prefill with
+gRPC decode workers, or the reverse) are refused by ``normalize``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
     from prefixgate.gateway.nodeclient import NodeClient
 
 BACKENDS = ("sglang", "vllm")
+HTTP_SCHEMES = ("http", "https")
 NO_PORT = ("none", "")
 
 
@@ -80,6 +83,7 @@ def normalize(settings: Settings) -> Settings:
     decode = [_single(e, "decode") for e in settings.decode]
     monolithic = [_single(e, "monolithic") for e in settings.monolithic]
     monolithic += [_single(e, "worker-urls") for e in settings.worker_urls if e not in monolithic]
+    check_split_pools(prefill, decode, settings.backend)
     return dataclasses.replace(
         settings,
         prefill=prefill,
@@ -88,6 +92,32 @@ def normalize(settings: Settings) -> Settings:
         worker_urls=[],
         bootstrap_ports=[f"{u}={p}" for u, p in ports.items()],
     )
+
+
+def _http(url: str) -> bool:
+    return url.partition("://")[0] in HTTP_SCHEMES
+
+
+def check_split_pools(prefill: Sequence[str], decode: Sequence[str], backend: str) -> None:
+    """Refuse prefill and decode pools that cannot hand KV to each other: an HTTP worker hands
+    over only to an HTTP worker (its engine's PD over HTTP), a gRPC one only to a gRPC one; and
+    HTTP split serving needs to know the engine family's way (``--backend``)."""
+    pools = {"--prefill": prefill, "--decode": decode}
+    flags = [f for f, urls in pools.items() if any(_http(u) for u in urls)]
+    if not flags:
+        return
+    for flag, urls in pools.items():
+        other = [u for u in urls if not _http(u)]
+        if other:
+            raise ValueError(
+                f"{' and '.join(flags)} http:// workers cannot be paired with {flag} {other[0]}: "
+                "in split serving every prefill and decode worker is http:// or none is"
+            )
+    if not backend:
+        raise ValueError(
+            f"{' and '.join(flags)} http:// workers need --backend sglang or vllm "
+            "(how the engines hand KV over HTTP: SGLang's bootstrap room or vLLM's kv_transfer_params)"
+        )
 
 
 def _single(entry: str, flag: str) -> str:
@@ -135,8 +165,15 @@ def connector(
         # Engine events name no tenant; the default namespace is the keyless tenant's ("").
         return None if lora else Namespace(model, salt, bs, name_of()).root()
 
+    split = set(settings.prefill) | set(settings.decode)
+
     def connect(address: str) -> NodeClient:
         scheme, _target = nodeclient.split_address(address)
+        if scheme in HTTP_SCHEMES and address in split:
+            from prefixgate.gateway.nodeclient.http_pd import HttpPDOptions
+
+            pd = HttpPDOptions(settings.backend, ports.get(address))
+            return nodeclient.connect(address, http_pd=pd)
         if scheme != "grpc":
             return nodeclient.connect(address)
         options = SmgOptions(settings.backend, ports.get(address), bs, root_of, codec)

@@ -46,6 +46,11 @@ def _smg(address: str, target: str, options: dict[str, Any]) -> NodeClient:
 
 
 def _http(address: str, target: str, options: dict[str, Any]) -> NodeClient:
+    from prefixgate.gateway.nodeclient.http_pd import HttpPDClient, HttpPDOptions
+
+    pd = options.get("http_pd")
+    if isinstance(pd, HttpPDOptions):  # a prefill or decode worker: split serving, its engine's way
+        return HttpPDClient(address, pd)
     return HttpOpenAIClient(address)
 
 
@@ -74,7 +79,8 @@ def split_address(address: str) -> tuple[str, str]:
 def connect(address: str, **options: Any) -> NodeClient:
     """A client for the node at ``address``: ``HOST:PORT`` (prefixgate.v1) or ``grpc://HOST:PORT``
     (SGLang/vLLM over the SMG protocol; ``smg=SmgOptions(...)`` configures it) or
-    ``http://HOST:PORT`` (an OpenAI-compatible HTTP worker)."""
+    ``http://HOST:PORT`` (an OpenAI-compatible HTTP worker; ``http_pd=HttpPDOptions(...)`` makes
+    it a prefill or decode worker, ``http_pd``)."""
     scheme, target = split_address(address)
     return ADAPTERS[scheme](address, target, options)
 

@@ -38,6 +38,7 @@ from prefixgate.cachetier.tokenizer import unpack_ids
 from prefixgate.gateway.nodeclient.base import (
     Capabilities,
     CostProfile,
+    Handoff,
     KVEvent,
     NodeFailure,
     NodeStatus,
@@ -210,8 +211,8 @@ class HttpOpenAIClient:
         return CAPABILITIES
 
     @property
-    def handoff(self) -> None:
-        return None
+    def handoff(self) -> Handoff | None:
+        return None  # a whole-request worker (``http_pd.HttpPDClient`` takes part in splits)
 
     @property
     def load_source(self) -> str:
@@ -325,6 +326,40 @@ class HttpOpenAIClient:
                 f"HTTP {response.status_code}: {_error_message(raw)}",
             )
         return response
+
+    async def answer(
+        self, req: OpenAIBody, request_id: str, stage: Stage, timeout: float
+    ) -> Mapping[str, Any]:
+        """One non-streamed call (``req.body`` sent as is): the engine's JSON answer. Failures
+        are this worker's, at ``stage``; cancelling the call closes the connection (the engine
+        aborts the request)."""
+        try:
+            async with self._http.stream(
+                "POST",
+                PATHS.get(req.kind, PATHS["completion"]),
+                content=orjson.dumps(req.body),
+                headers={"content-type": "application/json", "x-request-id": request_id},
+                timeout=httpx.Timeout(timeout, connect=min(CONNECT_TIMEOUT_S, timeout)),
+            ) as r:
+                if r.status_code != 200:
+                    try:
+                        raw = await _read_bounded(r, MAX_ERROR_BYTES)
+                    except _TooLarge:
+                        raw = b"(error body too large)"
+                    detail = f"HTTP {r.status_code}: {_error_message(raw)}"
+                    raise NodeFailure(self._address, stage, _status_kind(r.status_code), detail)
+                obj = orjson.loads(await _read_bounded(r, MAX_JSON_BYTES))
+        except (httpx.HTTPError, TimeoutError) as e:
+            raise _transport_failure(self._address, stage, e) from e
+        except (ValueError, _TooLarge) as e:
+            raise NodeFailure(self._address, stage, FailureKind.INTERNAL, f"bad answer: {e}"[:300]) from e
+        if not isinstance(obj, Mapping):
+            raise NodeFailure(self._address, stage, FailureKind.INTERNAL, "the answer is not a JSON object")
+        err = obj.get("error")
+        if err:
+            message = err.get("message") if isinstance(err, Mapping) else err
+            raise NodeFailure(self._address, stage, FailureKind.INTERNAL, str(message)[:300])
+        return obj
 
     async def kv_events(self, since_seq: int) -> AsyncGenerator[KVEvent, None]:
         """None: an HTTP worker publishes no KV events over this wire."""
