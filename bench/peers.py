@@ -244,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, dict[str, Any]] = {}
     failed: dict[str, str] = {}
     runs: list[tuple[str, str, dict[str, str] | None]] = [(t, label(t, args.policy), None) for t in targets]
-    runs[1:1] = [("prefixgate", f"prefixgate {args.policy} {v}", env) for v, env in variants.items()]
+    runs[1:1] = [("prefixgate", f"prefixgate ({v})", env) for v, env in variants.items()]
     for target, name, env in runs:
         console.print(f"running {name} ...")
         t0 = time.monotonic()

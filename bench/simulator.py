@@ -100,6 +100,9 @@ class Simulator:
         self.outcomes: list[Outcome] = []
         self.now = 0.0
         self.decisions = 0
+        # Tokens of the longest known hit left on another node: by the load bound, by the score.
+        self.left_over_bound_tokens = 0
+        self.left_by_score_tokens = 0
         follow = config.inflight and follows_inflight(policy)
         self.inflight = InflightPrefixes(ttl_s=DEFAULT_TTL_S if follow else 0.0)
 
@@ -210,6 +213,7 @@ class Simulator:
         if decided.mode.mode != Mode.DISAGGREGATED or node_id is None:
             self._fallback(req)
             return
+        self._note(decided)
         idx = self.node_ids.index(node_id)
         predicted_new = req.prompt_tokens - min(hits.get(node_id, 0), len(hashes)) * self.cfg.block_size
         nd = self.nodes[idx]
@@ -219,6 +223,17 @@ class Simulator:
             self._advance(nd, now)
             self._start(nd, now)
             self._schedule(nd, idx, now)
+
+    def _note(self, decided: Plan) -> None:
+        d = decided.prefill
+        best = max(d.estimates, key=lambda e: e.hit_blocks, default=None) if d is not None else None
+        if d is None or best is None or best.hit_blocks <= d.cached_blocks:
+            return
+        lost = (best.hit_blocks - d.cached_blocks) * self.cfg.block_size
+        if best.within_bound:
+            self.left_by_score_tokens += lost
+        else:
+            self.left_over_bound_tokens += lost
 
     def _fallback(self, req: Request) -> None:
         prof = self.cfg.profile

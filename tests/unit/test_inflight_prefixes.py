@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from prefixgate.bench.peers import parse_variant
 from prefixgate.gateway.routing import parse_policy
 from prefixgate.gateway.routing.base import NodeView, RouteInput
 from prefixgate.gateway.routing.inflight import InflightPrefixes, extension, merge_hits
@@ -71,3 +74,13 @@ def test_a_follow_up_goes_where_its_prefix_is_being_computed() -> None:
     seen = merge_hits({}, t.hits(follow_up, now=0.1))
     decided = policy.choose(RouteInput(130 * 64, 64, seen), nodes)
     assert decided.node_id == "n1" and decided.cached_blocks == 128
+
+
+def test_bench_peers_variant_specs() -> None:
+    assert parse_variant("index-only:inflight_prefixes=false,load-factor=1.5") == (
+        "index-only",
+        {"PREFIXGATE_INFLIGHT_PREFIXES": "false", "PREFIXGATE_LOAD_FACTOR": "1.5"},
+    )
+    for bad in ("index-only", "x:novalue", ":a=b", "x:=b"):
+        with pytest.raises(ValueError):
+            parse_variant(bad)
