@@ -15,6 +15,10 @@ everything stopped. Targets:
   ``litellm``: LiteLLM proxy, ``simple-shuffle`` (no cache-aware strategy exists). They talk
   HTTP to the nodes' OpenAI-compatible endpoint (``backends.http_api``).
 
+``--variant LABEL:SETTING=VALUE[,...]`` adds a run of prefixgate with other gateway settings
+(passed as ``PREFIXGATE_*`` variables), e.g. ``--variant index-only:inflight_prefixes=false`` for
+a before/after of one setting in one run.
+
 Peers come from a directory of venvs (``--peers-venv``; README, Benchmarks, has the install
 commands); a peer that is not installed is skipped with a line saying so. Nodes render HTTP
 prompts as sent (no normalization), as a real engine would; prefixgate normalizes before it
@@ -29,7 +33,7 @@ import argparse
 import asyncio
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -66,11 +70,38 @@ def computed_tokens(
 
 
 def start_router(
-    target: str, policy: str, nodes: Sequence[launch.Child], venvs: Path, logs: Path
+    target: str,
+    policy: str,
+    nodes: Sequence[launch.Child],
+    venvs: Path,
+    logs: Path,
+    env: Mapping[str, str] | None = None,
 ) -> launch.Child:
     if target == "prefixgate":
-        return launch.start_gateway(logs, monolithic=[n.address for n in nodes], policy=policy)
+        return launch.start_gateway(
+            logs, monolithic=[n.address for n in nodes], policy=policy, env=env, name=_log_name(env)
+        )
     return launch.start_peer(target, venvs, [n.url for n in nodes], logs)
+
+
+def _log_name(env: Mapping[str, str] | None) -> str:
+    if not env:
+        return "prefixgate"
+    return "prefixgate-" + "-".join(f"{k.removeprefix('PREFIXGATE_').lower()}-{v}" for k, v in env.items())
+
+
+def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
+    """``LABEL:SETTING=VALUE[,SETTING=VALUE...]`` -> (label, ``PREFIXGATE_*`` environment)."""
+    label, sep, rest = spec.partition(":")
+    env: dict[str, str] = {}
+    for item in rest.split(",") if sep else ():
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"--variant {spec!r}: settings are SETTING=VALUE, comma-separated")
+        env["PREFIXGATE_" + key.strip().upper().replace("-", "_")] = value.strip()
+    if not label.strip() or not env:
+        raise ValueError(f"--variant {spec!r}: use LABEL:SETTING=VALUE[,SETTING=VALUE...]")
+    return label.strip(), env
 
 
 def run_target(
@@ -80,11 +111,12 @@ def run_target(
     node_opts: launch.NodeOptions,
     logs: Path,
     console: Console,
+    env: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     nodes = launch.start_nodes(args.nodes, node_opts, logs)
     router: launch.Child | None = None
     try:
-        router = start_router(target, args.policy, nodes, Path(args.peers_venv), logs)
+        router = start_router(target, args.policy, nodes, Path(args.peers_venv), logs, env)
         opts = live.LiveOptions(
             url=router.url,
             clients=args.clients,
@@ -135,6 +167,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "or $TMPDIR/prefixgate-peers)",
     )
     p.add_argument("--policy", default="prefixgate", help="prefixgate's routing policy (default prefixgate)")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL:SETTING=VALUE[,...]",
+        help="also run prefixgate with these gateway settings, e.g. index-only:inflight_prefixes=false",
+    )
     p.add_argument("--nodes", type=int, default=4, help="simulated monolithic nodes (default 4)")
     p.add_argument("--node-profile", default="s5000", help="node cost profile (default s5000)")
     p.add_argument("--node-time-scale", type=float, default=1.0, help="node simulated-time multiplier")
@@ -183,6 +222,11 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"[red]error:[/] {e}")
         return 2
     targets, skipped = targets_of(args)
+    try:
+        variants = dict(parse_variant(v) for v in args.variant)
+    except ValueError as e:
+        console.print(f"[red]error:[/] {e}")
+        return 2
     for name, reason in skipped.items():
         console.print(f"[yellow]skipped[/] {name}: {reason}")
     node_opts = replace(
@@ -199,12 +243,13 @@ def run(args: argparse.Namespace) -> int:
     )
     results: dict[str, dict[str, Any]] = {}
     failed: dict[str, str] = {}
-    for target in targets:
-        name = label(target, args.policy)
+    runs: list[tuple[str, str, dict[str, str] | None]] = [(t, label(t, args.policy), None) for t in targets]
+    runs[1:1] = [("prefixgate", f"prefixgate ({v})", env) for v, env in variants.items()]
+    for target, name, env in runs:
         console.print(f"running {name} ...")
         t0 = time.monotonic()
         try:
-            results[name] = run_target(target, workload, args, node_opts, logs, console)
+            results[name] = run_target(target, workload, args, node_opts, logs, console, env)
         except (OSError, RuntimeError, TimeoutError, grpc.RpcError) as e:
             failed[name] = str(e).splitlines()[0][:300]
             console.print(f"[red]failed[/] {name}: {failed[name]}")
@@ -243,6 +288,7 @@ def run(args: argparse.Namespace) -> int:
             "keepalive": not args.no_keepalive,
             "node_http_normalization": False,
             "peers": {t: launch.PEER_VERSIONS[t] for t in targets if t in launch.PEER_VERSIONS},
+            "variants": variants,
         },
         "policies": results,
         "bound": bound,

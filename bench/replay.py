@@ -92,6 +92,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=30.0,
         help="queue-wait estimate beyond which a request falls back",
     )
+    p.add_argument(
+        "--no-inflight-prefixes",
+        action="store_true",
+        help="route on the index alone (not counting prefixes routed and still computing)",
+    )
     p.add_argument("--json", dest="json_out", help="write the figures as JSON to this file")
     from prefixgate.bench import live
 
@@ -140,6 +145,7 @@ def run_sim(workload: Workload, args: argparse.Namespace, console: Console) -> d
         profile=get_profile(args.profile),
         concurrency=args.concurrency,
         ttft_budget_s=args.ttft_budget,
+        inflight=not args.no_inflight_prefixes,
     )
     reqs = workload.requests
     load = offered_load(workload, config)
@@ -175,6 +181,7 @@ def run_sim(workload: Workload, args: argparse.Namespace, console: Console) -> d
             "profile": config.profile.name,
             "concurrency": config.concurrency,
             "ttft_budget_s": config.ttft_budget_s,
+            "inflight_prefixes": config.inflight,
         },
         "policies": {name: s.as_json() for name, s in results.items()},
         "bound": {k: round(v, 6) for k, v in bound.items()},

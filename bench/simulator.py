@@ -5,7 +5,9 @@ Model (no sleeping: an event heap of arrivals and prefill completions):
 - ``prefill_nodes`` nodes, each with a KV pool = one ``cachetier.memory.NodeBlocks`` of
   ``capacity_blocks / prefill_nodes`` blocks (LRU, prefix-closed, leaves evicted first). The
   pool is the ground truth; the router's view is the index ``IndexCore`` holding those very
-  pools, i.e. a perfectly up-to-date index (node events applied instantly and losslessly).
+  pools, i.e. a perfectly up-to-date index (node events applied instantly and losslessly),
+  plus, as in the gateway, the prefixes routed and still queued or computing
+  (``gateway.routing.inflight``; ``inflight=False`` leaves them out).
 - On arrival the router looks up every node's leading hit, builds each node's ``NodeView``
   (outstanding requests, outstanding uncached prefill tokens, the cost profile) and calls the
   gateway's own planner (``gateway.routing.planner.plan``) with one idle decode node beside
@@ -37,6 +39,7 @@ from prefixgate.bench.workloads import Request
 from prefixgate.cachetier.memory import IndexCore, NodeBlocks
 from prefixgate.gateway.routing import Policy
 from prefixgate.gateway.routing.base import NodeView, prefill_seconds
+from prefixgate.gateway.routing.inflight import DEFAULT_TTL_S, InflightPrefixes, follows_inflight, merge_hits
 from prefixgate.gateway.routing.planner import Plan, RequestView, Rules, plan
 from prefixgate.gateway.vocab import Mode, Role
 
@@ -53,12 +56,14 @@ class SimConfig:
     concurrency: int = 1
     ttft_budget_s: float = 30.0
     transfer: bool = True
+    inflight: bool = True  # count routed, still computing prefixes as held (the gateway default)
 
 
 @dataclass(slots=True)
 class _Job:
     req: Request
     predicted_new: int
+    ticket: int = 0  # its chain in the in-flight prefixes
     start: float = 0.0
     cached: int = 0
     new: int = 0
@@ -95,6 +100,11 @@ class Simulator:
         self.outcomes: list[Outcome] = []
         self.now = 0.0
         self.decisions = 0
+        # Tokens of the longest known hit left on another node: by the load bound, by the score.
+        self.left_over_bound_tokens = 0
+        self.left_by_score_tokens = 0
+        follow = config.inflight and follows_inflight(policy)
+        self.inflight = InflightPrefixes(ttl_s=DEFAULT_TTL_S if follow else 0.0)
 
     # -- node mechanics ------------------------------------------------------------------------
 
@@ -150,6 +160,7 @@ class Simulator:
             req = job.req
             if req.block_hashes:
                 nd.blocks.store(req.block_hashes)
+            self.inflight.done(job.ticket, now, served=True)
             transfer = prof.transfer_s(req.prompt_tokens) if self.cfg.transfer else 0.0
             self.outcomes.append(
                 Outcome(
@@ -196,21 +207,33 @@ class Simulator:
 
     def _arrive(self, req: Request, now: float) -> None:
         hashes = req.block_hashes
-        hits = self.index.lookup(hashes, self.node_ids)
+        hits = merge_hits(self.index.lookup(hashes, self.node_ids), self.inflight.hits(hashes, now))
         decided = self.plan(req, hits, [*self._views(now), DECODE_VIEW])
         node_id = decided.prefill.node_id if decided.prefill is not None else None
         if decided.mode.mode != Mode.DISAGGREGATED or node_id is None:
             self._fallback(req)
             return
+        self._note(decided)
         idx = self.node_ids.index(node_id)
         predicted_new = req.prompt_tokens - min(hits.get(node_id, 0), len(hashes)) * self.cfg.block_size
         nd = self.nodes[idx]
-        nd.queue.append(_Job(req, predicted_new))
+        nd.queue.append(_Job(req, predicted_new, self.inflight.add(node_id, hashes, now)))
         nd.queued_tokens += predicted_new
         if len(nd.running) < self.cfg.concurrency:
             self._advance(nd, now)
             self._start(nd, now)
             self._schedule(nd, idx, now)
+
+    def _note(self, decided: Plan) -> None:
+        d = decided.prefill
+        best = max(d.estimates, key=lambda e: e.hit_blocks, default=None) if d is not None else None
+        if d is None or best is None or best.hit_blocks <= d.cached_blocks:
+            return
+        lost = (best.hit_blocks - d.cached_blocks) * self.cfg.block_size
+        if best.within_bound:
+            self.left_by_score_tokens += lost
+        else:
+            self.left_over_bound_tokens += lost
 
     def _fallback(self, req: Request) -> None:
         prof = self.cfg.profile

@@ -72,6 +72,9 @@ class Settings:
     min_disagg_tokens: int = 0
     ttft_budget_s: float = 30.0  # estimated prefill queue wait beyond this: fall back
     stats_interval_s: float = 0.5
+    # Count a prefix as held by the node it was routed to while its prefill runs, before the
+    # index shows it (gateway.routing.inflight): requests sharing it follow it there.
+    inflight_prefixes: bool = True
     # Each attempt's first token must arrive within this (else the next node is tried), and once
     # streaming, a node silent this long ends the stream with an error event (0: no limit).
     first_token_timeout_s: float = 60.0

@@ -50,6 +50,9 @@ class Node:
     local_requests: int = 0
     local_tokens: int = 0
     active_streams: int = 0
+    # Ours in the last status, as (requests, prefill tokens) when it arrived: the rest is other
+    # gateways' work. Our requests that finished since, or went on to decode, are not load.
+    own_at_status: tuple[int, int] = (0, 0)
     mispredictions: int = 0
     probe_failures: int = 0
     last_error: str = ""
@@ -122,10 +125,14 @@ class Node:
         remote_reqs = 0
         streams = self.active_streams
         if st is not None:
-            # Work queued on the node by other gateways (ours is counted locally).
-            remote_tokens = max(0, int(st.queued_tokens) - self.local_tokens)
+            # Work queued on the node by other gateways (ours is counted locally, as it is now):
+            # the status less what was ours when it was taken. Less ours as it is now, our requests
+            # done (or decoding) since the poll would stay counted as someone else's until the
+            # next one, and a node that just served a burst would look loaded when it is idle.
+            own_reqs, own_tokens = self.own_at_status
+            remote_tokens = max(0, int(st.queued_tokens) - own_tokens)
             queued = int(st.queued_requests + st.running_requests)
-            remote_reqs = max(0, queued - self.local_requests)
+            remote_reqs = max(0, queued - own_reqs)
             streams += max(0, queued - self.active_streams)
         prof = st.profile if st is not None else None
         fmt = st.kv_format if st is not None else None
@@ -242,6 +249,7 @@ class NodePool:
             log.info("node_reachable", node=st.node_id or node.address, address=node.address, role=st.role)
         node.status = st
         node.status_at = time.monotonic()
+        node.own_at_status = (node.local_requests + node.active_streams, node.local_tokens)
         node.node_id = st.node_id or node.address
         node.reachable = True
         node.probe_failures = 0

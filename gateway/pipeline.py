@@ -32,6 +32,7 @@ from prefixgate.gateway.nodeclient import NodeFailure, OpenAIBody, Prompt, Token
 from prefixgate.gateway.nodes import Node, NodePool
 from prefixgate.gateway.openai_body import engine_body
 from prefixgate.gateway.routing import Decision, Policy, RouteInput, parse_policy, planner
+from prefixgate.gateway.routing.inflight import InflightPrefixes, extension, follows_inflight, merge_hits
 from prefixgate.gateway.routing.planner import Plan, RequestView, Rules
 from prefixgate.gateway.tokens import ChatEncoder
 from prefixgate.gateway.vocab import FailureKind, Mode, Stage
@@ -75,6 +76,10 @@ class Prepared:
     needs: dict[Feature, str] = field(default_factory=dict)  # engine features asked for, by field
     # The request as an OpenAI-compatible HTTP worker takes it; built only for such a node.
     openai_body: Callable[[], OpenAIBody] | None = None
+    # What routing knew (request log): the index's longest hit, and how much further prefixes
+    # routed but not yet in the index reached (tokens).
+    route_notes: dict[str, int] = field(default_factory=dict)
+    index_hits: dict[str, int] = field(default_factory=dict)  # node -> leading blocks, per the index
 
     @property
     def prompt_tokens(self) -> int:
@@ -299,6 +304,7 @@ class Pipeline:
         # The policies' tie-break turn, per model: each model's pools take their own turns.
         self.turns: dict[str, int] = {}
         self.writer = IndexWriter(index)
+        self.inflight_prefixes = InflightPrefixes()
         self.on_mispredict: Callable[[Node], None] | None = None
         self.on_finished: Callable[[Execution], None] | None = None  # tenant accounting
         self.inflight = 0
@@ -413,10 +419,45 @@ class Pipeline:
             hits = await self.index.lookup(prep.hashes)
         except Exception as e:  # an index failure degrades routing, never the request
             log.warning("index_lookup_failed", error=repr(e)[:200], request_id=prep.request_id)
-            return {}
-        m = self.metrics
-        m.child(m.index_lookup, self.index.backend).observe(time.perf_counter() - t0)
+            hits = {}
+        else:
+            m = self.metrics
+            m.child(m.index_lookup, self.index.backend).observe(time.perf_counter() - t0)
+        return self._with_inflight(prep, hits)
+
+    def _with_inflight(self, prep: Prepared, hits: dict[str, int]) -> dict[str, int]:
+        """The index's hits, extended by prefixes routed and still computing (``inflight_prefixes``)."""
+        tracker = self.inflight_prefixes
+        pending = tracker.hits(prep.hashes, time.monotonic())
+        gain = extension(hits, pending)
+        tracker.stats.lookups += 1
+        tracker.stats.extended += gain > 0
+        bs = self.settings.block_size
+        prep.index_hits = hits
+        prep.route_notes = {
+            "index_best_tokens": max(hits.values(), default=0) * bs,
+            "inflight_gain_tokens": gain * bs,
+        }
+        if self.settings.inflight_prefixes and follows_inflight(self.policy):
+            return merge_hits(hits, pending)
         return hits
+
+    @staticmethod
+    def _note_decision(prep: Prepared, decision: Decision) -> None:
+        """For the request log: when the longest hit was left on another node, whether that node
+        was over the policy's load bound and how loaded it looked."""
+        best = max(decision.estimates, key=lambda e: e.hit_blocks, default=None)
+        if best is None or best.node_id == decision.node_id or best.hit_blocks <= decision.cached_blocks:
+            return
+        prep.route_notes["longest_hit_over_bound"] = int(not best.within_bound)
+        prep.route_notes["longest_hit_load"] = best.load
+        prep.route_notes["longest_hit_queue_ms"] = round(best.queue_s * 1000)
+
+    def _hold_prefix(self, prep: Prepared, node: Node) -> int:
+        """Hold the request's chain for ``node`` until its prefill is over (a ticket; 0: none)."""
+        if not self.switches.prefix_routing:
+            return 0
+        return self.inflight_prefixes.add(node.id, prep.hashes, time.monotonic())
 
     def _request(self, prep: Prepared, hits: dict[str, int]) -> RequestView:
         return RequestView(
@@ -505,6 +546,8 @@ class Pipeline:
                 if not await self._pause(attempt, deadline):
                     break
                 attempts += 1
+                if plan.prefill is not None:
+                    self._note_decision(prep, plan.prefill)
                 outcome = await self._disaggregated(prep, plan, pnode, dnode, deadline, attempts)
                 if isinstance(outcome, Execution):
                     return outcome
@@ -537,6 +580,7 @@ class Pipeline:
                 if node is None:
                     break
                 attempts += 1
+                self._note_decision(prep, decision)
                 outcome = await self._monolithic(prep, node, decision, route, reason, deadline, attempts)
                 if isinstance(outcome, Execution):
                     return outcome
@@ -654,6 +698,7 @@ class Pipeline:
         timings = Timings()
         pnode.local_requests += 1
         pnode.local_tokens += uncached
+        ticket, served = self._hold_prefix(prep, pnode), False
         pnode.breaker.on_dispatch()
         dnode.breaker.on_dispatch()
         stream = handoff.start(
@@ -664,6 +709,7 @@ class Pipeline:
         )
         try:
             first = await self._first(stream, deadline, pnode, dnode)
+            served = True
         except NodeFailure as e:
             await stream.aclose()
             blamed = self._blamed(e, pnode, dnode)
@@ -682,6 +728,7 @@ class Pipeline:
         finally:
             pnode.local_requests -= 1
             pnode.local_tokens -= uncached
+            self.inflight_prefixes.done(ticket, time.monotonic(), served=served)
         pnode.breaker.on_success()
         dnode.breaker.on_success()
         report = stream.prefill
@@ -726,11 +773,13 @@ class Pipeline:
         # the policy otherwise sees none of the requests it just sent and piles them on one node.
         node.local_requests += 1
         node.local_tokens += uncached
+        ticket, served = self._hold_prefix(prep, node), False
         stream = node.client.generate(
             self._prompt(prep, node), timeout=max(0.01, deadline - time.monotonic())
         )
         try:
             first = await self._first(stream, deadline, None, node)
+            served = True
         except NodeFailure as e:
             await stream.aclose()
             return Failure(node, e)
@@ -741,6 +790,7 @@ class Pipeline:
         finally:
             node.local_requests -= 1
             node.local_tokens -= uncached
+            self.inflight_prefixes.done(ticket, time.monotonic(), served=served)
         node.breaker.on_success()
         timings.queue_s, timings.prefill_s = stream.timings.queue_s, stream.timings.prefill_s
         timings.first_token_at = time.perf_counter()
@@ -831,6 +881,8 @@ class Pipeline:
             prompt_tokens=ex.prompt_tokens,
             cached_tokens=ex.cached_tokens,
             predicted_cached_tokens=ex.predicted_tokens,
+            **ex.prep.route_notes,
+            index_chosen_tokens=ex.prep.index_hits.get(node, 0) * self.settings.block_size,
             computed_tokens=ex.prompt_tokens - ex.cached_tokens,
             completion_tokens=ex.completion_tokens,
             outcome=ex.outcome,

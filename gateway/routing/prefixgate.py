@@ -22,6 +22,9 @@ other prefixes, so a session leaves its node only when the queue there is much l
 to the longer hit, then the lighter node, then round the nodes (by the caller's ``turn``) so idle
 nodes share new work.
 
+Hits include prefixes routed and still computing (``routing.inflight``), which the load bound makes
+safe to follow.
+
 Tuned on the Mooncake conversation trace in the simulator (``bench/README.md``).
 """
 
@@ -36,6 +39,7 @@ from prefixgate.gateway.routing.base import Decision, Estimate, NodeView, RouteI
 
 class PrefixGatePolicy:
     name = "prefixgate"
+    follows_inflight = True  # the load bound keeps an in-flight shared prefix from pulling everything
 
     def __init__(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,22 @@ def test_mooncake_slice_in_the_simulator(mooncake_trace: Path) -> None:
     assert res["prefixgate"].imbalance <= 1.5
     # Every request shares block 0: hashing on it puts all traffic on one node.
     assert max(res["consistent_hash"].requests_per_node.values()) + res["consistent_hash"].fallbacks == 500
+
+
+def test_a_follow_up_joins_its_prefix_still_computing_only_with_inflight_prefixes() -> None:
+    """b extends a and arrives while a is computing on the busier node: the index alone cannot
+    know a's blocks yet and b computes them again elsewhere; the routed chain sends b behind a."""
+    filler = req(0, 0.0, [(7, 6400)])  # keeps one node busy so the tie-break does not hide it
+    a = req(1, 0.0, [(1, 64_000)])
+    b = req(2, 0.01, [(1, 64_000), (2, 640)])
+    cfg = SimConfig(prefill_nodes=2, capacity_blocks=20_000, block_size=BS)
+    on = Simulator(parse_policy("prefixgate"), cfg)
+    on.run([filler, a, b])
+    off = Simulator(parse_policy("prefixgate"), replace(cfg, inflight=False))
+    off.run([filler, a, b])
+    assert on.outcomes[2].node == on.outcomes[1].node and on.outcomes[2].cached_tokens == 64_000
+    assert off.outcomes[2].node != off.outcomes[1].node and off.outcomes[2].cached_tokens == 0
+    assert on.inflight.stats.added == on.inflight.stats.done == 3  # each released when its prefill ended
+    # A policy without a load bound does not follow in-flight prefixes (it would pile onto them).
+    lp = Simulator(parse_policy("longest_prefix"), cfg)
+    assert lp.inflight.ttl_s == 0

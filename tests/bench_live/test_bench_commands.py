@@ -57,6 +57,7 @@ def test_peers_runs_prefixgate_and_skips_missing_peers(tmp_path: Path) -> None:
         "peers", "--format", "chat", "--requests", "30", "--time-scale", "20", "--nodes", "2",
         "--duration", "4", "--max-output-tokens", "4", "--node-time-scale", "0.05",
         "--peers", "sglang,vllm", "--peers-venv", str(tmp_path / "no-venvs"), "--json", str(out),
+        "--variant", "index-only:inflight_prefixes=false",
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     report = json.loads(out.read_text())
@@ -66,3 +67,6 @@ def test_peers_runs_prefixgate_and_skips_missing_peers(tmp_path: Path) -> None:
     s = report["policies"]["prefixgate prefixgate"]
     assert s["ok"] > 0 and s["errors"] == 0 and s["hit_rate"] > 0
     assert len(s["work_per_node"]) == 2 and s["router_cpu_ms_per_req"] > 0
+    v = report["policies"]["prefixgate (index-only)"]  # the same gateway with one setting changed
+    assert v["ok"] > 0 and v["errors"] == 0
+    assert report["config"]["variants"] == {"index-only": {"PREFIXGATE_INFLIGHT_PREFIXES": "false"}}

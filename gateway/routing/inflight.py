@@ -1,0 +1,167 @@
+"""Prefixes routed to a node and still being computed there: what the index cannot show yet.
+
+The index learns a node's blocks when its prefill is done (the gateway's own record and the
+node's KV events). A request that arrives while an earlier one with the same prefix is still
+queued or computing sees no hit anywhere, and the policy sends it wherever the load is lightest:
+its prefix is computed twice. Routers that keep their own tree (sglang-router, smg) insert the
+request's prefix at routing time instead ("optimistic insert").
+
+``InflightPrefixes`` is that insert, kept beside the index rather than in it (the index holds
+what nodes report, shared by every gateway replica): each routed chain is held for its node
+until the request's prefill is done (then for a short grace, while the index write and the
+node's event land) or fails, and in any case no longer than ``ttl_s``. ``hits`` gives, per node,
+the leading run of a prompt's blocks that routed chains cover; ``merge_hits`` combines it with
+the index's answer. A node serves its queue in order, so a request sent behind one computing its
+prefix finds that prefix cached when its own turn comes.
+
+Pure: no I/O, the caller passes the clock. The live gateway and the trace simulator both use it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from prefixgate.gateway.routing.base import Policy
+
+DEFAULT_TTL_S = 30.0  # a safety net: entries are normally dropped when their request is served
+DEFAULT_GRACE_S = 1.0  # after a prefill: until the index write and the node's event have landed
+DEFAULT_MAX_ENTRIES = 4096
+
+
+@dataclass(slots=True)
+class _Entry:
+    node: str
+    hashes: tuple[int, ...]
+    expires: float
+    live: bool = True
+
+
+@dataclass(slots=True)
+class InflightStats:
+    added: int = 0
+    done: int = 0
+    expired: int = 0
+    dropped: int = 0  # evicted because the table was full
+    lookups: int = 0
+    extended: int = 0  # lookups where a routed chain reaches further than the index on some node
+
+
+@dataclass(slots=True)
+class InflightPrefixes:
+    """Chains routed to nodes and not yet (or only just) in the index."""
+
+    ttl_s: float = DEFAULT_TTL_S
+    grace_s: float = DEFAULT_GRACE_S
+    max_entries: int = DEFAULT_MAX_ENTRIES
+    stats: InflightStats = field(default_factory=InflightStats)
+    _entries: dict[int, _Entry] = field(default_factory=dict)
+    _order: list[tuple[float, int]] = field(default_factory=list)  # heap of (expiry, ticket)
+    _held: dict[str, dict[int, int]] = field(default_factory=dict)  # node -> block -> chains holding it
+    _next: int = 1
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, node: str, hashes: Sequence[int], now: float) -> int:
+        """Hold ``hashes`` (a chain from the root) for ``node``; returns a ticket (0: nothing held)."""
+        if not hashes or self.ttl_s <= 0:
+            return 0
+        self.expire(now)
+        while len(self._entries) >= max(1, self.max_entries) and self._order:
+            _, old = heapq.heappop(self._order)
+            if self._drop(old):
+                self.stats.dropped += 1
+        ticket = self._next
+        self._next += 1
+        entry = _Entry(node, tuple(hashes), now + self.ttl_s)
+        self._entries[ticket] = entry
+        heapq.heappush(self._order, (entry.expires, ticket))
+        held = self._held.setdefault(node, {})
+        for h in entry.hashes:
+            held[h] = held.get(h, 0) + 1
+        self.stats.added += 1
+        return ticket
+
+    def done(self, ticket: int, now: float, *, served: bool) -> None:
+        """The request's prefill is over: keep its chain ``grace_s`` more if it was served (the
+        index is about to show it), else drop it now."""
+        entry = self._entries.get(ticket)
+        if entry is None:
+            return
+        self.stats.done += 1
+        if served and self.grace_s > 0:
+            entry.expires = min(entry.expires, now + self.grace_s)
+            heapq.heappush(self._order, (entry.expires, ticket))
+        else:
+            self._drop(ticket)
+
+    def expire(self, now: float) -> None:
+        order = self._order
+        while order and order[0][0] <= now:
+            _, ticket = heapq.heappop(order)
+            entry = self._entries.get(ticket)
+            if entry is not None and entry.expires <= now and self._drop(ticket):
+                self.stats.expired += 1
+
+    def hits(self, hashes: Sequence[int], now: float) -> dict[str, int]:
+        """Per node holding routed chains, the leading run of ``hashes`` they cover (0s left out).
+
+        Block hashes are chained (each covers its whole prefix), so a node covers the first ``k``
+        blocks exactly when it holds block ``k - 1``: a binary search.
+        """
+        self.expire(now)
+        out: dict[str, int] = {}
+        if not hashes:
+            return out
+        for node, held in self._held.items():
+            lo, hi = 0, len(hashes)  # covers hashes[:lo]; not hashes[:hi + 1]
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if hashes[mid - 1] in held:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            if lo:
+                out[node] = lo
+        return out
+
+    def _drop(self, ticket: int) -> bool:
+        entry = self._entries.pop(ticket, None)
+        if entry is None:
+            return False
+        held = self._held.get(entry.node)
+        if held is not None:
+            for h in entry.hashes:
+                c = held.get(h, 0) - 1
+                if c > 0:
+                    held[h] = c
+                else:
+                    held.pop(h, None)
+            if not held:
+                del self._held[entry.node]
+        return True
+
+
+def follows_inflight(policy: Policy) -> bool:
+    """Whether ``policy`` routes on in-flight prefixes too: only one with a load bound may (its
+    ``follows_inflight`` attribute). Without one, a prefix every request shares keeps pulling
+    every request onto the node that is computing it, which then always has one in flight."""
+    return bool(getattr(policy, "follows_inflight", False))
+
+
+def merge_hits(index: Mapping[str, int], inflight: Mapping[str, int]) -> dict[str, int]:
+    """Per node, the longer of the two leading runs (both sets are prefix-closed, so the leading
+    run of their union is the longer one)."""
+    out = dict(index)
+    for node, k in inflight.items():
+        if k > out.get(node, 0):
+            out[node] = k
+    return out
+
+
+def extension(index: Mapping[str, int], inflight: Mapping[str, int]) -> int:
+    """Blocks by which routed chains reach past the index's longest hit (0: they add nothing)."""
+    best = max(index.values(), default=0)
+    return max(0, max(inflight.values(), default=0) - best)

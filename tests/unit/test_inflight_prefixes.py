@@ -1,0 +1,86 @@
+"""Prefixes routed and still computing (``gateway.routing.inflight``): pure, the caller's clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixgate.bench.peers import parse_variant
+from prefixgate.gateway.routing import parse_policy
+from prefixgate.gateway.routing.base import NodeView, RouteInput
+from prefixgate.gateway.routing.inflight import InflightPrefixes, extension, merge_hits
+
+A = [11, 12, 13, 14, 15, 16]  # a chain of block hashes (each covers its whole prefix)
+B = [11, 12, 23, 24]  # shares two blocks with A
+
+
+def test_a_routed_chain_counts_for_its_node_until_the_prefill_is_done() -> None:
+    t = InflightPrefixes(ttl_s=30.0, grace_s=1.0)
+    ticket = t.add("n1", A[:4], now=0.0)
+    assert t.hits(A, now=0.1) == {"n1": 4}
+    assert t.hits(B, now=0.1) == {"n1": 2}
+    assert t.hits([99, 11], now=0.1) == {}  # a leading miss is a miss
+    t.done(ticket, now=0.5, served=True)
+    assert t.hits(A, now=1.4) == {"n1": 4}  # the grace: the index write is landing
+    assert t.hits(A, now=1.6) == {} and len(t) == 0
+
+
+def test_a_failed_request_releases_its_chain_at_once() -> None:
+    t = InflightPrefixes()
+    ticket = t.add("n1", A, now=0.0)
+    t.add("n2", B, now=0.0)
+    t.done(ticket, now=0.2, served=False)
+    assert t.hits(A, now=0.2) == {"n2": 2}
+
+
+def test_shared_blocks_stay_while_any_chain_holds_them() -> None:
+    t = InflightPrefixes()
+    a = t.add("n1", A, now=0.0)
+    t.add("n1", B, now=0.0)
+    t.done(a, now=0.1, served=False)
+    assert t.hits(A, now=0.1) == {"n1": 2}
+    assert t.hits(B, now=0.1) == {"n1": 4}
+
+
+def test_entries_expire_and_the_table_is_bounded() -> None:
+    t = InflightPrefixes(ttl_s=5.0, max_entries=3)
+    for i in range(5):
+        t.add(f"n{i}", [100 + i], now=float(i) * 0.1)
+    assert len(t) == 3 and t.stats.dropped == 2
+    assert t.hits([100], now=1.0) == {}  # the oldest went first
+    assert t.hits([104], now=1.0) == {"n4": 1}
+    assert t.hits([104], now=6.0) == {} and len(t) == 0 and t.stats.expired == 3
+    assert InflightPrefixes(ttl_s=0).add("n1", A, now=0.0) == 0  # switched off: holds nothing
+
+
+def test_merge_takes_the_longer_run_and_extension_says_by_how_much() -> None:
+    index = {"n0": 3, "n1": 1}
+    inflight = {"n1": 5, "n2": 2}
+    assert merge_hits(index, inflight) == {"n0": 3, "n1": 5, "n2": 2}
+    assert extension(index, inflight) == 2
+    assert extension(index, {"n2": 2}) == 0
+
+
+def test_a_follow_up_goes_where_its_prefix_is_being_computed() -> None:
+    """The case the index alone gets wrong: the prefix is queued on n1, which has a request ahead,
+    so without the routed chain the follow-up goes to the idle n0 and computes it again."""
+    policy = parse_policy("prefixgate")
+    nodes = [NodeView("n0"), NodeView("n1", outstanding_requests=1, outstanding_tokens=8192)]
+    t = InflightPrefixes()
+    chain = list(range(1, 129))  # 8,192 tokens
+    t.add("n1", chain, now=0.0)
+    follow_up = [*chain, 500, 501]
+    blind = policy.choose(RouteInput(130 * 64, 64, {}), nodes)
+    assert blind.node_id == "n0"
+    seen = merge_hits({}, t.hits(follow_up, now=0.1))
+    decided = policy.choose(RouteInput(130 * 64, 64, seen), nodes)
+    assert decided.node_id == "n1" and decided.cached_blocks == 128
+
+
+def test_bench_peers_variant_specs() -> None:
+    assert parse_variant("index-only:inflight_prefixes=false,load-factor=1.5") == (
+        "index-only",
+        {"PREFIXGATE_INFLIGHT_PREFIXES": "false", "PREFIXGATE_LOAD_FACTOR": "1.5"},
+    )
+    for bad in ("index-only", "x:novalue", ":a=b", "x:=b"):
+        with pytest.raises(ValueError):
+            parse_variant(bad)
