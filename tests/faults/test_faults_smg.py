@@ -97,12 +97,12 @@ def test_smg_prefill_node_killed_mid_run(smg: Cluster) -> None:
     victim = smg.prefill[0]
 
     def during(done: int) -> None:
-        if done == 20:
+        if done == 15:
             victim.kill()
 
-    results = asyncio.run(drive(smg.url, [body(i, tokens=800) for i in range(100)], 8, during=during))
-    t = tally("prefill node SIGKILL during 100 requests" + LABEL, results, smg, before)
-    assert t.failed == 0 and t.succeeded == 100, [r.error for r in results if r.error][:5]
+    results = asyncio.run(drive(smg.url, [body(i, tokens=800) for i in range(60)], 8, during=during))
+    t = tally("prefill node SIGKILL during 60 requests" + LABEL, results, smg, before)
+    assert t.failed == 0 and t.succeeded == 60, [r.error for r in results if r.error][:5]
     assert all(r.route == "disaggregated" for r in results), {r.route for r in results}
     assert victim.proc is not None and victim.proc.proc.returncode == -9
     _restart(smg, victim)
@@ -139,11 +139,11 @@ def test_smg_decode_node_killed_mid_stream(smg: Cluster) -> None:
     victim = smg.decode[0]
 
     def during(done: int) -> None:
-        if done == 10:
+        if done == 4:
             victim.kill()
 
-    bodies = [body(3000 + i, tokens=800, max_tokens=120) for i in range(40)]
-    results = asyncio.run(drive(smg.url, bodies, 8, stream=True, during=during))
+    bodies = [body(3000 + i, tokens=800, max_tokens=40) for i in range(24)]
+    results = asyncio.run(drive(smg.url, bodies, 12, stream=True, during=during))
     t = tally(
         "decode node SIGKILL mid-run (streaming)" + LABEL,
         results,
@@ -157,7 +157,7 @@ def test_smg_decode_node_killed_mid_stream(smg: Cluster) -> None:
     assert all(r.decode_node == victim.gateway_id for r in results if r.error), (
         "only streams on the dead node break"
     )
-    assert t.succeeded + t.stream_errors == 40
+    assert t.succeeded + t.stream_errors == 24
     _restart(smg, victim)
 
 
@@ -180,11 +180,14 @@ def test_smg_hung_prefill_node_fails_over_before_first_token(smg: Cluster) -> No
 
     try:
         results = asyncio.run(
-            drive(smg.url, [body(8000 + i, tokens=800) for i in range(50)], 6, during=during, timeout=20)
+            drive(smg.url, [body(8000 + i, tokens=800) for i in range(36)], 6, during=during, timeout=20)
         )
         state = _node_state(smg, victim)
         decode_states = [_node_state(smg, n) for n in smg.decode]
         prefill_retries = smg.metric("prefixgate_retries_total", stage="prefill") - prefill_retries0
+        # once its breaker is open, no request waits on the hung node
+        opened = _until(lambda: _node_state(smg, victim)["circuit"] == "open", 10.0)
+        after = asyncio.run(drive(smg.url, [body(8100 + i, tokens=800) for i in range(12)], 6, timeout=20))
     finally:
         victim.signal(signal.SIGCONT)
     slowest = max(r.ended_at - r.started_at for r in results)
@@ -197,11 +200,10 @@ def test_smg_hung_prefill_node_fails_over_before_first_token(smg: Cluster) -> No
         f"slowest request {slowest:.1f} s",
     )
     assert stopped_at, "the node was stopped mid-run"
-    assert t.failed == 0 and t.succeeded == 50, [r.error for r in results if r.error][:5]
+    assert t.failed == 0 and t.succeeded == 36, [r.error for r in results if r.error][:5]
     assert t.retried >= 1 and prefill_retries == t.retried, (t.retried, prefill_retries)
-    late = [r for r in results if r.started_at > stopped_at + 2 * FIRST_TOKEN_TIMEOUT_S + 2]
-    assert late and all(r.prefill_node != victim.gateway_id for r in late)
-    assert state["circuit"] == "open" and state["circuit_opens"] >= 1 and not state["routable"], state
+    assert state["circuit_opens"] >= 1, state
+    assert opened and all(r.status == 200 and r.prefill_node != victim.gateway_id for r in after)
     for d in decode_states:
         assert d["circuit"] == "closed" and d["circuit_opens"] == decode_opens0[d["id"]], d
     assert slowest < FIRST_TOKEN_TIMEOUT_S * 3 + 3, slowest
