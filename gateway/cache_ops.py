@@ -421,7 +421,10 @@ async def _keep_warm_node(
     node.local_requests += 1
     try:
         t0 = time.monotonic()
-        r = await keepwarm.reprefill(node, prep.tokens, tuple(prep.hashes), svc.settings.request_timeout_s)
+        pair = keepwarm.partner(svc, node)
+        r = await keepwarm.reprefill(
+            node, prep.tokens, tuple(prep.hashes), svc.settings.request_timeout_s, pair
+        )
         res.prefill_seconds = round(time.monotonic() - t0, 6)
         res.cached_tokens = r.cached_tokens
         res.computed_tokens = prep.prompt_tokens - r.cached_tokens

@@ -3,7 +3,9 @@
 An engine behind the SMG protocol has no pin and no per-block evict, only ``FlushCache``; its
 prefix cache is an LRU. A pin there is kept by sending the pinned prompt again as a one-token
 request (``max_tokens=1``) before the LRU would reach it: every re-prefill finds the prefix
-cached (computes nothing but the last token) and makes its blocks the most recently used.
+cached (computes nothing but the last token) and makes its blocks the most recently used. A
+prefill worker gets it as a PD request with the least busy decode node as the other leg (an
+engine in prefill mode serves nothing else).
 
 When is "before"? The gateway counts the prompt tokens each node computed (``Metrics.per_node``,
 every request it routed there). A pin is due once the node computed ``headroom`` blocks since
@@ -56,19 +58,35 @@ class Refresh:
     prompt_tokens: int
 
 
-async def reprefill(node: Node, tokens: bytes, hashes: tuple[int, ...], timeout: float) -> Refresh:
-    """The prompt as a one-token request on ``node``; raises ``NodeFailure``."""
+def partner(svc: GatewayService, node: Node) -> Node | None:
+    """The decode node a prefill worker's re-prefill goes with: an engine serving PD prefill
+    (SGLang in prefill mode) takes a request only as one leg of a pair. The least busy one."""
+    if node.role != "prefill" or node.client.handoff is None:
+        return None
+    decode = svc.pool.routable("decode")
+    return min(decode, key=lambda n: (n.view().outstanding_requests, n.id)) if decode else None
+
+
+async def reprefill(
+    node: Node, tokens: bytes, hashes: tuple[int, ...], timeout: float, pair: Node | None = None
+) -> Refresh:
+    """The prompt as a one-token request on ``node`` (with ``pair`` as the decode leg when it is
+    a prefill worker); raises ``NodeFailure``."""
     prompt = Prompt(f"keepwarm-{uuid.uuid4().hex[:16]}", tokens, hashes, Sampling(max_tokens=1))
-    stream: TokenStream = node.client.generate(prompt, timeout=timeout)
+    handoff = node.client.handoff
+    stream: TokenStream
+    if pair is not None and handoff is not None:
+        stream = handoff.start(prompt, node.client, pair.client, timeout=timeout)
+    else:
+        stream = node.client.generate(prompt, timeout=timeout)
     try:
         async with asyncio.timeout(timeout):
             async for delta in stream:
                 if delta.finish_reason:
                     break
     except TimeoutError:
-        raise NodeFailure(
-            node.id, Stage.GENERATE, FailureKind.TIMEOUT, "keep-warm request timed out"
-        ) from None
+        detail = "keep-warm request timed out"
+        raise NodeFailure(node.id, Stage.GENERATE, FailureKind.TIMEOUT, detail) from None
     finally:
         await stream.aclose()
     return Refresh(stream.cached_tokens, len(tokens) // 4)
@@ -147,8 +165,10 @@ class KeepWarm:
 
     async def refresh(self, pin: Pin) -> None:
         before = self.computed(pin.node)
+        svc = self._svc()
+        pair = partner(svc, pin.node) if svc is not None else None
         try:
-            r = await reprefill(pin.node, pin.tokens, pin.hashes, REFRESH_TIMEOUT_S)
+            r = await reprefill(pin.node, pin.tokens, pin.hashes, REFRESH_TIMEOUT_S, pair)
         except NodeFailure as e:
             pin.failures += 1
             pin.refreshed_at = time.monotonic()  # retried at the next due time, not at once
