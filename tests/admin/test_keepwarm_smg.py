@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from prefixgate.gateway.keepwarm import MAX_PINS
 from tests.admin.conftest import MODEL, start_stack, stop_stack
 from tests.helpers import document
 
@@ -76,3 +77,18 @@ def test_evict_on_a_flush_only_engine_says_what_it_did(smg_small: httpx.Client) 
     one = smg_small.post("/admin/cache/evict", json={"block_hashes": ["00000000000000ff"]})
     assert one.status_code == 200, one.text
     assert {n["action"] for n in one.json()["nodes"].values()} == {"index only"}, one.json()
+
+
+def test_keep_warm_pins_are_bounded(smg_small: httpx.Client) -> None:
+    """At most ``MAX_PINS`` prefixes kept warm per gateway: the next pin is refused with 429."""
+    refused = None
+    for i in range(MAX_PINS + 1):  # the module's other pins count too
+        body = {"model": MODEL, "prompt": f"keep {i} " + document(900 + i, 80), "max_tokens": 1}
+        r = smg_small.post("/admin/cache/pin", json={**body, "pin_seconds": 60})
+        if r.status_code != 200:
+            refused = r
+            break
+        assert r.json()["nodes"][0]["action"] == "keep-warm", r.json()
+    assert refused is not None and refused.status_code == 429, refused and refused.text
+    assert f"keeps {MAX_PINS} prefixes warm" in refused.json()["error"]["message"]
+    assert refused.headers.get("retry-after")
