@@ -26,7 +26,7 @@ from prefixgate.cachetier.redis_index import RedisIndex, connect
 from tests.faults.cluster import Cluster, NodeProc, Tally, drive, one, start_redis
 from tests.faults.conftest import REPORT
 from tests.faults.test_faults import body, tally
-from tests.helpers import free_port
+from tests.helpers import free_port, spawn
 
 FIRST_TOKEN_TIMEOUT_S = 2.0
 STALL_TIMEOUT_S = 2.0
@@ -276,6 +276,51 @@ def test_smg_client_disconnect_during_prefill_aborts_engine_work(smg: Cluster) -
     assert decode_aborts >= hang_ups, decode_aborts
     assert t.failed == 0 and t.succeeded == 2
     assert slowest < 5.0, "no orphaned prefills ahead of the follow-ups"
+
+
+def test_smg_two_gateways_share_the_index_and_route_as_one(
+    smg: Cluster, redis_port: tuple[int, list[subprocess.Popen[bytes]]]
+) -> None:
+    """A second gateway on the same Redis and the same ``grpc://`` workers: a prefix the first
+    one routed (its blocks known from the engines' KV events) is sent by the second to the same
+    prefill node, and hits there."""
+    port, _ = redis_port
+    _all_routable(smg)
+    b_port = free_port()
+    args = ["gateway", "--port", str(b_port), "--redis", f"redis://127.0.0.1:{port}/0"]
+    for n in smg.prefill:
+        args += ["--prefill", *n.worker_entry]
+    for n in smg.decode:
+        args += ["--decode", n.address]
+    env = {
+        k: v for k, v in smg.gateway_env.items() if k in ("PREFIXGATE_REDIS_PREFIX", "PREFIXGATE_TOKENIZER")
+    }
+    second = spawn(args, env=env)
+    b_url = f"http://127.0.0.1:{b_port}"
+    try:
+        assert _until(lambda: _ready(b_url, len(smg.prefill)), 20.0), list(second.lines)[-20:]
+        for seed in range(4):  # several prefixes, so "same node" is not luck
+            first = httpx.post(
+                smg.url + "/v1/chat/completions", json=body(7500 + seed, tokens=1500), timeout=30
+            )
+            assert first.status_code == 200, first.text
+            time.sleep(0.3)  # the engine's events reach the index off the hot path
+            again = httpx.post(
+                b_url + "/v1/chat/completions", json=body(7500 + seed, tokens=1500, max_tokens=4), timeout=30
+            )
+            assert again.status_code == 200, again.text
+            assert again.headers["x-prefixgate-prefill-node"] == first.headers["x-prefixgate-prefill-node"]
+            assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    finally:
+        rc = second.stop()
+        assert rc == 0, (rc, list(second.lines)[-20:])
+
+
+def _ready(url: str, prefill: int) -> bool:
+    try:
+        return bool(httpx.get(url + "/readyz", timeout=1).json().get("prefill") == prefill)
+    except (httpx.HTTPError, ValueError):
+        return False
 
 
 def _index_blocks(port: int, prefix: str) -> int:
