@@ -269,6 +269,7 @@ async def _evict_node(
     can = node.client.capabilities
     if not can.evict and can.flush and everything:
         out.action = "whole-node flush"
+        keepwarm.keeper(svc).drop_node(node.id)  # a flush on purpose ends the node's keep-warm pins
         try:
             await node.client.evict((), everything=True, timeout=NODE_RPC_TIMEOUT_S)
         except NodeFailure as e:

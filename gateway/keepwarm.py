@@ -154,7 +154,8 @@ class KeepWarm:
         while self.pins:
             await asyncio.sleep(TICK_S)
             now = time.monotonic()
-            for key in [k for k, p in self.pins.items() if p.until <= now]:
+            svc = self._svc()
+            for key in [k for k, p in self.pins.items() if p.until <= now or not self._serving(svc, p)]:
                 del self.pins[key]
             due = [p for p in self.pins.values() if self.due(p, now)]
             if not due or now - self._last_refresh < 1.0 / RATE:
@@ -162,6 +163,18 @@ class KeepWarm:
             pin = min(due, key=lambda p: p.refreshed_at)
             self._last_refresh = now
             await self.refresh(pin)
+
+    @staticmethod
+    def _serving(svc: GatewayService | None, pin: Pin) -> bool:
+        """The pin's node is still the pool's (a removed node's pins go with it)."""
+        return svc is not None and svc.pool.by_id(pin.node.id) is pin.node
+
+    def drop_node(self, node_id: str) -> int:
+        """Forget the pins on a node (its cache was flushed on purpose); how many there were."""
+        keys = [k for k in self.pins if k[0] == node_id]
+        for k in keys:
+            del self.pins[k]
+        return len(keys)
 
     async def refresh(self, pin: Pin) -> None:
         before = self.computed(pin.node)

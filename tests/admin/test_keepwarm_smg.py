@@ -92,3 +92,8 @@ def test_keep_warm_pins_are_bounded(smg_small: httpx.Client) -> None:
     assert refused is not None and refused.status_code == 429, refused and refused.text
     assert f"keeps {MAX_PINS} prefixes warm" in refused.json()["error"]["message"]
     assert refused.headers.get("retry-after")
+    # a whole-node flush on purpose ends the keep-warm pins of the flushed nodes: room again
+    flushed = smg_small.post("/admin/cache/evict", json={"all": True})
+    assert {n["action"] for n in flushed.json()["nodes"].values()} == {"whole-node flush"}, flushed.text
+    again = smg_small.post("/admin/cache/pin", json={**body, "pin_seconds": 60})
+    assert again.status_code == 200 and again.json()["nodes"][0]["action"] == "keep-warm", again.text
