@@ -18,6 +18,7 @@ import structlog
 
 from prefixgate.cachetier.index import StoreOp
 from prefixgate.cachetier.tokenizer import Tokenizer
+from prefixgate.gateway import keepwarm
 from prefixgate.gateway.nodeclient import NodeFailure, Prompt
 from prefixgate.gateway.nodes import ROLES, Node
 from prefixgate.gateway.pipeline import Prepared
@@ -268,6 +269,7 @@ async def _evict_node(
     can = node.client.capabilities
     if not can.evict and can.flush and everything:
         out.action = "whole-node flush"
+        keepwarm.keeper(svc).drop_node(node.id)  # a flush on purpose ends the node's keep-warm pins
         try:
             await node.client.evict((), everything=True, timeout=NODE_RPC_TIMEOUT_S)
         except NodeFailure as e:
@@ -315,6 +317,10 @@ async def evict(
 class WarmResult:
     node: str
     method: str = "prefill"  # "prefill" (computed what was missing) or "pin" (all already there)
+    # How the node was warmed or pinned: "prefill" / "pin" (the node's own Prefill and Pin),
+    # "re-prefill" (a one-token request: the protocol has no Prefill), "keep-warm" (a pin on a
+    # node that cannot pin: re-prefilled before its LRU would drop it, ``gateway.keepwarm``).
+    action: str = "prefill"
     cached_tokens: int = 0
     computed_tokens: int = 0
     queue_seconds: float = 0.0
@@ -362,9 +368,12 @@ async def _warm_node(
     res = WarmResult(node.id, blocks=len(prep.hashes))
     can = node.client.capabilities
     if not can.warm or (pin_seconds > 0 and not can.pin):
-        res.error, res.code = "the node's protocol cannot warm or pin a prompt", FailureKind.INVALID.value
-        svc.metrics.warm.labels(node.id, "failed").inc()
-        return res
+        if can.openai_body:  # it takes the OpenAI request, not our tokens: nothing to re-send
+            res.error, res.code = "the node's protocol cannot warm or pin a prompt", FailureKind.INVALID.value
+            svc.metrics.warm.labels(node.id, "failed").inc()
+            return res
+        return await _keep_warm_node(svc, prep, node, res, pin_seconds)
+    res.action = "pin" if pin_seconds > 0 else "prefill"
     try:
         if pin_seconds > 0 and prep.hashes and held_blocks >= len(prep.hashes):
             _pinned, missing = await node.client.pin(
@@ -401,6 +410,40 @@ async def _warm_node(
     if prep.hashes:
         await svc.index.store([StoreOp(node.id, tuple(prep.hashes))])
     await svc.pool.refresh(node)  # pinned/used blocks show at once in the admin views
+    svc.metrics.warm.labels(node.id, "pinned" if pin_seconds > 0 else "warmed").inc()
+    return res
+
+
+async def _keep_warm_node(
+    svc: GatewayService, prep: Prepared, node: Node, res: WarmResult, pin_seconds: float
+) -> WarmResult:
+    """Warm with a one-token request; a pin keeps re-sending it (``gateway.keepwarm``)."""
+    res.method = res.action = "keep-warm" if pin_seconds > 0 else "re-prefill"
+    node.local_requests += 1
+    try:
+        t0 = time.monotonic()
+        pair = keepwarm.partner(svc, node)
+        r = await keepwarm.reprefill(
+            node, prep.tokens, tuple(prep.hashes), svc.settings.request_timeout_s, pair
+        )
+        res.prefill_seconds = round(time.monotonic() - t0, 6)
+        res.cached_tokens = r.cached_tokens
+        res.computed_tokens = prep.prompt_tokens - r.cached_tokens
+        if pin_seconds > 0:
+            until = keepwarm.keeper(svc).add(node, prep.tokens, tuple(prep.hashes), pin_seconds)
+            res.pinned_blocks = len(prep.hashes)
+            res.pinned_until = round(until, 3)
+    except (NodeFailure, Overloaded) as e:
+        if isinstance(e, NodeFailure):
+            res.error, res.code = e.detail or e.kind.value, e.kind.value
+        else:
+            res.error, res.code = e.message, FailureKind.OVERLOADED.value
+        svc.metrics.warm.labels(node.id, "failed").inc()
+        return res
+    finally:
+        node.local_requests -= 1
+    if prep.hashes:
+        await svc.index.store([StoreOp(node.id, tuple(prep.hashes))])
     svc.metrics.warm.labels(node.id, "pinned" if pin_seconds > 0 else "warmed").inc()
     return res
 

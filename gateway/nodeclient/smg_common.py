@@ -353,6 +353,22 @@ class SmgNodeClient:
             async with asyncio.timeout(ABORT_TIMEOUT_S):
                 await self.runtime.abort(self.stub, rid)
 
+    async def abort_then_cancel(self, rid: str, call: Any, task: asyncio.Future[Any] | None = None) -> None:
+        """``Abort`` while the engine still runs the request, then cancel its call (and the task
+        reading it). Cancelling first ends the request on the engine before its ``Abort`` arrives
+        (an engine whose stream end does not abort would keep computing): the call stays open
+        until the Abort is answered, at most ``ABORT_TIMEOUT_S``."""
+        try:
+            await self.abort(rid)
+        finally:
+            if task is not None and not task.done():
+                task.cancel()
+            if not call.done():
+                call.cancel()
+            if task is not None:
+                with contextlib.suppress(BaseException):
+                    await task
+
     # -- KV events -------------------------------------------------------------------------------
 
     async def kv_events(self, since_seq: int) -> AsyncGenerator[KVEvent, None]:
@@ -631,9 +647,7 @@ class GenerateStream:
         if self.defer_abort and self._items == 0 and not was_closed:
             self.client.spawn(self._deferred_abort(call))
             return
-        self.client.spawn(self.client.abort(self.rid))
-        if not call.done():
-            call.cancel()
+        self.client.spawn(self.client.abort_then_cancel(self.rid, call))
 
     async def _deferred_abort(self, call: Any) -> None:
         """A decode leg whose KV may still be arriving: wait for its first item (the handoff is

@@ -16,7 +16,6 @@ and the decode leg only after its first item (aborting mid-transfer can wedge an
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
 from collections.abc import Sequence
 from typing import Any
@@ -214,6 +213,7 @@ class BootstrapStream(GenerateStream):
         self.prefill_call = self.p.stub.Generate(request, timeout=self.timeout)
         self.call = self.client.stub.Generate(request, timeout=self.timeout)
         self._prefill_task = asyncio.ensure_future(self._drain_prefill())
+        self._prefill_task.add_done_callback(_retrieved)  # a failure after the request's end is no news
         first: asyncio.Future[Any] = asyncio.ensure_future(self.call.read())
         try:
             await asyncio.wait({first, self._prefill_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -271,16 +271,17 @@ class BootstrapStream(GenerateStream):
         return last
 
     async def aclose(self) -> None:
-        task = self._prefill_task
-        if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
         if self.prefill_call is not None and not self._prefill_done:
+            # Abort first, then the call and the task reading it go (a second close finds the
+            # leg taken care of: cancelling its reader now would cancel the call before the Abort)
             self._prefill_done = True
-            self.p.spawn(self.p.abort(self.rid))
-            self.prefill_call.cancel()
+            self.p.spawn(self.p.abort_then_cancel(self.rid, self.prefill_call, self._prefill_task))
         await super().aclose()
+
+
+def _retrieved(task: asyncio.Future[Output]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 class BootstrapHandoff:

@@ -15,7 +15,12 @@ import httpx
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
+from prefixgate.backends.hftok import TOKENIZER_DIR
 from tests.helpers import Proc, free_port, spawn
+
+# Over grpc:// prompts go as the engine's token ids: the gateway tokenizes with the tokenizer our
+# nodes ship (what ``prefixgate up --protocol smg`` and the overhead bench's grpc target set).
+SMG_GATEWAY_ENV = {"PREFIXGATE_TOKENIZER": f"hf:{TOKENIZER_DIR / 'tokenizer.json'}"}
 
 
 @dataclass
@@ -25,10 +30,23 @@ class NodeProc:
     port: int
     args: list[str]
     proc: Proc | None = None
+    scheme: str = ""  # "grpc://": the gateway talks to the node over the SMG engine protocol
+    bootstrap_port: int = 0  # a prefill node's SGLang bootstrap port (SMG protocol, PD)
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.scheme}127.0.0.1:{self.port}"
+
+    @property
+    def gateway_id(self) -> str:
+        """The node's name in the gateway (headers, /admin/nodes): an SMG engine names no node
+        id, so the gateway names it by its address."""
+        return self.address if self.scheme else self.node_id
+
+    @property
+    def worker_entry(self) -> list[str]:
+        """The node as ``--prefill``/``--decode`` takes it (URL, then a bootstrap port)."""
+        return [self.address, str(self.bootstrap_port)] if self.bootstrap_port else [self.address]
 
     def start(self) -> None:
         self.proc = spawn(
@@ -43,6 +61,7 @@ class NodeProc:
                 "--node-id",
                 self.node_id,
                 "--ready-line",
+                *(["--bootstrap-port", str(self.bootstrap_port)] if self.bootstrap_port else []),
                 *self.args,
             ]
         )
@@ -72,9 +91,26 @@ class Cluster:
     gateway: Proc | None = None
 
     @classmethod
-    def create(cls, prefill: int, decode: int, node_args: list[str], **kw: Any) -> Cluster:
-        p = [NodeProc("prefill", f"prefill-{i}", free_port(), node_args) for i in range(1, prefill + 1)]
-        d = [NodeProc("decode", f"decode-{i}", free_port(), node_args) for i in range(1, decode + 1)]
+    def create(
+        cls, prefill: int, decode: int, node_args: list[str], *, protocol: str = "prefixgate", **kw: Any
+    ) -> Cluster:
+        """``protocol`` "smg": the gateway takes the nodes as ``grpc://`` workers (SGLang PD through
+        each prefill node's bootstrap port) and tokenizes with the tokenizer the nodes ship, as
+        ``prefixgate up --protocol smg`` does."""
+        smg = protocol == "smg"
+        scheme = "grpc://" if smg else ""
+        p = [
+            NodeProc(
+                "prefill", f"prefill-{i}", free_port(), node_args, None, scheme, free_port() if smg else 0
+            )
+            for i in range(1, prefill + 1)
+        ]
+        d = [
+            NodeProc("decode", f"decode-{i}", free_port(), node_args, None, scheme)
+            for i in range(1, decode + 1)
+        ]
+        if smg:
+            kw["gateway_env"] = {**SMG_GATEWAY_ENV, **kw.get("gateway_env", {})}
         return cls(p, d, **kw)
 
     @property
@@ -87,7 +123,7 @@ class Cluster:
         self.port = free_port()
         args = ["gateway", "--port", str(self.port)]
         for n in self.prefill:
-            args += ["--prefill", n.address]
+            args += ["--prefill", *n.worker_entry]
         for n in self.decode:
             args += ["--decode", n.address]
         env = {"PREFIXGATE_STATS_INTERVAL_S": "0.2", **self.gateway_env}
