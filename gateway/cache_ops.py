@@ -289,8 +289,11 @@ async def _evict_node(
     # The index forgets them even when the node could not be reached: stale hits cost more.
     if everything:
         out.index_removed = await svc.index.clear_node(node.id)
+        svc.pipeline.inflight_prefixes.forget(node.id)
     else:
-        out.index_removed = await svc.index.remove(node.id, set(hashes) | set(out.evicted))
+        gone = set(hashes) | set(out.evicted)
+        out.index_removed = await svc.index.remove(node.id, gone)
+        svc.pipeline.inflight_prefixes.forget(node.id, gone)  # nor a prefix just routed there
     svc.metrics.evicted_blocks.labels(node.id).inc(len(out.evicted))
     return out
 

@@ -20,7 +20,7 @@ Pure: no I/O, the caller passes the clock. The live gateway and the trace simula
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prefixgate.gateway.routing.base import Policy
@@ -126,6 +126,18 @@ class InflightPrefixes:
             if lo:
                 out[node] = lo
         return out
+
+    def forget(self, node: str, hashes: Collection[int] | None = None) -> int:
+        """Drop ``node``'s chains holding any of ``hashes`` (None: all of them), as when its blocks
+        are evicted on purpose; returns the chains dropped."""
+        gone = [
+            t
+            for t, e in self._entries.items()
+            if e.node == node and (hashes is None or any(h in hashes for h in e.hashes))
+        ]
+        for t in gone:
+            self._drop(t)
+        return len(gone)
 
     def _drop(self, ticket: int) -> bool:
         entry = self._entries.pop(ticket, None)

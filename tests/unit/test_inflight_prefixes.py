@@ -84,3 +84,16 @@ def test_bench_peers_variant_specs() -> None:
     for bad in ("index-only", "x:novalue", ":a=b", "x:=b"):
         with pytest.raises(ValueError):
             parse_variant(bad)
+
+
+def test_forget_drops_the_chains_holding_evicted_blocks_of_that_node_only() -> None:
+    t = InflightPrefixes()
+    t.add("a", [1, 2, 3], 0.0)
+    t.add("a", [7, 8], 0.0)
+    t.add("b", [1, 2, 3], 0.0)
+    assert t.forget("a", {3}) == 1
+    assert t.hits([1, 2, 3], 0.1) == {"b": 3}
+    assert t.hits([7, 8], 0.1) == {"a": 2}
+    assert t.forget("a") == 1
+    assert t.hits([7, 8], 0.1) == {}
+    assert len(t) == 1
