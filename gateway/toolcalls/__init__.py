@@ -1,0 +1,63 @@
+"""Tool calls for engines the gateway tokenizes for: the parsers that turn a model's text back
+into OpenAI ``tool_calls``, one module per format, and the choice of parser.
+
+API:
+
+``PARSERS``: the parser names, as vLLM and SGLang name them (``hermes``, ``qwen25``, ``llama3``,
+``mistral``, ``pythonic``).
+``new_parser(name) -> Shaped``: a fresh parser for one choice (``feed(text)``, ``finish()`` give
+``Text`` and ``Call`` events).
+``detect_parser(template_source) -> str | None``: the parser a chat template's own tool-call
+format calls for, when exactly one fits.
+``parse_text(name, text) -> (content, calls)``: a whole answer at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prefixgate.gateway.toolcalls.base import Call, Event, FormatParser, Shaped, Text, call_id
+from prefixgate.gateway.toolcalls.detect import detect_parser
+from prefixgate.gateway.toolcalls.hermes import HermesParser
+from prefixgate.gateway.toolcalls.llama3 import Llama3Parser
+from prefixgate.gateway.toolcalls.mistral import MistralParser
+from prefixgate.gateway.toolcalls.pythonic import PythonicParser
+
+_FACTORIES: dict[str, Callable[[], FormatParser]] = {
+    "hermes": HermesParser,
+    "qwen25": HermesParser,
+    "llama3": Llama3Parser,
+    "mistral": MistralParser,
+    "pythonic": PythonicParser,
+}
+PARSERS = tuple(_FACTORIES)
+# Parsers whose markers are special tokens of their models' tokenizers: the output is decoded
+# with special tokens kept, or the markers would vanish before parsing.
+KEEPS_SPECIAL_TOKENS = frozenset({"mistral"})
+
+
+def new_parser(name: str) -> Shaped:
+    """A parser for one choice's output; ``KeyError`` for an unknown name."""
+    return Shaped(_FACTORIES[name]())
+
+
+def parse_text(name: str, text: str) -> tuple[str, list[Call]]:
+    """``text`` (a whole answer) as its content and its calls."""
+    p = new_parser(name)
+    events = [*p.feed(text), *p.finish()]
+    content = "".join(e.text for e in events if isinstance(e, Text))
+    return content, [e for e in events if isinstance(e, Call)]
+
+
+__all__ = [
+    "KEEPS_SPECIAL_TOKENS",
+    "PARSERS",
+    "Call",
+    "Event",
+    "Shaped",
+    "Text",
+    "call_id",
+    "detect_parser",
+    "new_parser",
+    "parse_text",
+]
