@@ -34,6 +34,7 @@ from prefixgate.gateway.openai_body import engine_body
 from prefixgate.gateway.routing import Decision, Policy, RouteInput, parse_policy, planner
 from prefixgate.gateway.routing.planner import Plan, RequestView, Rules
 from prefixgate.gateway.tokens import ChatEncoder
+from prefixgate.gateway.toolcalls.support import plan_tools
 from prefixgate.gateway.vocab import FailureKind, Mode, Stage
 from prefixgate.openai.exceptions import InvalidRequest, Overloaded, StreamBroken, Unavailable
 from prefixgate.openai.features import Feature
@@ -75,6 +76,8 @@ class Prepared:
     needs: dict[Feature, str] = field(default_factory=dict)  # engine features asked for, by field
     # The request as an OpenAI-compatible HTTP worker takes it; built only for such a node.
     openai_body: Callable[[], OpenAIBody] | None = None
+    # The tool-call format the gateway parses the answer with ("": none; ``gateway.toolcalls``).
+    tool_parser: str = ""
 
     @property
     def prompt_tokens(self) -> int:
@@ -350,11 +353,15 @@ class Pipeline:
         for doc_id in req.document_ids:
             docs.append(self.documents.get(tenant, doc_id))
         normalize = self.switches.normalization
+        chat_tools = req.tools if req.kind == "chat" else None
+        tools = plan_tools(
+            chat_tools, req.tool_choice, req.needs, self.tokenizer, self.settings.tool_call_parser
+        )
         try:
             if req.kind == "chat" and isinstance(self.tokenizer, ChatEncoder):
                 # the model's own chat template over the canonical messages (gateway.tokens)
                 layout, tokens = self.tokenizer.encode_chat(
-                    req.messages, documents=docs, tools=req.tools, normalize=normalize
+                    req.messages, documents=docs, tools=tools.tools, normalize=normalize
                 )
             elif req.kind == "chat":
                 layout = render_chat(req.messages, documents=docs, tools=req.tools, normalize=normalize)
@@ -399,8 +406,9 @@ class Pipeline:
             hashes,
             sampling,
             req.model,
-            req.needs,
+            tools.needs,
             partial(engine_body, req, docs, normalize=normalize, raw=body),
+            tools.parser,
         )
 
     # -- plan --------------------------------------------------------------------------------

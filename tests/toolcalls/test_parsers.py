@@ -3,6 +3,7 @@ calls however the text is split (hypothesis chooses the splits)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -15,8 +16,13 @@ HERMES = (
     'Let me look.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n'
     '</tool_call>\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
 )
-LLAMA3 = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "東京"}}; {"name": "now", "parameters": {}}'
-MISTRAL = 'ok [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "now", "arguments": {}}]'
+LLAMA3 = (
+    '<|python_tag|>{"name": "get_weather", "parameters": {"city": "東京"}}; {"name": "now", "parameters": {}}'
+)
+MISTRAL = (
+    'ok [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+    '{"name": "now", "arguments": {}}]'
+)
 PYTHONIC = '[get_weather(city="Paris", days=[1, 2]), now()]'
 
 CASES = [
@@ -61,7 +67,10 @@ def test_hermes_arguments_as_a_json_string() -> None:
 def test_llama3() -> None:
     content, calls = parse_text("llama3", LLAMA3)
     assert content == ""
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "東京"}), ("now", {})]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "東京"}),
+        ("now", {}),
+    ]
     assert parse_text("llama3", '{"name": "f", "arguments": {"x": 1}}') == ("", [Call("f", '{"x": 1}')])
     assert parse_text("llama3", '{"answer": 42}') == ('{"answer": 42}', [])  # JSON, not a call
     assert parse_text("llama3", "Hello {x}") == ("Hello {x}", [])
@@ -72,9 +81,15 @@ def test_mistral_and_pythonic() -> None:
     assert content == "ok" and [c.name for c in calls] == ["get_weather", "now"]
     content, calls = parse_text("pythonic", PYTHONIC + " done")
     assert content == "done"
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris", "days": [1, 2]}), ("now", {})]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "days": [1, 2]}),
+        ("now", {}),
+    ]
     assert parse_text("pythonic", "[1, 2, 3] is a list") == ("[1, 2, 3] is a list", [])
-    assert parse_text("pythonic", "[f(x=__import__('os'))]") == ("[f(x=__import__('os'))]", [])  # never evaluated
+    assert parse_text("pythonic", "[f(x=__import__('os'))]") == (
+        "[f(x=__import__('os'))]",
+        [],
+    )  # never evaluated
 
 
 def test_plain_text_is_kept_as_is() -> None:
@@ -97,7 +112,7 @@ def _run(name: str, pieces: list[str]) -> tuple[list[str], list[Call]]:
 def _split(text: str, cuts: list[int]) -> list[str]:
     points = sorted({c % (len(text) + 1) for c in cuts})
     bounds = [0, *points, len(text)]
-    return [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [text[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 @pytest.mark.parametrize(("name", "text"), CASES)
@@ -113,7 +128,11 @@ def test_any_chunking_gives_the_same_answer(name: str, text: str, cuts: list[int
 
 
 @settings(max_examples=100, deadline=None)
-@given(prefix=st.text(max_size=40), args=st.dictionaries(st.text(max_size=8), st.integers() | st.text(max_size=8), max_size=4), cuts=st.lists(st.integers(0, 500), max_size=20))
+@given(
+    prefix=st.text(max_size=40),
+    args=st.dictionaries(st.text(max_size=8), st.integers() | st.text(max_size=8), max_size=4),
+    cuts=st.lists(st.integers(0, 500), max_size=20),
+)
 def test_hermes_any_content_and_arguments(prefix: str, args: dict[str, object], cuts: list[int]) -> None:
     prefix = prefix.replace("<", "(")
     block = json.dumps({"name": "f", "arguments": args}, ensure_ascii=False)
@@ -124,7 +143,7 @@ def test_hermes_any_content_and_arguments(prefix: str, args: dict[str, object], 
 
 
 def test_detect_from_template() -> None:
-    qwen = "{% if tools %}{% for tool in tools %}{{ tool | tojson }}{% endfor %}<tool_call></tool_call>{% endif %}"
+    qwen = "{% if tools %}{% for t in tools %}{{ t | tojson }}{% endfor %}<tool_call></tool_call>{% endif %}"
     assert detect_parser(qwen) == "hermes"
     assert detect_parser("{% if tools %}<|python_tag|>{% endif %}") == "llama3"
     assert detect_parser("{% if tools %}[TOOL_CALLS]{% endif %}") == "mistral"
