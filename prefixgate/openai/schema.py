@@ -13,6 +13,7 @@ from prefixgate.openai.errors import invalid
 from prefixgate.openai.exceptions import NotFound, TooLarge
 from prefixgate.openai.features import Feature
 from prefixgate.openai.normalize import DOCUMENT_ID_ALPHABET, MAX_DOCUMENT_ID, Document, is_document_id
+from prefixgate.openai.tool_messages import check_tool_messages, check_tools
 
 MAX_STOP = 4
 MAX_STOP_LEN = 256
@@ -401,6 +402,7 @@ def parse_request(
     if tools is not None:
         if not isinstance(tools, list):
             raise invalid("'tools' must be an array", "tools")
+        check_tools(tools)
         req.tools = tools
     req.tool_choice = _tool_choice(body, req.tools)
     if req.tools and req.tool_choice != "none":  # with "none" the tools only inform the prompt
@@ -410,6 +412,7 @@ def parse_request(
         if not isinstance(messages, list) or not messages:
             raise invalid("'messages' must be a non-empty array", "messages")
         check_messages(messages, max_messages, max_content_parts)
+        check_tool_messages(messages)
         req.messages = messages
         image = _image_params(messages)
         if image is not None:
