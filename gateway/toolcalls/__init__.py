@@ -6,7 +6,7 @@ API:
 ``PARSERS``: the parser names, as vLLM and SGLang name them (``hermes``, ``qwen25``, ``llama3``,
 ``mistral``, ``pythonic``).
 ``new_parser(name) -> Shaped``: a fresh parser for one choice (``feed(text)``, ``finish()`` give
-``Text`` and ``Call`` events).
+``Text``, ``CallStart`` and ``CallArgs`` events).
 ``detect_parser(template_source) -> str | None``: the parser a chat template's own tool-call
 format calls for, when exactly one fits.
 ``parse_text(name, text) -> (content, calls)``: a whole answer at once.
@@ -16,7 +16,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prefixgate.gateway.toolcalls.base import Call, Event, FormatParser, Shaped, Text, call_id
+from prefixgate.gateway.toolcalls.base import (
+    Call,
+    CallArgs,
+    CallStart,
+    Event,
+    FormatParser,
+    Shaped,
+    Text,
+    call_id,
+    calls_of,
+)
 from prefixgate.gateway.toolcalls.detect import detect_parser
 from prefixgate.gateway.toolcalls.hermes import HermesParser
 from prefixgate.gateway.toolcalls.llama3 import Llama3Parser
@@ -31,9 +41,6 @@ _FACTORIES: dict[str, Callable[[], FormatParser]] = {
     "pythonic": PythonicParser,
 }
 PARSERS = tuple(_FACTORIES)
-# Parsers whose markers are special tokens of their models' tokenizers: the output is decoded
-# with special tokens kept, or the markers would vanish before parsing.
-KEEPS_SPECIAL_TOKENS = frozenset({"mistral"})
 
 
 def new_parser(name: str) -> Shaped:
@@ -46,17 +53,19 @@ def parse_text(name: str, text: str) -> tuple[str, list[Call]]:
     p = new_parser(name)
     events = [*p.feed(text), *p.finish()]
     content = "".join(e.text for e in events if isinstance(e, Text))
-    return content, [e for e in events if isinstance(e, Call)]
+    return content, calls_of(events)
 
 
 __all__ = [
-    "KEEPS_SPECIAL_TOKENS",
     "PARSERS",
     "Call",
+    "CallArgs",
+    "CallStart",
     "Event",
     "Shaped",
     "Text",
     "call_id",
+    "calls_of",
     "detect_parser",
     "new_parser",
     "parse_text",

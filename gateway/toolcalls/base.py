@@ -1,7 +1,8 @@
 """What a tool-call parser turns model text into, and the layer every format shares.
 
 A parser is fed the text of one choice as it is decoded and gives events: ``Text`` (content to
-show) and ``Call`` (one whole tool call: its name and its arguments as a JSON string). It never
+show), ``CallStart`` (a tool call's name) and ``CallArgs`` (pieces of its arguments, JSON text
+that joined is the arguments object, as OpenAI streams ``function.arguments``). It never
 lets out part of a marker: text that may still be the start of a call is held until it is known
 not to be. The same parser serves non-streamed answers (fed once), so a stream and a whole answer
 of the same output give the same calls, however the text was split. Pure: no I/O.
@@ -22,11 +23,43 @@ class Text:
 
 @dataclass(frozen=True, slots=True)
 class Call:
+    """A whole tool call (what a finished answer holds)."""
+
     name: str
     arguments: str  # a JSON object, as a string (as OpenAI sends it)
 
 
-Event = Text | Call
+@dataclass(frozen=True, slots=True)
+class CallStart:
+    """A new call begins: its name is known; its arguments follow as ``CallArgs`` pieces."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class CallArgs:
+    """The next piece of the current call's arguments (JSON text; joined, the whole object)."""
+
+    text: str
+
+
+Event = Text | CallStart | CallArgs
+
+
+def whole(call: Call) -> list[Event]:
+    """A call known at once, as its events."""
+    return [CallStart(call.name), CallArgs(call.arguments)]
+
+
+def calls_of(events: list[Event]) -> list[Call]:
+    """The calls that ``events`` make, their argument pieces joined."""
+    out: list[Call] = []
+    for e in events:
+        if isinstance(e, CallStart):
+            out.append(Call(e.name, ""))
+        elif isinstance(e, CallArgs) and out:
+            out[-1] = Call(out[-1].name, out[-1].arguments + e.text)
+    return out
 
 
 class FormatParser(Protocol):
@@ -92,10 +125,10 @@ class Shaped:
     def _shape(self, events: list[Event]) -> list[Event]:
         out: list[Event] = []
         for e in events:
-            if isinstance(e, Call):
+            if isinstance(e, CallStart | CallArgs):
                 self._pending = ""
                 self._after_call = True
-                self.calls += 1
+                self.calls += isinstance(e, CallStart)
                 out.append(e)
                 continue
             text = self._pending + e.text

@@ -8,7 +8,7 @@ not a call, or text after the calls, is content. Pure.
 
 from __future__ import annotations
 
-from prefixgate.gateway.toolcalls.base import Event, Text, as_call, first_json
+from prefixgate.gateway.toolcalls.base import Event, Text, as_call, first_json, whole
 
 TAG = "<|python_tag|>"
 ARGS_KEYS = ("parameters", "arguments")
@@ -43,15 +43,15 @@ class Llama3Parser:
             if not s.startswith("{"):
                 self._mode = "text"
                 return [*out, *self._text()]
-            whole = first_json(s)
-            if whole is None:
+            found = first_json(s)
+            if found is None:
                 return out  # incomplete (or never valid: shown as text at the finish)
-            obj, end = whole
+            obj, end = found
             call = as_call(obj, args_keys=ARGS_KEYS)
             if call is None:
                 self._mode = "text"
                 return [*out, *self._text()]
-            out.append(call)
+            out.extend(whole(call))
             self._seen_call = True
             self._buf = s[end:]
 

@@ -1,13 +1,16 @@
 """Mistral tool calls: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``.
 
 Text before the marker is content; the JSON array after it is the calls, let out once it is
-whole; text after it is content. ``[TOOL_CALLS]`` is a control token of Mistral's tokenizers, so
-the engine's output is decoded with special tokens kept when this parser is chosen. Pure.
+whole; text after it is content. Pure.
+
+``[TOOL_CALLS]`` is a control token in Mistral's own tokenizers, and the gateway decodes output
+with special tokens skipped, so with those tokenizers the marker is gone before
+parsing; this parser serves models whose tokenizers write it as text.
 """
 
 from __future__ import annotations
 
-from prefixgate.gateway.toolcalls.base import Call, Event, Text, as_call, first_json, partial_suffix
+from prefixgate.gateway.toolcalls.base import Call, Event, Text, as_call, first_json, partial_suffix, whole
 
 MARKER = "[TOOL_CALLS]"
 
@@ -29,16 +32,16 @@ class MistralParser:
             if i:
                 out.append(Text(self._buf[:i]))
             self._buf, self._inside = self._buf[i + len(MARKER) :], True
-        whole = first_json(self._buf)
-        if whole is None:
+        found = first_json(self._buf)
+        if found is None:
             return out
-        value, end = whole
+        value, end = found
         calls = [as_call(v) for v in value] if isinstance(value, list) and value else [None]
         self._inside = False
         if any(c is None for c in calls):
             out.append(Text(MARKER + self._buf[:end]))
         else:
-            out.extend(c for c in calls if isinstance(c, Call))
+            out.extend(e for c in calls if isinstance(c, Call) for e in whole(c))
         self._buf = self._buf[end:]
         return [*out, *self.feed("")]
 

@@ -4,14 +4,15 @@ Whole: ``content`` is the text outside the calls (null when there is none and ca
 ``tool_calls`` the calls with fresh ``call_...`` ids, and ``finish_reason`` is ``tool_calls``
 when the model called a tool. Streamed: content deltas as the text is known not to be part of a
 call, then for each call a delta with its ``index``, ``id``, ``type`` and ``function.name`` (and
-empty arguments) followed by one with its ``function.arguments``, as OpenAI streams them.
+empty arguments) followed by ``function.arguments`` pieces as the model writes them, as OpenAI
+streams them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from prefixgate.gateway.toolcalls import Call, Text, call_id, new_parser, parse_text
+from prefixgate.gateway.toolcalls import Call, CallStart, Text, call_id, new_parser, parse_text
 
 
 def tool_call(call: Call) -> dict[str, Any]:
@@ -42,7 +43,8 @@ class ToolDeltas:
         self.calls = 0
 
     def step(self, text: str, final: bool) -> list[dict[str, Any]]:
-        """Deltas for the next text (``final``: the choice ended with it)."""
+        """Deltas for the next text (``final``: the choice ended with it); consecutive pieces of
+        the same kind are sent as one delta."""
         events = self._parser.feed(text)
         if final:
             events += self._parser.finish()
@@ -53,12 +55,17 @@ class ToolDeltas:
                     out[-1]["content"] += e.text
                 else:
                     out.append({"content": e.text})
-                continue
-            first = tool_call(e)
-            first["function"] = {"name": e.name, "arguments": ""}
-            out.append({"tool_calls": [{"index": self.calls, **first}]})
-            out.append({"tool_calls": [{"index": self.calls, "function": {"arguments": e.arguments}}]})
-            self.calls += 1
+            elif isinstance(e, CallStart):
+                head = {"index": self.calls, "id": call_id(), "type": "function"}
+                out.append({"tool_calls": [{**head, "function": {"name": e.name, "arguments": ""}}]})
+                self.calls += 1
+            elif e.text:
+                last = out[-1]["tool_calls"][0] if out and "tool_calls" in out[-1] else None
+                if last is not None and "id" not in last:
+                    last["function"]["arguments"] += e.text
+                else:
+                    piece = {"index": self.calls - 1, "function": {"arguments": e.text}}
+                    out.append({"tool_calls": [piece]})
         return out
 
     def finish_reason(self, reason: str) -> str:

@@ -14,7 +14,7 @@ import json
 import re
 from typing import Any
 
-from prefixgate.gateway.toolcalls.base import Call, Event, Text
+from prefixgate.gateway.toolcalls.base import Call, Event, Text, whole
 
 START_TAG = "<|python_start|>"
 END_TAG = "<|python_end|>"
@@ -86,7 +86,7 @@ class PythonicParser:
                 rest = self._buf[j + 1 :].lstrip()
                 rest = rest.removeprefix(END_TAG)
                 self._buf, self._mode = rest, "text"
-                return [*calls, *self._text()]
+                return [*(e for c in calls for e in whole(c)), *self._text()]
         return []
 
     def finish(self) -> list[Event]:

@@ -201,6 +201,10 @@ async def test_tool_calls_whole_streamed_and_a_second_turn(
         assert all("<" not in (d.content or "") for d in deltas)  # no half of a marker leaked
         firsts = [d.tool_calls[0] for d in deltas if d.tool_calls and d.tool_calls[0].id]
         assert len(firsts) == 1 and firsts[0].function.arguments == ""  # name first, then arguments
+        pieces = [
+            d.tool_calls[0].function.arguments for d in deltas if d.tool_calls and not d.tool_calls[0].id
+        ]
+        assert len(pieces) > 3  # the arguments stream as the engine's tokens come
 
         # the second turn: the assistant's call and the tool's result, rendered by the template
         assistant = choice.message.model_dump(exclude_none=True)

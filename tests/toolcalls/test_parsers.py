@@ -10,7 +10,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixgate.gateway.toolcalls import Call, Text, detect_parser, new_parser, parse_text
+from prefixgate.gateway.toolcalls import (
+    Call,
+    CallArgs,
+    Event,
+    Text,
+    calls_of,
+    detect_parser,
+    new_parser,
+    parse_text,
+)
 
 HERMES = (
     'Let me look.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n'
@@ -34,6 +43,9 @@ CASES = [
     ("hermes", "no calls here, only <tool_ text and a < sign\n"),
     ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": 1}}'),  # unclosed at the end
     ("hermes", "<tool_call>not json</tool_call> after"),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"s": "} </tool_call> {"}}</tool_call>x'),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": [1, {"b": 2}]</tool_call>after'),
+    ("hermes", '<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>'),
     ("llama3", "Sure, {braces} in text"),
     ("llama3", '{"answer": 42}'),
     ("pythonic", "[1, 2, 3] is a list"),
@@ -62,6 +74,25 @@ def test_hermes_unclosed_and_malformed() -> None:
 def test_hermes_arguments_as_a_json_string() -> None:
     text = '<tool_call>{"name": "f", "arguments": "{\\"a\\": [1]}"}</tool_call>'
     assert parse_text("hermes", text) == ("", [Call("f", '{"a": [1]}')])
+
+
+def test_hermes_arguments_stream_as_the_model_writes_them() -> None:
+    text = '<tool_call>\n{"name": "f", "arguments": {"q": "a long } </tool_call> query"}}\n</tool_call> done'
+    _, calls, events = _run("hermes", list(text))  # one character at a time
+    pieces = [e.text for e in events if isinstance(e, CallArgs)]
+    assert len(pieces) > 10 and "".join(pieces) == '{"q": "a long } </tool_call> query"}'
+    assert calls == [Call("f", '{"q": "a long } </tool_call> query"}')]
+    assert "".join(e.text for e in events if isinstance(e, Text)) == "done"
+    # broken off by the end marker: the call stands with what it has; the rest is content
+    assert parse_text("hermes", '<tool_call>{"name": "f", "arguments": {"a": 1</tool_call>x') == (
+        "x",
+        [Call("f", '{"a": 1')],
+    )
+    # arguments before the name: taken whole at the end marker
+    assert parse_text("hermes", '<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>') == (
+        "",
+        [Call("f", '{"a": 1}')],
+    )
 
 
 def test_llama3() -> None:
@@ -97,16 +128,13 @@ def test_plain_text_is_kept_as_is() -> None:
         assert parse_text(name, "  plain answer.\n\n") == ("  plain answer.\n\n", [])
 
 
-def _run(name: str, pieces: list[str]) -> tuple[list[str], list[Call]]:
+def _run(name: str, pieces: list[str]) -> tuple[list[str], list[Call], list[Event]]:
     p = new_parser(name)
-    shown: list[str] = []
-    calls: list[Call] = []
+    events: list[Event] = []
     for piece in pieces:
-        for e in p.feed(piece):
-            (shown.append(e.text) if isinstance(e, Text) else calls.append(e))
-    for e in p.finish():
-        (shown.append(e.text) if isinstance(e, Text) else calls.append(e))
-    return shown, calls
+        events += p.feed(piece)
+    events += p.finish()
+    return [e.text for e in events if isinstance(e, Text)], calls_of(events), events
 
 
 def _split(text: str, cuts: list[int]) -> list[str]:
@@ -120,7 +148,7 @@ def _split(text: str, cuts: list[int]) -> list[str]:
 @given(cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=30))
 def test_any_chunking_gives_the_same_answer(name: str, text: str, cuts: list[int]) -> None:
     whole = parse_text(name, text)
-    shown, calls = _run(name, _split(text, cuts))
+    shown, calls, _ = _run(name, _split(text, cuts))
     assert ("".join(shown), calls) == whole
     for piece in shown:  # no half of a marker ever shown while calls are found
         if whole[1]:
@@ -137,7 +165,7 @@ def test_hermes_any_content_and_arguments(prefix: str, args: dict[str, object], 
     prefix = prefix.replace("<", "(")
     block = json.dumps({"name": "f", "arguments": args}, ensure_ascii=False)
     text = f"{prefix}<tool_call>\n{block}\n</tool_call>"
-    shown, calls = _run("hermes", _split(text, cuts))
+    shown, calls, _ = _run("hermes", _split(text, cuts))
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", args)]
     assert "".join(shown) == prefix.rstrip()  # whitespace before a call is not content
 
