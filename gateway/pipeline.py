@@ -34,7 +34,7 @@ from prefixgate.gateway.openai_body import engine_body
 from prefixgate.gateway.routing import Decision, Policy, RouteInput, parse_policy, planner
 from prefixgate.gateway.routing.planner import Plan, RequestView, Rules
 from prefixgate.gateway.tokens import ChatEncoder
-from prefixgate.gateway.toolcalls.support import plan_tools
+from prefixgate.gateway.toolcalls.support import passing_through, plan_tools
 from prefixgate.gateway.vocab import FailureKind, Mode, Stage
 from prefixgate.openai.exceptions import InvalidRequest, Overloaded, StreamBroken, Unavailable
 from prefixgate.openai.features import Feature
@@ -498,6 +498,8 @@ class Pipeline:
         """
         deadline = time.monotonic() + self.settings.request_timeout_s
         unserved = unable(self.pool.nodes.values(), prep.needs)  # 400 when no node can serve it
+        if prep.tool_parser:  # the gateway parses the tool calls: not for pass-through workers
+            unserved |= passing_through(self.pool.nodes.values())
         hits = await self.lookup(prep)
         plan = self.decide(prep, hits, set(unserved))
         failures: list[Failure] = []

@@ -17,13 +17,13 @@ carry no call.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from prefixgate.gateway.toolcalls.detect import detect_parser, mentions_tools
 from prefixgate.openai.exceptions import InvalidRequest
-from prefixgate.openai.features import Feature
+from prefixgate.openai.features import Feature, refusal
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,3 +90,14 @@ def plan_tools(
             code="unsupported_parameter",
         )
     return ToolPlan(parser, tools, rest)
+
+
+def passing_through(nodes: Iterable[Any]) -> set[str]:
+    """Ids of the nodes that take the OpenAI request whole (``Capabilities.openai_body``): the
+    gateway neither renders their prompt nor sees their tool calls, so a request whose tools the
+    gateway serves is not sent to them; a 400 when no other node is left."""
+    nodes = list(nodes)
+    whole = {n.id for n in nodes if n.client.capabilities.openai_body}
+    if nodes and len(whole) == len(nodes):
+        raise InvalidRequest(refusal(Feature.TOOLS, "OpenAI-compatible HTTP workers"), param="tools")
+    return whole

@@ -12,8 +12,10 @@ import pytest
 from prefixgate.backends.hftok import TOKENIZER_DIR
 from prefixgate.cachetier.tokenizer import load_tokenizer
 from prefixgate.gateway.config import load_settings
+from prefixgate.gateway.nodeclient import connect
+from prefixgate.gateway.nodes import Node
 from prefixgate.gateway.tokens import open_tokenizer_dir
-from prefixgate.gateway.toolcalls.support import gateway_parser, plan_tools
+from prefixgate.gateway.toolcalls.support import gateway_parser, passing_through, plan_tools
 from prefixgate.openai.exceptions import InvalidRequest
 from prefixgate.openai.features import Feature
 
@@ -61,3 +63,19 @@ def test_the_setting_is_checked() -> None:
     assert load_settings(environ={"PREFIXGATE_TOOL_CALL_PARSER": "none"}).tool_call_parser == "none"
     with pytest.raises(ValueError, match="tool_call_parser"):
         load_settings(overrides={"tool_call_parser": "json"}, environ={})
+
+
+async def test_pass_through_workers_are_left_out() -> None:
+    """A node that takes the OpenAI request whole would answer with its own tool calls, which the
+    gateway cannot carry: left out of the plan, a 400 when nothing else is there."""
+    smg = Node("monolithic", "grpc://127.0.0.1:1", connect("grpc://127.0.0.1:1"))
+    http = Node("monolithic", "http://127.0.0.1:2", connect("http://127.0.0.1:2"))
+    try:
+        assert passing_through([smg, http]) == {http.id}
+        assert passing_through([smg]) == set()
+        with pytest.raises(InvalidRequest) as e:
+            passing_through([http])
+        assert e.value.param == "tools"
+    finally:
+        await smg.client.close()
+        await http.client.close()
