@@ -11,7 +11,7 @@ import asyncio
 import json
 import shutil
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -151,22 +151,22 @@ def expected_ids(hf: Any, messages: list[dict[str, Any]], tools: list[dict[str, 
     return list(ids)
 
 
-def collect(chunks: Iterator[Any] | list[Any]) -> tuple[str, list[dict[str, Any]], str | None, list[Any]]:
-    """Content, tool calls (assembled as a client does) and finish reason from streamed chunks."""
+def collect(choices: list[Any]) -> tuple[str, list[dict[str, Any]], str | None, list[Any]]:
+    """Content, tool calls (assembled as a client does), finish reason and the deltas of one
+    choice's streamed chunk choices."""
     content, finish = "", None
     calls: list[dict[str, Any]] = []
     deltas: list[Any] = []
-    for c in chunks:
-        for ch in c.choices:
-            d = ch.delta
-            deltas.append(d)
-            content += d.content or ""
-            for tc in d.tool_calls or []:
-                if tc.index == len(calls):
-                    assert tc.id and tc.id.startswith("call_") and tc.type == "function" and tc.function.name
-                    calls.append({"id": tc.id, "name": tc.function.name, "arguments": ""})
-                calls[tc.index]["arguments"] += tc.function.arguments or ""
-            finish = ch.finish_reason or finish
+    for ch in choices:
+        d = ch.delta
+        deltas.append(d)
+        content += d.content or ""
+        for tc in d.tool_calls or []:
+            if tc.index == len(calls):
+                assert tc.id and tc.id.startswith("call_") and tc.type == "function" and tc.function.name
+                calls.append({"id": tc.id, "name": tc.function.name, "arguments": ""})
+            calls[tc.index]["arguments"] += tc.function.arguments or ""
+        finish = ch.finish_reason or finish
     return content, calls, finish, deltas
 
 
@@ -192,7 +192,7 @@ async def test_tool_calls_whole_streamed_and_a_second_turn(
         assert '"name": "get_weather"' in double.hf.decode(double.inputs[0])
 
         stream = await create(client, model=MODEL, messages=[user], tools=TOOLS, stream=True)
-        content, streamed, finish, deltas = collect([c async for c in stream])
+        content, streamed, finish, deltas = collect([ch async for c in stream for ch in c.choices])
         assert double.streamed[1] and double.inputs[1] == double.inputs[0]
         assert content == "Let me check." and finish == "tool_calls"
         assert [(c["name"], json.loads(c["arguments"])) for c in streamed] == [
@@ -271,6 +271,24 @@ async def test_tool_calls_whole_streamed_and_a_second_turn(
                 await create(client, **kw)
             assert param_of(e.value) == param
         assert len(double.inputs) == 4  # none of them reached the engine
+
+        # n choices: each parsed on its own, each call with its own id
+        double.answers = [ANSWER, FOLLOW_UP]
+        r4 = await create(client, model=MODEL, messages=[user], tools=TOOLS, n=2)
+        got = sorted((c.finish_reason, len(c.message.tool_calls or [])) for c in r4.choices)
+        assert got == [("stop", 0), ("tool_calls", 1)]
+        double.answers = [ANSWER, ANSWER]
+        stream = await create(client, model=MODEL, messages=[user], tools=TOOLS, n=2, stream=True)
+        by_choice: dict[int, list[Any]] = {}
+        async for c in stream:
+            for ch in c.choices:
+                by_choice.setdefault(ch.index, []).append(ch)
+        ids: set[str] = set()
+        for chunks in by_choice.values():
+            content, streamed, finish, _ = collect(chunks)
+            assert content == "Let me check." and finish == "tool_calls" and len(streamed) == 1
+            ids.add(streamed[0]["id"])
+        assert len(ids) == 2
         await client.close()
 
 
