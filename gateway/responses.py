@@ -19,7 +19,7 @@ from starlette.responses import Response
 from prefixgate.gateway.choices import Choices
 from prefixgate.gateway.httpcommon import SSE_DONE, ORJSONResponse
 from prefixgate.gateway.nodeclient.base import TokenLogprob
-from prefixgate.gateway.toolcalls import openai as toolcalls
+from prefixgate.gateway.toolcalls import shapes as toolcalls
 from prefixgate.openai.errors import from_domain
 from prefixgate.openai.exceptions import StreamBroken
 from prefixgate.openai.schema import ParsedRequest
