@@ -10,6 +10,9 @@ API:
 ``detect_parser(template_source) -> str | None``: the parser a chat template's own tool-call
 format calls for, when exactly one fits.
 ``parse_text(name, text) -> (content, calls)``: a whole answer at once.
+
+``support.plan_tools`` decides whether the gateway serves a request's tools (the pipeline calls
+it); ``shapes`` turns parsed calls into OpenAI's message and streamed deltas (the responses).
 """
 
 from __future__ import annotations
