@@ -385,6 +385,7 @@ class Pipeline:
                 code="context_length_exceeded",
             )
         sampling = req.sampling
+        sampling.keep_special_tokens = bool(tools.parser)  # tool-call markers may be special tokens
         room = s.context_window - n
         if sampling.max_tokens > room:
             if req.max_tokens_given or room < 1:

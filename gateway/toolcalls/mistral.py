@@ -1,11 +1,8 @@
 """Mistral tool calls: ``[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]``.
 
 Text before the marker is content; the JSON array after it is the calls, let out once it is
-whole; text after it is content. Pure.
-
-``[TOOL_CALLS]`` is a control token in Mistral's own tokenizers, and the gateway decodes output
-with special tokens skipped, so with those tokenizers the marker is gone before
-parsing; this parser serves models whose tokenizers write it as text.
+whole; text after it is content. ``[TOOL_CALLS]`` is a control token in Mistral's tokenizers:
+the output reaches the parser decoded with special tokens shown when a parser is in use. Pure.
 """
 
 from __future__ import annotations

@@ -41,6 +41,9 @@ class Sampling:
     logprobs: bool = False  # report each output token's log probability
     top_logprobs: int = 0  # and this many most likely alternatives per position
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # Output decoded with special tokens shown (but the end of turn): a tool-call parser whose
+    # markers are special tokens needs them, as SGLang decodes when tools are given.
+    keep_special_tokens: bool = False
 
 
 @dataclass(slots=True)

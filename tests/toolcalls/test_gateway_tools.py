@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as spb
+from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
 from prefixgate.backends.hftok import TOKENIZER_DIR
@@ -64,12 +65,16 @@ class RecordingSglang(ScriptedSglang):
     """Answers each Generate with the next scripted text's ids, a few at a time (so markers
     arrive in pieces), and records the input ids."""
 
-    def __init__(self, tokenizer_dir: Path) -> None:
+    def __init__(self, tokenizer_dir: Path, eos: tuple[int, ...] = ()) -> None:
         super().__init__(None)
         self.hf = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        self.eos = eos  # reported by GetModelInfo and ending every answer
         self.answers: list[str] = []
         self.inputs: list[list[int]] = []
         self.streamed: list[bool] = []
+
+    async def GetModelInfo(self, request: Any, context: Any) -> Any:
+        return spb.GetModelInfoResponse(model_path="double", eos_token_ids=list(self.eos))
 
     async def Abort(self, request: Any, context: Any) -> Any:
         return spb.AbortResponse(success=True)
@@ -78,7 +83,7 @@ class RecordingSglang(ScriptedSglang):
         ids = list(request.tokenized.input_ids)
         self.inputs.append(ids)
         self.streamed.append(request.stream)
-        out = list(self.hf.encode(self.answers.pop(0), add_special_tokens=False))
+        out = list(self.hf.encode(self.answers.pop(0), add_special_tokens=False)) + list(self.eos[:1])
         rid = request.request_id
         if request.stream:
             for k in range(0, len(out), 2):
@@ -304,3 +309,54 @@ async def test_tools_stay_refused_without_a_parser(
         assert param_of(e.value) == "tools"
         assert double.inputs == []
         await client.close()
+
+
+MISTRAL_TEMPLATE = (
+    "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "<|im_start|>assistant\n{# calls come as [TOOL_CALLS] [...] #}"
+)
+
+
+@pytest.fixture(scope="module")
+def mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shipped tokenizer with ``[TOOL_CALLS]`` as a special (control) token, as in Mistral's."""
+    d = tmp_path_factory.mktemp("mistral-tokenizer")
+    tok = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
+    tok.add_special_tokens(["[TOOL_CALLS]"])
+    tok.save(str(d / "tokenizer.json"))
+    config = json.loads((TOKENIZER_DIR / "tokenizer_config.json").read_text())
+    config["chat_template"] = MISTRAL_TEMPLATE
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    return d
+
+
+async def test_a_parser_whose_marker_is_a_special_token(mistral_dir: Path) -> None:
+    """Output is decoded with special tokens shown when a parser is in use (as SGLang does with
+    tools), so a control-token marker reaches the parser; the end-of-turn token still is hidden."""
+    double = RecordingSglang(mistral_dir, eos=(2,))  # <|im_end|>
+    codec = Tokenizer.from_file(str(mistral_dir / "tokenizer.json"))
+    marker = codec.token_to_id("[TOOL_CALLS]")
+    assert marker is not None
+    assert codec.decode([marker], skip_special_tokens=True) == ""  # gone when special tokens are skipped
+    server, address = await serve(add_sglang(double))
+    user = {"role": "user", "content": "Weather in Paris?"}
+    try:
+        async with gateway(mistral_dir, f"grpc://{address}") as base:  # parser read from the template
+            client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=30)
+            double.answers = [
+                '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+                "Plain.",
+            ]
+            r = await create(client, model=MODEL, messages=[user], tools=TOOLS)
+            calls = r.choices[0].message.tool_calls or []
+            assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+                ("get_weather", {"city": "Paris"})
+            ]
+            assert r.choices[0].message.content is None and r.choices[0].finish_reason == "tool_calls"
+            r2 = await create(client, model=MODEL, messages=[user], tools=TOOLS, stream=True)
+            content, streamed, finish, _ = collect([ch async for c in r2 for ch in c.choices])
+            assert content == "Plain." and streamed == [] and finish == "stop"  # no <|im_end|> shown
+            await client.close()
+    finally:
+        await server.stop(0.2)
