@@ -91,8 +91,8 @@ async def complete(ch: Choices, parsed: ParsedRequest, kind: str, headers: dict[
         if kind == "chat":
             msg: dict[str, Any] = {"role": "assistant", "content": text}
             called = False
-            if ex.prep.tool_parser:  # the gateway parses the model's tool calls (gateway.toolcalls)
-                msg, called = toolcalls.message(ex.prep.tool_parser, text)
+            if parser := toolcalls.parser_of(ex):  # the gateway parses the model's tool calls
+                msg, called = toolcalls.message(parser, text)
             choices.append(
                 {
                     "index": i,
@@ -159,7 +159,7 @@ async def stream(ch: Choices, parsed: ParsedRequest, kind: str) -> AsyncGenerato
         return sse(out)
 
     tools = [
-        toolcalls.ToolDeltas(ex.prep.tool_parser) if chat and ex.prep.tool_parser else None
+        toolcalls.ToolDeltas(parser) if chat and (parser := toolcalls.parser_of(ex)) else None
         for ex in ch.executions
     ]
     started = [False] * len(ch.executions)

@@ -15,6 +15,12 @@ from typing import Any
 from prefixgate.gateway.toolcalls import Call, CallStart, Text, call_id, new_parser, parse_text
 
 
+def parser_of(execution: object) -> str:
+    """The tool-call parser of a started choice ("" none): its prepared request's, when it has one."""
+    parser = getattr(getattr(execution, "prep", None), "tool_parser", "")
+    return parser if isinstance(parser, str) else ""
+
+
 def tool_call(call: Call) -> dict[str, Any]:
     return {"id": call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
