@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -24,6 +25,7 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
 from prefixgate.backends.hftok import TOKENIZER_DIR
+from prefixgate.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.helpers import Proc, free_port, spawn
 from tests.smgwire.doubles import ScriptedSglang, add_sglang, serve
 
@@ -360,3 +362,25 @@ async def test_a_parser_whose_marker_is_a_special_token(mistral_dir: Path) -> No
             await client.close()
     finally:
         await server.stop(0.2)
+
+
+async def test_the_grpc_front_refuses_tools_it_cannot_answer(
+    template_dir: Path, engine: tuple[RecordingSglang, str]
+) -> None:
+    """The gateway's gRPC API has no field for tool calls: a request whose tools the gateway would
+    parse is refused there (INVALID_ARGUMENT naming ``tools_json``) instead of answered raw."""
+    double, worker = engine
+    gport = free_port()
+    async with gateway(template_dir, worker, "--grpc-port", str(gport)):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gport}") as channel:
+            req = gateway_pb2.CompletionRequest(
+                model=MODEL,
+                messages=[gateway_pb2.ChatMessage(role="user", content="hi")],
+                tools_json=json.dumps(TOOLS),
+                max_tokens=3,
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await gateway_pb2_grpc.GatewayStub(channel).Complete(req, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "tools_json" in (e.value.details() or "")
+    assert double.inputs == []
