@@ -47,6 +47,10 @@ class Settings:
     tokenizer_timeout_s: float = 60.0
     tokenizer_worker_paths: bool = True  # use a worker's reported tokenizer_path when it exists here
     tokenizer_segment_cache_bytes: int = 64 * 1024 * 1024
+    # Tool calls in the model's text -> OpenAI tool_calls (gateway.toolcalls), for engines the
+    # gateway tokenizes for: hermes | qwen25 | llama3 | mistral | pythonic; "" reads it from the
+    # chat template when that is unambiguous; "none" turns tool calling off.
+    tool_call_parser: str = ""
     block_size: int = 64
     # A policy spec, ``name`` or ``name:key=value,...`` (``prefixgate:affinity=5``), as ``bench
     # replay --policies`` takes it; ``load_factor`` is the default of the policies that take one.
@@ -192,7 +196,16 @@ def load_settings(
     except ValueError as e:
         raise ValueError(f"setting 'policy': {e}") from None
     _check_tokenizer(settings)
+    _check_tool_call_parser(settings)
     return settings
+
+
+def _check_tool_call_parser(settings: Settings) -> None:
+    from prefixgate.gateway.toolcalls import PARSERS
+
+    name = settings.tool_call_parser
+    if name and name != "none" and name not in PARSERS:
+        raise ValueError(f"setting 'tool_call_parser': {name!r}: use one of {', '.join(PARSERS)} or none")
 
 
 def _check_tokenizer(settings: Settings) -> None:

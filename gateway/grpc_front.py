@@ -153,6 +153,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             _parsed, prep = await self.svc.runner.prepare(
                 lambda: self._parse(req), identity.tenant(), identity.request_id, req.ByteSize()
             )
+            if prep.tool_parser:  # parsed tool calls have no field in this API's answers
+                raise invalid("tool calls are served on the HTTP API (/v1/chat/completions)", "tools_json")
             return prep
 
         return prepare

@@ -35,6 +35,7 @@ from prefixgate.gateway.routing import Decision, Policy, RouteInput, parse_polic
 from prefixgate.gateway.routing.inflight import InflightPrefixes, extension, follows_inflight, merge_hits
 from prefixgate.gateway.routing.planner import Plan, RequestView, Rules
 from prefixgate.gateway.tokens import ChatEncoder
+from prefixgate.gateway.toolcalls.support import passing_through, plan_tools
 from prefixgate.gateway.vocab import FailureKind, Mode, Stage
 from prefixgate.openai.exceptions import InvalidRequest, Overloaded, StreamBroken, Unavailable
 from prefixgate.openai.features import Feature
@@ -80,6 +81,8 @@ class Prepared:
     # routed but not yet in the index reached (tokens).
     route_notes: dict[str, int] = field(default_factory=dict)
     index_hits: dict[str, int] = field(default_factory=dict)  # node -> leading blocks, per the index
+    # The tool-call format the gateway parses the answer with ("": none; ``gateway.toolcalls``).
+    tool_parser: str = ""
 
     @property
     def prompt_tokens(self) -> int:
@@ -356,11 +359,15 @@ class Pipeline:
         for doc_id in req.document_ids:
             docs.append(self.documents.get(tenant, doc_id))
         normalize = self.switches.normalization
+        chat_tools = req.tools if req.kind == "chat" else None
+        tools = plan_tools(
+            chat_tools, req.tool_choice, req.needs, self.tokenizer, self.settings.tool_call_parser
+        )
         try:
             if req.kind == "chat" and isinstance(self.tokenizer, ChatEncoder):
                 # the model's own chat template over the canonical messages (gateway.tokens)
                 layout, tokens = self.tokenizer.encode_chat(
-                    req.messages, documents=docs, tools=req.tools, normalize=normalize
+                    req.messages, documents=docs, tools=tools.tools, normalize=normalize
                 )
             elif req.kind == "chat":
                 layout = render_chat(req.messages, documents=docs, tools=req.tools, normalize=normalize)
@@ -384,6 +391,7 @@ class Pipeline:
                 code="context_length_exceeded",
             )
         sampling = req.sampling
+        sampling.keep_special_tokens = bool(tools.parser)  # tool-call markers may be special tokens
         room = s.context_window - n
         if sampling.max_tokens > room:
             if req.max_tokens_given or room < 1:
@@ -405,8 +413,9 @@ class Pipeline:
             hashes,
             sampling,
             req.model,
-            req.needs,
+            tools.needs,
             partial(engine_body, req, docs, normalize=normalize, raw=body),
+            tool_parser=tools.parser,
         )
 
     # -- plan --------------------------------------------------------------------------------
@@ -531,6 +540,8 @@ class Pipeline:
         """
         deadline = time.monotonic() + self.settings.request_timeout_s
         unserved = unable(self.pool.nodes.values(), prep.needs)  # 400 when no node can serve it
+        if prep.tool_parser:  # the gateway parses the tool calls: not for pass-through workers
+            unserved |= passing_through(self.pool.nodes.values())
         hits = await self.lookup(prep)
         plan = self.decide(prep, hits, set(unserved))
         failures: list[Failure] = []

@@ -19,6 +19,7 @@ from starlette.responses import Response
 from prefixgate.gateway.choices import Choices
 from prefixgate.gateway.httpcommon import SSE_DONE, ORJSONResponse
 from prefixgate.gateway.nodeclient.base import TokenLogprob
+from prefixgate.gateway.toolcalls import shapes as toolcalls
 from prefixgate.openai.errors import from_domain
 from prefixgate.openai.exceptions import StreamBroken
 from prefixgate.openai.schema import ParsedRequest
@@ -88,11 +89,15 @@ async def complete(ch: Choices, parsed: ParsedRequest, kind: str, headers: dict[
     for i, ex in enumerate(ch.executions):
         text = "".join(texts[i])
         if kind == "chat":
+            msg: dict[str, Any] = {"role": "assistant", "content": text}
+            called = False
+            if parser := toolcalls.parser_of(ex):  # the gateway parses the model's tool calls
+                msg, called = toolcalls.message(parser, text)
             choices.append(
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": ex.finish_reason,
+                    "message": msg,
+                    "finish_reason": toolcalls.finish_reason(called, ex.finish_reason),
                     "logprobs": chat_logprobs(lps[i]) if want else None,
                 }
             )
@@ -141,9 +146,35 @@ async def stream(ch: Choices, parsed: ParsedRequest, kind: str) -> AsyncGenerato
             out["usage"] = None
         return out
 
+    def tool_chunk(
+        i: int, part: dict[str, Any], finish: str | None, first: bool, lps: Sequence[TokenLogprob]
+    ) -> bytes:
+        delta = {"role": "assistant", **part} if first else part
+        if first and not part:
+            delta["content"] = ""
+        lp = chat_logprobs(lps) if want and lps else None
+        out = {**base, "choices": [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}]}
+        if parsed.include_usage:
+            out["usage"] = None
+        return sse(out)
+
+    tools = [
+        toolcalls.ToolDeltas(parser) if chat and (parser := toolcalls.parser_of(ex)) else None
+        for ex in ch.executions
+    ]
     started = [False] * len(ch.executions)
     try:
         async for i, d in ch.stream():
+            if (td := tools[i]) is not None:  # tool calls parsed from the text (gateway.toolcalls)
+                parts = td.step(d.text, bool(d.finish_reason))
+                finish = td.finish_reason(d.finish_reason) if d.finish_reason else None
+                if not parts and (not started[i] or finish or d.logprobs):
+                    parts = [{}]
+                for k, part in enumerate(parts):
+                    closing = finish if k == len(parts) - 1 else None
+                    yield tool_chunk(i, part, closing, not started[i], d.logprobs if k == 0 else ())
+                    started[i] = True
+                continue
             if d.text or not started[i] or d.finish_reason or d.logprobs:
                 yield sse(chunk(i, d.text, d.finish_reason or None, not started[i], d.logprobs))
                 started[i] = True

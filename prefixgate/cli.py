@@ -42,6 +42,12 @@ def _gateway_args(p: argparse.ArgumentParser, *, stack: bool) -> None:
         help="the model's tokenizer directory (tokenizer.json + chat template); implies --tokenizer engine",
     )
     p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="tool-call format of the model (hermes, qwen25, llama3, mistral, pythonic; none: off;"
+        " default: read from the chat template)",
+    )
+    p.add_argument(
         "--policy", default=None, help="routing policy: name or name:key=value,... (default prefixgate)"
     )
     p.add_argument("--admin-token", default=None)
@@ -167,6 +173,7 @@ _GATEWAY_KEYS = (
     "block_size",
     "tokenizer",
     "tokenizer_path",
+    "tool_call_parser",
     "policy",
     "admin_token",
     "api_keys",

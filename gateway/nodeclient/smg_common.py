@@ -549,8 +549,14 @@ class GenerateStream:
         return runtime.request(self.prompt, self.rid, stops, stream=self.engine_stream)
 
     def detokenizer(self, codec: Codec) -> Detokenizer:
+        keep = bool(getattr(self.prompt.sampling, "keep_special_tokens", False))
+        eos = self.client.info.eos_token_ids if keep and self.client.info is not None else ()
         return Detokenizer(
-            codec, stop=self.prompt.sampling.stop, stop_token_ids=requested_stop_ids(self.prompt)
+            codec,
+            stop=self.prompt.sampling.stop,
+            stop_token_ids=requested_stop_ids(self.prompt),
+            skip_special_tokens=not keep,
+            hidden_token_ids=eos,  # special tokens shown (tool-call markers), the end of turn not
         )
 
     async def open(self) -> None:

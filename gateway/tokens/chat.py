@@ -27,6 +27,7 @@ from prefixgate.openai.normalize import (
     escape_markers,
     is_document_id,
 )
+from prefixgate.openai.tool_messages import template_tool_calls
 
 PASSTHROUGH_KEYS = ("name", "tool_call_id", "tool_calls", "reasoning_content")
 
@@ -56,7 +57,10 @@ def _message(msg: Mapping[str, Any], i: int, role: str, normalize: bool) -> dict
     out: dict[str, Any] = {"role": role, "content": clean_text(text) if normalize else text}
     for key in PASSTHROUGH_KEYS:
         if msg.get(key) is not None:
-            out[key] = escape_value(msg[key], normalize)
+            value = msg[key]
+            if key == "tool_calls" and isinstance(value, list):
+                value = template_tool_calls(value)  # arguments as objects, as templates take them
+            out[key] = escape_value(value, normalize)
     return out
 
 

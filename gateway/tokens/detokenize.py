@@ -129,10 +129,13 @@ class Detokenizer:
         stop: Sequence[str] = (),
         stop_token_ids: Iterable[int] = (),
         skip_special_tokens: bool = True,
+        hidden_token_ids: Iterable[int] = (),
     ) -> None:
         self._decoder = IncrementalDecoder(tokenizer, skip_special_tokens=skip_special_tokens)
         self._stops = StopMatcher(stop)
         self._stop_ids = frozenset(stop_token_ids)
+        # never shown, nor ending anything (the end-of-turn tokens when special tokens are shown)
+        self._hidden = frozenset(hidden_token_ids)
         self.stopped = False
         self.matched_stop: str | int | None = None
 
@@ -140,6 +143,8 @@ class Detokenizer:
         """Text for the engine's next ``ids``; once stopped, every later push is empty."""
         if self.stopped:
             return Piece("", True, self.matched_stop)
+        if self._hidden:
+            ids = [t for t in ids if t not in self._hidden]
         cut = next((i for i, t in enumerate(ids) if t in self._stop_ids), -1)
         if cut >= 0:
             text = self._decoder.step(ids[:cut]) + self._decoder.flush()

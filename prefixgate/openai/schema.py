@@ -13,6 +13,7 @@ from prefixgate.openai.errors import invalid
 from prefixgate.openai.exceptions import NotFound, TooLarge
 from prefixgate.openai.features import Feature
 from prefixgate.openai.normalize import DOCUMENT_ID_ALPHABET, MAX_DOCUMENT_ID, Document, is_document_id
+from prefixgate.openai.tool_messages import check_tool_messages, check_tools
 
 MAX_STOP = 4
 MAX_STOP_LEN = 256
@@ -40,6 +41,9 @@ class Sampling:
     logprobs: bool = False  # report each output token's log probability
     top_logprobs: int = 0  # and this many most likely alternatives per position
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # Output decoded with special tokens shown (but the end of turn): a tool-call parser whose
+    # markers are special tokens needs them, as SGLang decodes when tools are given.
+    keep_special_tokens: bool = False
 
 
 @dataclass(slots=True)
@@ -401,6 +405,7 @@ def parse_request(
     if tools is not None:
         if not isinstance(tools, list):
             raise invalid("'tools' must be an array", "tools")
+        check_tools(tools)
         req.tools = tools
     req.tool_choice = _tool_choice(body, req.tools)
     if req.tools and req.tool_choice != "none":  # with "none" the tools only inform the prompt
@@ -410,6 +415,7 @@ def parse_request(
         if not isinstance(messages, list) or not messages:
             raise invalid("'messages' must be a non-empty array", "messages")
         check_messages(messages, max_messages, max_content_parts)
+        check_tool_messages(messages)
         req.messages = messages
         image = _image_params(messages)
         if image is not None:
