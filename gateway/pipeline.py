@@ -31,6 +31,7 @@ from prefixgate.gateway.metrics import Metrics
 from prefixgate.gateway.nodeclient import NodeFailure, OpenAIBody, Prompt, TokenDelta, TokenStream
 from prefixgate.gateway.nodes import Node, NodePool
 from prefixgate.gateway.openai_body import engine_body
+from prefixgate.gateway.refusals import refusal
 from prefixgate.gateway.routing import Decision, Policy, RouteInput, parse_policy, planner
 from prefixgate.gateway.routing.inflight import InflightPrefixes, extension, follows_inflight, merge_hits
 from prefixgate.gateway.routing.planner import Plan, RequestView, Rules
@@ -601,13 +602,9 @@ class Pipeline:
                 excluded.add(outcome.node.id)
 
         self.metrics.requests.labels(route, "failed").inc()
-        refused = failures[-1] if failures else None
-        if (
-            refused is not None
-            and refused.error.kind == FailureKind.INVALID
-            and refused.node.client.capabilities.openai_body
-        ):  # the engine judged the client's own request: its answer is the client's 400
-            raise InvalidRequest(f"the model server refused the request: {refused.error.detail}")
+        refused = refusal(failures[-1].error) if failures else None
+        if refused is not None:  # the engine judged the client's own request: its answer is a 400
+            raise refused
         if failures and all(f.error.kind == FailureKind.OVERLOADED for f in failures):
             raise Overloaded("every node is at capacity; retry shortly", retry_after=1)
         detail = "; ".join(str(f) for f in failures[-3:]) or f"no node can serve it: {plan.mode.reason}"
@@ -630,7 +627,7 @@ class Pipeline:
         self.metrics.retries.labels(f.error.stage.value).inc()
 
     def _note_failure(self, f: Failure) -> None:
-        if f.error.kind != FailureKind.OVERLOADED:  # a full queue is load, not a fault
+        if f.error.kind not in (FailureKind.OVERLOADED, FailureKind.INVALID):  # load or a bad request
             f.node.breaker.on_failure(time.monotonic())
         else:
             f.node.breaker.on_release()

@@ -1,0 +1,42 @@
+"""A prompt longer than the engine's context, refused by the engine behind ``grpc://`` (the gateway's
+own window is larger, so only the engine can judge it): the real ``openai`` client gets a 400
+``context_length_exceeded`` in OpenAI's format, the node is not blamed for it (its circuit stays
+closed) and the next ordinary request is served."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.smgwire.conftest import MODEL, StartNode
+from tests.smgwire.test_gateway_over_grpc import PROMPT, gateway
+
+CONTEXT_BLOCKS = 8  # the sim node's context: 8 blocks of 16 tokens
+LONG = "Tell me about prefix caches and KV pages. " * 40  # a few hundred tokens
+
+
+async def test_a_prompt_over_the_engines_context_is_the_clients_400(nodes: StartNode) -> None:
+    node = await nodes("monolithic", capacity_blocks=CONTEXT_BLOCKS)
+    address = f"grpc://{node.address}"
+    async with gateway("--worker-urls", address) as base:
+        client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=30)
+        for stream in (False, True, False, True):  # more refusals than the breaker's threshold
+            with pytest.raises(openai.BadRequestError) as info:
+                if stream:
+                    s = await client.completions.create(model=MODEL, prompt=LONG, max_tokens=4, stream=True)
+                    async for _ in s:
+                        pass
+                else:
+                    await client.completions.create(model=MODEL, prompt=LONG, max_tokens=4)
+            err = info.value
+            assert err.status_code == 400 and err.code == "context_length_exceeded"
+            assert err.type == "invalid_request_error"
+            assert "context holds 128" in err.message and node.address not in err.message
+            assert "127.0.0.1" not in err.message and len(err.message) < 400
+        async with httpx.AsyncClient(base_url=base, timeout=10) as http:
+            rows = {n["address"]: n for n in (await http.get("/admin/nodes")).json()["data"]}
+        assert rows[address]["circuit"] == "closed"
+        ok = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+        assert ok.choices[0].text
+        await client.close()
