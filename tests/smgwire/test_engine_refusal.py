@@ -5,10 +5,13 @@ closed) and the next ordinary request is served."""
 
 from __future__ import annotations
 
+import grpc
 import httpx
 import openai
 import pytest
 
+from prefixgate.v1 import gateway_pb2, gateway_pb2_grpc
+from tests.helpers import free_port
 from tests.smgwire.conftest import MODEL, StartNode
 from tests.smgwire.test_gateway_over_grpc import PROMPT, gateway
 
@@ -19,7 +22,8 @@ LONG = "Tell me about prefix caches and KV pages. " * 40  # a few hundred tokens
 async def test_a_prompt_over_the_engines_context_is_the_clients_400(nodes: StartNode) -> None:
     node = await nodes("monolithic", capacity_blocks=CONTEXT_BLOCKS)
     address = f"grpc://{node.address}"
-    async with gateway("--worker-urls", address) as base:
+    grpc_port = free_port()
+    async with gateway("--worker-urls", address, "--grpc-port", str(grpc_port)) as base:
         client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=30)
         for stream in (False, True, False, True):  # more refusals than the breaker's threshold
             with pytest.raises(openai.BadRequestError) as info:
@@ -34,6 +38,12 @@ async def test_a_prompt_over_the_engines_context_is_the_clients_400(nodes: Start
             assert err.type == "invalid_request_error"
             assert "context holds 128" in err.message and node.address not in err.message
             assert "127.0.0.1" not in err.message and len(err.message) < 400
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            req = gateway_pb2.CompletionRequest(model=MODEL, prompt=LONG, max_tokens=4)
+            with pytest.raises(grpc.aio.AioRpcError) as rpc:
+                await gateway_pb2_grpc.GatewayStub(channel).Complete(req, timeout=30)
+            assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "context holds 128" in (rpc.value.details() or "")
         async with httpx.AsyncClient(base_url=base, timeout=10) as http:
             rows = {n["address"]: n for n in (await http.get("/admin/nodes")).json()["data"]}
         assert rows[address]["circuit"] == "closed"
