@@ -227,9 +227,10 @@ class Node:
             )
         if any(h == 0 for h in hashes):
             raise InvalidArgument("block_hashes must be nonzero")
-        if full > self.pool.capacity:
-            raise ResourceExhausted(
-                f"prompt needs {full} KV blocks, this node holds {self.pool.capacity}", stage="pool"
+        if full > self.pool.capacity:  # the client's prompt, over this node's context for good
+            raise InvalidArgument(
+                f"prompt has {n} tokens, the context holds {self.pool.capacity * self.block_size}",
+                stage="pool",
             )
         return n
 

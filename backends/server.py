@@ -6,9 +6,11 @@ listens there for PD handoffs (``backends.bootstrap``).
 Status codes (trailing metadata ``x-prefixgate-stage`` says where it failed):
 
 - INVALID_ARGUMENT: malformed request (tokens not packed uint32, block_hashes count not
-  ``len(tokens) // 4 // block_size``, a malformed transfer stream).
+  ``len(tokens) // 4 // block_size``, a malformed transfer stream), a prompt over the node's
+  context, i.e. larger than its whole KV pool (``pool``; no wait makes it fit).
 - RESOURCE_EXHAUSTED: prefill queue full (stage ``queue``), KV pool full of referenced or pinned
-  blocks or prompt larger than the pool (``pool``), too many decode streams (``decode``).
+  blocks or a transferred prompt larger than the pool (``pool``), too many decode streams
+  (``decode``).
 - FAILED_PRECONDITION: KV format differs between sender and receiver (message names each field).
 - NOT_FOUND: Decode with an unknown, used or expired ``kv_handle``.
 - DATA_LOSS: a KV page's checksum does not match its bytes.

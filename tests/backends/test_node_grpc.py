@@ -231,7 +231,7 @@ async def test_pin_and_pool_exhaustion(nodes: Any, stub: Any, prompt: Prompt) ->
     big, big_h = prompt(5 * 64)
     with pytest.raises(grpc.aio.AioRpcError) as ei:
         await s.Prefill(node_pb2.PrefillRequest(tokens=big, block_hashes=big_h))
-    assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and stage(ei.value) == "pool"
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and stage(ei.value) == "pool"
     tokens, hashes = prompt(4 * 64)
     await s.Prefill(node_pb2.PrefillRequest(tokens=tokens, block_hashes=hashes, pin_seconds=60))
     other, other_h = prompt(2 * 64, salt=1)

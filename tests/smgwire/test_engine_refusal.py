@@ -1,7 +1,8 @@
-"""A prompt longer than the engine's context, refused by the engine behind ``grpc://`` (the gateway's
-own window is larger, so only the engine can judge it): the real ``openai`` client gets a 400
-``context_length_exceeded`` in OpenAI's format, the node is not blamed for it (its circuit stays
-closed) and the next ordinary request is served."""
+"""A prompt longer than the engine's context, refused by our node over the SMG protocol (``grpc://``)
+and over prefixgate.v1 (bare ``HOST:PORT``); the gateway's own window is larger, so only the engine
+can judge it. The real ``openai`` client gets a 400 ``context_length_exceeded`` in OpenAI's format,
+the gateway's gRPC front INVALID_ARGUMENT, the node is not blamed for it (its circuit stays closed)
+and the next ordinary request is served."""
 
 from __future__ import annotations
 
@@ -19,11 +20,14 @@ CONTEXT_BLOCKS = 8  # the sim node's context: 8 blocks of 16 tokens
 LONG = "Tell me about prefix caches and KV pages. " * 40  # a few hundred tokens
 
 
-async def test_a_prompt_over_the_engines_context_is_the_clients_400(nodes: StartNode) -> None:
+@pytest.mark.parametrize(("flag", "scheme"), [("--worker-urls", "grpc://"), ("--monolithic", "")])
+async def test_a_prompt_over_the_engines_context_is_the_clients_400(
+    nodes: StartNode, flag: str, scheme: str
+) -> None:
     node = await nodes("monolithic", capacity_blocks=CONTEXT_BLOCKS)
-    address = f"grpc://{node.address}"
+    address = f"{scheme}{node.address}"
     grpc_port = free_port()
-    async with gateway("--worker-urls", address, "--grpc-port", str(grpc_port)) as base:
+    async with gateway(flag, address, "--grpc-port", str(grpc_port)) as base:
         client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=30)
         for stream in (False, True, False, True):  # more refusals than the breaker's threshold
             with pytest.raises(openai.BadRequestError) as info:

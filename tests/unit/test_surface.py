@@ -18,7 +18,7 @@ from prefixgate.gateway import choices
 from prefixgate.gateway.nodeclient.base import Capabilities
 from prefixgate.gateway.nodeclient.fake import Fail, FakeNodeClient, Tokens, fake_status
 from prefixgate.gateway.vocab import FailureKind, Mode
-from prefixgate.openai.exceptions import InvalidRequest, StreamBroken, Unavailable
+from prefixgate.openai.exceptions import InvalidRequest, StreamBroken
 from prefixgate.openai.features import Feature
 from prefixgate.openai.normalize import render_chat
 from prefixgate.openai.schema import parse_request
@@ -256,7 +256,7 @@ async def test_a_choice_that_cannot_start_fails_the_request_and_closes_the_start
 
     node = FakeNodeClient("m", status=fake_status("m", "monolithic"), generate=script)
     async with harness(("monolithic", node), disaggregation=False) as h:
-        with pytest.raises(Unavailable):
+        with pytest.raises(InvalidRequest):  # the engine refused the request: the client's 400
             await choices.start(h.pipeline, prep_asking(h), 3)
         assert h.node("m").active_streams == 0
         assert all(s.closed for s in node.streams)
