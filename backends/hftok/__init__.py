@@ -1,4 +1,5 @@
-"""The Hugging Face tokenizer every node ships (``tokenizer.json`` + ``tokenizer_config.json``).
+"""The Hugging Face tokenizer every node ships (``tokenizer.json`` + ``tokenizer_config.json``,
+and a text-only model ``config.json`` that clients read to learn the model takes no media).
 
 A byte-level BPE of 2048 ids trained by ``backends.hftok.build`` (deterministic; the files
 beside this module are its output). The tiny engine's output vocabulary is this tokenizer's;
@@ -16,7 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 
 TOKENIZER_DIR = Path(__file__).resolve().parent
-BUNDLE_FILES = ("tokenizer.json", "tokenizer_config.json")
+BUNDLE_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json")
 _ZIP_DATE = (2024, 1, 1, 0, 0, 0)  # fixed: the bundle's bytes (and sha256) depend on content only
 
 

@@ -1,7 +1,8 @@
 """Build the nodes' Hugging Face tokenizer, deterministically, from a generated corpus.
 
-``python -m prefixgate.backends.hftok.build [DIR]`` writes ``tokenizer.json`` and ``tokenizer_config.json``
-(a ChatML chat template) into ``DIR`` (default: this package, where the committed copy lives).
+``python -m prefixgate.backends.hftok.build [DIR]`` writes ``tokenizer.json``,
+``tokenizer_config.json`` (a ChatML chat template) and ``config.json`` (a text-only model of this
+vocabulary) into ``DIR`` (default: this package, where the committed copy lives).
 The corpus is made here from fixed word lists and a seeded generator, so the same ``tokenizers``
 release always trains the same byte-level BPE; ``tests/backends/test_hftok.py`` checks the
 committed files against a fresh build.
@@ -108,12 +109,32 @@ def tokenizer_config() -> dict[str, object]:
     }
 
 
+def model_config() -> dict[str, object]:
+    """A model ``config.json`` for the tokenizer's directory: a text-only model of this vocabulary.
+    Clients that read the model's config from the tokenizer source (smg does, for every chat
+    request, to learn whether the model takes media) find it here; without it they take the
+    directory for a Hugging Face repo id and try the Hub, which stalls requests offline."""
+    ids = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    return {
+        "architectures": ["PrefixgateForCausalLM"],
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids[EOS],
+        "max_position_embeddings": 1 << 20,
+        "model_type": "prefixgate",
+        "pad_token_id": ids["<|endoftext|>"],
+        "tie_word_embeddings": False,
+        "vocab_size": VOCAB_SIZE,
+    }
+
+
 def build(directory: Path) -> None:
     tok = train()
     directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))  # type: ignore[attr-defined]
     text = json.dumps(tokenizer_config(), indent=2, sort_keys=True) + "\n"
     (directory / "tokenizer_config.json").write_text(text, encoding="utf-8")
+    text = json.dumps(model_config(), indent=2, sort_keys=True) + "\n"
+    (directory / "config.json").write_text(text, encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ def test_build_is_deterministic_and_matches_the_committed_files(tmp_path: Path) 
     first, again = (tmp_path / d / "tokenizer.json" for d in "ab")
     assert first.read_bytes() == again.read_bytes()
     assert _model(tmp_path / "a") == _model(TOKENIZER_DIR)
-    for name in ("tokenizer_config.json",):
+    for name in ("tokenizer_config.json", "config.json"):
         assert (tmp_path / "a" / name).read_text() == (TOKENIZER_DIR / name).read_text()
 
 

@@ -10,14 +10,19 @@ skips, saying why, when none of that works.
 
 from __future__ import annotations
 
+import asyncio
+import http.server
 import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import ClassVar
 
 import grpc
 import httpx
@@ -123,11 +128,11 @@ def _wait_routed(base: str, proc: Proc, timeout: float = 90.0) -> None:
     raise TimeoutError(f"smg at {base} never routed a request (exit={proc.proc.poll()}):\n{tail}")
 
 
-def _smg(exe: str, *workers: str) -> tuple[Proc, str]:
+def _smg(exe: str, *workers: str, env: dict[str, str] | None = None) -> tuple[Proc, str]:
     port, prom = free_port(), free_port()
     argv = [exe, "launch", "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1"]
     argv += ["--prometheus-port", str(prom), "--log-level", "warn", "--shutdown-grace-period-secs", "1"]
-    p = _start([*argv, *workers])
+    p = _start([*argv, *workers], env)
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_routed(base, p)
@@ -228,6 +233,77 @@ def test_smg_single_pool_in_front_of_our_nodes(smg_exe: str, nodes: dict[str, di
         print(f"p50 of 20 (cached prompt, 12 tokens): direct gRPC {direct:.1f} ms, through smg {via:.1f} ms")
     finally:
         proc.stop(timeout=15)
+
+
+BURST = 24
+HUB_STALL_S = 6.0  # how long the stand-in Hugging Face Hub holds each request it gets
+BURST_BOUND_S = 4.0  # far above a healthy burst (well under a second), below one Hub stall
+
+
+class _StalledHub(http.server.BaseHTTPRequestHandler):
+    """A Hugging Face Hub that is there but never answers in time (as one offline, or behind a
+    slow resolver, is): it counts the requests it gets and holds each for ``HUB_STALL_S``."""
+
+    hits: ClassVar[list[str]] = []
+
+    def do_GET(self) -> None:
+        self.hits.append(self.path)
+        time.sleep(HUB_STALL_S)
+        self.send_error(404)
+
+    do_HEAD = do_GET
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@contextmanager
+def _stalled_hub() -> Iterator[tuple[str, list[str]]]:
+    class Hub(_StalledHub):
+        hits: ClassVar[list[str]] = []  # this server's own
+
+    hits = Hub.hits
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", hits
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+async def _burst(base: str) -> list[float]:
+    async def one(client: httpx.AsyncClient, i: int) -> float:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"{i} {LONG}"}], "max_tokens": 2}
+        t0 = time.monotonic()
+        (await client.post(f"{base}/v1/chat/completions", json=body)).raise_for_status()
+        return time.monotonic() - t0
+
+    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=BURST)) as client:
+        return list(await asyncio.gather(*(one(client, i) for i in range(BURST))))
+
+
+def test_smg_answers_a_burst_of_chats_without_asking_the_hub(
+    smg_exe: str, nodes: dict[str, dict[str, object]]
+) -> None:
+    """smg reads the model's ``config.json`` from the tokenizer source on every chat (does the
+    model take media?) and, when the directory has none, takes it for a Hugging Face repo id and
+    asks the Hub, one request at a time. Our tokenizer directory ships one, so a burst of chats
+    never waits on the Hub (here a loopback stand-in that stalls, via ``HF_ENDPOINT``)."""
+    address = str(nodes["monolithic"]["address"])
+    with _stalled_hub() as (hub, hits):
+        env = {"HF_ENDPOINT": hub, "HF_HUB_OFFLINE": "0"}
+        proc, base = _smg(smg_exe, "--worker-urls", f"grpc://{address}", "--policy", "cache_aware", env=env)
+        try:
+            times = asyncio.run(_burst(base))
+        finally:
+            proc.stop(timeout=15)
+    print(f"burst of {BURST} through smg: max {max(times):.3f} s")
+    assert hits == []
+    assert max(times) < BURST_BOUND_S, sorted(times)
 
 
 def test_smg_pd_in_front_of_our_prefill_and_decode_nodes(
