@@ -32,6 +32,8 @@ from prefixgate.gateway.usage import Prices, UsageLedger
 
 log = structlog.get_logger("prefixgate.gateway")
 
+CLOSE_TIMEOUT_S = 5.0  # the most any one part may take to close on shutdown
+
 KEYLESS_NOTICE = (
     "none: no API keys, so no tenant isolation; every client shares one tenant (documents, "
     "cache, quotas) and 'user' selects nothing; set --api-key KEY=TENANT to isolate tenants"
@@ -211,11 +213,13 @@ class GatewayService:
 
     async def stop(self) -> None:
         self.runner.close()
-        await self.membership.close()
-        await self.usage.close()
-        await self.pipeline.close()
-        await self.events.close()
-        await self.pool.close()
+        # Each part gets a bounded time to close: a background task stuck in a call to a Redis
+        # node that does not answer must not keep the process from exiting.
+        for close in (self.membership.close, self.usage.close, self.pipeline.close, self.events.close):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(close(), CLOSE_TIMEOUT_S)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.pool.close(), CLOSE_TIMEOUT_S)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.index.close(), 2.0)
         with contextlib.suppress(Exception):
