@@ -74,7 +74,7 @@ def parse_completion(svc: GatewayService, body: Mapping[str, Any]) -> ParsedRequ
     if kind == "completion" and "prompt" not in body:
         raise invalid("give 'messages' (chat form) or 'prompt' (completion form)", "prompt")
     models = svc.models
-    default = next(iter(models)) if len(models) == 1 else s.model
+    default = next(iter(models)) if len(models) == 1 else s.default_model
     return parse_request(
         {"model": default, **body},
         kind,

@@ -14,6 +14,8 @@ from prefixgate.gateway import workers
 from prefixgate.gateway.routing import parse_policy
 
 ENV_PREFIX = "PREFIXGATE_"
+# The model name of nodes that name none (our own protocol's nodes), unless ``model`` is set.
+DEFAULT_MODEL = "prefixgate-sim"
 # Without API keys nobody is authenticated, so there is one tenant: every client shares its
 # documents, cache namespace and quotas, whatever ``user`` it sends.
 KEYLESS_TENANT = ""
@@ -38,8 +40,14 @@ class Settings:
     redis: str = ""  # empty: embedded in-memory index
     redis_prefix: str = "prefixgate:"
     redis_layout: str = "zset"  # index key layout: zset (fastest writes) or packed (~6x less memory)
-    model: str = "prefixgate-sim"
-    tokenizer: str = "bytes4"  # bytes4 | hf:/path/tokenizer.json | engine | engine:DIR
+    # Models are what the engines name (``served_model_name``, else ``model_path``). ``model`` is
+    # optional: the name of nodes that name none (default ``DEFAULT_MODEL``), and an alias of the
+    # one model the engines name when they all name the same one.
+    model: str = ""
+    # "" (auto): the engine's tokenizer wherever token ids cross the wire (``grpc://`` workers),
+    # else ``bytes4``. ``engine`` | ``engine:DIR`` | ``hf:DIR/tokenizer.json`` (= ``engine:DIR``)
+    # | ``bytes4`` (refused in front of ``grpc://`` workers: they take the model's ids).
+    tokenizer: str = ""
     # The engine's own tokenizer (gateway.tokens): a local directory, else the workers' bundle,
     # kept under tokenizer_cache_dir (default $XDG_CACHE_HOME/prefixgate/tokenizers).
     tokenizer_path: str = ""
@@ -132,6 +140,11 @@ class Settings:
     log_format: str = "auto"  # auto | json | console
     log_level: str = "info"
 
+    @property
+    def default_model(self) -> str:
+        """The name of nodes that name no model."""
+        return self.model or DEFAULT_MODEL
+
     def api_key_map(self) -> dict[str, str]:
         out: dict[str, str] = {}
         for entry in self.api_keys:
@@ -195,7 +208,7 @@ def load_settings(
         parse_policy(settings.policy, {"load_factor": settings.load_factor})
     except ValueError as e:
         raise ValueError(f"setting 'policy': {e}") from None
-    _check_tokenizer(settings)
+    settings = _check_tokenizer(settings)
     _check_tool_call_parser(settings)
     return settings
 
@@ -208,13 +221,27 @@ def _check_tool_call_parser(settings: Settings) -> None:
         raise ValueError(f"setting 'tool_call_parser': {name!r}: use one of {', '.join(PARSERS)} or none")
 
 
-def _check_tokenizer(settings: Settings) -> None:
-    """A tokenizer spec or path that cannot work is a settings error, said before anything starts."""
+def _check_tokenizer(settings: Settings) -> Settings:
+    """A tokenizer spec or path that cannot work is a settings error, said before anything starts.
+
+    ``hf:DIR/tokenizer.json`` means the same as ``--tokenizer-path DIR``: the model's tokenizer
+    with its own chat template (the directory's ``tokenizer_config.json``), never the gateway's
+    rendering in front of a model that has a template."""
     spec = settings.tokenizer
     if not (spec in ("", "bytes4", "engine") or spec.startswith(("hf:", "engine:"))):
         raise ValueError(
-            f"setting 'tokenizer': {spec!r}: use bytes4, hf:/path/tokenizer.json, engine or engine:DIR"
+            f"setting 'tokenizer': {spec!r}: use bytes4, engine, engine:DIR or hf:DIR/tokenizer.json"
         )
+    if spec.startswith("hf:"):
+        file = Path(spec[3:]).expanduser()
+        directory = file.parent if file.name == "tokenizer.json" else file
+        settings = dataclasses.replace(settings, tokenizer="engine", tokenizer_path=str(directory))
     path = spec[len("engine:") :] if spec.startswith("engine:") else settings.tokenizer_path
     if path and not Path(path).expanduser().is_dir():
         raise ValueError(f"setting 'tokenizer_path': {path!r} is not a directory")
+    if settings.tokenizer == "bytes4" and (ids := workers.id_workers(settings)):
+        raise ValueError(
+            f"setting 'tokenizer': bytes4 cannot feed {ids[0]}: grpc:// workers take the model's own "
+            "token ids; leave the tokenizer unset (the workers' own is used) or pass --tokenizer-path DIR"
+        )
+    return settings

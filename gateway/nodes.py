@@ -20,6 +20,7 @@ import structlog
 
 from prefixgate.gateway import nodeclient
 from prefixgate.gateway.breaker import CircuitBreaker
+from prefixgate.gateway.config import DEFAULT_MODEL
 from prefixgate.gateway.nodeclient import NodeClient, NodeFailure, NodeStatus
 from prefixgate.gateway.routing import NodeView
 from prefixgate.gateway.routing.costmodel import prefill_seconds
@@ -103,7 +104,7 @@ class Node:
         """The models the node says it serves (empty: it does not say)."""
         return self.status.models if self.status is not None else ()
 
-    def serves(self, model: str, default: str) -> bool:
+    def serves(self, model: str, default: str = DEFAULT_MODEL) -> bool:
         """Whether the node serves ``model``; one that names no model serves ``default``."""
         models = self.models
         return model in models if models else model == default
@@ -212,17 +213,8 @@ class NodePool:
     def routable(self, role: str) -> list[Node]:
         return [n for n in self.nodes.values() if n.role == role and n.routable]
 
-    def serving(self, model: str, default: str) -> list[Node]:
-        """Every node of every role serving ``model`` (see ``Node.serves``); all of them when no
-        node names a model (one model: requests were checked against it when parsed)."""
-        nodes = list(self.nodes.values())
-        if not any(n.models for n in nodes):
-            return nodes
-        return [n for n in nodes if n.serves(model, default)]
-
-    def models(self, default: str) -> set[str]:
-        """The models the nodes serve: those they name, and ``default`` when some node names
-        none (or no node names any)."""
+    def _names(self) -> tuple[set[str], bool]:
+        """The model names the nodes give, and whether some node gives none."""
         named: set[str] = set()
         unnamed = False
         for n in self.nodes.values():
@@ -230,7 +222,38 @@ class NodePool:
                 named.update(n.models)
             else:
                 unnamed = True
-        return named | {default} if unnamed or not named else named
+        return named, unnamed
+
+    def canonical(self, model: str, alias: str) -> str:
+        """The name the nodes know ``model`` by: ``alias`` (the ``model`` setting) stands for the
+        one model every node names, when they all name the same one."""
+        if alias and model == alias:
+            named, unnamed = self._names()
+            if len(named) == 1 and not unnamed:
+                return next(iter(named))
+        return model
+
+    def serving(self, model: str, alias: str) -> list[Node]:
+        """Every node of every role serving ``model`` (see ``Node.serves``; ``alias`` is the
+        ``model`` setting); all of them when no node names a model (one model: requests were
+        checked against it when parsed)."""
+        nodes = list(self.nodes.values())
+        if not any(n.models for n in nodes):
+            return nodes
+        model = self.canonical(model, alias)
+        return [n for n in nodes if n.serves(model, alias or DEFAULT_MODEL)]
+
+    def models(self, alias: str) -> set[str]:
+        """The models served: those the nodes name; the ``model`` setting (``alias``, else
+        ``DEFAULT_MODEL``) for nodes that name none (or when no node names any); and ``alias``
+        as another name of the one model the nodes name."""
+        named, unnamed = self._names()
+        out = set(named)
+        if unnamed or not named:
+            out.add(alias or DEFAULT_MODEL)
+        elif alias and len(named) == 1:
+            out.add(alias)
+        return out
 
     async def refresh(self, node: Node, timeout: float | None = None) -> bool:
         """Ask the node for its status: the health probe. Feeds reachability and the breaker."""

@@ -403,7 +403,8 @@ class Pipeline:
                     code="context_length_exceeded",
                 )
             sampling.max_tokens = room
-        ns = self.namespace(req.model, tenant)
+        model = self.pool.canonical(req.model, s.model)  # ``model`` may be an alias
+        ns = self.namespace(model, tenant)
         hashes = block_hashes(tokens, s.block_size, ns.root())
         return Prepared(
             request_id or uuid.uuid4().hex,
@@ -413,7 +414,7 @@ class Pipeline:
             tokens,
             hashes,
             sampling,
-            req.model,
+            model,
             tools.needs,
             partial(engine_body, req, docs, normalize=normalize, raw=body),
             tool_parser=tools.parser,

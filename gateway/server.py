@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import signal
 import socket
+import sys
 from collections.abc import Generator
 from types import FrameType
 
@@ -19,6 +20,8 @@ from prefixgate.gateway.connections import ConnectionLimits, fd_bounded_connecti
 from prefixgate.gateway.hotroutes import HotRoutes
 from prefixgate.gateway.http_guard import HttpGuard, Inflight
 from prefixgate.gateway.service import GatewayService
+from prefixgate.gateway.tokens.engine import TokenizerLoadError
+from prefixgate.gateway.tokens.wiring import resolve_tokenizer
 
 log = structlog.get_logger("prefixgate.server")
 
@@ -107,7 +110,13 @@ def make_server(
 
 
 async def serve(settings: Settings) -> int:
-    """Serve until a signal; the exit status (``EXIT_WORK_CUT`` if the grace cut requests)."""
+    """Serve until a signal; the exit status (``EXIT_WORK_CUT`` if the grace cut requests; 2 when
+    the workers' tokenizer cannot be had, said in one line)."""
+    try:
+        settings = await resolve_tokenizer(settings)
+    except TokenizerLoadError as e:
+        print(f"prefixgate gateway: {e}", file=sys.stderr, flush=True)
+        return 2
     server, _ = make_server(settings)
     server.install_signal_handlers()
     await server.serve()

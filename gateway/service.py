@@ -91,7 +91,7 @@ class GatewayService:
         tokenizer detokenizes when the gateway has it), with KV events over ZMQ for the workers
         ``kv_events`` names."""
         s = self.settings
-        ns = Namespace(s.model, "", s.block_size, self.tokenizer.name)
+        ns = Namespace(s.default_model, "", s.block_size, self.tokenizer.name)
         codec = getattr(self.tokenizer, "hf", None)  # an EngineTokenizer's ``tokenizers.Tokenizer``
         return events_connector(s.kv_events, ns, workers.connector(s, lambda: self.tokenizer.name, codec))
 

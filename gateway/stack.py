@@ -154,8 +154,8 @@ def use_smg_workers(settings: Settings, nodes: list[NodeProcess]) -> None:
     from prefixgate.backends.hftok import TOKENIZER_DIR
 
     settings.bootstrap_ports = [f"{n.address}={n.bootstrap_port}" for n in nodes if n.bootstrap_port]
-    if settings.tokenizer == "bytes4":
-        settings.tokenizer = f"hf:{TOKENIZER_DIR / 'tokenizer.json'}"
+    if not settings.tokenizer and not settings.tokenizer_path:
+        settings.tokenizer_path = str(TOKENIZER_DIR)
 
 
 async def run_stack(settings: Settings, opts: StackOptions) -> int:

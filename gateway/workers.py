@@ -94,6 +94,17 @@ def normalize(settings: Settings) -> Settings:
     )
 
 
+def id_workers(settings: Settings) -> list[str]:
+    """The workers that take token ids of the model's own tokenizer (``grpc://``, the SMG engine
+    protocol), in the order configured: the gateway must tokenize for them with that tokenizer."""
+    out: list[str] = []
+    for a in (*settings.prefill, *settings.decode, *settings.monolithic, *settings.worker_urls):
+        url = parse_worker(a).url if a else a
+        if url.startswith("grpc://") and url not in out:
+            out.append(url)
+    return out
+
+
 def _http(url: str) -> bool:
     return url.partition("://")[0] in HTTP_SCHEMES
 
@@ -157,13 +168,14 @@ def connector(
 
     ports = dict(_port_entry(p) for p in settings.bootstrap_ports)
     bs = settings.block_size
-    model = settings.model
+    unnamed = settings.default_model
     codec = codec if codec is not None else _codec(settings.tokenizer)
     name_of = tokenizer_name if callable(tokenizer_name) else lambda: tokenizer_name
 
-    def root_of(lora: str, salt: str) -> int | None:
-        # Engine events name no tenant; the default namespace is the keyless tenant's ("").
-        return None if lora else Namespace(model, salt, bs, name_of()).root()
+    def root_of(model: str, lora: str, salt: str) -> int | None:
+        # Engine events name no tenant; the default namespace is the keyless tenant's (""). The
+        # model is the engine's own name, as requests for it are hashed (``NodePool.canonical``).
+        return None if lora else Namespace(model or unnamed, salt, bs, name_of()).root()
 
     split = set(settings.prefill) | set(settings.decode)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -115,15 +116,16 @@ class SmgOptions:
 
     ``backend``: "sglang" | "vllm" | "" (detect). ``bootstrap_port``: the prefill node's SGLang
     bootstrap port as given with ``--prefill URL PORT`` (None: the engine's own
-    ``disaggregation_bootstrap_port``, else 8998). ``root_of(lora, cache_salt)``: the namespace
-    root the gateway hashes prompts of that namespace from (KV events are re-hashed with it).
+    ``disaggregation_bootstrap_port``, else 8998). ``root_of(model, lora, cache_salt)``: the
+    namespace root the gateway hashes prompts of that namespace from (KV events are re-hashed
+    with it; ``model`` is the name the engine gives, ``EngineInfo.model_name``).
     ``codec``: the engine's tokenizer (None: loaded from ``GetModelInfo.tokenizer_path``).
     """
 
     backend: str = ""
     bootstrap_port: int | None = None
     block_size: int = 0
-    root_of: Callable[[str, str], int | None] | None = None
+    root_of: Callable[[str, str, str], int | None] | None = None
     codec: Codec | None = None
 
 
@@ -160,6 +162,11 @@ class EngineInfo:
     kv_connector: str = ""  # vLLM
     kv_events: bool = True  # until SubscribeKvEvents says UNIMPLEMENTED
     eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def model_name(self) -> str:
+        """The model's name as smg gives it: ``served_model_name``, else ``model_path``."""
+        return self.served_model_name or self.model_path
 
 
 class Runtime(Protocol):
@@ -390,7 +397,7 @@ class SmgNodeClient:
         instance = uuid.uuid4().hex
         seq = 0
         yield KVEvent(seq, instance, EventKind.SNAPSHOT)
-        rehash = ChainRehasher(bs, root_of)
+        rehash = ChainRehasher(bs, functools.partial(root_of, info.model_name))
         rounds = 0
         from smg_grpc_proto.generated import common_pb2
 
@@ -498,6 +505,7 @@ def _status(info: EngineInfo, loads: Any) -> NodeStatus:
         max_concurrency=max_running or info.max_running,
         profile=CostProfile(name=info.runtime),
         instance_id=info.instance_id,
+        models=(info.model_name,) if info.model_name else (),
     )
 
 

@@ -42,6 +42,16 @@ from prefixgate.gateway.tokens.engine import DEFAULT_SEGMENT_CACHE_BYTES, Engine
 log = structlog.get_logger("prefixgate.tokens")
 
 BACKENDS = ("sglang", "vllm")
+#: Codes of a worker that is not up (yet): waited for at start, unlike one that answers "no".
+UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class WorkerUnreachable(BundleError):
+    """The worker did not answer GetModelInfo at all (not up yet, or gone)."""
+
+
+class NoWorkerAnswered(TokenizerLoadError):
+    """No worker answered: they may not be up yet (``wait_engine_tokenizer`` waits for them)."""
 
 
 def open_tokenizer_dir(
@@ -112,6 +122,10 @@ async def tokenizer_from_worker(
                 chosen = b
                 break
             except grpc.aio.AioRpcError as e:
+                if e.code() in UNREACHABLE:
+                    raise WorkerUnreachable(
+                        f"GetModelInfo on {address}: no answer ({e.code().name})"
+                    ) from None
                 if e.code() != grpc.StatusCode.UNIMPLEMENTED or b == backends[-1]:
                     raise BundleError(f"GetModelInfo on {address}: {e.code().name}: {e.details()}") from None
     local = Path(info.tokenizer_path) if info.tokenizer_path else None
@@ -160,6 +174,7 @@ async def load_engine_tokenizer(
         raise TokenizerLoadError("no tokenizer path and no worker to ask for the tokenizer")
     cache = BundleCache(Path(cache_dir) if cache_dir else default_cache_dir())
     reasons: list[str] = []
+    unreachable = 0
     for address in workers:
         try:
             return await tokenizer_from_worker(
@@ -171,6 +186,29 @@ async def load_engine_tokenizer(
                 local_paths=local_paths,
             )
         except (BundleError, TokenizerLoadError, OSError) as e:
+            unreachable += isinstance(e, WorkerUnreachable)
             reasons.append(f"{address}: {e}")
             log.warning("worker_tokenizer_unavailable", worker=address, error=str(e))
-    raise TokenizerLoadError("no worker gave a tokenizer: " + "; ".join(reasons))
+    kind = NoWorkerAnswered if unreachable == len(workers) else TokenizerLoadError
+    raise kind("no worker gave a tokenizer: " + "; ".join(reasons))
+
+
+async def wait_engine_tokenizer(
+    workers: Sequence[str],
+    *,
+    wait_s: float,
+    interval_s: float = 0.5,
+    **options: Any,
+) -> EngineTokenizer:
+    """``load_engine_tokenizer`` from the workers, waiting up to ``wait_s`` while none of them
+    answers yet (a gateway may start before its engines); a worker that answers but gives no
+    usable tokenizer fails at once."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while True:
+        try:
+            return await load_engine_tokenizer(workers=workers, **options)
+        except NoWorkerAnswered:
+            if loop.time() + interval_s > deadline:
+                raise
+        await asyncio.sleep(interval_s)

@@ -1,18 +1,32 @@
 """The gateway's tokenizer from its settings.
 
-``tokenizer`` is ``bytes4`` (the default), ``hf:/path/tokenizer.json``, ``engine`` or
-``engine:DIR``. ``engine`` means the model's own tokenizer and chat template: from
-``tokenizer_path`` (``--tokenizer-path``, TOML, ``PREFIXGATE_TOKENIZER_PATH``) when set, else from
-the workers when the gateway starts (their ``tokenizer_path`` or ``GetTokenizer``, see
-``loader``). Setting ``tokenizer_path`` alone selects ``engine`` too.
+``tokenizer`` is unset (auto, the default), ``engine``, ``engine:DIR`` or ``bytes4``
+(``hf:DIR/tokenizer.json`` was turned into ``engine:DIR`` by ``config``). ``engine`` means the
+model's own tokenizer and chat template: from ``tokenizer_path`` (``--tokenizer-path``, TOML,
+``PREFIXGATE_TOKENIZER_PATH``) when set, else from the workers when the gateway starts (their
+``tokenizer_path`` or ``GetTokenizer``, see ``loader``). Setting ``tokenizer_path`` alone selects
+``engine`` too. Unset means ``engine`` when a ``grpc://`` worker is configured (it takes the
+model's token ids, so nothing else can feed it), else ``bytes4``: our own nodes hash any ids, and
+OpenAI-compatible HTTP workers tokenize themselves (the gateway's tokens only place prefixes).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import structlog
+
 from prefixgate.cachetier.tokenizer import Tokenizer, load_tokenizer
 from prefixgate.gateway.config import Settings
-from prefixgate.gateway.tokens.engine import EngineTokenizer
-from prefixgate.gateway.tokens.loader import load_engine_tokenizer, open_tokenizer_dir
+from prefixgate.gateway.tokens.engine import EngineTokenizer, TokenizerLoadError
+from prefixgate.gateway.tokens.loader import (
+    load_engine_tokenizer,
+    open_tokenizer_dir,
+    wait_engine_tokenizer,
+)
+from prefixgate.gateway.workers import id_workers
+
+log = structlog.get_logger("prefixgate.tokens")
 
 
 def engine_path(settings: Settings) -> str | None:
@@ -22,6 +36,8 @@ def engine_path(settings: Settings) -> str | None:
         return spec[len("engine:") :]
     if spec == "engine" or settings.tokenizer_path:
         return settings.tokenizer_path
+    if spec == "" and id_workers(settings):
+        return ""
     return None
 
 
@@ -32,7 +48,7 @@ def gateway_tokenizer(settings: Settings) -> Tokenizer:
     if path:
         return open_tokenizer_dir(path, segment_cache_bytes=settings.tokenizer_segment_cache_bytes)
     if path is None:
-        return load_tokenizer(settings.tokenizer)
+        return load_tokenizer(settings.tokenizer or "bytes4")
     return load_tokenizer("bytes4")
 
 
@@ -44,6 +60,30 @@ def worker_addresses(settings: Settings) -> list[str]:
         if a and not a.startswith(("http://", "https://")) and a not in out:
             out.append(a)
     return out
+
+
+async def resolve_tokenizer(settings: Settings) -> Settings:
+    """Settings in which the engine tokenizer the workers must give is a local directory, fetched
+    before the gateway serves (``wait_engine_tokenizer``: the workers' ``tokenizer_path`` or
+    ``GetTokenizer`` bundle, waiting ``tokenizer_timeout_s`` for workers not up yet). Raises
+    ``TokenizerLoadError`` saying what to pass when no worker gives one."""
+    if engine_path(settings) != "":
+        return settings
+    try:
+        tok = await wait_engine_tokenizer(
+            worker_addresses(settings),
+            wait_s=settings.tokenizer_timeout_s,
+            cache_dir=settings.tokenizer_cache_dir or None,
+            timeout_s=settings.tokenizer_timeout_s,
+            segment_cache_bytes=settings.tokenizer_segment_cache_bytes,
+            local_paths=settings.tokenizer_worker_paths,
+        )
+    except TokenizerLoadError as e:
+        raise TokenizerLoadError(
+            f"{e}; pass --tokenizer-path DIR (the model's tokenizer.json and tokenizer_config.json)"
+        ) from None
+    log.info("tokenizer_loaded", tokenizer=tok.name, origin=tok.origin)
+    return dataclasses.replace(settings, tokenizer="engine", tokenizer_path=str(tok.directory))
 
 
 async def worker_tokenizer(settings: Settings) -> EngineTokenizer | None:

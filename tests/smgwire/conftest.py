@@ -24,8 +24,8 @@ StartNode = Callable[..., Awaitable[NodeServer]]
 Client = Callable[..., SmgNodeClient]
 
 
-def root_of(lora: str, salt: str) -> int | None:
-    return None if lora else Namespace(MODEL, salt, BS, TOK_NAME).root()
+def root_of(model: str, lora: str, salt: str) -> int | None:
+    return None if lora else Namespace(model or MODEL, salt, BS, TOK_NAME).root()
 
 
 def chat_ids(text: str) -> list[int]:

@@ -24,7 +24,7 @@ from tests.smgwire.conftest import BS, HF, StartNode, root_of
 from tests.smgwire.test_sglang_adapter import LONG, collect, direct_ids, prompt
 
 PAGES = [list(range(i * 16 + 1, i * 16 + 17)) for i in range(4)]
-ROOT = root_of("", "")
+ROOT = root_of("double", "", "")  # the scripted engine names its model "double"
 assert ROOT is not None
 
 

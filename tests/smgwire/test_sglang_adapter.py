@@ -27,14 +27,14 @@ from prefixgate.gateway.nodeclient.smg_sglang import BootstrapStream
 from prefixgate.gateway.nodes import NodePool
 from prefixgate.gateway.vocab import FailureKind, Stage
 from prefixgate.openai.schema import Sampling
-from tests.smgwire.conftest import BS, HF, Client, StartNode, chat_ids, root_of
+from tests.smgwire.conftest import BS, HF, MODEL, Client, StartNode, chat_ids, root_of
 
 LONG = chat_ids("Tell me everything about prefix caches, KV pages and the tokens they hold. " * 4)
 
 
 def prompt(ids: list[int], max_tokens: int = 12, stop: tuple[str, ...] = (), rid: str = "r") -> Prompt:
     tokens = pack_ids(ids)
-    root = root_of("", "")
+    root = root_of(MODEL, "", "")
     assert root is not None
     sampling = Sampling(max_tokens=max_tokens, temperature=0.0, stop=list(stop))
     return Prompt(rid, tokens, block_hashes(tokens, BS, root), sampling)

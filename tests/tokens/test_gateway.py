@@ -27,7 +27,7 @@ SYSTEM = ("You answer questions about prefix caches in one short sentence. " * 8
 
 def chat(svc: GatewayService, messages: list[dict[str, Any]], **extra: Any) -> ParsedRequest:
     s = svc.settings
-    body = {"model": s.model, "messages": messages, **extra}
+    body = {"model": s.default_model, "messages": messages, **extra}
     return parse_request(
         body,
         "chat",
@@ -65,7 +65,7 @@ def test_prepare_hashes_the_ids_the_engine_template_gives() -> None:
     assert unpack_ids(prep.tokens) == expected and prep.prompt_tokens == len(expected)
     assert prep.hashes == block_hashes(prep.tokens, BS, prep.namespace.root())
     assert len(prep.hashes) == len(expected) // BS
-    assert prep.namespace.root() != svc.pipeline.namespace(svc.settings.model, "other-tenant").root()
+    assert prep.namespace.root() != svc.pipeline.namespace(svc.settings.default_model, "other-tenant").root()
 
 
 def test_a_template_refusal_is_a_400() -> None:
@@ -122,7 +122,12 @@ async def test_a_repeated_prefix_is_found_cached_on_the_node(
             messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
             r = await client.post(
                 "/v1/chat/completions",
-                json={"model": settings.model, "messages": messages, "max_tokens": 4, "temperature": 0},
+                json={
+                    "model": settings.default_model,
+                    "messages": messages,
+                    "max_tokens": 4,
+                    "temperature": 0,
+                },
             )
             assert r.status_code == 200, r.text
             cached.append(int(r.headers["x-prefixgate-cached-tokens"]))

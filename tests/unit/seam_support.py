@@ -30,9 +30,14 @@ class Harness:
 
     def prep(self, prompt_tokens: int = 400, max_tokens: int = 8) -> Prepared:
         s = self.pipeline.settings
-        body = {"model": s.model, "prompt": "x" * (4 * prompt_tokens), "max_tokens": max_tokens}
+        body = {"model": s.default_model, "prompt": "x" * (4 * prompt_tokens), "max_tokens": max_tokens}
         parsed = parse_request(
-            body, "completion", models={s.model}, default_max_tokens=16, max_tokens_limit=64, max_documents=4
+            body,
+            "completion",
+            models={s.default_model},
+            default_max_tokens=16,
+            max_tokens_limit=64,
+            max_documents=4,
         )
         return self.pipeline.prepare(parsed, "tenant")
 

@@ -136,8 +136,8 @@ def node_with(address: str, role: str, features: frozenset[str]) -> FakeNodeClie
 
 def prep_asking(h: Any, **fields: Any) -> Any:
     s = h.pipeline.settings
-    body = {"model": s.model, "prompt": "x" * 1600, "max_tokens": 4, **fields}
-    parsed = parse_request(body, "completion", **{**KW, "models": {s.model}})
+    body = {"model": s.default_model, "prompt": "x" * 1600, "max_tokens": 4, **fields}
+    parsed = parse_request(body, "completion", **{**KW, "models": {s.default_model}})
     return h.pipeline.prepare(parsed, "tenant")
 
 
