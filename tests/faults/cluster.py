@@ -15,12 +15,11 @@ import httpx
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixgate.backends.hftok import TOKENIZER_DIR
 from tests.helpers import Proc, free_port, spawn
 
-# Over grpc:// prompts go as the engine's token ids: the gateway tokenizes with the tokenizer our
-# nodes ship (what ``prefixgate up --protocol smg`` and the overhead bench's grpc target set).
-SMG_GATEWAY_ENV = {"PREFIXGATE_TOKENIZER": f"hf:{TOKENIZER_DIR / 'tokenizer.json'}"}
+# Over grpc:// the gateway takes the engine's tokenizer from the workers by default (our nodes
+# report the directory of the one they ship), as ``prefixgate up --protocol smg`` does.
+SMG_GATEWAY_ENV: dict[str, str] = {}
 
 
 @dataclass

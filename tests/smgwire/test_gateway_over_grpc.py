@@ -13,7 +13,6 @@ from typing import Any
 import httpx
 import pytest
 
-from prefixgate.backends.hftok import TOKENIZER_DIR
 from prefixgate.backends.smg_service import SglangSchedulerService
 from tests.helpers import Proc, free_port, spawn
 from tests.smgwire.conftest import MODEL, StartNode
@@ -29,8 +28,7 @@ PROMPT = (
 async def gateway(*workers: str) -> AsyncIterator[str]:
     """The gateway process; waits without blocking the loop our nodes run in."""
     port = free_port()
-    argv = ["gateway", "--port", str(port), "--model", MODEL, "--block-size", "16", *workers]
-    proc: Proc = spawn(argv, env={"PREFIXGATE_TOKENIZER": f"hf:{TOKENIZER_DIR / 'tokenizer.json'}"})
+    proc: Proc = spawn(["gateway", "--port", str(port), *workers])  # the worker flags alone
     base = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient(timeout=2) as http:
