@@ -32,6 +32,7 @@ from prefixgate.gateway.httpcommon import (
     read_body,
     service_of,
 )
+from prefixgate.gateway.metrics_listener import MetricsListener, scrape
 from prefixgate.gateway.pipeline import Prepared
 from prefixgate.gateway.runner import Identity
 from prefixgate.gateway.service import GatewayService
@@ -162,12 +163,7 @@ async def readyz(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    svc = service_of(request)
-    try:  # index occupancy is read at scrape time; a slow or absent index leaves the last values
-        svc.metrics.refresh_index(await asyncio.wait_for(svc.index.stats(), 1.0))
-    except Exception as e:
-        log.warning("index_stats_failed", error=repr(e)[:200])
-    return Response(svc.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    return await scrape(service_of(request))
 
 
 async def documents_create(request: Request) -> Response:
@@ -236,12 +232,21 @@ def create_app(service: GatewayService) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await service.start()
         front = None
+        prometheus = None
+        settings = service.settings
         try:
-            if service.settings.grpc_port:  # the gRPC front end shares this process and loop
-                front = GrpcFront(service, service.settings.host, service.settings.grpc_port)
+            if settings.grpc_port:  # the gRPC front end shares this process and loop
+                front = GrpcFront(service, settings.host, settings.grpc_port)
                 await front.start()
+            if settings.prometheus_port:
+                prometheus = MetricsListener(
+                    service, settings.prometheus_host or settings.host, settings.prometheus_port
+                )
+                await prometheus.start()
             yield
         finally:
+            if prometheus is not None:
+                await prometheus.stop()
             if front is not None:
                 await front.stop()
             await service.stop()

@@ -13,6 +13,7 @@ import hashlib
 import hmac
 from collections.abc import Iterable
 
+from prefixgate.gateway.config import split_api_key
 from prefixgate.openai.exceptions import Forbidden, Unauthenticated
 
 REQUEST_ID_MAX = 128
@@ -33,13 +34,14 @@ def bearer_token(authorization: str) -> str | None:
 
 
 class KeyRing:
-    """The configured API keys (``key=tenant`` entries) and the tenant each one names."""
+    """The configured API keys (``key=tenant`` entries, or a bare ``key``: ``BARE_KEY_TENANT``)
+    and the tenant each one names."""
 
     def __init__(self, entries: Iterable[str]) -> None:
         keys: list[tuple[bytes, str]] = []
         for entry in entries:
-            key, _, tenant = entry.partition("=")
-            keys.append((_digest(key.strip()), (tenant or key).strip()))
+            key, tenant = split_api_key(entry)
+            keys.append((_digest(key), tenant))
         self._keys = tuple(keys)
 
     def __bool__(self) -> bool:

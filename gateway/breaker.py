@@ -1,11 +1,12 @@
 """Per-node circuit breaker, pure (the caller passes the clock).
 
 closed --(threshold consecutive failures)--> open --(cooldown)--> half-open
-half-open lets a single trial through: success closes it, failure re-opens it with a longer
-cooldown (doubling up to ``max_cooldown_s``). Failed active health probes ``trip`` it open; a
-probe that passes again moves a breaker the probes opened to half-open, so a node that comes back
-rejoins by itself. A breaker opened by failed requests waits out its cooldown even while probes
-pass: a node can answer its status and still fail real work.
+half-open lets one trial at a time through: ``success_threshold`` successes in a row close it, a
+failure re-opens it with a longer cooldown (doubling up to ``max_cooldown_s``). A ``threshold``
+of 0 keeps failed requests from ever opening it (probes still can). Failed active health probes
+``trip`` it open; a probe that passes again moves a breaker the probes opened to half-open, so a
+node that comes back rejoins by itself. A breaker opened by failed requests waits out its
+cooldown even while probes pass: a node can answer its status and still fail real work.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ HALF_OPEN = "half_open"
 @dataclass(slots=True)
 class CircuitBreaker:
     threshold: int = 3
+    success_threshold: int = 1
     base_cooldown_s: float = 1.0
     max_cooldown_s: float = 30.0
     state: str = CLOSED
@@ -29,6 +31,7 @@ class CircuitBreaker:
     trial_in_flight: bool = False
     opens: int = 0
     probe_tripped: bool = False
+    trial_successes: int = 0
 
     def allows(self, now: float) -> bool:
         """May a new request go to this node now?"""
@@ -49,6 +52,11 @@ class CircuitBreaker:
         self.trial_in_flight = False
 
     def on_success(self) -> None:
+        self.trial_in_flight = False
+        if self.state == HALF_OPEN:
+            self.trial_successes += 1
+            if self.trial_successes < self.success_threshold:
+                return
         self.state = CLOSED
         self.failures = 0
         self.trial_in_flight = False
@@ -58,7 +66,7 @@ class CircuitBreaker:
         self.failures += 1
         if self.state == HALF_OPEN:
             self._open(now, min(self.max_cooldown_s, self.cooldown_s * 2))
-        elif self.state == CLOSED and self.failures >= self.threshold:
+        elif self.state == CLOSED and self.threshold and self.failures >= self.threshold:
             self._open(now, self.base_cooldown_s)
 
     def trip(self, now: float) -> None:
@@ -79,4 +87,5 @@ class CircuitBreaker:
         self.cooldown_s = cooldown
         self.trial_in_flight = False
         self.probe_tripped = False
+        self.trial_successes = 0
         self.opens += 1

@@ -19,6 +19,9 @@ DEFAULT_MODEL = "prefixgate-sim"
 # Without API keys nobody is authenticated, so there is one tenant: every client shares its
 # documents, cache namespace and quotas, whatever ``user`` it sends.
 KEYLESS_TENANT = ""
+# The tenant of an API key given without ``=TENANT``: not the key itself, which would then show
+# in metrics labels, usage reports and the admin API.
+BARE_KEY_TENANT = "default"
 
 
 @dataclass(slots=True)
@@ -91,6 +94,28 @@ class Settings:
     # streaming, a node silent this long ends the stream with an error event (0: no limit).
     first_token_timeout_s: float = 60.0
     stall_timeout_s: float = 30.0
+    # Retries before the first token: attempts per path (split, then monolithic; 1: no retry),
+    # within ``request_timeout_s``; the pause before attempt k+1 is initial * multiplier^(k-1), at
+    # most max, scaled by a random factor within jitter_factor of 1, plus up to jitter_s.
+    retry_max_attempts: int = 3
+    retry_backoff_initial_s: float = 0.02
+    retry_backoff_max_s: float = 0.5
+    retry_backoff_multiplier: float = 2.0
+    retry_jitter_factor: float = 0.0
+    retry_jitter_s: float = 0.05
+    # Per-node circuit breaker (gateway.breaker): failed requests in a row that open it (0: never),
+    # successful trials in a row that close it, and the wait before a trial (doubling after a
+    # failed trial, up to the max).
+    breaker_failure_threshold: int = 3
+    breaker_success_threshold: int = 1
+    breaker_cooldown_s: float = 1.0
+    breaker_max_cooldown_s: float = 30.0
+    # Health probes (the status poll, every ``stats_interval_s``; gateway.nodes): each bounded by
+    # the timeout; failed probes in a row that open the breaker, passing ones that bring a node
+    # that failed them back.
+    health_check_timeout_s: float = 1.5
+    health_failure_threshold: int = 2
+    health_success_threshold: int = 1
     # Switches (also at runtime through the admin API).
     disaggregation: bool = True
     prefix_routing: bool = True
@@ -122,7 +147,8 @@ class Settings:
     price_input_hit: float = 2.0
     price_output: float = 0.0
     price_currency: str = "CNY"
-    # Auth: "key=tenant" entries; empty = no keys: one shared tenant, ``user`` selects nothing.
+    # Auth: "key=tenant" entries; empty = no keys: one shared tenant, ``user`` selects nothing. A
+    # bare "key" (smg's ``--api-key``) authenticates as the tenant ``BARE_KEY_TENANT``.
     api_keys: list[str] = field(default_factory=list)
     admin_token: str = ""
     shared_namespaces: list[str] = field(default_factory=list)  # tenants that share one cache
@@ -137,6 +163,10 @@ class Settings:
     trusted_proxies: list[str] = field(default_factory=list)  # peers whose Forwarded/X-*-IP are believed
     admin_origins: list[str] = field(default_factory=list)  # extra Origins allowed to call /admin
     metrics_token: str = ""  # bearer token for /metrics; empty: unauthenticated
+    # A listener of its own serving /metrics alone (besides /metrics on ``port``); 0: none.
+    # ``prometheus_host`` empty: ``host``.
+    prometheus_port: int = 0
+    prometheus_host: str = ""
     log_format: str = "auto"  # auto | json | console
     log_level: str = "info"
 
@@ -148,9 +178,15 @@ class Settings:
     def api_key_map(self) -> dict[str, str]:
         out: dict[str, str] = {}
         for entry in self.api_keys:
-            key, _, tenant = entry.partition("=")
-            out[key.strip()] = (tenant or key).strip()
+            key, tenant = split_api_key(entry)
+            out[key] = tenant
         return out
+
+
+def split_api_key(entry: str) -> tuple[str, str]:
+    """A ``key=tenant`` entry as (key, tenant); a bare key's tenant is ``BARE_KEY_TENANT``."""
+    key, eq, tenant = entry.partition("=")
+    return key.strip(), (tenant.strip() if eq and tenant.strip() else BARE_KEY_TENANT)
 
 
 def _coerce(name: str, hint: Any, raw: Any) -> Any:
@@ -210,7 +246,39 @@ def load_settings(
         raise ValueError(f"setting 'policy': {e}") from None
     settings = _check_tokenizer(settings)
     _check_tool_call_parser(settings)
+    _check_bounds(settings)
     return settings
+
+
+# Settings that must be at least the given value (what a value below would mean is nonsense).
+_AT_LEAST: dict[str, float] = {
+    "retry_max_attempts": 1,
+    "retry_backoff_initial_s": 0,
+    "retry_backoff_max_s": 0,
+    "retry_backoff_multiplier": 1,
+    "retry_jitter_factor": 0,
+    "retry_jitter_s": 0,
+    "breaker_failure_threshold": 0,
+    "breaker_success_threshold": 1,
+    "breaker_cooldown_s": 0,
+    "breaker_max_cooldown_s": 0,
+    "health_check_timeout_s": 0.001,
+    "health_failure_threshold": 1,
+    "health_success_threshold": 1,
+    "stats_interval_s": 0.001,
+    "request_timeout_s": 0.001,
+    "max_inflight": 1,
+    "prometheus_port": 0,
+}
+
+
+def _check_bounds(settings: Settings) -> None:
+    for name, low in _AT_LEAST.items():
+        value = getattr(settings, name)
+        if not value >= low:
+            raise ValueError(f"setting {name!r}: {value!r} is below {low:g}")
+    if settings.retry_jitter_factor > 1:
+        raise ValueError(f"setting 'retry_jitter_factor': {settings.retry_jitter_factor!r} is above 1")
 
 
 def _check_tool_call_parser(settings: Settings) -> None:

@@ -3,8 +3,9 @@
 Each node is polled for its status every ``stats_interval_s``; the poll is also the active
 health probe: bounded by ``probe_timeout_s``, so a node that accepts connections but answers no
 call (wedged, e.g. stopped) is noticed as surely as one that refuses them. Failed probes make the
-node unreachable at once and, ``PROBE_FAILURES_TO_TRIP`` in a row, open its circuit breaker; a
-probe that passes again lets one trial request through (half-open), whose outcome closes or
+node unreachable at once and, ``failures_to_trip`` in a row (``PROBE_FAILURES_TO_TRIP``), open its
+circuit breaker; once ``successes_to_rejoin`` probes in a row pass again the node is reachable and
+a breaker the probes opened lets one trial request through (half-open), whose outcome closes or
 re-opens the breaker.
 """
 
@@ -56,6 +57,7 @@ class Node:
     own_at_status: tuple[int, int] = (0, 0)
     mispredictions: int = 0
     probe_failures: int = 0
+    probe_successes: int = 0  # in a row, since the last failed probe
     last_error: str = ""
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     # Observed / estimated prefill time (EWMA): a node slower than it claims gets less traffic.
@@ -169,10 +171,16 @@ class NodePool:
         connect: Callable[[str], NodeClient] = nodeclient.connect,
         probe_timeout_s: float = PROBE_TIMEOUT_S,
         poll: bool = True,
+        breaker: Callable[[], CircuitBreaker] = CircuitBreaker,
+        failures_to_trip: int = PROBE_FAILURES_TO_TRIP,
+        successes_to_rejoin: int = 1,
     ) -> None:
         self.nodes: dict[str, Node] = {}  # by address
         self.stats_interval_s = stats_interval_s
         self.probe_timeout_s = probe_timeout_s
+        self.failures_to_trip = failures_to_trip
+        self.successes_to_rejoin = successes_to_rejoin
+        self._breaker = breaker
         self._connect = connect
         self._poll_nodes = poll  # False: no background probe (the caller refreshes)
         self._closed = False
@@ -185,7 +193,7 @@ class NodePool:
         client = self._connect(address)
         if role != Role.MONOLITHIC and not client.capabilities.split:
             raise ValueError(f"node {address} serves whole requests only: add it as a monolithic node")
-        node = Node(role=role, address=address, client=client)
+        node = Node(role=role, address=address, client=client, breaker=self._breaker())
         self.nodes[address] = node
         if self._poll_nodes and not self._closed:
             node.tasks.append(asyncio.create_task(self._poll(node), name=f"stats:{address}"))
@@ -265,17 +273,24 @@ class NodePool:
             node.reachable = False
             node.last_error = str(e)[:500]
             node.probe_failures += 1
-            if node.probe_failures >= PROBE_FAILURES_TO_TRIP:
+            node.probe_successes = 0
+            if node.probe_failures >= self.failures_to_trip:
                 node.breaker.trip(time.monotonic())
             return False
-        if not node.reachable:
+        node.probe_successes += 1
+        # A node that failed its probes rejoins after ``successes_to_rejoin`` passing ones in a
+        # row; one that never answered before joins on its first.
+        rejoins = node.status is None or node.probe_successes >= self.successes_to_rejoin
+        if not node.reachable and rejoins:
             log.info("node_reachable", node=st.node_id or node.address, address=node.address, role=st.role)
         node.status = st
         node.status_at = time.monotonic()
         node.own_at_status = (node.local_requests + node.active_streams, node.local_tokens)
         node.node_id = st.node_id or node.address
-        node.reachable = True
         node.probe_failures = 0
+        if not (node.reachable or rejoins):
+            return False
+        node.reachable = True
         node.breaker.on_probe_ok(node.status_at)
         return True
 

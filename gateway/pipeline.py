@@ -45,10 +45,6 @@ from prefixgate.openai.schema import ParsedRequest, Sampling
 
 log = structlog.get_logger("prefixgate.pipeline")
 
-MAX_ATTEMPTS = 3  # per path (split, then monolithic), within the request's deadline
-BACKOFF_BASE_S = 0.02  # before the second attempt; doubling after that
-BACKOFF_MAX_S = 0.5
-BACKOFF_JITTER_S = 0.05
 MISPREDICTIONS_BEFORE_RESYNC = 3
 TURN_WRAP = 1 << 30  # the tie-break turn counts decisions, modulo this
 REQUEST_ID_KEY = "x-prefixgate-request-id"
@@ -111,11 +107,18 @@ class Failure:
         return f"{e.stage} on {self.node.id}: {e.kind}: {e.detail}"
 
 
-def backoff_s(attempt: int) -> float:
-    """The pause before attempt number ``attempt`` (0-based): none before the first."""
+def backoff_s(attempt: int, s: Settings) -> float:
+    """The pause before attempt number ``attempt`` (0-based): none before the first, then
+    ``retry_backoff_initial_s`` times ``retry_backoff_multiplier`` per attempt, at most
+    ``retry_backoff_max_s``, scaled by a random factor within ``retry_jitter_factor`` of 1 and
+    plus up to ``retry_jitter_s``."""
     if attempt == 0:
         return 0.0
-    return min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2.0 ** (attempt - 1)) + random.uniform(0, BACKOFF_JITTER_S)
+    delay = s.retry_backoff_initial_s * s.retry_backoff_multiplier ** (attempt - 1)
+    delay = min(s.retry_backoff_max_s, delay)
+    if s.retry_jitter_factor:
+        delay *= 1.0 + random.uniform(-s.retry_jitter_factor, s.retry_jitter_factor)
+    return delay + (random.uniform(0, s.retry_jitter_s) if s.retry_jitter_s else 0.0)
 
 
 def _not_for_monolithic(e: NodeFailure) -> bool:
@@ -536,7 +539,7 @@ class Pipeline:
 
         The split path is tried on the best prefill/decode pair, then on the next best after each
         failure (the node at fault excluded); when it cannot serve, the request falls back to
-        monolithic serving, itself tried on other nodes. At most ``MAX_ATTEMPTS`` a path, with
+        monolithic serving, itself tried on other nodes. At most ``retry_max_attempts`` a path, with
         backoff between attempts, all within the request's deadline. Nothing is retried once the
         first token is out (``Execution.stream`` raises StreamBroken then).
         """
@@ -551,7 +554,7 @@ class Pipeline:
 
         if plan.mode.mode == Mode.DISAGGREGATED:
             excluded: set[str] = set(unserved)
-            for attempt in range(MAX_ATTEMPTS):
+            for attempt in range(self.settings.retry_max_attempts):
                 pnode = self.pool.by_id(plan.prefill.node_id or "") if plan.prefill else None
                 dnode = self.pool.by_id(plan.decode_node or "")
                 if plan.mode.mode != Mode.DISAGGREGATED or pnode is None or dnode is None:
@@ -584,7 +587,7 @@ class Pipeline:
 
         if all(f.error.kind.retryable for f in failures):
             excluded = {f.node.id for f in failures if _not_for_monolithic(f.error)} | unserved
-            for attempt in range(MAX_ATTEMPTS):
+            for attempt in range(self.settings.retry_max_attempts):
                 candidates = self._monolithic_candidates(excluded, prep.model)
                 if not candidates or not await self._pause(attempt, deadline):
                     break
@@ -611,13 +614,12 @@ class Pipeline:
         detail = "; ".join(str(f) for f in failures[-3:]) or f"no node can serve it: {plan.mode.reason}"
         raise Unavailable(f"no node could serve the request ({detail})", retry_after=2)
 
-    @staticmethod
-    async def _pause(attempt: int, deadline: float) -> bool:
+    async def _pause(self, attempt: int, deadline: float) -> bool:
         """Back off before a retry; False when the deadline leaves no time for another attempt."""
         left = deadline - time.monotonic()
         if left <= 0:
             return False
-        pause = backoff_s(attempt)
+        pause = backoff_s(attempt, self.settings)
         if pause:
             await asyncio.sleep(min(pause, left))
         return time.monotonic() < deadline

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Set
+from functools import partial
 
 import structlog
 
@@ -14,6 +15,7 @@ from prefixgate.cachetier.index import BlockIndex
 from prefixgate.cachetier.memory import MemoryIndex
 from prefixgate.cachetier.resilient import ResyncHook
 from prefixgate.gateway import workers
+from prefixgate.gateway.breaker import CircuitBreaker
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.documents import DocumentLimits, DocumentStore
 from prefixgate.gateway.events import EventSync
@@ -55,7 +57,21 @@ class GatewayService:
         self.metrics = Metrics()
         self.index = index if index is not None else open_index(settings, self._index_recovered)
         self.tokenizer = gateway_tokenizer(settings)
-        self.pool = NodePool(settings.stats_interval_s, connect=self._connector())
+        self.pool = NodePool(
+            settings.stats_interval_s,
+            connect=self._connector(),
+            probe_timeout_s=s.health_check_timeout_s,
+            breaker=partial(
+                CircuitBreaker,
+                threshold=s.breaker_failure_threshold,
+                success_threshold=s.breaker_success_threshold,
+                base_cooldown_s=s.breaker_cooldown_s,
+                max_cooldown_s=s.breaker_max_cooldown_s,
+                cooldown_s=s.breaker_cooldown_s,
+            ),
+            failures_to_trip=s.health_failure_threshold,
+            successes_to_rejoin=s.health_success_threshold,
+        )
         # Shared by every replica on the same Redis (embedded otherwise): documents, tenants'
         # pins, membership changes, usage.
         self.state = open_state(settings)

@@ -17,6 +17,7 @@ from prefixgate.bench.cli import add_bench_parser
 from prefixgate.gateway import workers
 from prefixgate.gateway.admin_cli import add_admin_parser
 from prefixgate.gateway.config import Settings, load_settings
+from prefixgate.gateway.smg_flags import SmgFlagRefused, add_smg_arguments, check_pd, smg_overrides
 
 
 def _gateway_args(p: argparse.ArgumentParser, *, stack: bool) -> None:
@@ -212,15 +213,31 @@ def _settings(args: argparse.Namespace, keys: Sequence[str]) -> Settings | None:
         return None
 
 
+def gateway_settings(args: argparse.Namespace) -> Settings:
+    """``prefixgate gateway``'s settings from its parsed flags (smg launch's among them:
+    ``gateway.smg_flags``); ValueError says in one line what is wrong."""
+    args.prefill = workers.flag_entries(args.prefill)
+    args.worker_urls = workers.flat_urls(args.worker_urls)
+    try:
+        smg = smg_overrides(args)
+    except SmgFlagRefused as e:
+        raise ValueError(str(e)) from None
+    settings = load_settings(args.config, {**_overrides(args, _GATEWAY_KEYS), **smg})
+    pd = check_pd(args, settings.prefill, settings.decode)
+    if pd is not None:
+        raise ValueError(pd)
+    return settings
+
+
 def cmd_gateway(args: argparse.Namespace) -> int:
+    try:
+        settings = gateway_settings(args)
+    except ValueError as e:
+        print(f"prefixgate gateway: {e}", file=sys.stderr)
+        return 2
     from prefixgate.gateway.logging import configure_logging
     from prefixgate.gateway.server import run
 
-    args.prefill = workers.flag_entries(args.prefill)
-    args.worker_urls = workers.flat_urls(args.worker_urls)
-    settings = _settings(args, _GATEWAY_KEYS)
-    if settings is None:
-        return 2
     configure_logging(settings.log_format, settings.log_level)
     if not (settings.decode or settings.monolithic or settings.worker_urls):
         print(
@@ -281,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gw = sub.add_parser("gateway", help="run the gateway alone")
     _gateway_args(gw, stack=False)
+    add_smg_arguments(gw)
     gw.set_defaults(func=cmd_gateway)
 
     node = sub.add_parser("node", help="run one node")
@@ -292,7 +310,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SmgFlagRefused as e:  # one line naming the flag, as for every settings error
+        print(f"prefixgate gateway: {e}", file=sys.stderr)
+        return 2
     rc = args.func(args)
     return int(rc or 0)
 

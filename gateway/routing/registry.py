@@ -16,9 +16,11 @@ from prefixgate.gateway.routing.least_loaded import LeastLoadedPolicy
 from prefixgate.gateway.routing.longest_prefix import LongestPrefixPolicy
 from prefixgate.gateway.routing.prefixgate import PrefixGatePolicy
 from prefixgate.gateway.routing.round_robin import RoundRobinPolicy
+from prefixgate.gateway.routing.uniform import RandomPolicy
 
 POLICIES: dict[str, Callable[..., Policy]] = {
     "round_robin": RoundRobinPolicy,
+    "random": RandomPolicy,
     "least_loaded": LeastLoadedPolicy,
     "consistent_hash": ConsistentHashPolicy,
     "longest_prefix": LongestPrefixPolicy,

@@ -16,7 +16,9 @@ def test_keys_name_their_tenant() -> None:
     ring = KeyRing(KEYS)
     assert ring.authenticate("Bearer sk-a") == "alice"
     assert ring.authenticate("bearer  sk-b ") == "bob"
-    assert ring.authenticate("Bearer sk-c") == "sk-c"  # a key without a tenant is its own tenant
+    # A key without a tenant (smg's single --api-key) is the tenant "default", never the key
+    # itself: tenants show in metrics labels, usage reports and the admin API.
+    assert ring.authenticate("Bearer sk-c") == "default"
     assert KeyRing([]).authenticate("") is None  # keyless mode
 
 
