@@ -53,7 +53,7 @@ SHARED: tuple[str, ...] = (
     "--block-size",
     "--tokenizer-path",
     "--tool-call-parser",
-    "--model",  # NB: in smg an alias of --model-path; here the served model name
+    "--model",  # NB: in smg an alias of --model-path; here an optional model alias (config.Settings.model)
 )
 
 
