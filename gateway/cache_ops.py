@@ -77,9 +77,11 @@ def prompt_basis(svc: GatewayService, prep: Prepared) -> dict[str, Any]:
     http = sorted(n.id for n in nodes if n.client.capabilities.openai_body)
     tokens = sorted(n.id for n in nodes if not n.client.capabilities.openai_body)
     exact = not http
+    # chats through the model's own template when the gateway has it (gateway.tokens), else ours
+    model_template = getattr(svc.tokenizer, "template", None) is not None
     return {
         "tokenizer": svc.tokenizer.name,
-        "rendering": "gateway",
+        "rendering": "model template" if model_template else "gateway",
         "exact": exact,
         "approximate_for": http,
         "exact_for": tokens,
