@@ -47,7 +47,7 @@ import secrets
 import socket
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -61,7 +61,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from prefixgate.backends.bootstrap import DEFAULT_BOOTSTRAP_TIMEOUT_S, BootstrapServer, handshake
-from prefixgate.backends.engine import Sampling
+from prefixgate.backends.engine import Sampling, TokenLogprob
 from prefixgate.backends.errors import FailedPrecondition, NodeError
 from prefixgate.backends.generation import Chunk, Generation
 from prefixgate.backends.node import Node, PrefillCall, PrefillResult
@@ -148,9 +148,40 @@ class Renderer:
         return Prompt(tokens, block_hashes(tokens, self.block_size, self.root))
 
 
-def sampling_of(req: ParsedRequest) -> Sampling:
+def sampling_of(req: ParsedRequest, features: frozenset[str] = frozenset()) -> Sampling:
+    """The request's sampling; log probabilities on an engine that has them, refused elsewhere."""
     s = req.sampling
-    return Sampling.normalized(s.max_tokens, s.temperature, s.top_p, s.seed, s.stop)
+    if s.logprobs and "logprobs" not in features:
+        raise invalid("log probabilities are not supported by this node's engine", "logprobs")
+    return Sampling.normalized(
+        s.max_tokens, s.temperature, s.top_p, s.seed, s.stop, logprobs=s.logprobs, top_logprobs=s.top_logprobs
+    )
+
+
+def wire_logprobs(
+    lps: Sequence[TokenLogprob], chat: bool, text_of: Callable[[int], str], offset: int = 0
+) -> dict[str, Any]:
+    """OpenAI's ``logprobs`` of one chunk: chat ``content`` entries, or the completions arrays."""
+
+    def entry(t: int, v: float) -> dict[str, Any]:
+        s = text_of(t)
+        return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
+
+    if chat:
+        content = [
+            {**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps
+        ]
+        return {"content": content, "refusal": None}
+    offsets = []
+    for lp in lps:
+        offsets.append(offset)
+        offset += len(text_of(lp.token))
+    return {
+        "tokens": [text_of(lp.token) for lp in lps],
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{text_of(t): v for t, v in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
 
 
 def usage(chunk: Chunk) -> dict[str, Any]:
@@ -172,8 +203,16 @@ DONE = b"data: [DONE]\n\n"
 class Wire:
     """OpenAI response objects for one request (chat or text completion)."""
 
-    def __init__(self, kind: str, model: str, include_usage: bool) -> None:
+    def __init__(
+        self,
+        kind: str,
+        model: str,
+        include_usage: bool,
+        text_of: Callable[[int], str] | None = None,
+    ) -> None:
         self.chat = kind == "chat"
+        self.text_of = text_of  # set: log probabilities are asked for
+        self.offset = 0
         rid = uuid.uuid4().hex
         self.base = {
             "id": f"chatcmpl-{rid}" if self.chat else f"cmpl-{rid}",
@@ -184,7 +223,14 @@ class Wire:
         }
         self.include_usage = include_usage
 
-    def chunk(self, text: str, finish: str, first: bool) -> dict[str, Any]:
+    def logprobs(self, lps: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        if self.text_of is None:
+            return None
+        out = wire_logprobs(lps, self.chat, self.text_of, self.offset)
+        self.offset += sum(len(self.text_of(lp.token)) for lp in lps)
+        return out
+
+    def chunk(self, text: str, finish: str, first: bool, lps: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
             if not first and not text:
@@ -192,7 +238,7 @@ class Wire:
             choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish or None}
         else:
             choice = {"index": 0, "text": text, "finish_reason": finish or None}
-        choice["logprobs"] = None
+        choice["logprobs"] = self.logprobs(lps)
         out: dict[str, Any] = {**self.base, "choices": [choice]}
         if self.include_usage:
             out["usage"] = None
@@ -201,13 +247,13 @@ class Wire:
     def usage_chunk(self, last: Chunk) -> dict[str, Any]:
         return {**self.base, "choices": [], "usage": usage(last)}
 
-    def whole(self, text: str, last: Chunk) -> dict[str, Any]:
+    def whole(self, text: str, last: Chunk, lps: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
         if self.chat:
             choice: dict[str, Any] = {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
                 "finish_reason": last.finish_reason or "length",
-                "logprobs": None,
+                "logprobs": self.logprobs(lps),
             }
             obj = "chat.completion"
         else:
@@ -215,7 +261,7 @@ class Wire:
                 "index": 0,
                 "text": text,
                 "finish_reason": last.finish_reason or "length",
-                "logprobs": None,
+                "logprobs": self.logprobs(lps),
             }
             obj = "text_completion"
         return {**self.base, "object": obj, "choices": [choice], "usage": usage(last)}
@@ -461,7 +507,7 @@ class NodeAPI:
         return b
 
     def _prefill_chunk(self, r: PrefillResult) -> Chunk:
-        return Chunk(
+        c = Chunk(
             [r.first_token],
             r.first_text,
             r.finish_reason or "length",
@@ -471,6 +517,9 @@ class NodeAPI:
             r.queue_seconds,
             r.prefill_seconds,
         )
+        if r.first_logprob is not None:
+            c.logprobs = [r.first_logprob]
+        return c
 
     async def _hand_off(
         self, bootstrap: BootstrapServer, prompt: Prompt, sampling: Sampling, room: int, cached: int | None
@@ -494,6 +543,7 @@ class NodeAPI:
                 "kv_handle": r.kv_handle,
                 "first_token": r.first_token,
                 "first_text": r.first_text,
+                "first_logprob": _lp_json(r.first_logprob),
                 "finished": r.finished,
                 "finish_reason": r.finish_reason,
                 "cached_tokens": r.cached_tokens if cached is None else cached,
@@ -519,6 +569,9 @@ class NodeAPI:
             e = self.node.engine
             text = Generation(sampling, e.eos_token, e.token_text).push([token])[1]
         first = Chunk([token], text, "", prompt_tokens, 1, cached)
+        first_lp = _lp_of(reply.get("first_logprob"))
+        if first_lp is not None and sampling.logprobs:
+            first.logprobs = [first_lp]
 
         async def leg() -> Gen:
             try:
@@ -536,8 +589,10 @@ class NodeAPI:
         body = await self._json(request)
         req = self._parse(body, kind)
         prompt = self.renderer.prompt(self.renderer.tokens(req))
-        gen, first, extra = await self._run(body, prompt, sampling_of(req))
-        wire = Wire(kind, req.model, req.include_usage)
+        engine = self.node.engine
+        gen, first, extra = await self._run(body, prompt, sampling_of(req, engine.features))
+        text_of = engine.token_text if req.sampling.logprobs else None
+        wire = Wire(kind, req.model, req.include_usage, text_of)
         if req.stream:
             return StreamingResponse(
                 self._stream(wire, gen, first),
@@ -545,23 +600,25 @@ class NodeAPI:
                 headers={**self._headers(first), "cache-control": "no-cache"},
             )
         parts: list[str] = [first.text]
+        lps = list(first.logprobs)
         last = first
         try:
             async for c in gen:
                 parts.append(c.text)
+                lps.extend(c.logprobs)
                 last = c
         finally:
             await gen.aclose()
-        return JSON({**wire.whole("".join(parts), last), **extra}, headers=self._headers(first))
+        return JSON({**wire.whole("".join(parts), last, lps), **extra}, headers=self._headers(first))
 
     async def _stream(self, wire: Wire, gen: Gen, first: Chunk) -> AsyncIterator[bytes]:
         last = first
         try:
-            yield sse(wire.chunk(first.text, first.finish_reason, True))
+            yield sse(wire.chunk(first.text, first.finish_reason, True, first.logprobs))
             async for c in gen:
                 last = c
-                if c.text or c.finish_reason:
-                    yield sse(wire.chunk(c.text, c.finish_reason, False))
+                if c.text or c.finish_reason or c.logprobs:
+                    yield sse(wire.chunk(c.text, c.finish_reason, False, c.logprobs))
             if wire.include_usage:
                 yield sse(wire.usage_chunk(last))
             yield DONE
@@ -750,6 +807,19 @@ class NodeAPI:
 
 def create_app(node: Node, options: HTTPOptions | None = None, pd: PDLink | None = None) -> Starlette:
     return Starlette(routes=NodeAPI(node, options, pd).routes())
+
+
+def _lp_json(lp: TokenLogprob | None) -> list[Any] | None:
+    return None if lp is None else [lp.token, lp.logprob, [[t, v] for t, v in lp.top]]
+
+
+def _lp_of(raw: Any) -> TokenLogprob | None:
+    """The prefill leg's first log probability, as ``_lp_json`` sent it."""
+    try:
+        token, value, top = raw
+        return TokenLogprob(int(token), float(value), tuple((int(t), float(v)) for t, v in top))
+    except (TypeError, ValueError):
+        return None
 
 
 async def _one(chunk: Chunk) -> Gen:

@@ -5,7 +5,8 @@ README): input is token ids only; ``stream=false`` answers one ``complete`` per 
 output ids; ``stream=true`` answers one ``chunk`` per group of new tokens (counters cumulative:
 prompt, completion and cached tokens so far), then a ``complete`` repeating the last chunk's ids.
 Generation ends on the end token (``matched_token_id``), on a ``stop_token_ids`` hit (the stop
-token is not output) or on ``max_new_tokens`` ("length"). ``Abort`` ends a running request's
+token is not output) or on ``max_new_tokens`` ("length"). A sampled request (temperature above
+0) is sampled at random, as SGLang samples: the protocol carries no seed. ``Abort`` ends a running request's
 streams with INTERNAL "Request aborted"; an unknown id is answered with success.
 
 PD (``disaggregated_params`` set): on a prefill node the request is prefilled, its KV pages
@@ -18,6 +19,7 @@ prefill reused, on both legs.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 import uuid
 from collections import OrderedDict
@@ -28,7 +30,6 @@ from typing import Any, TypeVar
 
 import grpc
 import structlog
-import xxhash
 from google.protobuf import struct_pb2, timestamp_pb2
 from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2, sglang_scheduler_pb2_grpc
 
@@ -107,13 +108,21 @@ async def _abortable(it: AsyncIterator[T], abort: asyncio.Event) -> AsyncIterato
             await aclose()
 
 
-def _choice(sampling: Sampling, tokens: bytes, index: int) -> Sampling:
+def _seeded(sampling: Sampling) -> Sampling:
+    """A sampled request's own random seed: SGLang's protocol carries none, and the engine
+    samples every request at random (two requests of one prompt differ), as SGLang does; our
+    engines would otherwise derive a fixed seed from the prompt."""
+    if sampling.temperature <= 0 or sampling.seed is not None:
+        return sampling
+    return replace(sampling, seed=secrets.randbits(64))
+
+
+def _choice(sampling: Sampling, index: int) -> Sampling:
     """Choice ``index`` of n: its own sampling stream (index 0 is the request as sent), so the
     choices differ when sampling is random, as an engine's parallel samples do."""
-    if index == 0 or sampling.temperature <= 0:
+    if index == 0 or sampling.temperature <= 0 or sampling.seed is None:
         return sampling
-    base = sampling.seed if sampling.seed is not None else xxhash.xxh3_64_intdigest(tokens)
-    return replace(sampling, seed=(base + index) & ((1 << 64) - 1))
+    return replace(sampling, seed=(sampling.seed + index) & ((1 << 64) - 1))
 
 
 SMG_FEATURES = frozenset({"logit_bias", "logprobs"})  # of the engine's features, those served here
@@ -187,7 +196,7 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
             ids = list(request.tokenized.input_ids)
             if len(ids) > self.max_context:
                 raise InvalidArgument(f"prompt has {len(ids)} tokens, the context holds {self.max_context}")
-            sampling = self._surface(request, sampling_from_sglang(request.sampling_params))
+            sampling = _seeded(self._surface(request, sampling_from_sglang(request.sampling_params)))
             n = request.sampling_params.n or 1
             stop_ids = frozenset(request.sampling_params.stop_token_ids)
             tokens = pack_ids(ids)
@@ -205,7 +214,7 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
                         yield msg
                 return
             for index in range(n):
-                chunks = self._local(tokens, hashes, _choice(sampling, tokens, index), stop_ids, len(ids))
+                chunks = self._local(tokens, hashes, _choice(sampling, index), stop_ids, len(ids))
                 async for msg in self._respond(rid, index, chunks, request.stream, abort):
                     yield msg
         except NodeError as e:

@@ -36,10 +36,11 @@ from prefixgate.openai.normalize import (
     content_text,
     render_completion,
 )
-from prefixgate.openai.schema import ParsedRequest
+from prefixgate.openai.schema import ParsedRequest, choice_seed
 
 # Fields the gateway owns: consumed by it (documents, pins), replaced by it (the prompt, the
-# length, streaming), or that ask for output the gateway's token stream does not carry.
+# length, streaming; ``n``: each choice is its own request, with its own seed, ``for_choice``),
+# or that ask for output the gateway's token stream does not carry.
 GATEWAY_FIELDS = frozenset(
     {
         "model",
@@ -55,10 +56,9 @@ GATEWAY_FIELDS = frozenset(
         "n",
         "best_of",
         "echo",
-        "logprobs",
-        "top_logprobs",
     }
 )
+MAX_ENGINE_SEED = 2**63 - 1
 TEXT_PARTS = ("text", "input_text")
 
 
@@ -139,8 +139,18 @@ def engine_body(
             body["stop"] = list(s.stop)
         if req.user:
             body["user"] = req.user
+        if s.logit_bias:
+            body["logit_bias"] = {str(t): b for t, b in s.logit_bias.items()}
+        if s.logprobs:
+            if req.kind == "chat":
+                body["logprobs"] = True
+                body["top_logprobs"] = s.top_logprobs
+            else:
+                body["logprobs"] = s.top_logprobs
         if req.tools:
             body["tools"] = list(req.tools)
+            if req.tool_choice is not None:
+                body["tool_choice"] = req.tool_choice
     body["model"] = req.model
     body["max_tokens"] = req.sampling.max_tokens
     body["stream"] = True
@@ -154,3 +164,12 @@ def engine_body(
     else:
         body["prompt"] = render_completion(req.prompt or "", documents=documents, normalize=normalize).text
     return OpenAIBody(req.kind, body)
+
+
+def for_choice(req: OpenAIBody, seed: int | None, choice: int) -> OpenAIBody:
+    """The body of choice ``choice`` of a request: one generation (``n`` is the gateway's), its
+    own seed when the request has one (``schema.choice_seed``; choice 0 keeps the client's).
+    Without a seed an engine samples every request at random, so the choices differ."""
+    if choice == 0 or seed is None:
+        return req
+    return OpenAIBody(req.kind, {**req.body, "seed": choice_seed(seed, choice) & MAX_ENGINE_SEED})

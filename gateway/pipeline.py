@@ -30,13 +30,13 @@ from prefixgate.gateway.features import unable
 from prefixgate.gateway.metrics import Metrics
 from prefixgate.gateway.nodeclient import NodeFailure, OpenAIBody, Prompt, TokenDelta, TokenStream
 from prefixgate.gateway.nodes import Node, NodePool
-from prefixgate.gateway.openai_body import engine_body
+from prefixgate.gateway.openai_body import engine_body, for_choice
 from prefixgate.gateway.refusals import refusal
 from prefixgate.gateway.routing import Decision, Policy, RouteInput, parse_policy, planner
 from prefixgate.gateway.routing.inflight import InflightPrefixes, extension, follows_inflight, merge_hits
 from prefixgate.gateway.routing.planner import Plan, RequestView, Rules
 from prefixgate.gateway.tokens import ChatEncoder
-from prefixgate.gateway.toolcalls.support import passing_through, plan_tools
+from prefixgate.gateway.toolcalls.support import ToolPlan, passing_through, plan_tools
 from prefixgate.gateway.vocab import FailureKind, Mode, Stage
 from prefixgate.openai.exceptions import InvalidRequest, Overloaded, StreamBroken, Unavailable
 from prefixgate.openai.features import Feature
@@ -346,6 +346,12 @@ class Pipeline:
 
     # -- prepare ---------------------------------------------------------------------------
 
+    def _passing_through(self, model: str) -> bool:
+        """Every node serving ``model`` takes the OpenAI request whole (an HTTP worker): their
+        engines render the tools and parse the calls, which are relayed as they send them."""
+        nodes = self._serving(model)
+        return bool(nodes) and all(n.client.capabilities.openai_body for n in nodes)
+
     def namespace(self, model: str, tenant: str) -> Namespace:
         salt = "" if tenant in self.settings.shared_namespaces else tenant
         return Namespace(model, salt, self.settings.block_size, self.tokenizer.name)
@@ -364,9 +370,12 @@ class Pipeline:
             docs.append(self.documents.get(tenant, doc_id))
         normalize = self.switches.normalization
         chat_tools = req.tools if req.kind == "chat" else None
-        tools = plan_tools(
-            chat_tools, req.tool_choice, req.needs, self.tokenizer, self.settings.tool_call_parser
-        )
+        if chat_tools and self._passing_through(req.model):  # the workers parse their own calls
+            tools = ToolPlan("", chat_tools, req.needs)
+        else:
+            tools = plan_tools(
+                chat_tools, req.tool_choice, req.needs, self.tokenizer, self.settings.tool_call_parser
+            )
         try:
             if req.kind == "chat" and isinstance(self.tokenizer, ChatEncoder):
                 # the model's own chat template over the canonical messages (gateway.tokens)
@@ -686,7 +695,7 @@ class Pipeline:
         """The prompt for ``node``; with the OpenAI request when the node generates from it."""
         openai = None
         if node is not None and node.client.capabilities.openai_body and prep.openai_body is not None:
-            openai = prep.openai_body()
+            openai = for_choice(prep.openai_body(), prep.sampling.seed, prep.sampling.choice)
         return Prompt(prep.request_id, prep.tokens, prep.hashes, prep.sampling, openai)
 
     @staticmethod

@@ -4,13 +4,15 @@ Every choice carries its ``index``; streamed chunks of different choices interle
 produced, each choice ending with its own ``finish_reason``. ``usage`` counts the prompt once and
 the completion tokens of every choice. Log probabilities, when asked, are the node's per token:
 chat as ``logprobs.content`` entries (``token``, ``logprob``, ``bytes``, ``top_logprobs``),
-completions as ``tokens``/``token_logprobs``/``top_logprobs``/``text_offset``.
+completions as ``tokens``/``token_logprobs``/``top_logprobs``/``text_offset``. Tool calls an
+engine parsed itself (an HTTP worker) are relayed as it sent them: streamed, its
+``delta.tool_calls`` entries; whole, the entries merged per call (``merge_tool_calls``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -70,6 +72,25 @@ class TextLogprobs:
         }
 
 
+def merge_tool_calls(deltas: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Streamed tool-call deltas as whole calls: per ``index``, the first id, type and name, the
+    argument pieces joined."""
+    calls: dict[int, dict[str, Any]] = {}
+    for d in deltas:
+        i = d.get("index")
+        call = calls.setdefault(i if isinstance(i, int) else len(calls), {})
+        for key in ("id", "type"):
+            if d.get(key) and key not in call:
+                call[key] = d[key]
+        fn = d.get("function")
+        if isinstance(fn, Mapping):
+            f = call.setdefault("function", {"name": "", "arguments": ""})
+            if fn.get("name") and not f["name"]:
+                f["name"] = fn["name"]
+            f["arguments"] += str(fn.get("arguments") or "")
+    return [{"type": "function", **c} for _, c in sorted(calls.items())]
+
+
 def _ids(ch: Choices, kind: str) -> tuple[str, str]:
     if kind == "chat":
         return f"chatcmpl-{ch.request_id}", "chat.completion"
@@ -81,9 +102,11 @@ async def complete(ch: Choices, parsed: ParsedRequest, kind: str, headers: dict[
     n = len(ch.executions)
     texts: list[list[str]] = [[] for _ in range(n)]
     lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
+    calls: list[list[Mapping[str, Any]]] = [[] for _ in range(n)]
     async for i, d in ch.stream():
         texts[i].append(d.text)
         lps[i].extend(d.logprobs)
+        calls[i].extend(d.tool_calls)
     want = parsed.sampling.logprobs
     choices: list[dict[str, Any]] = []
     for i, ex in enumerate(ch.executions):
@@ -93,6 +116,8 @@ async def complete(ch: Choices, parsed: ParsedRequest, kind: str, headers: dict[
             called = False
             if parser := toolcalls.parser_of(ex):  # the gateway parses the model's tool calls
                 msg, called = toolcalls.message(parser, text)
+            elif calls[i]:  # the engine parsed them
+                msg = {"role": "assistant", "content": text or None, "tool_calls": merge_tool_calls(calls[i])}
             choices.append(
                 {
                     "index": i,
@@ -130,12 +155,19 @@ async def stream(ch: Choices, parsed: ParsedRequest, kind: str) -> AsyncGenerato
     offsets = [TextLogprobs() for _ in ch.executions] if want and not chat else []
 
     def chunk(
-        i: int, text: str, finish: str | None, first: bool, lps: Sequence[TokenLogprob]
+        i: int,
+        text: str,
+        finish: str | None,
+        first: bool,
+        lps: Sequence[TokenLogprob],
+        calls: Sequence[Mapping[str, Any]] = (),
     ) -> dict[str, Any]:
         if chat:
             delta: dict[str, Any] = (
                 {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
             )
+            if calls:
+                delta["tool_calls"] = list(calls)
             lp = chat_logprobs(lps) if want and lps else None
             choice: dict[str, Any] = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}
         else:
@@ -175,8 +207,8 @@ async def stream(ch: Choices, parsed: ParsedRequest, kind: str) -> AsyncGenerato
                     yield tool_chunk(i, part, closing, not started[i], d.logprobs if k == 0 else ())
                     started[i] = True
                 continue
-            if d.text or not started[i] or d.finish_reason or d.logprobs:
-                yield sse(chunk(i, d.text, d.finish_reason or None, not started[i], d.logprobs))
+            if d.text or not started[i] or d.finish_reason or d.logprobs or d.tool_calls:
+                yield sse(chunk(i, d.text, d.finish_reason or None, not started[i], d.logprobs, d.tool_calls))
                 started[i] = True
         last = sse({**base, "choices": [], "usage": usage(ch)}) if parsed.include_usage else b""
         yield last + SSE_DONE  # one write for the two last events

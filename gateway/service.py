@@ -112,7 +112,13 @@ class GatewayService:
         return events_connector(s.kv_events, ns, workers.connector(s, lambda: self.tokenizer.name, codec))
 
     def _count_usage(self, ex: Execution) -> None:
+        """One request, its prompt counted once: a request's choices after the first (each its
+        own execution, ``gateway.choices``) add their output tokens only, as the response's
+        ``usage`` counts them."""
         p = ex.prep
+        if p.sampling.choice:
+            self.usage.record(p.tenant, p.model, 0, 0, ex.completion_tokens, requests=0)
+            return
         self.usage.record(p.tenant, p.model, ex.prompt_tokens, ex.cached_tokens, ex.completion_tokens)
 
     def _resync_node(self, node: Node) -> None:

@@ -38,7 +38,7 @@ _LE64 = struct.Struct("<Q")
 
 class SimEngine:
     name = "sim"
-    features: frozenset[str] = frozenset()  # no model, no logits: no logprobs nor logit_bias
+    features: frozenset[str] = frozenset({"seed"})  # no logits: no logprobs nor logit_bias
     eos_token = textgen.EOS_TOKEN
 
     def __init__(

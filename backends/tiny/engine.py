@@ -39,7 +39,7 @@ T = TypeVar("T")
 
 class TinyEngine:
     name = "tiny"
-    features = frozenset({"logprobs", "logit_bias"})  # real logits: both are honest
+    features = frozenset({"logprobs", "logit_bias", "seed"})  # real logits
     eos_token = EOS_TOKEN
     time_scale = 1.0
 

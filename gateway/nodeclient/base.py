@@ -152,13 +152,16 @@ class TokenLogprob:
 class TokenDelta:
     """One step of generation; ``completion_tokens`` is the running total (0: not reported).
     ``logprobs``: one per token of this step, when the request asked for them; ``prompt_tokens``
-    is the node's own count of the prompt when it reports one (0: not)."""
+    is the node's own count of the prompt when it reports one (0: not). ``tool_calls``: the
+    engine's own tool-call deltas (OpenAI's ``delta.tool_calls`` entries, as it sent them), from
+    a worker that parses tool calls itself."""
 
     text: str = ""
     finish_reason: str = ""
     completion_tokens: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()
     prompt_tokens: int = 0
+    tool_calls: tuple[Mapping[str, Any], ...] = ()
 
 
 @dataclass(slots=True)

@@ -47,11 +47,16 @@ from prefixgate.gateway.nodeclient.base import (
     Prompt,
     StageTimings,
     TokenDelta,
+    TokenLogprob,
 )
 from prefixgate.gateway.routing.costmodel import S5000
 from prefixgate.gateway.vocab import FailureKind, Stage
+from prefixgate.openai.features import Feature
 
-CAPABILITIES = Capabilities(openai_body=True)
+# What the body relays and the stream brings back, as the engine takes and gives it; the engine
+# itself refuses what it cannot do (a 400 the client gets).
+RELAYED = frozenset(f.value for f in (Feature.LOGPROBS, Feature.LOGIT_BIAS, Feature.TOOLS, Feature.SEED))
+CAPABILITIES = Capabilities(openai_body=True, features=RELAYED)
 # An HTTP worker states no prefill speed. Without one every prefill would look free and the
 # routing policy would give a cached prefix no weight against load; this declared nominal
 # figure (the reference server's) gives the cache its usual worth.
@@ -172,6 +177,41 @@ def parse_metrics(text: str) -> tuple[int, int]:
     if not seen:
         raise ValueError("/metrics: no request gauges")
     return int(totals["running"]), int(totals["waiting"])
+
+
+def _float(v: Any) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return float("-inf")
+
+
+def parse_logprobs(raw: Any, chat: bool) -> tuple[TokenLogprob, ...]:
+    """An engine's log probabilities of one chunk (chat ``logprobs.content`` entries, or the
+    completions arrays), one per token; () when there are none."""
+    if not isinstance(raw, Mapping):
+        return ()
+    out: list[TokenLogprob] = []
+    if chat:
+        for e in raw.get("content") or ():
+            if not isinstance(e, Mapping):
+                continue
+            top = tuple(
+                (str(t.get("token", "")), _float(t.get("logprob")))
+                for t in e.get("top_logprobs") or ()
+                if isinstance(t, Mapping)
+            )
+            out.append(TokenLogprob(0, str(e.get("token", "")), _float(e.get("logprob")), top))
+        return tuple(out)
+    tokens = raw.get("tokens") or []
+    values = raw.get("token_logprobs") or []
+    tops = raw.get("top_logprobs") or []
+    for i, tok in enumerate(tokens):
+        alt = tops[i] if i < len(tops) and isinstance(tops[i], Mapping) else {}
+        value = values[i] if i < len(values) else None
+        top = tuple((str(k), _float(v)) for k, v in alt.items())
+        out.append(TokenLogprob(0, str(tok), _float(value), top))
+    return tuple(out)
 
 
 class HttpOpenAIClient:
@@ -453,9 +493,13 @@ class SSEStream:
         choices = obj.get("choices") or [{}]
         choice = choices[0] if isinstance(choices[0], Mapping) else {}
         message = choice.get("message") if self._chat else None
-        text = (message or {}).get("content") if self._chat else choice.get("text")
+        message = message if isinstance(message, Mapping) else {}
+        text = message.get("content") if self._chat else choice.get("text")
         finish = str(choice.get("finish_reason") or "stop")
-        return self._final(str(text or ""), finish)
+        lps = parse_logprobs(choice.get("logprobs"), self._chat)
+        calls = message.get("tool_calls")
+        calls = [{"index": i, **c} for i, c in enumerate(calls) if isinstance(c, Mapping)] if calls else []
+        return self._final(str(text or ""), finish, lps, tuple(calls))
 
     def _check_error(self, obj: Mapping[str, Any]) -> None:
         err = obj.get("error")
@@ -472,11 +516,22 @@ class SSEStream:
         if isinstance(details, Mapping):
             self.cached_tokens = int(details.get("cached_tokens") or 0)
 
-    def _final(self, text: str, finish: str) -> TokenDelta:
+    def _final(
+        self,
+        text: str,
+        finish: str,
+        lps: tuple[TokenLogprob, ...] = (),
+        calls: tuple[Mapping[str, Any], ...] = (),
+    ) -> TokenDelta:
         if text:
             self._completion += 1
         return TokenDelta(
-            text, finish, self._usage_completion or self._completion, prompt_tokens=self._prompt_tokens
+            text,
+            finish,
+            self._usage_completion or self._completion,
+            lps,
+            self._prompt_tokens,
+            calls,
         )
 
     async def _event(self) -> Mapping[str, Any] | None:
@@ -497,17 +552,26 @@ class SSEStream:
         self._usage(obj.get("usage"))
         return obj
 
-    def _choice(self, obj: Mapping[str, Any]) -> tuple[str, str]:
+    def _choice(
+        self, obj: Mapping[str, Any]
+    ) -> tuple[str, str, tuple[TokenLogprob, ...], tuple[Mapping[str, Any], ...]]:
+        """A chunk's text, finish reason, log probabilities and tool-call deltas."""
         choices = obj.get("choices")
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], Mapping):
-            return "", ""
+            return "", "", (), ()
         c = choices[0]
+        calls: tuple[Mapping[str, Any], ...] = ()
         if self._chat:
             delta = c.get("delta")
-            text = delta.get("content") if isinstance(delta, Mapping) else None
+            delta = delta if isinstance(delta, Mapping) else {}
+            text = delta.get("content")
+            raw = delta.get("tool_calls")
+            if isinstance(raw, list):
+                calls = tuple(t for t in raw if isinstance(t, Mapping))
         else:
             text = c.get("text")
-        return str(text or ""), str(c.get("finish_reason") or "")
+        lps = parse_logprobs(c.get("logprobs"), self._chat)
+        return str(text or ""), str(c.get("finish_reason") or ""), lps, calls
 
     async def _next(self) -> TokenDelta:
         while True:
@@ -519,15 +583,15 @@ class SSEStream:
                     await self.aclose()
                     return d
                 raise StopAsyncIteration  # cut off without a finish: the caller says what that means
-            text, finish = self._choice(obj)
+            text, finish, lps, calls = self._choice(obj)
             if finish:
                 await self._drain()
-                d = self._final(text, finish)
+                d = self._final(text, finish, lps, calls)
                 await self.aclose()
                 return d
-            if text:
-                self._completion += 1
-                return TokenDelta(text, "", self._completion)
+            if text or lps or calls:
+                self._completion += max(1, len(lps)) if text or lps else 0
+                return TokenDelta(text, "", self._completion, lps, tool_calls=calls)
 
     async def _drain(self) -> None:
         """After the finish: read on to the usage chunk and the end of the stream (bounded)."""

@@ -170,10 +170,12 @@ class EngineInfo:
 
 
 class Runtime(Protocol):
-    """One engine family on the SMG protocol."""
+    """One engine family on the SMG protocol; ``features``: what its messages carry beyond plain
+    sampling (``prefixgate.openai.features``)."""
 
     name: str
     service: str
+    features: frozenset[str]
 
     def stub(self, channel: grpc.aio.Channel) -> Any: ...
 
@@ -324,7 +326,7 @@ class SmgNodeClient:
             raise failure(self._address, Stage.PROBE, e) from e
         info = self.info
         assert info is not None
-        return _status(info, loads)
+        return _status(info, loads, runtime.features)
 
     async def _loads(self, runtime: Runtime, timeout: float) -> Any:
         """GetLoads; an engine without it is probed with HealthCheck and reports no load."""
@@ -482,7 +484,7 @@ class SmgNodeClient:
         await self.channel.close()
 
 
-def _status(info: EngineInfo, loads: Any) -> NodeStatus:
+def _status(info: EngineInfo, loads: Any, features: frozenset[str]) -> NodeStatus:
     bs = max(1, info.page_size)
     running = waiting = used = total = uncached = max_running = 0
     for load in getattr(loads, "loads", ()):
@@ -506,6 +508,7 @@ def _status(info: EngineInfo, loads: Any) -> NodeStatus:
         profile=CostProfile(name=info.runtime),
         instance_id=info.instance_id,
         models=(info.model_name,) if info.model_name else (),
+        features=features,
     )
 
 

@@ -76,6 +76,9 @@ def sampling_params(prompt: Prompt, stop_token_ids: Sequence[int]) -> pb.Samplin
 class SglangRuntime:
     name = "sglang"
     service = "sglang.grpc.scheduler.SglangScheduler"
+    # SamplingParams has no seed: the engine samples each request at random, so a request's
+    # choices (independent requests) differ, and a sampled request's ``seed`` is refused.
+    features: frozenset[str] = frozenset()
 
     def stub(self, channel: grpc.aio.Channel) -> Any:
         return pb_grpc.SglangSchedulerStub(channel)

@@ -42,6 +42,8 @@ from prefixgate.gateway.nodeclient.smg_common import (
     packed_ids,
 )
 from prefixgate.gateway.vocab import FailureKind, Stage
+from prefixgate.openai.features import Feature
+from prefixgate.openai.schema import choice_seed
 
 PREFILL_PARAMS = json.dumps({"do_remote_decode": True, "do_remote_prefill": False})
 ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
@@ -68,8 +70,8 @@ def sampling_params(prompt: Prompt, stop_token_ids: Sequence[int]) -> pb.Samplin
     )
     if s.max_tokens > 0:
         params.max_tokens = s.max_tokens
-    if s.seed is not None:
-        params.seed = s.seed & _I32
+    if s.seed is not None:  # each choice its own seed (none: the engine samples at random)
+        params.seed = choice_seed(s.seed, s.choice) & _I32
     return params
 
 
@@ -93,6 +95,7 @@ def prefill_params(prompt: Prompt) -> pb.SamplingParams:
 class VllmRuntime:
     name = "vllm"
     service = "vllm.grpc.engine.VllmEngine"
+    features = frozenset({Feature.SEED.value})  # SamplingParams.seed
 
     def stub(self, channel: grpc.aio.Channel) -> Any:
         return pb_grpc.VllmEngineStub(channel)

@@ -1,9 +1,12 @@
 """Request features an engine may or may not serve, and which field of a request asks for each.
 
-The gateway does ``n``, ``stop`` and ``seed`` for every engine (``n`` as independent choices,
-``stop`` on the node's output, ``seed`` passed on). What depends on the engine behind a node is
-listed here: a node reports the features it serves (``NodeStatus.features``), and the gateway
-refuses a request with a 400 naming the field before routing when no node can serve it. Pure.
+The gateway does ``n`` and ``stop`` for every engine (``n`` as the engine takes it: in the
+request, or as independent choices, each its own sampling stream; ``stop`` on the node's output).
+What depends on the engine behind a node is listed here: a node reports the features it serves
+(``NodeStatus.features``), and the gateway refuses a request with a 400 naming the field before
+routing when no node can serve it. ``seed`` is one: an engine whose protocol carries no seed
+(SGLang over gRPC) would sample at random, so a sampled request with a ``seed`` is refused
+rather than answered as if the seed had been used. Pure.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ class Feature(StrEnum):
     RESPONSE_FORMAT = "response_format"  # constrained decoding to JSON (object or schema)
     TOOLS = "tools"  # tool calls rendered and parsed by the engine's chat template
     IMAGES = "images"  # image content parts (a vision model)
+    SEED = "seed"  # reproducible sampling under the request's seed
 
 
 WHAT = {
@@ -25,6 +29,7 @@ WHAT = {
     Feature.RESPONSE_FORMAT: "constrained JSON output",
     Feature.TOOLS: "tool calls",
     Feature.IMAGES: "image inputs",
+    Feature.SEED: "sampling seeds",
 }
 
 

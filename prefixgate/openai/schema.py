@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+import xxhash
 
 from prefixgate.openai.errors import invalid
 from prefixgate.openai.exceptions import NotFound, TooLarge
@@ -44,6 +45,14 @@ class Sampling:
     # Output decoded with special tokens shown (but the end of turn): a tool-call parser whose
     # markers are special tokens needs them, as SGLang decodes when tools are given.
     keep_special_tokens: bool = False
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of choice ``choice`` of a request seeded with ``seed`` (a 64-bit value; choice 0
+    keeps the request's seed): each choice its own stream, each reproducible."""
+    if choice == 0:
+        return seed & 0xFFFFFFFFFFFFFFFF
+    return xxhash.xxh3_64_intdigest(f"{seed}:{choice}".encode())
 
 
 @dataclass(slots=True)
@@ -372,6 +381,8 @@ def parse_request(
     )
     if sampling.logit_bias:
         needs[Feature.LOGIT_BIAS] = "logit_bias"
+    if seed is not None and sampling.temperature > 0:  # greedy output is the same with any seed
+        needs[Feature.SEED] = "seed"
     _logprobs(body, kind, sampling, needs)
     response_format = _response_format(body)
     if response_format is not None:

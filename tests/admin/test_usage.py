@@ -72,3 +72,18 @@ def test_usage_counts_what_the_engines_reported(stack: AdminStack) -> None:
         check=True,
     )
     assert "Usage" in cli.stdout and MODEL in cli.stdout and "CNY" in cli.stdout
+
+
+def test_n_choices_count_one_request_and_the_prompt_once(stack: AdminStack) -> None:
+    before = _totals(stack)
+    got = chat(stack, [{"role": "user", "content": document(73, 200)}], n=2, temperature=1).json()
+    after = _totals(stack)
+    assert len(got["choices"]) == 2
+    usage = got["usage"]
+    assert after["requests"] - before["requests"] == 1
+    assert after["prompt_tokens"] - before["prompt_tokens"] == usage["prompt_tokens"]
+    assert after["cached_tokens"] - before["cached_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
+    assert after["computed_tokens"] - before["computed_tokens"] == (
+        usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
+    )
+    assert after["output_tokens"] - before["output_tokens"] == usage["completion_tokens"]

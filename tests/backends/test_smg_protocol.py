@@ -456,7 +456,8 @@ async def test_n_choices_sample_apart(tiny: tuple[NodeServer, pb_grpc.SglangSche
     outs = {m.complete.index: list(m.complete.output_ids) for m in msgs}
     assert outs[0] != outs[1]
     again = await collect(stub, request(LONG, max_new=8, n=2, temperature=1.0))
-    assert {m.complete.index: list(m.complete.output_ids) for m in again} == outs  # deterministic
+    # no seed on this protocol: every request is sampled at random, as SGLang samples
+    assert {m.complete.index: list(m.complete.output_ids) for m in again} != outs
 
 
 async def test_pd_decode_waits_out_a_prefill_longer_than_the_bootstrap_timeout(nodes: StartNode) -> None:

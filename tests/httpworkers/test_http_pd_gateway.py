@@ -300,3 +300,36 @@ def _refused(*args: str) -> str:
 )
 def test_pools_that_cannot_hand_kv_over_are_refused_at_startup(args: list[str], said: str) -> None:
     assert said in _refused(*args)
+
+
+def _choices_and_logprobs(r: httpx.Response) -> list[tuple[str, list[tuple[str, float, int]]]]:
+    assert r.status_code == 200, r.text
+    out = []
+    for c in sorted(r.json()["choices"], key=lambda c: c["index"]):
+        lps = [(e["token"], round(e["logprob"], 5), len(e["top_logprobs"])) for e in c["logprobs"]["content"]]
+        out.append((c["message"]["content"], lps))
+    return out
+
+
+def test_n_choices_with_logprobs_over_sglang_pd(nodes: Cluster) -> None:
+    """n=2 with logprobs through a PD pair (greedy: both choices are the node's one answer)."""
+    content = f"(n with logprobs) {LONG}"
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    (want,) = _choices_and_logprobs(
+        httpx.post(f"{nodes.monolithic.url}/v1/chat/completions", json=body, timeout=60, trust_env=False)
+    )
+    assert want[0] and len(want[1]) == 6 and all(top == 2 for _, _, top in want[1])
+    gateway, base = _gateway(_pd_args(nodes.prefill, nodes.decode, "sglang"))
+    try:
+        r = httpx.post(f"{base}/v1/chat/completions", json={**body, "n": 2}, timeout=60, trust_env=False)
+        assert r.headers["x-prefixgate-route"] == "disaggregated"
+        assert _choices_and_logprobs(r) == [want, want]
+    finally:
+        gateway.stop(timeout=10)

@@ -1,6 +1,8 @@
 """Engine doubles on real gRPC (loopback), for what our own nodes do not do: a scripted KV event
 stream (gaps, DATA_LOSS, UNIMPLEMENTED), and a ``VllmEngine`` face that serves through one of
-our nodes (its ``SglangScheduler``) and records the transfer parameters it is given."""
+our nodes (its ``SglangScheduler``) and records the transfer parameters it is given. SGLang's
+messages carry no seed: a seeded request is generated on the node itself, under that seed, as
+vLLM honours ``SamplingParams.seed``."""
 
 from __future__ import annotations
 
@@ -18,7 +20,11 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as spb_grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
+from prefixgate.backends.engine import Sampling
 from prefixgate.backends.hftok import TOKENIZER_DIR
+from prefixgate.backends.hftok import load as load_tokenizer
+from prefixgate.backends.node import Node
+from prefixgate.backends.smg_convert import chain_hashes, chain_root, pack_ids, token_map
 
 Script = Callable[[int], list[Any]]  # subscription number -> batches, or a grpc.StatusCode to end with
 
@@ -84,6 +90,7 @@ class VllmOverOurNode(vpb_grpc.VllmEngineServicer):  # type: ignore[misc]
 
     target: str
     kv_role: str = ""
+    node: Node | None = None  # the node behind ``target``: seeded requests are generated on it
     params_seen: list[str] = field(default_factory=list)
     requests: list[Any] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
@@ -123,11 +130,44 @@ class VllmOverOurNode(vpb_grpc.VllmEngineServicer):  # type: ignore[misc]
             await self.stub.Abort(spb.AbortRequest(request_id=rid))
         return vpb.AbortResponse()
 
+    async def _seeded(self, request: Any) -> AsyncIterator[Any]:
+        """A whole seeded request on the node, under its seed (wire ids out, deltas counted)."""
+        assert self.node is not None
+        p = request.sampling_params
+        tok = load_tokenizer()
+        ids = list(request.tokenized.input_ids)
+        tokens = pack_ids(ids)
+        bs = self.node.block_size
+        hashes = chain_hashes(tokens, bs, chain_root("vllm-double", bs, tok.path.name))
+        wire = token_map(self.node.engine, tok)
+        sampling = Sampling.normalized(p.max_tokens, p.temperature, p.top_p, p.seed, ())
+        eos = self.node.engine.eos_token
+        out: list[int] = []
+        finish = "length"
+        async for c in self.node.generate(tokens, hashes, sampling):
+            new = [wire.wire(t) for t in c.token_ids if t != eos]
+            out += new
+            finish = c.finish_reason or finish
+            if new:
+                yield vpb.GenerateResponse(
+                    chunk=vpb.GenerateStreamChunk(
+                        token_ids=new, prompt_tokens=len(ids), completion_tokens=len(new)
+                    )
+                )
+        done = vpb.GenerateComplete(
+            output_ids=out[-1:], finish_reason=finish, prompt_tokens=len(ids), completion_tokens=len(out)
+        )
+        yield vpb.GenerateResponse(complete=done)
+
     async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
         self.requests.append(request)
         if request.HasField("kv_transfer_params_json"):
             self.params_seen.append(request.kv_transfer_params_json)
         p = request.sampling_params
+        if p.HasField("seed") and self.node is not None and request.stream:
+            async for m in self._seeded(request):
+                yield m
+            return
         sp = spb.SamplingParams(
             temperature=p.temperature, top_p=p.top_p, top_k=-1, stop_token_ids=list(p.stop_token_ids)
         )

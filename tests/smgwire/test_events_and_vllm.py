@@ -165,7 +165,7 @@ async def vllm(nodes: StartNode) -> AsyncIterator[Any]:
 
     async def start(kv_role: str = "") -> tuple[doubles.VllmOverOurNode, SmgNodeClient, Any]:
         ns = await nodes("monolithic")
-        servicer = doubles.VllmOverOurNode(ns.address, kv_role)
+        servicer = doubles.VllmOverOurNode(ns.address, kv_role, ns.node)
         server, addr = await doubles.serve(doubles.add_vllm(servicer))
         servers.append(server)
         c = SmgNodeClient(f"grpc://{addr}", addr, SmgOptions(block_size=BS, root_of=root_of, codec=HF))

@@ -15,6 +15,7 @@ import pytest
 
 from prefixgate.backends.smg_service import SglangSchedulerService
 from tests.helpers import Proc, free_port, spawn
+from tests.smgwire import doubles
 from tests.smgwire.conftest import MODEL, StartNode
 
 PROMPT = (
@@ -102,3 +103,40 @@ async def test_a_client_gone_mid_stream_aborts_the_request(
             while not seen and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
     assert len(seen) == 1
+
+
+async def _texts(http: httpx.AsyncClient, **kw: Any) -> list[str]:
+    r = await http.post("/v1/completions", json=body(max_tokens=12, **kw))
+    assert r.status_code == 200, r.text
+    return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+
+async def test_n_choices_on_vllm_differ_and_a_seed_reproduces_them(nodes: StartNode) -> None:
+    ns = await nodes("monolithic")
+    servicer = doubles.VllmOverOurNode(ns.address, node=ns.node)
+    server, addr = await doubles.serve(doubles.add_vllm(servicer))
+    try:
+        async with gateway("--worker-urls", f"grpc://{addr}") as base:
+            async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+                seeded = await _texts(http, n=3, temperature=1, seed=11)
+                assert len(set(seeded)) == 3  # each choice its own seed
+                assert await _texts(http, n=3, temperature=1, seed=11) == seeded
+                assert await _texts(http, n=3, temperature=1, seed=12) != seeded
+                assert len(set(await _texts(http, n=3, temperature=1))) == 3  # the engine's random
+    finally:
+        await server.stop(0)
+    seeds = [r.sampling_params.seed for r in servicer.requests if r.sampling_params.HasField("seed")]
+    assert len(seeds) == 9 and seeds[0] == 11 and len(set(seeds[:3])) == 3
+
+
+async def test_sglang_refuses_a_seed_and_samples_each_choice_at_random(nodes: StartNode) -> None:
+    mono = await nodes("monolithic")
+    async with gateway("--worker-urls", f"grpc://{mono.address}") as base:
+        async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+            r = await http.post("/v1/completions", json=body(temperature=1, seed=1))
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == "seed" and err["type"] == "invalid_request_error"
+            assert "sglang" in err["message"]
+            assert len(await _texts(http, temperature=0, seed=1)) == 1  # greedy: any seed is the same
+            assert len(set(await _texts(http, n=3, temperature=1))) == 3

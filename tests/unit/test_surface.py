@@ -41,7 +41,7 @@ def test_surface_fields_parse_into_the_request() -> None:
     r = chat(n=3, logprobs=True, top_logprobs=4, logit_bias={"17": -5, "3": 2.5}, seed=9)
     assert r.n == 3 and r.sampling.logprobs and r.sampling.top_logprobs == 4 and r.sampling.seed == 9
     assert r.sampling.logit_bias == {17: -5.0, 3: 2.5}
-    assert r.needs == {Feature.LOGPROBS: "logprobs", Feature.LOGIT_BIAS: "logit_bias"}
+    assert r.needs == {Feature.LOGPROBS: "logprobs", Feature.LOGIT_BIAS: "logit_bias", Feature.SEED: "seed"}
     assert chat(top_logprobs=0).needs == {}  # zero alternatives asks for nothing
     plain = chat()
     assert plain.n == 1 and not plain.sampling.logprobs and plain.needs == {}
