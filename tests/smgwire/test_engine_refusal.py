@@ -27,7 +27,9 @@ async def test_a_prompt_over_the_engines_context_is_the_clients_400(
     node = await nodes("monolithic", capacity_blocks=CONTEXT_BLOCKS)
     address = f"{scheme}{node.address}"
     grpc_port = free_port()
-    async with gateway(flag, address, "--grpc-port", str(grpc_port)) as base:
+    # our own protocol's nodes take the gateway's block hashes: these nodes have 16-token blocks
+    sizes = ["--block-size", "16"] if not scheme else []
+    async with gateway(flag, address, "--grpc-port", str(grpc_port), *sizes) as base:
         client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=30)
         for stream in (False, True, False, True):  # more refusals than the breaker's threshold
             with pytest.raises(openai.BadRequestError) as info:
