@@ -48,7 +48,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import grpc
@@ -60,8 +60,9 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from prefixgate.backends import grammar
 from prefixgate.backends.bootstrap import DEFAULT_BOOTSTRAP_TIMEOUT_S, BootstrapServer, handshake
-from prefixgate.backends.engine import Sampling
+from prefixgate.backends.engine import Constraint, Engine, Sampling
 from prefixgate.backends.errors import FailedPrecondition, NodeError
 from prefixgate.backends.generation import Chunk, Generation
 from prefixgate.backends.node import Node, PrefillCall, PrefillResult
@@ -148,9 +149,22 @@ class Renderer:
         return Prompt(tokens, block_hashes(tokens, self.block_size, self.root))
 
 
-def sampling_of(req: ParsedRequest) -> Sampling:
+def sampling_of(req: ParsedRequest, engine: Engine) -> Sampling:
+    """The node's sampling for ``req``: ``response_format`` as the engine's constraint, where the
+    engine can follow one (a 400 naming the field otherwise, or when its schema does not compile,
+    as OpenAI-compatible servers answer)."""
     s = req.sampling
-    return Sampling.normalized(s.max_tokens, s.temperature, s.top_p, s.seed, s.stop)
+    sampling = Sampling.normalized(s.max_tokens, s.temperature, s.top_p, s.seed, s.stop)
+    if s.constraint is None:
+        return sampling
+    if "response_format" not in engine.features:
+        raise invalid(f"'response_format' is not supported by the {engine.name} engine", "response_format")
+    constraint = Constraint(s.constraint.kind, s.constraint.text)
+    try:
+        grammar.check(constraint)
+    except grammar.ConstraintFailed as e:
+        raise invalid(e.message, "response_format") from None
+    return replace(sampling, constraint=constraint)
 
 
 def usage(chunk: Chunk) -> dict[str, Any]:
@@ -536,7 +550,7 @@ class NodeAPI:
         body = await self._json(request)
         req = self._parse(body, kind)
         prompt = self.renderer.prompt(self.renderer.tokens(req))
-        gen, first, extra = await self._run(body, prompt, sampling_of(req))
+        gen, first, extra = await self._run(body, prompt, sampling_of(req, self.node.engine))
         wire = Wire(kind, req.model, req.include_usage)
         if req.stream:
             return StreamingResponse(
