@@ -141,6 +141,8 @@ def engine_body(
             body["user"] = req.user
         if req.tools:
             body["tools"] = list(req.tools)
+        if req.response_format is not None:
+            body["response_format"] = dict(req.response_format)
     body["model"] = req.model
     body["max_tokens"] = req.sampling.max_tokens
     body["stream"] = True

@@ -51,7 +51,8 @@ from prefixgate.gateway.nodeclient.base import (
 from prefixgate.gateway.routing.costmodel import S5000
 from prefixgate.gateway.vocab import FailureKind, Stage
 
-CAPABILITIES = Capabilities(openai_body=True)
+# ``response_format`` is relayed in the request as sent: OpenAI-compatible servers constrain it.
+CAPABILITIES = Capabilities(openai_body=True, features=frozenset({"response_format"}))
 # An HTTP worker states no prefill speed. Without one every prefill would look free and the
 # routing policy would give a cached prefix no weight against load; this declared nominal
 # figure (the reference server's) gives the cache its usual worth.

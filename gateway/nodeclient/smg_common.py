@@ -88,7 +88,7 @@ def failure(node_id: str, stage: Stage, err: BaseException) -> NodeFailure:
         kind = KINDS.get(code, FailureKind.INTERNAL)
         if code == grpc.StatusCode.FAILED_PRECONDITION:
             trailers = {k: v for k, v in (err.trailing_metadata() or ())}
-            kind = FailureKind.INVALID if CONSTRAINT_TRAILER in trailers else FailureKind.INTERNAL
+            kind = FailureKind.CONSTRAINT if CONSTRAINT_TRAILER in trailers else FailureKind.INTERNAL
         return NodeFailure(node_id, stage, kind, f"{code.name}: {err.details() or ''}")
     if isinstance(err, TimeoutError):
         return NodeFailure(node_id, stage, FailureKind.TIMEOUT, "timed out")
@@ -160,6 +160,7 @@ class EngineInfo:
     kv_connector: str = ""  # vLLM
     kv_events: bool = True  # until SubscribeKvEvents says UNIMPLEMENTED
     eos_token_ids: tuple[int, ...] = ()
+    features: frozenset[str] = frozenset()  # engine features served (``prefixgate.openai.features``)
 
 
 class Runtime(Protocol):
@@ -498,6 +499,7 @@ def _status(info: EngineInfo, loads: Any) -> NodeStatus:
         max_concurrency=max_running or info.max_running,
         profile=CostProfile(name=info.runtime),
         instance_id=info.instance_id,
+        features=info.features,
     )
 
 
