@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import jsonschema
+import jsonschema  # type: ignore[import-untyped]  # (installed with check-jsonschema; no stubs)
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
