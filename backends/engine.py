@@ -25,6 +25,15 @@ MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True, slots=True)
+class Constraint:
+    """What the output must match: ``kind`` "json_schema" (``text`` the schema's JSON), "regex",
+    "ebnf" (an EBNF/GBNF grammar) or "structural_tag" (xgrammar's structural tag JSON)."""
+
+    kind: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
 class Sampling:
     """Sampling and stopping (mirror of ``prefixgate.v1.SamplingParams``)."""
 
@@ -37,6 +46,7 @@ class Sampling:
     logprobs: bool = False  # report each output token's log probability
     top_logprobs: int = 0  # and this many most likely alternatives
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    constraint: Constraint | None = None  # constrained decoding (``backends.grammar``)
 
     @classmethod
     def normalized(

@@ -12,6 +12,7 @@ import grpc
 
 class NodeError(Exception):
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    trailers: tuple[tuple[str, str], ...] = ()  # trailing metadata to send with the status
 
     def __init__(self, message: str, *, stage: str = "request", code: grpc.StatusCode | None = None) -> None:
         super().__init__(message)

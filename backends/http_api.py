@@ -48,7 +48,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import grpc
@@ -60,8 +60,9 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from prefixgate.backends import grammar
 from prefixgate.backends.bootstrap import DEFAULT_BOOTSTRAP_TIMEOUT_S, BootstrapServer, handshake
-from prefixgate.backends.engine import Sampling, TokenLogprob
+from prefixgate.backends.engine import Constraint, Engine, Sampling, TokenLogprob
 from prefixgate.backends.errors import FailedPrecondition, NodeError
 from prefixgate.backends.generation import Chunk, Generation
 from prefixgate.backends.node import Node, PrefillCall, PrefillResult
@@ -148,14 +149,26 @@ class Renderer:
         return Prompt(tokens, block_hashes(tokens, self.block_size, self.root))
 
 
-def sampling_of(req: ParsedRequest, features: frozenset[str] = frozenset()) -> Sampling:
-    """The request's sampling; log probabilities on an engine that has them, refused elsewhere."""
+def sampling_of(req: ParsedRequest, engine: Engine) -> Sampling:
+    """The node's sampling for ``req``: log probabilities on an engine that has them, and
+    ``response_format`` as the engine's constraint where the engine can follow one (a 400 naming
+    the field otherwise, or when its schema does not compile, as OpenAI-compatible servers answer)."""
     s = req.sampling
-    if s.logprobs and "logprobs" not in features:
+    if s.logprobs and "logprobs" not in engine.features:
         raise invalid("log probabilities are not supported by this node's engine", "logprobs")
-    return Sampling.normalized(
+    sampling = Sampling.normalized(
         s.max_tokens, s.temperature, s.top_p, s.seed, s.stop, logprobs=s.logprobs, top_logprobs=s.top_logprobs
     )
+    if s.constraint is None:
+        return sampling
+    if "response_format" not in engine.features:
+        raise invalid(f"'response_format' is not supported by the {engine.name} engine", "response_format")
+    constraint = Constraint(s.constraint.kind, s.constraint.text)
+    try:
+        grammar.check(constraint)
+    except grammar.ConstraintFailed as e:
+        raise invalid(e.message, "response_format") from None
+    return replace(sampling, constraint=constraint)
 
 
 def wire_logprobs(
@@ -590,7 +603,7 @@ class NodeAPI:
         req = self._parse(body, kind)
         prompt = self.renderer.prompt(self.renderer.tokens(req))
         engine = self.node.engine
-        gen, first, extra = await self._run(body, prompt, sampling_of(req, engine.features))
+        gen, first, extra = await self._run(body, prompt, sampling_of(req, engine))
         text_of = engine.token_text if req.sampling.logprobs else None
         wire = Wire(kind, req.model, req.include_usage, text_of)
         if req.stream:

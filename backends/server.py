@@ -92,6 +92,9 @@ async def _abort(context: Any, e: NodeError) -> None:
     await context.abort(e.code, e.message)
 
 
+NATIVE_UNSERVED = frozenset({"response_format"})
+
+
 class NodeService(node_pb2_grpc.NodeServicer):
     """Translates between the wire and ``backends.node.Node``."""
 
@@ -213,7 +216,9 @@ class NodeService(node_pb2_grpc.NodeServicer):
             instance_id=s.instance_id,
             prefix_hit_tokens=s.prefix_hit_tokens,
             prompt_tokens=s.prompt_tokens,
-            features=sorted(s.features),
+            # this protocol's SamplingParams carry no constraint: constrained decoding is served on
+            # the SMG and HTTP faces only
+            features=sorted(s.features - NATIVE_UNSERVED),
         )
 
     async def KVEvents(

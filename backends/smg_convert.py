@@ -12,12 +12,12 @@ import array
 import struct
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import xxhash
 from smg_grpc_proto.generated import common_pb2
 
-from prefixgate.backends.engine import MAX_TOKENS_LIMIT, Engine, Sampling
+from prefixgate.backends.engine import MAX_TOKENS_LIMIT, Constraint, Engine, Sampling
 from prefixgate.backends.errors import InvalidArgument
 from prefixgate.backends.events import EventKind, KVEventRecord
 from prefixgate.backends.hftok import ShippedTokenizer
@@ -64,12 +64,11 @@ def sampling_from_sglang(p: object) -> Sampling:
 
     String ``stop`` is refused as an SGLang engine started with ``skip_tokenizer_init`` does:
     the gateway owns text (stop strings are matched there; single-token ones arrive as
-    ``stop_token_ids``). Constraints (regex, JSON schema, grammar) are refused too.
+    ``stop_token_ids``). A constraint is taken as sent (``constraint_of``); whether the engine
+    can follow it is the service's to say.
     """
     if list(p.stop):  # type: ignore[attr-defined]
         raise InvalidArgument("stop strings are not accepted: send stop_token_ids (the client owns text)")
-    if p.WhichOneof("constraint"):  # type: ignore[attr-defined]
-        raise InvalidArgument(f"constrained decoding ({p.WhichOneof('constraint')}) is not supported")  # type: ignore[attr-defined]
     n = p.n or 1  # type: ignore[attr-defined]
     if n > MAX_N:
         raise InvalidArgument(f"n must be at most {MAX_N}, got {n}")
@@ -77,7 +76,28 @@ def sampling_from_sglang(p: object) -> Sampling:
     if max_new > MAX_TOKENS_LIMIT:
         raise InvalidArgument(f"max_new_tokens must be at most {MAX_TOKENS_LIMIT}, got {max_new}")
     temperature = float(p.temperature)  # type: ignore[attr-defined]
-    return Sampling.normalized(max_new, temperature, float(p.top_p), None, ())  # type: ignore[attr-defined]
+    sampling = Sampling.normalized(max_new, temperature, float(p.top_p), None, ())  # type: ignore[attr-defined]
+    return replace(sampling, constraint=constraint_of(p))
+
+
+SGLANG_CONSTRAINTS = {
+    "json_schema": "json_schema",
+    "regex": "regex",
+    "ebnf_grammar": "ebnf",
+    "structural_tag": "structural_tag",
+}
+
+
+def constraint_of(p: object) -> Constraint | None:
+    """SGLang ``SamplingParams.constraint`` (one of json_schema, regex, ebnf_grammar,
+    structural_tag) as a ``Constraint``; None when unset."""
+    which = p.WhichOneof("constraint")  # type: ignore[attr-defined]
+    if not which:
+        return None
+    kind = SGLANG_CONSTRAINTS.get(which)
+    if kind is None:
+        raise InvalidArgument(f"constraint {which!r} is not supported")
+    return Constraint(kind, str(getattr(p, which)))
 
 
 def signed64(h: int) -> int:

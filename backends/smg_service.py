@@ -33,6 +33,7 @@ import structlog
 from google.protobuf import struct_pb2, timestamp_pb2
 from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2, sglang_scheduler_pb2_grpc
 
+from prefixgate.backends import grammar
 from prefixgate.backends.bootstrap import DEFAULT_BOOTSTRAP_TIMEOUT_S, BootstrapServer, handshake
 from prefixgate.backends.engine import MAX_TOP_LOGPROBS, Sampling, TokenLogprob
 from prefixgate.backends.errors import FailedPrecondition, InvalidArgument, NodeError
@@ -125,7 +126,8 @@ def _choice(sampling: Sampling, index: int) -> Sampling:
     return replace(sampling, seed=(sampling.seed + index) & ((1 << 64) - 1))
 
 
-SMG_FEATURES = frozenset({"logit_bias", "logprobs"})  # of the engine's features, those served here
+# of the engine's features, those served here
+SMG_FEATURES = frozenset({"logit_bias", "logprobs", "response_format"})
 
 
 class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):  # type: ignore[misc]
@@ -219,7 +221,7 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
                     yield msg
         except NodeError as e:
             log.warning("request failed", code=e.code.name, stage=e.stage, error=e.message)
-            await context.abort(e.code, e.message)
+            await context.abort(e.code, e.message, trailing_metadata=e.trailers)
         except Aborted:
             log.info("request aborted")
             await context.abort(grpc.StatusCode.INTERNAL, "Request aborted")
@@ -228,10 +230,15 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
                 del self._aborts[rid]
 
     def _surface(self, request: Any, sampling: Sampling) -> Sampling:
-        """``logit_bias`` (wire ids) and output log probabilities, on an engine that serves them;
-        refused, not dropped, elsewhere. Log probabilities are served on whole requests only (a
+        """A constraint, ``logit_bias`` (wire ids) and output log probabilities, on an engine that
+        serves them; refused, not dropped, elsewhere (a constraint that does not compile is the
+        request's FAILED_PRECONDITION). Log probabilities are served on whole requests only (a
         decode leg does not learn its prefill leg's first one)."""
         engine = self.node.engine
+        if sampling.constraint is not None:
+            if "response_format" not in engine.features:
+                raise InvalidArgument(f"constrained decoding is not supported by the {engine.name} engine")
+            grammar.check(sampling.constraint)  # FAILED_PRECONDITION + smg-constraint-failed
         if request.return_logprob:
             if "logprobs" not in engine.features:
                 raise InvalidArgument(f"return_logprob is not supported by the {engine.name} engine")
@@ -484,6 +491,8 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
             "kv_cache_dtype": fmt.dtype,
             "page_size": bs,
             "attention_backend": self.node.engine.name,
+            # SGLang's own switch: "none" = no constrained decoding on this engine
+            "grammar_backend": "llguidance" if "response_format" in self.node.engine.features else "none",
             "kv_events_config": '{"publisher": "grpc", "topic": "kv-events"}',
         }
 

@@ -151,6 +151,8 @@ def engine_body(
             body["tools"] = list(req.tools)
             if req.tool_choice is not None:
                 body["tool_choice"] = req.tool_choice
+        if req.response_format is not None:
+            body["response_format"] = dict(req.response_format)
     body["model"] = req.model
     body["max_tokens"] = req.sampling.max_tokens
     body["stream"] = True

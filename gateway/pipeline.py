@@ -405,6 +405,8 @@ class Pipeline:
             )
         sampling = req.sampling
         sampling.keep_special_tokens = bool(tools.parser)  # tool-call markers may be special tokens
+        if tools.constraint is not None:
+            sampling.constraint = tools.constraint  # tool_choice forces calls
         room = s.context_window - n
         if sampling.max_tokens > room:
             if req.max_tokens_given or room < 1:
@@ -615,8 +617,8 @@ class Pipeline:
                 excluded.add(outcome.node.id)
 
         self.metrics.requests.labels(route, "failed").inc()
-        refused = refusal(failures[-1].error) if failures else None
-        if refused is not None:  # the engine judged the client's own request: its answer is a 400
+        refused = refusal(failures[-1].error, prep.needs.get(Feature.RESPONSE_FORMAT)) if failures else None
+        if refused is not None:  # the engine judged the client's own request: its answer is a 400 (422)
             raise refused
         if failures and all(f.error.kind == FailureKind.OVERLOADED for f in failures):
             raise Overloaded("every node is at capacity; retry shortly", retry_after=1)
@@ -639,7 +641,7 @@ class Pipeline:
         self.metrics.retries.labels(f.error.stage.value).inc()
 
     def _note_failure(self, f: Failure) -> None:
-        if f.error.kind not in (FailureKind.OVERLOADED, FailureKind.INVALID):  # load or a bad request
+        if f.error.kind not in (FailureKind.OVERLOADED, FailureKind.INVALID, FailureKind.CONSTRAINT):
             f.node.breaker.on_failure(time.monotonic())
         else:
             f.node.breaker.on_release()

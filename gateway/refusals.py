@@ -4,7 +4,9 @@ When a node answers that the request itself is wrong (gRPC INVALID_ARGUMENT / OU
 SMG and prefixgate.v1 protocols, HTTP 400/413/422 from an OpenAI-compatible worker), no other node
 can serve it either: the client gets OpenAI's ``invalid_request_error`` with the engine's own words,
 bounded and without internal addresses, and ``code`` ``context_length_exceeded`` when the engine
-says the prompt does not fit its context (the code OpenAI's clients look for).
+says the prompt does not fit its context (the code OpenAI's clients look for). An engine that
+says the request's constraint failed (FAILED_PRECONDITION with trailer ``smg-constraint-failed``)
+gives a 422 naming the field that asked for the constraint.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import re
 
 from prefixgate.gateway.nodeclient import NodeFailure
 from prefixgate.gateway.vocab import FailureKind, Stage
-from prefixgate.openai.exceptions import InvalidRequest
+from prefixgate.openai.exceptions import InvalidRequest, Unprocessable
 
 MAX_MESSAGE = 300
 # Stages at which a node judged the request (CACHE and PROBE refusals are the gateway's own asks).
@@ -37,11 +39,17 @@ _ADDRESS = re.compile(
 )
 
 
-def refusal(error: NodeFailure) -> InvalidRequest | None:
-    """The client's 400 for a node's refusal of the request; None when it is no such refusal."""
-    if error.kind != FailureKind.INVALID or error.stage not in JUDGED:
+def refusal(error: NodeFailure, constraint_param: str | None = None) -> InvalidRequest | None:
+    """The client's 400 for a node's refusal of the request, its 422 when the engine could not
+    follow the request's constraint (``constraint_param``: the field that asked for it); None
+    when it is no such refusal."""
+    if error.kind not in (FailureKind.INVALID, FailureKind.CONSTRAINT) or error.stage not in JUDGED:
         return None
     message = _ADDRESS.sub("<node>", _STATUS_PREFIX.sub("", error.detail.strip()))
     message = message[:MAX_MESSAGE] or "the request is invalid"
+    if error.kind == FailureKind.CONSTRAINT:
+        return Unprocessable(
+            f"the model server could not follow the constraint: {message}", param=constraint_param
+        )
     code = "context_length_exceeded" if _CONTEXT.search(error.detail) else None
     return InvalidRequest(f"the model server refused the request: {message}", code=code)

@@ -67,9 +67,10 @@ class FailureKind(StrEnum):
     HANDLE_GONE = "handle_gone"  # the decode node lost the KV handle
     FORMAT_REFUSED = "format_refused"  # KV pages in a format the decode node does not take
     INVALID = "invalid"  # the request itself is wrong: retrying elsewhere cannot help
+    CONSTRAINT = "constraint"  # the request's constraint (grammar) failed on the engine: likewise
     CANCELLED = "cancelled"  # the node or the client cancelled the call
     INTERNAL = "internal"  # the node failed in an unexpected way
 
     @property
     def retryable(self) -> bool:
-        return self is not FailureKind.INVALID
+        return self not in (FailureKind.INVALID, FailureKind.CONSTRAINT)

@@ -39,7 +39,9 @@ T = TypeVar("T")
 
 class TinyEngine:
     name = "tiny"
-    features = frozenset({"logprobs", "logit_bias", "seed"})  # real logits
+    # Real logits: log probabilities and logit bias are honest, seeded sampling reproducible, and
+    # a constraint's mask applies to them (``backends.grammar``).
+    features = frozenset({"logprobs", "logit_bias", "seed", "response_format"})
     eos_token = EOS_TOKEN
     time_scale = 1.0
 

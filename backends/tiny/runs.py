@@ -16,10 +16,11 @@ import time
 import numpy as np
 
 from prefixgate.backends.engine import DecodeJob, PrefillJob, PrefillOutput, Sampling, TokenLogprob, Tokens
+from prefixgate.backends.grammar import Guide
 from prefixgate.backends.tiny import sampling as smp
 from prefixgate.backends.tiny.kvcache import KVCache
 from prefixgate.backends.tiny.model import TinyModel
-from prefixgate.backends.tiny.vocab import EOS_TOKEN, embedding_rows, token_ids
+from prefixgate.backends.tiny.vocab import EOS_TOKEN, OUTPUT_IDS, embedding_rows, token_ids
 
 DECODE_HEADROOM = 256  # positions allocated beyond the prompt before the cache grows
 
@@ -75,7 +76,10 @@ class PrefillRun:
         token, lp = 0, None
         if self.job.first_token:
             assert self.logits is not None
-            token, lp = smp.pick(self.logits, self.job.sampling, gen, smp.bias_vector(self.job.sampling))
+            c = self.job.sampling.constraint
+            allowed = Guide(c, OUTPUT_IDS).allowed() if c is not None else None
+            sampling = self.job.sampling
+            token, lp = smp.pick(self.logits, sampling, gen, smp.bias_vector(sampling), allowed)
         return PrefillOutput(pages, tail, token, smp.next_state(gen), lp)
 
 
@@ -96,6 +100,11 @@ class DecodeRun:
         self.gen = smp.rng(job.state)
         self.bias = smp.bias_vector(job.sampling)
         self.ended = job.max_new <= 0
+        # A constraint's matcher, past the first token (chosen by prefill under the same one).
+        self.guide: Guide | None = None
+        if job.sampling.constraint is not None and not self.ended:
+            self.guide = Guide(job.sampling.constraint, OUTPUT_IDS)
+            self.guide.advance([job.first_token])
 
     def step(self, max_tokens: int, budget_s: float) -> Tokens:
         """Up to ``max_tokens`` tokens, stopping early once ``budget_s`` has passed."""
@@ -107,7 +116,10 @@ class DecodeRun:
             rows = embedding_rows(np.array([self.last], dtype=np.uint32), vocab)
             logits = self.model.forward(rows, self.cache, self.pos, logits=True)
             assert logits is not None
-            token, lp = smp.pick(logits, self.sampling, self.gen, self.bias)
+            allowed = self.guide.allowed() if self.guide is not None else None
+            token, lp = smp.pick(logits, self.sampling, self.gen, self.bias, allowed)
+            if self.guide is not None:
+                self.guide.advance([token])
             if lp is not None:
                 logprobs.append(lp)
             out.append(token)

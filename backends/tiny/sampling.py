@@ -16,7 +16,9 @@ Choice ``i > 0`` of a request with ``n`` choices mixes ``i`` into ``base`` (choi
 choices differ from each other and each is reproducible under a seed. ``logit_bias`` is added to
 the logits of the classes of the token ids it names (ids the model cannot output are ignored)
 before anything else; log probabilities are those of the biased logits at temperature 1 (the
-model's distribution, not the sampler's).
+model's distribution, not the sampler's). Under a constraint (``backends.grammar``) the classes
+it does not allow are removed (logit -inf) before the choice, greedy or sampled; the log
+probabilities are still the model's.
 """
 
 from __future__ import annotations
@@ -67,11 +69,13 @@ def pick(
     sampling: Sampling,
     gen: np.random.Generator,
     bias: NDArray[np.float32] | None,
+    allowed: NDArray[np.bool_] | None = None,
 ) -> tuple[int, TokenLogprob | None]:
-    """The output token for one position, and its log probability when the sampling asks."""
+    """The output token for one position, and its log probability when the sampling asks;
+    ``allowed``: the classes a constraint lets through (None: all)."""
     if bias is not None:
         logits = logits + bias
-    cls = choose(logits, sampling, gen)
+    cls = choose(logits if allowed is None else np.where(allowed, logits, -np.inf), sampling, gen)
     lp = logprob_of(logits, cls, sampling.top_logprobs) if sampling.logprobs else None
     return token_of_class(cls), lp
 

@@ -54,8 +54,12 @@ from prefixgate.gateway.vocab import FailureKind, Stage
 from prefixgate.openai.features import Feature
 
 # What the body relays and the stream brings back, as the engine takes and gives it; the engine
-# itself refuses what it cannot do (a 400 the client gets).
-RELAYED = frozenset(f.value for f in (Feature.LOGPROBS, Feature.LOGIT_BIAS, Feature.TOOLS, Feature.SEED))
+# itself refuses what it cannot do (a 400 the client gets). ``response_format`` is relayed as sent:
+# OpenAI-compatible servers constrain it.
+RELAYED = frozenset(
+    f.value
+    for f in (Feature.LOGPROBS, Feature.LOGIT_BIAS, Feature.TOOLS, Feature.SEED, Feature.RESPONSE_FORMAT)
+)
 CAPABILITIES = Capabilities(openai_body=True, features=RELAYED)
 # An HTTP worker states no prefill speed. Without one every prefill would look free and the
 # routing policy would give a cached prefix no weight against load; this declared nominal

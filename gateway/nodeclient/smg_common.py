@@ -89,7 +89,7 @@ def failure(node_id: str, stage: Stage, err: BaseException) -> NodeFailure:
         kind = KINDS.get(code, FailureKind.INTERNAL)
         if code == grpc.StatusCode.FAILED_PRECONDITION:
             trailers = {k: v for k, v in (err.trailing_metadata() or ())}
-            kind = FailureKind.INVALID if CONSTRAINT_TRAILER in trailers else FailureKind.INTERNAL
+            kind = FailureKind.CONSTRAINT if CONSTRAINT_TRAILER in trailers else FailureKind.INTERNAL
         return NodeFailure(node_id, stage, kind, f"{code.name}: {err.details() or ''}")
     if isinstance(err, TimeoutError):
         return NodeFailure(node_id, stage, FailureKind.TIMEOUT, "timed out")
@@ -162,6 +162,7 @@ class EngineInfo:
     kv_connector: str = ""  # vLLM
     kv_events: bool = True  # until SubscribeKvEvents says UNIMPLEMENTED
     eos_token_ids: tuple[int, ...] = ()
+    features: frozenset[str] = frozenset()  # engine features served (``prefixgate.openai.features``)
 
     @property
     def model_name(self) -> str:
@@ -508,7 +509,7 @@ def _status(info: EngineInfo, loads: Any, features: frozenset[str]) -> NodeStatu
         profile=CostProfile(name=info.runtime),
         instance_id=info.instance_id,
         models=(info.model_name,) if info.model_name else (),
-        features=features,
+        features=features | info.features,
     )
 
 

@@ -44,6 +44,8 @@ from prefixgate.gateway.nodeclient.smg_common import (
     packed_ids,
 )
 from prefixgate.gateway.vocab import FailureKind, Stage
+from prefixgate.openai.constraint import Constraint
+from prefixgate.openai.features import Feature
 
 ROOM_LIMIT = (1 << 31) - 1  # the gRPC room is int32
 BLAME_GRACE_S = 0.3  # a failed decode leg waits this long for its prefill leg's own verdict
@@ -70,7 +72,25 @@ def sampling_params(prompt: Prompt, stop_token_ids: Sequence[int]) -> pb.Samplin
     )
     if s.max_tokens > 0:
         params.max_new_tokens = s.max_tokens
+    constrain(params, s.constraint)
     return params
+
+
+# SGLang constrains decoding unless started with ``--grammar-backend none``.
+CONSTRAINED = frozenset({Feature.RESPONSE_FORMAT.value})
+SGLANG_CONSTRAINTS = {
+    "json_schema": "json_schema",
+    "regex": "regex",
+    "ebnf": "ebnf_grammar",
+    "structural_tag": "structural_tag",
+}
+
+
+def constrain(params: pb.SamplingParams, constraint: Constraint | None) -> None:
+    """The request's constraint into SGLang's ``constraint`` oneof (``json_schema``, ``regex``,
+    ``ebnf_grammar``, ``structural_tag``: the grammar backend takes each as text)."""
+    if constraint is not None:
+        setattr(params, SGLANG_CONSTRAINTS[constraint.kind], constraint.text)
 
 
 class SglangRuntime:
@@ -114,6 +134,7 @@ class SglangRuntime:
             max_running=int(args.get("max_running_requests") or 0),
             bootstrap_port=int(args.get("disaggregation_bootstrap_port") or 0),
             eos_token_ids=tuple(model.eos_token_ids),
+            features=CONSTRAINED if str(args.get("grammar_backend") or "xgrammar") != "none" else frozenset(),
         )
 
     async def loads(self, stub: Any, timeout: float) -> Any:

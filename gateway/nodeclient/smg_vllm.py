@@ -42,6 +42,7 @@ from prefixgate.gateway.nodeclient.smg_common import (
     packed_ids,
 )
 from prefixgate.gateway.vocab import FailureKind, Stage
+from prefixgate.openai.constraint import Constraint
 from prefixgate.openai.features import Feature
 from prefixgate.openai.schema import choice_seed
 
@@ -72,7 +73,26 @@ def sampling_params(prompt: Prompt, stop_token_ids: Sequence[int]) -> pb.Samplin
         params.max_tokens = s.max_tokens
     if s.seed is not None:  # each choice its own seed (none: the engine samples at random)
         params.seed = choice_seed(s.seed, s.choice) & _I32
+    constrain(params, s.constraint)
     return params
+
+
+CONSTRAINED = frozenset({Feature.RESPONSE_FORMAT.value})
+VLLM_CONSTRAINTS = {
+    "json_schema": "json_schema",
+    "regex": "regex",
+    "ebnf": "grammar",
+    "structural_tag": "structural_tag",
+}
+
+
+def constrain(params: pb.SamplingParams, constraint: Constraint | None) -> None:
+    """The request's constraint into vLLM's ``constraint`` oneof (``json_schema``, ``regex``,
+    ``grammar``, ``structural_tag``); ``json_object`` is sent as the schema ``{"type": "object"}``,
+    which means the same and reads the same on both runtimes. The prefill leg of a split request
+    runs one discarded token and carries none (the decode leg's own request does)."""
+    if constraint is not None:
+        setattr(params, VLLM_CONSTRAINTS[constraint.kind], constraint.text)
 
 
 def prefill_params(prompt: Prompt) -> pb.SamplingParams:
@@ -120,6 +140,7 @@ class VllmRuntime:
             max_running=server.max_num_seqs,
             kv_connector=server.kv_connector,
             eos_token_ids=tuple(model.eos_token_ids),
+            features=CONSTRAINED,  # vLLM's structured outputs are always on
         )
 
     async def loads(self, stub: Any, timeout: float) -> Any:

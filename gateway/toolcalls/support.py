@@ -9,9 +9,10 @@ request keeps its ``tools`` need and nodes that do not serve it refuse it, as be
 
 ``tool_choice`` as SGLang treats it: ``none`` renders the template without the tools and parses
 nothing; ``auto`` (or absent) renders them and parses the answer. ``required`` and a named
-function are kept by the engines with constrained decoding, which these nodes do not offer over
-this path, so such a request gets a 400 naming ``tool_choice`` rather than an answer that may
-carry no call.
+function also constrain the output to calls in the parser's format (``forcing``): the request
+then needs constrained decoding (``response_format`` among the node features, asked for by the
+field ``tool_choice``), and where the parser's format cannot be forced it gets a 400 naming
+``tool_choice`` rather than an answer that may carry no call.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixgate.gateway.toolcalls.detect import detect_parser, mentions_tools
+from prefixgate.gateway.toolcalls.forcing import forceable, forced_calls
+from prefixgate.openai.constraint import Constraint
 from prefixgate.openai.exceptions import InvalidRequest
 from prefixgate.openai.features import Feature, refusal
 
@@ -31,6 +34,7 @@ class ToolPlan:
     parser: str = ""  # "" : the gateway parses nothing
     tools: list[Any] | None = None  # what the template renders
     needs: dict[Feature, str] = field(default_factory=dict)  # engine features left for the nodes
+    constraint: Constraint | None = None  # the calls ``tool_choice`` forces
 
 
 def template_sources(tokenizer: object) -> Mapping[str, str]:
@@ -83,12 +87,19 @@ def plan_tools(
         return ToolPlan("", None, rest)
     if tool_choice not in (None, "auto"):
         what = "'required'" if tool_choice == "required" else "a named function"
-        raise InvalidRequest(
-            f"'tool_choice' {what} needs constrained decoding, which the engines serving this model "
-            "do not offer; use 'auto'",
-            param="tool_choice",
-            code="unsupported_parameter",
-        )
+        if not forceable(parser):
+            raise InvalidRequest(
+                f"'tool_choice' {what} cannot be forced in the {parser} tool-call format; use 'auto'",
+                param="tool_choice",
+                code="unsupported_parameter",
+            )
+        if Feature.RESPONSE_FORMAT in rest:
+            raise InvalidRequest(
+                f"'tool_choice' {what} and 'response_format' cannot be combined: each constrains the answer",
+                param="tool_choice",
+            )
+        rest[Feature.RESPONSE_FORMAT] = "tool_choice"
+        return ToolPlan(parser, tools, rest, forced_calls(tools, tool_choice, parser))
     return ToolPlan(parser, tools, rest)
 
 

@@ -20,6 +20,7 @@ from prefixgate.openai.exceptions import (
     TooLarge,
     Unauthenticated,
     Unavailable,
+    Unprocessable,
 )
 
 _TYPES = {
@@ -78,6 +79,7 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
 
 
 _STATUS: tuple[tuple[type[GatewayError], int], ...] = (
+    (Unprocessable, 422),
     (InvalidRequest, 400),
     (Unauthenticated, 401),
     (Forbidden, 403),

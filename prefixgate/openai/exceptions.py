@@ -35,6 +35,12 @@ class InvalidRequest(GatewayError):
     default_code = "invalid_request"
 
 
+class Unprocessable(InvalidRequest):
+    """Well-formed, but the engine could not follow it (a constraint whose grammar failed)."""
+
+    default_code = "invalid_constraint"
+
+
 class Unauthenticated(GatewayError):
     """No credentials, or wrong ones."""
 

@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 import xxhash
 
+from prefixgate.openai.constraint import Constraint, from_response_format
 from prefixgate.openai.errors import invalid
 from prefixgate.openai.exceptions import NotFound, TooLarge
 from prefixgate.openai.features import Feature
@@ -45,6 +46,9 @@ class Sampling:
     # Output decoded with special tokens shown (but the end of turn): a tool-call parser whose
     # markers are special tokens needs them, as SGLang decodes when tools are given.
     keep_special_tokens: bool = False
+    # What the output must match (``response_format``, or a forced tool call): the engine's
+    # constrained decoding.
+    constraint: Constraint | None = None
 
 
 def choice_seed(seed: int, choice: int) -> int:
@@ -387,6 +391,7 @@ def parse_request(
     response_format = _response_format(body)
     if response_format is not None:
         needs[Feature.RESPONSE_FORMAT] = "response_format"
+        sampling.constraint = from_response_format(response_format)
     stream = _bool(body, "stream")
     opts = body.get("stream_options")
     include_usage = False

@@ -196,6 +196,8 @@ def test_tool_choice_none_is_served(tiny: OpenAI) -> None:
 
 
 def test_tiny_refuses_what_it_cannot_constrain(tiny: OpenAI) -> None:
+    """Over the native protocol (whose sampling carries no constraint) the tiny engine does not
+    advertise constrained decoding; its SMG and HTTP faces do (tests/structured)."""
     tools: Any = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
     for stream in (False, True):
         msg = refused(

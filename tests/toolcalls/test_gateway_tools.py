@@ -74,6 +74,7 @@ class RecordingSglang(ScriptedSglang):
         self.answers: list[str] = []
         self.inputs: list[list[int]] = []
         self.streamed: list[bool] = []
+        self.constraints: list[str] = []  # the constraint oneof each request set ("" none)
 
     async def GetModelInfo(self, request: Any, context: Any) -> Any:
         return spb.GetModelInfoResponse(model_path="double", eos_token_ids=list(self.eos))
@@ -85,6 +86,7 @@ class RecordingSglang(ScriptedSglang):
         ids = list(request.tokenized.input_ids)
         self.inputs.append(ids)
         self.streamed.append(request.stream)
+        self.constraints.append(request.sampling_params.WhichOneof("constraint") or "")
         out = list(self.hf.encode(self.answers.pop(0), add_special_tokens=False)) + list(self.eos[:1])
         rid = request.request_id
         if request.stream:
@@ -269,7 +271,6 @@ async def test_tool_calls_whole_streamed_and_a_second_turn(
                 },
                 "messages[1].tool_calls[0].function.arguments",
             ),
-            ({"messages": [user], "tool_choice": "required"}, "tool_choice"),
             ({"messages": [user], "tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),
         ]
         for extra, param in bad:
@@ -278,6 +279,12 @@ async def test_tool_calls_whole_streamed_and_a_second_turn(
                 await create(client, **kw)
             assert param_of(e.value) == param
         assert len(double.inputs) == 4  # none of them reached the engine
+
+        # tool_choice "required": the engine (an SGLang, which constrains) is asked for the calls
+        double.answers = [ANSWER.removeprefix("Let me check.\n")]
+        r5 = await create(client, model=MODEL, messages=[user], tools=TOOLS, tool_choice="required")
+        assert r5.choices[0].finish_reason == "tool_calls"
+        assert double.constraints[-1] == "structural_tag" and set(double.constraints[:-1]) == {""}
 
         # n choices: each parsed on its own, each call with its own id
         double.answers = [ANSWER, FOLLOW_UP]

@@ -51,8 +51,18 @@ def test_plan(tool_dir: Path) -> None:
     none = plan_tools(TOOLS, "none", {Feature.LOGPROBS: "logprobs"}, tok, "")
     assert (none.parser, none.tools) == ("", None)  # no tools in the template, nothing parsed
     for choice in ("required", {"type": "function", "function": {"name": "f"}}):
-        with pytest.raises(InvalidRequest) as e:
-            plan_tools(TOOLS, choice, dict(NEEDS), tok, "")
+        # forced: a structural tag of hermes calls, which needs an engine that constrains
+        forced = plan_tools(TOOLS, choice, dict(NEEDS), tok, "")
+        assert forced.needs == {Feature.LOGPROBS: "logprobs", Feature.RESPONSE_FORMAT: "tool_choice"}
+        assert forced.constraint is not None and forced.constraint.kind == "structural_tag"
+        fmt = json.loads(forced.constraint.text)["format"]
+        assert fmt["type"] == "tags_with_separator" and fmt["at_least_one"]
+        assert fmt["tags"][0]["begin"].startswith('<tool_call>\n{"name": "')
+        with pytest.raises(InvalidRequest) as e:  # a format no grammar can force
+            plan_tools(TOOLS, choice, dict(NEEDS), tok, "pythonic")
+        assert e.value.param == "tool_choice"
+        with pytest.raises(InvalidRequest) as e:  # two constraints on one answer
+            plan_tools(TOOLS, choice, {Feature.RESPONSE_FORMAT: "response_format"}, tok, "")
         assert e.value.param == "tool_choice"
     kept = plan_tools(TOOLS, "auto", dict(NEEDS), open_tokenizer_dir(str(TOKENIZER_DIR)), "")
     assert (kept.parser, kept.tools, kept.needs) == ("", TOOLS, NEEDS)  # the nodes decide, as before
