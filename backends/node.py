@@ -103,7 +103,7 @@ class NodeSnapshot:
     engine: str
     kv_format: KVFormat
     capacity_blocks: int
-    used_blocks: int
+    used_blocks: int  # held, cached ones included
     pinned_blocks: int
     queued_requests: int
     queued_tokens: int
@@ -118,6 +118,13 @@ class NodeSnapshot:
     prompt_tokens: int
     pending_handles: int
     features: frozenset[str] = frozenset()  # the engine's (``Engine.features``)
+    evictable_blocks: int = 0  # of ``used_blocks``: cached, unreferenced, unpinned (reclaimable)
+    reserved_blocks: int = 0  # room taken by running prefills for blocks they are computing
+
+    @property
+    def in_use_blocks(self) -> int:
+        """Blocks no new request may reclaim: ``capacity - (free + evictable)``, SGLang's used."""
+        return max(0, self.used_blocks + self.reserved_blocks - self.evictable_blocks)
 
 
 @dataclass(slots=True)
@@ -601,4 +608,6 @@ class Node:
             prompt_tokens=self.prompt_tokens,
             pending_handles=len(self.handles),
             features=frozenset(getattr(e, "features", ())),
+            evictable_blocks=counts.evictable,
+            reserved_blocks=counts.reserved,
         )

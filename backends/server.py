@@ -25,7 +25,10 @@ also reported), so ``gateway.routing.base.prefill_seconds`` over them gives real
 ``profile.transfer_bytes_per_s`` is in shipped bytes (``kv_format.bytes_per_token`` a token),
 measured on this node's transfers of 1 MiB or more. ``queued_tokens`` is the prefill work ahead
 of a new arrival (waiting prompts' uncached tokens plus what running prefills have left);
-``running_requests`` counts prefills computing and decode/generate streams.
+``running_requests`` counts prefills computing and decode/generate streams. ``used_blocks`` is what
+the pool holds, cached blocks included; ``evictable_blocks`` of them nobody references or pins
+(the next prefill may take them back), so blocks in use are ``used_blocks - evictable_blocks``,
+the figure the SGLang-protocol face reports as ``num_used_tokens`` / ``token_usage``.
 """
 
 from __future__ import annotations
@@ -214,6 +217,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
             prefix_hit_tokens=s.prefix_hit_tokens,
             prompt_tokens=s.prompt_tokens,
             features=sorted(s.features),
+            evictable_blocks=s.evictable_blocks,
         )
 
     async def KVEvents(
