@@ -58,7 +58,13 @@ from prefixgate.backends.engine import Engine
 from prefixgate.backends.errors import InvalidArgument, NodeError
 from prefixgate.backends.kvclient import CACHED_TOKENS_KEY, CHANNEL_OPTIONS, REQUEST_ID_KEY, GrpcKVSender
 from prefixgate.backends.kvpages import DEFAULT_KV_SCALE
-from prefixgate.backends.node import DEFAULT_CAPACITY_BLOCKS, Node, NodeConfig, PrefillCall
+from prefixgate.backends.node import (
+    DEFAULT_CAPACITY_BLOCKS,
+    DEFAULT_CHUNKED_PREFILL,
+    Node,
+    NodeConfig,
+    PrefillCall,
+)
 from prefixgate.backends.profiles import get_profile
 from prefixgate.backends.transfer import WirePage
 from prefixgate.v1 import node_pb2, node_pb2_grpc
@@ -383,6 +389,7 @@ async def start_node(
     max_concurrency: int = 1,
     max_decode_streams: int = 256,
     handle_ttl_s: float = 60.0,
+    chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL,
     bootstrap_port: int | None = None,
     bootstrap_timeout_s: float = DEFAULT_BOOTSTRAP_TIMEOUT_S,
     served_model_name: str | None = None,
@@ -399,6 +406,7 @@ async def start_node(
         max_concurrency=max_concurrency,
         max_decode_streams=max_decode_streams,
         handle_ttl_s=handle_ttl_s,
+        chunked_prefill_size=chunked_prefill_size,
     )
     ns = NodeServer(
         Node(eng, config, GrpcKVSender()),
