@@ -78,6 +78,23 @@ class Admission:
             raise
         return t
 
+    async def yield_turn(self, t: Ticket) -> None:
+        """A running ``t`` steps back behind everyone waiting (it was admitted: ``max_queue`` does
+        not apply) and returns once it runs again; at once when nobody waits."""
+        if not self.waiting or t not in self.running:
+            return
+        t.future = asyncio.get_running_loop().create_future()
+        self.waiting.append(t)
+        self.release(t)  # starts the ones ahead of it
+        try:
+            await t.future
+        except asyncio.CancelledError:
+            if t in self.running:
+                self.release(t)
+            elif t in self.waiting:
+                self.waiting.remove(t)
+            raise
+
     def release(self, t: Ticket) -> None:
         if t not in self.running:
             return

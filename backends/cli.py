@@ -18,7 +18,7 @@ from typing import Any
 import structlog
 
 from prefixgate.backends.kvpages import DEFAULT_KV_SCALE, parse_scale
-from prefixgate.backends.node import DEFAULT_CAPACITY_BLOCKS, ROLES
+from prefixgate.backends.node import DEFAULT_CAPACITY_BLOCKS, DEFAULT_CHUNKED_PREFILL, ROLES
 from prefixgate.backends.profiles import PROFILES
 
 
@@ -59,6 +59,13 @@ def add_node_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue", type=int, default=64, help="prefills waiting at most (default 64)")
     parser.add_argument("--max-concurrency", type=int, default=1, help="prefills at once (default 1)")
     parser.add_argument("--max-decode-streams", type=int, default=256, help="decode streams at once")
+    parser.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=DEFAULT_CHUNKED_PREFILL,
+        help="tokens a prefill computes before a waiting prefill gets a turn, as SGLang's flag"
+        f" (default {DEFAULT_CHUNKED_PREFILL}; 0 or -1: a prefill keeps its slot to the end)",
+    )
     parser.add_argument("--handle-ttl", type=float, default=60.0, help="seconds a received KV handle waits")
     parser.add_argument(
         "--bootstrap-port",
@@ -126,6 +133,7 @@ def node_options(args: argparse.Namespace) -> dict[str, Any]:
         "max_concurrency": args.max_concurrency,
         "max_decode_streams": args.max_decode_streams,
         "handle_ttl_s": args.handle_ttl,
+        "chunked_prefill_size": max(0, getattr(args, "chunked_prefill_size", DEFAULT_CHUNKED_PREFILL)),
         "bootstrap_port": getattr(args, "bootstrap_port", None),
         "bootstrap_timeout_s": getattr(args, "bootstrap_timeout", 30.0),
         "served_model_name": getattr(args, "served_model_name", None),

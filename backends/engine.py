@@ -12,7 +12,7 @@ monolithic run would.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -99,6 +99,11 @@ class PrefillJob:
     cached_pages: Sequence[bytes]  # their page bytes (a real engine attends over them)
     sampling: Sampling
     first_token: bool = True  # False: warm only, compute KV and generate nothing
+    # Chunked prefill: after each ``chunk_tokens`` computed (and not after the last), the engine
+    # awaits ``checkpoint(tokens computed so far)``, where the node lets waiting prefills take a
+    # turn, as SGLang's scheduler admits new requests between the chunks of a long one.
+    chunk_tokens: int = 0
+    checkpoint: Callable[[int], Awaitable[None]] | None = None
 
 
 @dataclass(frozen=True, slots=True)

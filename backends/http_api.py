@@ -12,13 +12,18 @@ reused), ``/generate`` (SGLang native, minimal), ``/v1/chat/completions/render``
 ``/v1/completions/render`` and ``/tokenize`` (token ids of our tokenizer, which vllm-router's
 ``cache_aware`` policy needs), ``/flush_cache`` (drop every cached block).
 
-Prompts are rendered with ``prefixgate.openai.normalize`` (the gateway's own chat template) and hashed
-in the gateway's namespace ``Namespace(model, tenant="", block_size, "bytes4")``, so a block a
-request leaves here is the block the gateway would name. Normalization is off by default: a
-real engine applies its chat template to the messages as sent, and a router in front of it
-gets no help from prefixgate's normalizer; ``normalize=True`` renders exactly as the gateway
-does with normalization on. No model or tokenizer path is reported, so sglang-router does not
-try to load a tokenizer.
+Prompts are what the node's engine sees over its SMG gRPC face, where the client renders the chat
+with the tokenizer the node ships (``backends.hftok``) and its chat template, as ``transformers``'
+``apply_chat_template`` does: chats go through that template (``gateway.tokens.EngineTokenizer``,
+the gateway's own implementation of it) and every prompt is tokenized with that tokenizer, so the
+same chat over HTTP and over gRPC gives the engine the same ids (same ``prompt_tokens``, same
+greedy text, same prefill cost). Blocks are hashed in the gateway's namespace
+``Namespace(model, tenant="", block_size, tokenizer.name)``, so a block a request leaves here is
+the block a gateway with that tokenizer (``tokenizer = "engine"``) would name. Normalization is off
+by default: a real engine applies its chat template to the messages as sent, and a router in
+front of it gets no help from prefixgate's normalizer; ``normalize=True`` renders exactly as the
+gateway does with normalization on. No model or tokenizer path is reported, so sglang-router
+does not try to load a tokenizer.
 
 PD (split serving) over HTTP, both engines' ways, reusing the node's bootstrap handoff
 (``backends.bootstrap``: the decode node presents a room to the prefill node's bootstrap
@@ -49,6 +54,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Any, cast
 
 import grpc
@@ -65,12 +71,14 @@ from prefixgate.backends.bootstrap import DEFAULT_BOOTSTRAP_TIMEOUT_S, Bootstrap
 from prefixgate.backends.engine import Constraint, Engine, Sampling, TokenLogprob
 from prefixgate.backends.errors import FailedPrecondition, NodeError
 from prefixgate.backends.generation import Chunk, Generation
+from prefixgate.backends.hftok import TOKENIZER_DIR
 from prefixgate.backends.node import Node, PrefillCall, PrefillResult
 from prefixgate.cachetier.hashing import Namespace, block_hashes
-from prefixgate.cachetier.tokenizer import Bytes4Tokenizer, pack_ids, unpack_ids
+from prefixgate.cachetier.tokenizer import pack_ids, unpack_ids
+from prefixgate.gateway.tokens import EngineTokenizer, open_tokenizer_dir
 from prefixgate.openai.errors import APIError, from_domain, invalid
 from prefixgate.openai.exceptions import GatewayError
-from prefixgate.openai.normalize import NormalizationError, render_chat, render_completion
+from prefixgate.openai.normalize import NormalizationError, render_completion
 from prefixgate.openai.schema import ParsedRequest, parse_json, parse_request
 
 _log = structlog.get_logger("prefixgate.node_http")
@@ -111,11 +119,17 @@ class Prompt:
         return len(self.tokens) // 4
 
 
+@lru_cache(maxsize=1)
+def shipped_tokenizer() -> EngineTokenizer:
+    """The tokenizer and chat template every node ships (one per process: the segment cache is shared)."""
+    return open_tokenizer_dir(TOKENIZER_DIR)
+
+
 class Renderer:
-    """Request bodies -> prompt tokens and block hashes, the gateway's way."""
+    """Request bodies -> prompt tokens and block hashes: the shipped tokenizer and its chat template."""
 
     def __init__(self, model: str, block_size: int, normalize: bool) -> None:
-        self.tokenizer = Bytes4Tokenizer()
+        self.tokenizer = shipped_tokenizer()
         self.block_size = block_size
         self.normalize = normalize
         self.root = Namespace(model, "", block_size, self.tokenizer.name).root()
@@ -127,15 +141,13 @@ class Renderer:
             )
         try:
             if req.kind == "chat":
-                layout = render_chat(
+                _layout, tokens = self.tokenizer.encode_chat(
                     req.messages, documents=req.documents, tools=req.tools, normalize=self.normalize
                 )
-            elif req.prompt_token_ids is not None:
+                return tokens
+            if req.prompt_token_ids is not None:
                 return pack_ids(req.prompt_token_ids)
-            else:
-                layout = render_completion(
-                    req.prompt or "", documents=req.documents, normalize=self.normalize
-                )
+            layout = render_completion(req.prompt or "", documents=req.documents, normalize=self.normalize)
         except NormalizationError as e:
             raise invalid(str(e), e.param) from None
         return self.tokenizer.encode(layout.text)

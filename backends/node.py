@@ -47,6 +47,9 @@ log = structlog.get_logger("prefixgate.node")
 
 ROLES = tuple(r.value for r in Role)
 DEFAULT_CAPACITY_BLOCKS = 4096
+# Tokens a prefill computes before a waiting prefill gets a turn (SGLang's --chunked-prefill-size,
+# at its value for large GPUs); 0 turns chunking off.
+DEFAULT_CHUNKED_PREFILL = 8192
 DEFAULT_LOOPBACK_BYTES_PER_S = 1e9  # first guess of the transfer rate before any is measured
 RATE_EWMA = 0.2
 RATE_MIN_BYTES = 1 << 20
@@ -64,6 +67,7 @@ class NodeConfig:
     max_handles: int = 1024  # pending handles; the oldest is dropped beyond this
     event_buffer: int = DEFAULT_EVENT_BUFFER
     transfer_timeout_s: float = 60.0
+    chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL  # 0: a prefill keeps its slot to the end
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +107,7 @@ class NodeSnapshot:
     engine: str
     kv_format: KVFormat
     capacity_blocks: int
-    used_blocks: int
+    used_blocks: int  # held, cached ones included
     pinned_blocks: int
     queued_requests: int
     queued_tokens: int
@@ -118,6 +122,13 @@ class NodeSnapshot:
     prompt_tokens: int
     pending_handles: int
     features: frozenset[str] = frozenset()  # the engine's (``Engine.features``)
+    evictable_blocks: int = 0  # of ``used_blocks``: cached, unreferenced, unpinned (reclaimable)
+    reserved_blocks: int = 0  # room taken by running prefills for blocks they are computing
+
+    @property
+    def in_use_blocks(self) -> int:
+        """Blocks no new request may reclaim: ``capacity - (free + evictable)``, SGLang's used."""
+        return max(0, self.used_blocks + self.reserved_blocks - self.evictable_blocks)
 
 
 @dataclass(slots=True)
@@ -247,6 +258,7 @@ class Node:
         except QueueFull as e:
             raise ResourceExhausted(f"prefill {e}", stage="queue") from None
         t0 = time.monotonic()
+        waited = ticket.waited_s  # before any turn it gives to others (that is prefill time)
         try:
             k = self.pool.acquire(hashes)
             try:
@@ -259,6 +271,17 @@ class Node:
                     cached = k * bs
                     ticket.tokens = n - cached
                     ticket.expected_s = self.engine.prefill_seconds(n - cached, cached)
+
+                    async def checkpoint(done: int) -> None:
+                        """Between chunks: prefills waiting in line go first (a chunked prefill
+                        does not hold the engine for its whole prompt), then the rest of this one."""
+                        if not self.prefills.waiting:
+                            return
+                        rest = max(0, n - cached - done)
+                        ticket.tokens = rest
+                        await self.prefills.yield_turn(ticket)
+                        ticket.expected_s = self.engine.prefill_seconds(rest, cached + done)
+
                     job = PrefillJob(
                         tokens,
                         hashes,
@@ -266,6 +289,8 @@ class Node:
                         [p.data for p in self.pool.payloads(hashes[:k])],
                         sampling,
                         first_token,
+                        chunk_tokens=self.config.chunked_prefill_size,
+                        checkpoint=checkpoint if self.config.chunked_prefill_size > 0 else None,
                     )
                     out = await self.engine.prefill(job)
                 except BaseException:
@@ -279,7 +304,7 @@ class Node:
             self.prefills.release(ticket)
         self.prompt_tokens += n
         self.prefix_hit_tokens += k * bs
-        return _Run(hashes, k, out, ticket.waited_s, time.monotonic() - t0)
+        return _Run(hashes, k, out, waited, time.monotonic() - t0)
 
     async def prefill(self, call: PrefillCall) -> PrefillResult:
         n = self._validate(call.tokens, call.block_hashes)
@@ -601,4 +626,6 @@ class Node:
             prompt_tokens=self.prompt_tokens,
             pending_handles=len(self.handles),
             features=frozenset(getattr(e, "features", ())),
+            evictable_blocks=counts.evictable,
+            reserved_blocks=counts.reserved,
         )

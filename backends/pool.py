@@ -14,6 +14,9 @@ Semantics:
 - Reservation fails with ``PoolExhausted`` without evicting anything when even evicting every
   evictable block would not make room: a failed request never changes the pool.
 - Changes go to a ``PoolListener`` (the KV event log) as STORED fragments and REMOVED sets.
+- ``counts()`` tells held blocks apart from *evictable* ones (unreferenced, unpinned, no pinned
+  descendant: what the next reservation may take back), as SGLang's radix cache tells its
+  evictable size apart; blocks in use are ``used + reserved - evictable``.
 """
 
 from __future__ import annotations
@@ -56,10 +59,17 @@ class PoolCounts:
     reserved: int
     referenced: int
     pinned: int
+    evictable: int = 0  # held blocks a reservation may evict (cached, nobody needs them now)
 
     @property
     def free(self) -> int:
         return self.capacity - self.used - self.reserved
+
+    @property
+    def in_use(self) -> int:
+        """Blocks nobody may take: referenced, pinned (and their ancestors) or reserved, i.e.
+        ``capacity - (free + evictable)``, what SGLang reports as used."""
+        return self.used + self.reserved - self.evictable
 
 
 class BlockPool(Generic[T]):
@@ -104,9 +114,25 @@ class BlockPool(Generic[T]):
         return [self.blocks[h].payload for h in hashes]
 
     def counts(self) -> PoolCounts:
+        pinned = self.pinned_count()
         return PoolCounts(
-            self.capacity, len(self.blocks), self.reserved, self._referenced, self.pinned_count()
+            self.capacity, len(self.blocks), self.reserved, self._referenced, pinned, self.evictable_count()
         )
+
+    def evictable_count(self) -> int:
+        """Held blocks that are neither referenced nor pinned nor the ancestor of a pinned one.
+        A referenced block's ancestors are referenced (chains are taken from the root), so only
+        pins need a walk up; O(pinned blocks)."""
+        blocks = self.blocks
+        kept: set[int] = set()
+        for h in self._pinned:
+            while h and h not in kept:
+                b = blocks.get(h)
+                if b is None or b.refs > 0:
+                    break  # referenced: already counted, and so are its ancestors
+                kept.add(h)
+                h = b.parent
+        return len(blocks) - self._referenced - len(kept)
 
     def pinned_count(self) -> int:
         now = self.clock()

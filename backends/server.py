@@ -25,7 +25,10 @@ also reported), so ``gateway.routing.base.prefill_seconds`` over them gives real
 ``profile.transfer_bytes_per_s`` is in shipped bytes (``kv_format.bytes_per_token`` a token),
 measured on this node's transfers of 1 MiB or more. ``queued_tokens`` is the prefill work ahead
 of a new arrival (waiting prompts' uncached tokens plus what running prefills have left);
-``running_requests`` counts prefills computing and decode/generate streams.
+``running_requests`` counts prefills computing and decode/generate streams. ``used_blocks`` is what
+the pool holds, cached blocks included; ``evictable_blocks`` of them nobody references or pins
+(the next prefill may take them back), so blocks in use are ``used_blocks - evictable_blocks``,
+the figure the SGLang-protocol face reports as ``num_used_tokens`` / ``token_usage``.
 """
 
 from __future__ import annotations
@@ -55,7 +58,13 @@ from prefixgate.backends.engine import Engine
 from prefixgate.backends.errors import InvalidArgument, NodeError
 from prefixgate.backends.kvclient import CACHED_TOKENS_KEY, CHANNEL_OPTIONS, REQUEST_ID_KEY, GrpcKVSender
 from prefixgate.backends.kvpages import DEFAULT_KV_SCALE
-from prefixgate.backends.node import DEFAULT_CAPACITY_BLOCKS, Node, NodeConfig, PrefillCall
+from prefixgate.backends.node import (
+    DEFAULT_CAPACITY_BLOCKS,
+    DEFAULT_CHUNKED_PREFILL,
+    Node,
+    NodeConfig,
+    PrefillCall,
+)
 from prefixgate.backends.profiles import get_profile
 from prefixgate.backends.transfer import WirePage
 from prefixgate.v1 import node_pb2, node_pb2_grpc
@@ -219,6 +228,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
             # this protocol's SamplingParams carry no constraint: constrained decoding is served on
             # the SMG and HTTP faces only
             features=sorted(s.features - NATIVE_UNSERVED),
+            evictable_blocks=s.evictable_blocks,
         )
 
     async def KVEvents(
@@ -384,6 +394,7 @@ async def start_node(
     max_concurrency: int = 1,
     max_decode_streams: int = 256,
     handle_ttl_s: float = 60.0,
+    chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL,
     bootstrap_port: int | None = None,
     bootstrap_timeout_s: float = DEFAULT_BOOTSTRAP_TIMEOUT_S,
     served_model_name: str | None = None,
@@ -400,6 +411,7 @@ async def start_node(
         max_concurrency=max_concurrency,
         max_decode_streams=max_decode_streams,
         handle_ttl_s=handle_ttl_s,
+        chunked_prefill_size=chunked_prefill_size,
     )
     ns = NodeServer(
         Node(eng, config, GrpcKVSender()),

@@ -193,7 +193,7 @@ def chain_hashes(tokens: bytes, block_size: int, root: int) -> list[int]:
 
 
 def engine_load(s: NodeSnapshot, block_size: int, max_running: int, sample: int, load_only: bool) -> object:
-    used = s.used_blocks / s.capacity_blocks if s.capacity_blocks else 0.0
+    used = s.in_use_blocks / s.capacity_blocks if s.capacity_blocks else 0.0  # SGLang's: evictable is free
     return common_pb2.EngineLoad(
         running_requests=s.running_requests,
         waiting_requests=s.queued_requests,
@@ -204,7 +204,7 @@ def engine_load(s: NodeSnapshot, block_size: int, max_running: int, sample: int,
         sample=sample,
         load_only=load_only,
         cache_hit_rate=s.prefix_hit_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
-        num_used_tokens=s.used_blocks * block_size,
+        num_used_tokens=s.in_use_blocks * block_size,
         max_total_num_tokens=s.capacity_blocks * block_size,
     )
 

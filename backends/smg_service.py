@@ -527,13 +527,14 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
     async def GetLoads(self, request: Any, context: Any) -> Any:
         s = self.node.snapshot()
         bs = self.node.block_size
-        usage = s.used_blocks / s.capacity_blocks if s.capacity_blocks else 0.0
+        # As SGLang: used = total - (free + evictable); cached blocks nobody holds are free to take.
+        usage = s.in_use_blocks / s.capacity_blocks if s.capacity_blocks else 0.0
         load = pb.SchedulerLoad(
             dp_rank=0,
             num_running_reqs=s.running_requests,
             num_waiting_reqs=s.queued_requests,
             num_total_reqs=s.running_requests + s.queued_requests,
-            num_used_tokens=s.used_blocks * bs,
+            num_used_tokens=s.in_use_blocks * bs,
             max_total_num_tokens=s.capacity_blocks * bs,
             token_usage=usage,
             gen_throughput=0.0,

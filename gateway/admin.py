@@ -169,6 +169,7 @@ def node_json(node: Node, index_blocks: int | None = None) -> dict[str, Any]:
             "capacity_blocks": st.capacity_blocks if st else 0,
             "used_blocks": st.used_blocks if st else 0,
             "pinned_blocks": st.pinned_blocks if st else 0,
+            "evictable_blocks": st.evictable_blocks if st else 0,
             "index_blocks": index_blocks,
         },
         "engine": st.engine if st else None,
@@ -276,6 +277,7 @@ async def cache_view(request: Request) -> Response:
                 "capacity_blocks": cap,
                 "used_blocks": used,
                 "pinned_blocks": st.pinned_blocks if st else 0,
+                "evictable_blocks": st.evictable_blocks if st else 0,
                 "occupancy": round(used / cap, 4) if cap else 0.0,
                 "node_hit_ratio": round(st.prefix_hit_tokens / st.prompt_tokens, 4)
                 if st and st.prompt_tokens

@@ -156,7 +156,7 @@ class Node:
             role=Role(self.role),
             kv_format=fmt,
             streams=streams,
-            used_blocks=st.used_blocks if st is not None else 0,
+            used_blocks=st.in_use_blocks if st is not None else 0,  # a warm idle cache is not busy
         )
 
 

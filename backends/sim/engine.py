@@ -2,6 +2,8 @@
 
 Prefill sleeps ``profile.prefill_seconds(new, cached) x time_scale`` (the page bytes it makes
 count against that time) and produces one page per uncached block, derived from the block hash.
+It sleeps chunk by chunk (``PrefillJob.chunk_tokens``: the cost formula makes the chunks' times add
+up to the whole prompt's), and between chunks lets the node give waiting prefills a turn.
 Decode paces tokens at ``profile.decode_step_seconds(context) x time_scale`` each, against a
 deadline so sleeps do not drift, and hands them out in small groups when a token is due in
 under a millisecond. Time between tokens does not grow with the number of concurrent streams.
@@ -86,7 +88,6 @@ class SimEngine:
         bs = self.kv_format.block_size
         n_tokens = len(job.tokens) // 4
         cached_tokens = job.cached_blocks * bs
-        budget = self.prefill_seconds(n_tokens - cached_tokens, cached_tokens) * self.slowdown
         size = self.kv_format.page_bytes
         pages: list[bytes] = []
         for i, h in enumerate(job.block_hashes[job.cached_blocks :], 1):
@@ -104,7 +105,18 @@ class SimEngine:
             token, state = textgen.first_token(job.tokens, job.sampling)
         else:
             token, state = 0, textgen.prompt_state(job.tokens)
-        await asyncio.sleep(max(0.0, budget - (loop.time() - start)))
+        new = n_tokens - cached_tokens
+        chunk = job.chunk_tokens if job.checkpoint is not None and job.chunk_tokens > 0 else new
+        done = 0
+        while True:  # one chunk at a time; the chunks' costs add up to the whole prompt's
+            step = min(chunk, new - done)
+            budget = self.prefill_seconds(step, cached_tokens + done) * self.slowdown
+            await asyncio.sleep(max(0.0, budget - (loop.time() - start)))
+            done += step
+            if done >= new or job.checkpoint is None:
+                break
+            await job.checkpoint(done)
+            start = loop.time()
         return PrefillOutput(pages, tail, token, state)
 
     async def decode(self, job: DecodeJob) -> AsyncGenerator[list[int], None]:

@@ -5,8 +5,9 @@ bytes are the model's actual K and V and every output token comes from actual lo
 prefix reused from the pool or KV pages received from another node give the same answer only
 if they arrive intact. Compute runs on one thread per engine (the "device"), in slices of
 ``SLICE_S``, so decode streams keep producing tokens while a long prefill runs; the event loop
-stays free for the gRPC server. BLAS runs single-threaded (set process-wide when an engine is
-made).
+stays free for the gRPC server. After each ``PrefillJob.chunk_tokens`` the prefill lets the node
+give waiting prefills a turn (chunked prefill). BLAS runs single-threaded (set process-wide when
+an engine is made).
 
 Time is real: ``time_scale`` is always 1, ``transfer_floor_seconds`` is 0, and
 ``prefill_seconds`` (the router's estimate) comes from the ``cpu`` profile, calibrated by
@@ -80,8 +81,12 @@ class TinyEngine:
 
     async def prefill(self, job: PrefillJob) -> PrefillOutput:
         run = await self._run(PrefillRun, self.model, job, self.kv_format.block_size)
+        turn = 0  # tokens computed when the node last had the chance to give others a turn
         while not await self._run(run.step, SLICE_S):
-            pass
+            done = run.computed_tokens
+            if job.checkpoint is not None and job.chunk_tokens > 0 and done - turn >= job.chunk_tokens:
+                turn = done
+                await job.checkpoint(done)
         return await self._run(run.output)
 
     async def decode(self, job: DecodeJob) -> AsyncGenerator[list[int], None]:  # yields Tokens

@@ -54,6 +54,11 @@ class PrefillRun:
     def done(self) -> bool:
         return self.next >= len(self.chunks)
 
+    @property
+    def computed_tokens(self) -> int:
+        """Prompt positions computed so far by this run."""
+        return self.chunks[self.next - 1][1] - self.chunks[0][0] if self.next else 0
+
     def step(self, budget_s: float) -> bool:
         """Compute chunks until ``budget_s`` has passed (at least one); True when finished."""
         t0 = time.perf_counter()

@@ -49,7 +49,7 @@ class NodeStatus:
     engine: str = ""
     kv_format: KVFormat = field(default_factory=KVFormat)
     capacity_blocks: int = 0
-    used_blocks: int = 0
+    used_blocks: int = 0  # held (prefixgate nodes: cached blocks included; SGLang: in use)
     pinned_blocks: int = 0
     queued_requests: int = 0
     queued_tokens: int = 0
@@ -66,6 +66,13 @@ class NodeStatus:
     features: frozenset[str] = frozenset()
     # The model names the node serves (empty: it does not say; it serves the gateway's model).
     models: tuple[str, ...] = ()
+    # Of used_blocks, the cached ones nobody holds (the node evicts them for new work); 0 when
+    # the node does not say (an SGLang engine's used count already leaves them out).
+    evictable_blocks: int = 0
+
+    @property
+    def in_use_blocks(self) -> int:
+        return max(0, self.used_blocks - self.evictable_blocks)
 
 
 @dataclass(frozen=True, slots=True)

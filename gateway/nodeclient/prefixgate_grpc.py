@@ -129,6 +129,7 @@ def node_status(msg: node_pb2.NodeStats) -> NodeStatus:
         capacity_blocks=msg.capacity_blocks,
         used_blocks=msg.used_blocks,
         pinned_blocks=msg.pinned_blocks,
+        evictable_blocks=msg.evictable_blocks,
         queued_requests=msg.queued_requests,
         queued_tokens=msg.queued_tokens,
         running_requests=msg.running_requests,

@@ -51,7 +51,7 @@ class NodeView:
     role: Role = Role.PREFILL
     kv_format: KVFormat | None = None  # None: not reported yet
     streams: int = 0  # decode/generate streams running or waiting on the node
-    used_blocks: int = 0
+    used_blocks: int = 0  # KV blocks in use: cached blocks nobody holds are left out
 
 
 @dataclass(frozen=True, slots=True)

@@ -163,6 +163,27 @@ def test_pins_expire() -> None:
     pool.unreserve(2)
 
 
+def test_evictable_leaves_out_referenced_pinned_and_their_ancestors() -> None:
+    clock = Clock()
+    pool: BlockPool[str] = BlockPool(10, clock=clock)
+    store(pool, [1, 2, 3])
+    store(pool, [1, 2, 4])
+    store(pool, [5, 6])
+    c = pool.counts()
+    assert (c.used, c.evictable, c.in_use) == (6, 6, 0)  # idle and warm: all of it reclaimable
+    pool.acquire([5, 6])  # a running request
+    pool.reserve(2)  # room for what it computes next
+    pool.pin([3], 10.0)  # 1 and 2 stay with it
+    c = pool.counts()
+    assert (c.used, c.reserved, c.evictable, c.in_use) == (6, 2, 1, 7)  # only 4 may go
+    victims = pool._plan_eviction(10)
+    assert victims == [4]  # the count is what eviction can take
+    clock.t += 11
+    pool.release([5, 6])
+    pool.unreserve(2)
+    assert pool.counts().in_use == 0
+
+
 def test_unpin() -> None:
     pool: BlockPool[str] = BlockPool(2)
     store(pool, [1, 2])

@@ -182,6 +182,44 @@ async def test_repeated_prompt_reports_cached_tokens(
     assert msgs[-1].complete.cached_tokens == (len(LONG) // BS) * BS > 0
 
 
+async def test_an_idle_warm_node_reports_its_cached_blocks_as_free(nodes: StartNode) -> None:
+    """As SGLang: used = total - (free + evictable). Cached blocks nobody references are free to
+    take, so a warm idle node is not full (a cache-aware router would otherwise balance load
+    instead of following the cache); referenced and pinned blocks are in use."""
+    # a small pool, so usage shows; real time (~10 ms a token) keeps the stream below running
+    ns = await nodes("monolithic", engine="sim", block_size=BS, capacity_blocks=64, time_scale=1.0)
+    prompt = [(i * 7 + 3) % 2000 + 3 for i in range(40 * BS)]  # 40 of 64 blocks
+    async with grpc.aio.insecure_channel(ns.address) as ch:
+        stub = pb_grpc.SglangSchedulerStub(ch)
+        native = node_pb2_grpc.NodeStub(ch)
+        first = (await collect(stub, request(prompt, max_new=2)))[-1].complete
+        assert first.cached_tokens == 0
+        idle = (await stub.GetLoads(pb.GetLoadsRequest(), timeout=5)).loads[0]
+        assert idle.num_running_reqs == 0 and idle.max_total_num_tokens == 64 * BS
+        assert idle.token_usage == 0 and idle.num_used_tokens == 0 and idle.utilization == 0
+        stats = await native.Stats(node_pb2.StatsRequest(), timeout=5)
+        assert (stats.used_blocks, stats.evictable_blocks) == (40, 40)  # held, and all evictable
+        again = (await collect(stub, request(prompt, max_new=2)))[-1].complete
+        assert again.cached_tokens == 40 * BS  # the cache still held every block
+
+        # A running request's blocks are in use, and so are pinned ones once it is gone.
+        call = stub.Generate(request(prompt, max_new=2000, stream=True, temperature=1.0))
+        await asyncio.wait_for(call.read(), 10)
+        busy = (await stub.GetLoads(pb.GetLoadsRequest(), timeout=5)).loads[0]
+        assert busy.num_used_tokens == 40 * BS and busy.token_usage == 40 / 64
+        call.cancel()
+        for _ in range(100):
+            if ns.node.snapshot().running_requests == 0:
+                break
+            await asyncio.sleep(0.02)
+        hashes = ns.node.pool.snapshot()
+        await native.Pin(node_pb2.PinRequest(block_hashes=[h for h, _ in hashes[:10]], pin_seconds=60))
+        pinned = (await stub.GetLoads(pb.GetLoadsRequest(), timeout=5)).loads[0]
+        assert pinned.num_used_tokens == 10 * BS
+        stats = await native.Stats(node_pb2.StatsRequest(), timeout=5)
+        assert (stats.used_blocks, stats.evictable_blocks, stats.pinned_blocks) == (40, 30, 10)
+
+
 async def test_n_choices_complete_once_per_index(
     tiny: tuple[NodeServer, pb_grpc.SglangSchedulerStub],
 ) -> None:

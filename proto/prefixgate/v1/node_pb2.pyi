@@ -624,6 +624,7 @@ class NodeStats(_message.Message):
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _builtins.int
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     FEATURES_FIELD_NUMBER: _builtins.int
+    EVICTABLE_BLOCKS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     role: _builtins.str
     """"prefill", "decode", "monolithic" """
@@ -631,6 +632,7 @@ class NodeStats(_message.Message):
     """"sim", "tiny" """
     capacity_blocks: _builtins.int
     used_blocks: _builtins.int
+    """blocks held, cached ones included (occupancy)"""
     pinned_blocks: _builtins.int
     queued_requests: _builtins.int
     queued_tokens: _builtins.int
@@ -642,6 +644,10 @@ class NodeStats(_message.Message):
     """changes when the node restarts"""
     prefix_hit_tokens: _builtins.int
     prompt_tokens: _builtins.int
+    evictable_blocks: _builtins.int
+    """Of used_blocks, those cached and unreferenced and unpinned: the next request may evict them.
+    Blocks in use (what SGLang reports as num_used_tokens / page) = used_blocks - evictable_blocks.
+    """
     @_builtins.property
     def kv_format(self) -> Global___KVFormat: ...
     @_builtins.property
@@ -673,10 +679,11 @@ class NodeStats(_message.Message):
         prefix_hit_tokens: _builtins.int = ...,
         prompt_tokens: _builtins.int = ...,
         features: _abc.Iterable[_builtins.str] | None = ...,
+        evictable_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv_format", b"kv_format", "profile", b"profile"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_blocks", b"capacity_blocks", "engine", b"engine", "features", b"features", "instance_id", b"instance_id", "kv_event_seq", b"kv_event_seq", "kv_format", b"kv_format", "max_concurrency", b"max_concurrency", "max_queue", b"max_queue", "node_id", b"node_id", "pinned_blocks", b"pinned_blocks", "prefix_hit_tokens", b"prefix_hit_tokens", "profile", b"profile", "prompt_tokens", b"prompt_tokens", "queued_requests", b"queued_requests", "queued_tokens", b"queued_tokens", "role", b"role", "running_requests", b"running_requests", "used_blocks", b"used_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_blocks", b"capacity_blocks", "engine", b"engine", "evictable_blocks", b"evictable_blocks", "features", b"features", "instance_id", b"instance_id", "kv_event_seq", b"kv_event_seq", "kv_format", b"kv_format", "max_concurrency", b"max_concurrency", "max_queue", b"max_queue", "node_id", b"node_id", "pinned_blocks", b"pinned_blocks", "prefix_hit_tokens", b"prefix_hit_tokens", "profile", b"profile", "prompt_tokens", b"prompt_tokens", "queued_requests", b"queued_requests", "queued_tokens", b"queued_tokens", "role", b"role", "running_requests", b"running_requests", "used_blocks", b"used_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
