@@ -75,10 +75,10 @@ def _answer(
     common: dict[str, Any] = {"model": MODEL, "max_tokens": 12, "temperature": 0}
     if stream:
         common |= {"stream": True, "stream_options": {"include_usage": True}}
-    if kind == "chat":
-        out = client.chat.completions.create(messages=messages or CHAT, **common)  # type: ignore[call-overload]
-    else:
-        out = client.completions.create(prompt=PROMPT, **common)  # type: ignore[call-overload]
+    create: Any = client.chat.completions.create if kind == "chat" else client.completions.create
+    out: Any = (
+        create(messages=messages or CHAT, **common) if kind == "chat" else create(prompt=PROMPT, **common)
+    )
     if not stream:
         choice = out.choices[0]
         return (choice.message.content if kind == "chat" else choice.text) or "", out.usage
