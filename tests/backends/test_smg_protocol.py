@@ -119,7 +119,6 @@ async def test_bad_requests_are_invalid_argument(
     bad = [
         pb.GenerateRequest(request_id="x", sampling_params=pb.SamplingParams(max_new_tokens=4)),
         request([1, 2, 3], stop=["Hello"]),
-        request([1, 2, 3], regex="a+"),
         request([1, 2, 3], n=99),
     ]
     for req in bad:

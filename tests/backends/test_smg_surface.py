@@ -42,13 +42,13 @@ async def test_tiny_applies_logit_bias_and_returns_logprobs(nodes: StartNode) ->
         assert streamed == list(lp.token_logprobs)
         assert list(msgs[-1].complete.output_logprobs.token_logprobs) == list(lp.token_logprobs)
         info = MessageToDict((await stub.GetServerInfo(pb.GetServerInfoRequest())).scheduler_info)
-        assert info["prefixgate_features"] == ["logit_bias", "logprobs"]
+        assert info["prefixgate_features"] == ["logit_bias", "logprobs", "response_format"]
     decode: NodeServer = await nodes("decode", engine=TINY, block_size=BS)
     async with grpc.aio.insecure_channel(decode.address) as ch:  # a split leg cannot return them all
         info = MessageToDict(
             (await pb_grpc.SglangSchedulerStub(ch).GetServerInfo(pb.GetServerInfoRequest())).scheduler_info
         )
-        assert info["prefixgate_features"] == ["logit_bias"]
+        assert info["prefixgate_features"] == ["logit_bias", "response_format"]  # a decode leg constrains too
 
 
 async def test_sim_refuses_logit_bias_and_logprobs(nodes: StartNode) -> None:

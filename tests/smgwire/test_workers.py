@@ -116,4 +116,4 @@ def test_engine_status_codes_become_failure_kinds() -> None:
     for code, kind in kinds.items():
         assert failure("w", Stage.GENERATE, err(code)).kind == kind, code
     grammar = err(grpc.StatusCode.FAILED_PRECONDITION, ("smg-constraint-failed", "engine"))
-    assert failure("w", Stage.GENERATE, grammar).kind == FailureKind.INVALID  # the request's fault
+    assert failure("w", Stage.GENERATE, grammar).kind == FailureKind.CONSTRAINT  # the request's fault: 422
