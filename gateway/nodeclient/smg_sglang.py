@@ -41,9 +41,11 @@ from prefixgate.gateway.nodeclient.smg_common import (
     Output,
     SmgNodeClient,
     failure,
+    output_logprobs,
     packed_ids,
 )
 from prefixgate.gateway.vocab import FailureKind, Stage
+from prefixgate.openai.features import Feature, parse_features
 
 ROOM_LIMIT = (1 << 31) - 1  # the gRPC room is int32
 BLAME_GRACE_S = 0.3  # a failed decode leg waits this long for its prefill leg's own verdict
@@ -73,12 +75,24 @@ def sampling_params(prompt: Prompt, stop_token_ids: Sequence[int]) -> pb.Samplin
     return params
 
 
+def ask_logprobs(req: pb.GenerateRequest, prompt: Prompt) -> None:
+    """Output log probabilities (``return_logprob``, ``top_logprobs_num``; none of the prompt's:
+    ``logprob_start_len`` stays -1) and ``logit_bias`` (token ids as strings), when asked. A split
+    request sends the same to both legs: the prefill leg computes the first token's."""
+    s = prompt.sampling
+    if s.logprobs:
+        req.return_logprob = True
+        req.top_logprobs_num = s.top_logprobs
+    for token_id, bias in s.logit_bias.items():
+        req.sampling_params.logit_bias[str(token_id)] = bias
+
+
 class SglangRuntime:
     name = "sglang"
     service = "sglang.grpc.scheduler.SglangScheduler"
     # SamplingParams has no seed: the engine samples each request at random, so a request's
     # choices (independent requests) differ, and a sampled request's ``seed`` is refused.
-    features: frozenset[str] = frozenset()
+    features: frozenset[str] = frozenset({Feature.LOGPROBS.value, Feature.LOGIT_BIAS.value})
 
     def stub(self, channel: grpc.aio.Channel) -> Any:
         return pb_grpc.SglangSchedulerStub(channel)
@@ -90,10 +104,14 @@ class SglangRuntime:
         model = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
         args: dict[str, Any] = {}
         start = ""
+        said: frozenset[str] | None = None
         try:
             server = await stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout)
             args = json_format.MessageToDict(server.server_args)
             start = f"{server.start_time.seconds}.{server.start_time.nanos}"
+            scheduler = json_format.MessageToDict(server.scheduler_info)
+            if "prefixgate_features" in scheduler:  # our nodes say which they serve
+                said = frozenset(f.value for f in parse_features(scheduler["prefixgate_features"]))
         except grpc.aio.AioRpcError:
             pass  # optional for smg too: the model info is enough to serve
         page = int(args.get("page_size") or 0)
@@ -114,6 +132,7 @@ class SglangRuntime:
             max_running=int(args.get("max_running_requests") or 0),
             bootstrap_port=int(args.get("disaggregation_bootstrap_port") or 0),
             eos_token_ids=tuple(model.eos_token_ids),
+            features=said,
         )
 
     async def loads(self, stub: Any, timeout: float) -> Any:
@@ -136,6 +155,7 @@ class SglangRuntime:
             logprob_start_len=-1,
             stream=stream,
         )
+        ask_logprobs(req, prompt)
         if bootstrap is not None:
             host, port, room = bootstrap
             req.disaggregated_params.CopyFrom(
@@ -147,7 +167,13 @@ class SglangRuntime:
         if msg.HasField("chunk"):
             c = msg.chunk
             return Output(
-                False, list(c.token_ids), c.index, c.prompt_tokens, c.completion_tokens, c.cached_tokens
+                False,
+                list(c.token_ids),
+                c.index,
+                c.prompt_tokens,
+                c.completion_tokens,
+                c.cached_tokens,
+                logprobs=output_logprobs(c),
             )
         c = msg.complete
         which = c.WhichOneof("matched_stop")
@@ -161,6 +187,7 @@ class SglangRuntime:
             c.cached_tokens,
             c.finish_reason,
             matched,
+            logprobs=output_logprobs(c),
         )
 
     async def abort(self, stub: Any, rid: str) -> None:
