@@ -145,6 +145,9 @@ async def test_sglang_refuses_a_seed_and_samples_each_choice_at_random(nodes: St
             err = r.json()["error"]
             assert err["param"] == "seed" and err["type"] == "invalid_request_error"
             assert "sglang" in err["message"]
+            # the sim node says it serves no log probabilities: refused before routing
+            r = await http.post("/v1/completions", json=body(logprobs=1))
+            assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
             assert len(await _texts(http, temperature=0, seed=1)) == 1  # greedy: any seed is the same
             assert len(set(await _texts(http, n=3, temperature=1))) == 3
 
