@@ -12,8 +12,9 @@ streams with INTERNAL "Request aborted"; an unknown id is answered with success.
 PD (``disaggregated_params`` set): on a prefill node the request is prefilled, its KV pages
 pushed to the decode node that presented the same bootstrap room (``backends.bootstrap``), and
 the leg completes with finish "length" and no tokens; on any other node the request waits for
-that handoff and then decodes, its first token included. ``cached_tokens`` is the prefix the
-prefill reused, on both legs.
+that handoff and then decodes, its first token included (with its log probability, when asked:
+the prefill leg hands it over with the KV handle, as SGLang's transfer metadata carries it).
+``cached_tokens`` is the prefix the prefill reused, on both legs.
 """
 
 from __future__ import annotations
@@ -130,6 +131,16 @@ def _choice(sampling: Sampling, index: int) -> Sampling:
 SMG_FEATURES = frozenset({"logit_bias", "logprobs", "response_format"})
 
 
+def _logprob_json(lp: TokenLogprob | None) -> list[Any] | None:
+    """A first token's log probability as the bootstrap reply carries it (engine ids)."""
+    return None if lp is None else [lp.token, lp.logprob, [[t, v] for t, v in lp.top]]
+
+
+def _logprob_from_json(raw: list[Any]) -> TokenLogprob:
+    token, value, top = raw
+    return TokenLogprob(int(token), float(value), tuple((int(t), float(v)) for t, v in top))
+
+
 class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):  # type: ignore[misc]
     """The node's SGLang-scheduler face. ``kv_address`` is where this node takes KV pages."""
 
@@ -232,8 +243,9 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
     def _surface(self, request: Any, sampling: Sampling) -> Sampling:
         """A constraint, ``logit_bias`` (wire ids) and output log probabilities, on an engine that
         serves them; refused, not dropped, elsewhere (a constraint that does not compile is the
-        request's FAILED_PRECONDITION). Log probabilities are served on whole requests only (a
-        decode leg does not learn its prefill leg's first one)."""
+        request's FAILED_PRECONDITION). On a split request the decode leg reports log probabilities
+        for every token: the first token's comes from the prefill leg with the hand-off, as SGLang's
+        transfer carries it."""
         engine = self.node.engine
         if sampling.constraint is not None:
             if "response_format" not in engine.features:
@@ -242,8 +254,6 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
         if request.return_logprob:
             if "logprobs" not in engine.features:
                 raise InvalidArgument(f"return_logprob is not supported by the {engine.name} engine")
-            if request.HasField("disaggregated_params") and request.disaggregated_params.bootstrap_host:
-                raise InvalidArgument("return_logprob is not supported on a disaggregated request")
             top = min(max(request.top_logprobs_num, 0), MAX_TOP_LOGPROBS)
             sampling = replace(sampling, logprobs=True, top_logprobs=top)
         bias = request.sampling_params.logit_bias
@@ -293,23 +303,31 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
         )
         first = int(reply["first_token"])
         lead = [] if first == self.node.engine.eos_token else [first]
+        lead_lps = [_logprob_from_json(reply["first_logprob"])] if lead and reply.get("first_logprob") else []
         async for out in self._translate(
-            self.node.decode(str(reply["kv_handle"]), sampling), stop_ids, prompt, lead
+            self.node.decode(str(reply["kv_handle"]), sampling), stop_ids, prompt, lead, lead_lps
         ):
             yield out
 
     async def _translate(
-        self, chunks: AsyncIterator[Chunk], stop_ids: frozenset[int], prompt: int, lead: list[int]
+        self,
+        chunks: AsyncIterator[Chunk],
+        stop_ids: frozenset[int],
+        prompt: int,
+        lead: list[int],
+        lead_logprobs: list[TokenLogprob] | None = None,
     ) -> AsyncIterator[_Outcome]:
         """Node chunks (engine ids, cumulative usage) -> outcomes holding only the new wire ids;
         the last one carries the finish. ``lead``: engine ids produced before ``chunks`` (the
-        prefill's first token, on a decode leg)."""
+        prefill's first token, on a decode leg), ``lead_logprobs`` their log probabilities."""
         pending = list(lead)
+        pending_lps = list(lead_logprobs or ())
         eos = self.node.engine.eos_token
         try:
             async for chunk in chunks:
                 engine_ids = pending + chunk.token_ids
-                pending = []
+                lps = pending_lps + chunk.logprobs if pending_lps or chunk.logprobs else []
+                pending, pending_lps = [], []
                 wire = [self.tokens.wire(t) for t in engine_ids]
                 out = _Outcome(prompt_tokens=prompt, cached_tokens=chunk.cached_tokens)
                 cut = first_stop(wire, stop_ids)
@@ -322,7 +340,7 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
                     out.finish_reason = chunk.finish_reason
                     if chunk.finish_reason == "stop":
                         out.matched_token_id = self.tokens.wire(eos)
-                out.logprobs = chunk.logprobs[: len(out.ids)]  # asked for on whole requests only: no lead
+                out.logprobs = lps[: len(out.ids)]
                 yield out
                 if out.finish_reason:
                     return
@@ -411,6 +429,7 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
             {
                 "kv_handle": r.kv_handle,
                 "first_token": r.first_token,
+                "first_logprob": _logprob_json(r.first_logprob),
                 "finished": r.finished,
                 "finish_reason": r.finish_reason,
                 "cached_tokens": r.cached_tokens,
@@ -462,10 +481,9 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
         )
 
     def features(self) -> frozenset[str]:
-        """The engine's features served on this face: log probabilities on whole requests only,
-        so by a monolithic node (a split request's decode leg misses its first one)."""
-        served = SMG_FEATURES & frozenset(self.node.engine.features)
-        return served if self.node.config.role == "monolithic" else served - {"logprobs"}
+        """The engine's features served on this face (in every role: a split request's decode
+        leg reports every log probability, the first one handed over by the prefill leg)."""
+        return SMG_FEATURES & frozenset(self.node.engine.features)
 
     def server_args(self) -> dict[str, Any]:
         fmt = self.node.engine.kv_format

@@ -404,6 +404,7 @@ class Pipeline:
                 code="context_length_exceeded",
             )
         sampling = req.sampling
+        self._check_logit_bias(sampling)
         sampling.keep_special_tokens = bool(tools.parser)  # tool-call markers may be special tokens
         if tools.constraint is not None:
             sampling.constraint = tools.constraint  # tool_choice forces calls
@@ -433,6 +434,19 @@ class Pipeline:
             partial(engine_body, req, docs, normalize=normalize, raw=body),
             tool_parser=tools.parser,
         )
+
+    def _check_logit_bias(self, sampling: Sampling) -> None:
+        """``logit_bias`` names tokens of the model's vocabulary (known when the gateway holds
+        the engine's tokenizer)."""
+        vocab = int(getattr(self.tokenizer, "vocab_size", 0) or 0)
+        if vocab <= 0 or not sampling.logit_bias:
+            return
+        outside = sorted(t for t in sampling.logit_bias if t >= vocab)
+        if outside:
+            raise InvalidRequest(
+                f"'logit_bias' token ids must be below the vocabulary size of {vocab}, got {outside[0]}",
+                param="logit_bias",
+            )
 
     # -- plan --------------------------------------------------------------------------------
 

@@ -42,14 +42,17 @@ def sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-def _entry(text: str, logprob: float) -> dict[str, Any]:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+def _entry(text: str, logprob: float, raw: bytes | None = None) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8") if raw is None else raw)}
+
+
+def _top(lp: TokenLogprob) -> list[dict[str, Any]]:
+    raws = lp.top_raw or (None,) * len(lp.top)
+    return [_entry(t, v, raw) for (t, v), raw in zip(lp.top, raws, strict=False)]
 
 
 def chat_logprobs(lps: Sequence[TokenLogprob]) -> dict[str, Any]:
-    content = [
-        {**_entry(lp.text, lp.logprob), "top_logprobs": [_entry(t, v) for t, v in lp.top]} for lp in lps
-    ]
+    content = [{**_entry(lp.text, lp.logprob, lp.raw), "top_logprobs": _top(lp)} for lp in lps]
     return {"content": content, "refusal": None}
 
 

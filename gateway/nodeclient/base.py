@@ -147,12 +147,17 @@ class Prompt:
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
-    """One output token's log probability, and the most likely alternatives at its position."""
+    """One output token's log probability, and the most likely alternatives at its position.
+
+    ``raw`` / ``top_raw``: the tokens' own bytes where they are not the UTF-8 of their text (a
+    token holding part of a character); None: the text's UTF-8."""
 
     token_id: int
     text: str
     logprob: float
     top: tuple[tuple[str, float], ...] = ()  # (token text, log probability), most likely first
+    raw: bytes | None = None
+    top_raw: tuple[bytes | None, ...] = ()  # per entry of ``top`` (empty: all None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,10 +40,12 @@ from prefixgate.gateway.nodeclient.base import (
     Prompt,
     StageTimings,
     TokenDelta,
+    TokenLogprob,
 )
 from prefixgate.gateway.nodeclient.smg_events import ChainRehasher, Overflow
 from prefixgate.gateway.tokens.detokenize import Detokenizer
 from prefixgate.gateway.vocab import EventKind, FailureKind, Stage
+from prefixgate.openai.features import Feature
 
 log = structlog.get_logger("prefixgate.nodeclient.smg")
 
@@ -66,6 +68,8 @@ DEFERRED_ABORT_MAX_WAIT_S = 30.0  # a decode leg is aborted only after its first
 ABORT_TIMEOUT_S = 2.0
 RESUBSCRIBE_LIMIT = 8  # clear+resubscribe rounds in a row without a data batch, then give up
 CONSTRAINT_TRAILER = "smg-constraint-failed"
+TOKEN_TEXT_CACHE = 1 << 16  # tokens whose text a client keeps (for log probabilities)
+REPLACEMENT = "\ufffd"
 
 KINDS: dict[grpc.StatusCode, FailureKind] = {
     grpc.StatusCode.UNAVAILABLE: FailureKind.UNAVAILABLE,
@@ -129,10 +133,28 @@ class SmgOptions:
     codec: Codec | None = None
 
 
+EngineLogprob = tuple[int, float, tuple[tuple[int, float], ...]]  # (id, logprob, top (id, logprob))
+
+
+def output_logprobs(msg: Any) -> list[EngineLogprob]:
+    """A chunk's or complete's ``output_logprobs`` (the same message on both runtimes): one
+    entry a position, its alternatives as the engine listed them."""
+    if not msg.HasField("output_logprobs"):
+        return []
+    lp = msg.output_logprobs
+    tops = list(lp.top_logprobs)
+    out: list[EngineLogprob] = []
+    for i, (tid, value) in enumerate(zip(lp.token_ids, lp.token_logprobs, strict=False)):
+        top = tops[i] if i < len(tops) else None
+        alts = tuple(zip(top.token_ids, top.values, strict=False)) if top is not None else ()
+        out.append((int(tid), float(value), tuple((int(t), float(v)) for t, v in alts)))
+    return out
+
+
 @dataclass(slots=True)
 class Output:
     """One Generate response, runtime-neutral. Counters are cumulative (a runtime that reports
-    deltas adds them up)."""
+    deltas adds them up). ``logprobs``: the engine's per output token (``output_logprobs``)."""
 
     complete: bool
     ids: list[int]
@@ -143,6 +165,7 @@ class Output:
     finish_reason: str = ""
     matched: str | int | None = None
     kv_transfer_params_json: str = ""
+    logprobs: list[EngineLogprob] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -162,7 +185,10 @@ class EngineInfo:
     kv_connector: str = ""  # vLLM
     kv_events: bool = True  # until SubscribeKvEvents says UNIMPLEMENTED
     eos_token_ids: tuple[int, ...] = ()
-    features: frozenset[str] = frozenset()  # engine features served (``prefixgate.openai.features``)
+    # The features the engine itself says it serves (our nodes' ``prefixgate_features``); None:
+    # it does not say, the runtime's own stand.
+    features: frozenset[str] | None = None
+    constrains: bool = True  # grammar-constrained decoding on (SGLang: unless --grammar-backend none)
 
     @property
     def model_name(self) -> str:
@@ -208,6 +234,42 @@ def stop_token_ids(codec: Codec, stops: Sequence[str]) -> list[int]:
     return out
 
 
+@functools.cache
+def _byte_of_char() -> dict[str, int]:
+    """The byte-level BPE alphabet back to bytes (each byte is one printable character)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+def token_bytes(codec: Codec, token_id: int) -> bytes | None:
+    """The bytes of a token that holds part of a UTF-8 character (its text shows U+FFFD): from
+    its byte-level spelling, or a byte-fallback token (``<0xE2>``); None when neither."""
+    spell = getattr(codec, "id_to_token", None)
+    piece = spell(token_id) if callable(spell) else None
+    if not isinstance(piece, str) or not piece:
+        return None
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            return None
+    table = _byte_of_char()
+    if all(c in table for c in piece):
+        return bytes(table[c] for c in piece)
+    return None
+
+
 def requested_stop_ids(prompt: Prompt) -> list[int]:
     """Stop token ids the request itself names (a sampling field when the schema has one)."""
     return [int(t) for t in getattr(prompt.sampling, "stop_token_ids", None) or ()]
@@ -233,6 +295,7 @@ class SmgNodeClient:
         self._detect_lock = asyncio.Lock()
         self._background: set[asyncio.Task[None]] = set()
         self._no_loads = False  # GetLoads answered UNIMPLEMENTED
+        self._token_texts: dict[int, tuple[str, bytes | None]] = {}
 
     # -- identity and capabilities -----------------------------------------------------------
 
@@ -316,6 +379,36 @@ class SmgNodeClient:
             return loaded
         return self._codec
 
+    def token_text(self, token_id: int) -> tuple[str, bytes | None]:
+        """One token on its own: its text (special tokens spelled out), and its bytes where they
+        are not the text's UTF-8 (None: they are)."""
+        known = self._token_texts.get(token_id)
+        if known is None:
+            codec = self.codec()
+            text = str(codec.decode([token_id], skip_special_tokens=False))
+            known = (text, token_bytes(codec, token_id) if REPLACEMENT in text else None)
+            if len(self._token_texts) >= TOKEN_TEXT_CACHE:
+                self._token_texts.clear()
+            self._token_texts[token_id] = known
+        return known
+
+    def token_logprob(self, lp: EngineLogprob, top: int) -> TokenLogprob:
+        """The engine's log probability of one token in the gateway's words, with its ``top``
+        most likely alternatives (most likely first)."""
+        token_id, value, alts = lp
+        text, raw = self.token_text(token_id)
+        best = sorted(dict(alts).items(), key=lambda a: -a[1])[:top] if top > 0 else []
+        named = [self.token_text(t) for t, _ in best]
+        top_raw = tuple(r for _, r in named) if any(r is not None for _, r in named) else ()
+        return TokenLogprob(
+            token_id,
+            text,
+            value,
+            tuple((t, v) for (t, _), (_, v) in zip(named, best, strict=True)),
+            raw,
+            top_raw,
+        )
+
     async def status(self, timeout: float) -> NodeStatus:
         try:
             async with asyncio.timeout(timeout):
@@ -327,7 +420,10 @@ class SmgNodeClient:
             raise failure(self._address, Stage.PROBE, e) from e
         info = self.info
         assert info is not None
-        return _status(info, loads, runtime.features)
+        features = runtime.features if info.features is None else runtime.features & info.features
+        if not info.constrains:
+            features -= {Feature.RESPONSE_FORMAT.value}
+        return _status(info, loads, features)
 
     async def _loads(self, runtime: Runtime, timeout: float) -> Any:
         """GetLoads; an engine without it is probed with HealthCheck and reports no load."""
@@ -509,7 +605,7 @@ def _status(info: EngineInfo, loads: Any, features: frozenset[str]) -> NodeStatu
         profile=CostProfile(name=info.runtime),
         instance_id=info.instance_id,
         models=(info.model_name,) if info.model_name else (),
-        features=features | info.features,
+        features=features,
     )
 
 
@@ -629,17 +725,16 @@ class GenerateStream:
         self._completion = max(self._completion, out.completion_tokens)
         if not out.complete:
             self._chunks += 1
-            piece = self._detok.push(out.ids)
-            if piece.stopped:
-                return self._finish(piece.text, "stop")
-            return TokenDelta(piece.text, "", self._completion) if piece.text else None
+            text, lps, stopped = self._push(out)
+            if stopped:
+                return self._finish(text, "stop", lps)
+            return TokenDelta(text, "", self._completion, lps) if text or lps else None
         self._finished = True
-        text = ""
+        text, lps = "", ()
         if self._chunks == 0 and out.ids:  # stream=false: the ids are the whole output
-            piece = self._detok.push(out.ids)
-            text = piece.text
-            if piece.stopped:
-                return self._finish(text, "stop")
+            text, lps, stopped = self._push(out)
+            if stopped:
+                return self._finish(text, "stop", lps)
         tail = self._detok.finish()
         text += tail.text
         reason = "stop" if tail.stopped else (out.finish_reason or "stop")
@@ -648,11 +743,33 @@ class GenerateStream:
             raise NodeFailure(
                 self.node_id, self.stage, FailureKind.INTERNAL, "the engine aborted the request"
             )
-        return self._finish(text, reason)
+        return self._finish(text, reason, lps)
 
-    def _finish(self, text: str, reason: str) -> TokenDelta:
+    def _push(self, out: Output) -> tuple[str, tuple[TokenLogprob, ...], bool]:
+        """The text of ``out``'s ids, their log probabilities when the request asked (one a
+        token, up to the token that ended the choice), and whether one ended it."""
+        assert self._detok is not None
+        s = self.prompt.sampling
+        if not s.logprobs:
+            piece = self._detok.push(out.ids)
+            return piece.text, (), piece.stopped
+        # token by token: the log probabilities stop where the text stops
+        by_position = {i: lp for i, lp in enumerate(out.logprobs)}
+        text, lps = "", []
+        for i, token_id in enumerate(out.ids):
+            piece = self._detok.push([token_id])
+            text += piece.text
+            engine_lp = by_position.get(i)
+            if engine_lp is not None and not (piece.stopped and piece.matched_stop == token_id):
+                lp = (token_id, engine_lp[1], engine_lp[2])  # the chosen id is the output's
+                lps.append(self.client.token_logprob(lp, s.top_logprobs))
+            if piece.stopped:
+                return text, tuple(lps), True
+        return text, tuple(lps), False
+
+    def _finish(self, text: str, reason: str, lps: tuple[TokenLogprob, ...] = ()) -> TokenDelta:
         self._closed = True
-        return TokenDelta(text, reason, self._completion)
+        return TokenDelta(text, reason, self._completion, lps)
 
     async def aclose(self) -> None:
         """Cancel the engine's work if it is still running (abort policy of ENGINES.md §1.5)."""

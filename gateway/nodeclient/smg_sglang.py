@@ -41,11 +41,12 @@ from prefixgate.gateway.nodeclient.smg_common import (
     Output,
     SmgNodeClient,
     failure,
+    output_logprobs,
     packed_ids,
 )
 from prefixgate.gateway.vocab import FailureKind, Stage
 from prefixgate.openai.constraint import Constraint
-from prefixgate.openai.features import Feature
+from prefixgate.openai.features import Feature, parse_features
 
 ROOM_LIMIT = (1 << 31) - 1  # the gRPC room is int32
 BLAME_GRACE_S = 0.3  # a failed decode leg waits this long for its prefill leg's own verdict
@@ -76,8 +77,6 @@ def sampling_params(prompt: Prompt, stop_token_ids: Sequence[int]) -> pb.Samplin
     return params
 
 
-# SGLang constrains decoding unless started with ``--grammar-backend none``.
-CONSTRAINED = frozenset({Feature.RESPONSE_FORMAT.value})
 SGLANG_CONSTRAINTS = {
     "json_schema": "json_schema",
     "regex": "regex",
@@ -93,12 +92,26 @@ def constrain(params: pb.SamplingParams, constraint: Constraint | None) -> None:
         setattr(params, SGLANG_CONSTRAINTS[constraint.kind], constraint.text)
 
 
+def ask_logprobs(req: pb.GenerateRequest, prompt: Prompt) -> None:
+    """Output log probabilities (``return_logprob``, ``top_logprobs_num``; none of the prompt's:
+    ``logprob_start_len`` stays -1) and ``logit_bias`` (token ids as strings), when asked. A split
+    request sends the same to both legs: the prefill leg computes the first token's."""
+    s = prompt.sampling
+    if s.logprobs:
+        req.return_logprob = True
+        req.top_logprobs_num = s.top_logprobs
+    for token_id, bias in s.logit_bias.items():
+        req.sampling_params.logit_bias[str(token_id)] = bias
+
+
 class SglangRuntime:
     name = "sglang"
     service = "sglang.grpc.scheduler.SglangScheduler"
     # SamplingParams has no seed: the engine samples each request at random, so a request's
     # choices (independent requests) differ, and a sampled request's ``seed`` is refused.
-    features: frozenset[str] = frozenset()
+    features: frozenset[str] = frozenset(
+        {Feature.LOGPROBS.value, Feature.LOGIT_BIAS.value, Feature.RESPONSE_FORMAT.value}
+    )
 
     def stub(self, channel: grpc.aio.Channel) -> Any:
         return pb_grpc.SglangSchedulerStub(channel)
@@ -110,10 +123,14 @@ class SglangRuntime:
         model = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
         args: dict[str, Any] = {}
         start = ""
+        said: frozenset[str] | None = None
         try:
             server = await stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=timeout)
             args = json_format.MessageToDict(server.server_args)
             start = f"{server.start_time.seconds}.{server.start_time.nanos}"
+            scheduler = json_format.MessageToDict(server.scheduler_info)
+            if "prefixgate_features" in scheduler:  # our nodes say which they serve
+                said = frozenset(f.value for f in parse_features(scheduler["prefixgate_features"]))
         except grpc.aio.AioRpcError:
             pass  # optional for smg too: the model info is enough to serve
         page = int(args.get("page_size") or 0)
@@ -134,7 +151,8 @@ class SglangRuntime:
             max_running=int(args.get("max_running_requests") or 0),
             bootstrap_port=int(args.get("disaggregation_bootstrap_port") or 0),
             eos_token_ids=tuple(model.eos_token_ids),
-            features=CONSTRAINED if str(args.get("grammar_backend") or "xgrammar") != "none" else frozenset(),
+            features=said,
+            constrains=str(args.get("grammar_backend") or "xgrammar") != "none",
         )
 
     async def loads(self, stub: Any, timeout: float) -> Any:
@@ -157,6 +175,7 @@ class SglangRuntime:
             logprob_start_len=-1,
             stream=stream,
         )
+        ask_logprobs(req, prompt)
         if bootstrap is not None:
             host, port, room = bootstrap
             req.disaggregated_params.CopyFrom(
@@ -168,7 +187,13 @@ class SglangRuntime:
         if msg.HasField("chunk"):
             c = msg.chunk
             return Output(
-                False, list(c.token_ids), c.index, c.prompt_tokens, c.completion_tokens, c.cached_tokens
+                False,
+                list(c.token_ids),
+                c.index,
+                c.prompt_tokens,
+                c.completion_tokens,
+                c.cached_tokens,
+                logprobs=output_logprobs(c),
             )
         c = msg.complete
         which = c.WhichOneof("matched_stop")
@@ -182,6 +207,7 @@ class SglangRuntime:
             c.cached_tokens,
             c.finish_reason,
             matched,
+            logprobs=output_logprobs(c),
         )
 
     async def abort(self, stub: Any, rid: str) -> None:

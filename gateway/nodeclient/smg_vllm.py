@@ -39,6 +39,7 @@ from prefixgate.gateway.nodeclient.smg_common import (
     Output,
     SmgNodeClient,
     failure,
+    output_logprobs,
     packed_ids,
 )
 from prefixgate.gateway.vocab import FailureKind, Stage
@@ -49,6 +50,7 @@ from prefixgate.openai.schema import choice_seed
 PREFILL_PARAMS = json.dumps({"do_remote_decode": True, "do_remote_prefill": False})
 ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
 _I32 = (1 << 31) - 1
+MAX_LOGPROBS = 20  # the alternatives vLLM gives at most (its max_logprobs default)
 
 
 def sampling_params(prompt: Prompt, stop_token_ids: Sequence[int]) -> pb.SamplingParams:
@@ -77,7 +79,6 @@ def sampling_params(prompt: Prompt, stop_token_ids: Sequence[int]) -> pb.Samplin
     return params
 
 
-CONSTRAINED = frozenset({Feature.RESPONSE_FORMAT.value})
 VLLM_CONSTRAINTS = {
     "json_schema": "json_schema",
     "regex": "regex",
@@ -93,6 +94,21 @@ def constrain(params: pb.SamplingParams, constraint: Constraint | None) -> None:
     runs one discarded token and carries none (the decode leg's own request does)."""
     if constraint is not None:
         setattr(params, VLLM_CONSTRAINTS[constraint.kind], constraint.text)
+
+
+def ask_logprobs(params: pb.SamplingParams, prompt: Prompt) -> None:
+    """Output log probabilities (``logprobs`` = the alternatives wanted, at least 1, at most 20)
+    and ``logit_bias`` (int32 token ids), when asked. Only the decode leg of a split request gets
+    them: it samples every output token itself, the prefill leg's one token is dropped."""
+    s = prompt.sampling
+    if s.logprobs:
+        params.logprobs = min(max(s.top_logprobs, 1), MAX_LOGPROBS)
+    for token_id, bias in s.logit_bias.items():
+        if not 0 <= token_id <= _I32:
+            raise NodeFailure(
+                "", Stage.GENERATE, FailureKind.INVALID, f"logit_bias token id {token_id} out of range"
+            )
+        params.logit_bias[token_id] = bias
 
 
 def prefill_params(prompt: Prompt) -> pb.SamplingParams:
@@ -115,7 +131,11 @@ def prefill_params(prompt: Prompt) -> pb.SamplingParams:
 class VllmRuntime:
     name = "vllm"
     service = "vllm.grpc.engine.VllmEngine"
-    features = frozenset({Feature.SEED.value})  # SamplingParams.seed
+    # SamplingParams.seed, .logprobs, .logit_bias
+    # vLLM's structured outputs are always on
+    features = frozenset(
+        {Feature.SEED.value, Feature.LOGPROBS.value, Feature.LOGIT_BIAS.value, Feature.RESPONSE_FORMAT.value}
+    )
 
     def stub(self, channel: grpc.aio.Channel) -> Any:
         return pb_grpc.VllmEngineStub(channel)
@@ -140,19 +160,20 @@ class VllmRuntime:
             max_running=server.max_num_seqs,
             kv_connector=server.kv_connector,
             eos_token_ids=tuple(model.eos_token_ids),
-            features=CONSTRAINED,  # vLLM's structured outputs are always on
         )
 
     async def loads(self, stub: Any, timeout: float) -> Any:
         return await stub.GetLoads(pb.GetLoadsRequest(), timeout=timeout)
 
     def request(self, prompt: Prompt, rid: str, stop_token_ids: Sequence[int], *, stream: bool) -> Any:
-        return pb.GenerateRequest(
+        req = pb.GenerateRequest(
             request_id=rid,
             tokenized=pb.TokenizedInput(input_ids=packed_ids(prompt)),
             sampling_params=sampling_params(prompt, stop_token_ids),
             stream=stream,
         )
+        ask_logprobs(req.sampling_params, prompt)
+        return req
 
     def parse(self, msg: Any, completion_so_far: int) -> Output:
         if msg.HasField("chunk"):
@@ -164,6 +185,7 @@ class VllmRuntime:
                 c.prompt_tokens,
                 completion_so_far + c.completion_tokens,  # a delta on this runtime
                 c.cached_tokens,
+                logprobs=output_logprobs(c),
             )
         c = msg.complete
         which = c.WhichOneof("matched_stop")
@@ -177,6 +199,7 @@ class VllmRuntime:
             c.finish_reason,
             getattr(c, which) if which else None,
             c.kv_transfer_params_json if c.HasField("kv_transfer_params_json") else "",
+            output_logprobs(c),
         )
 
     async def abort(self, stub: Any, rid: str) -> None:

@@ -1,8 +1,10 @@
 """The OpenAI surface on our nodes' SMG face: ``logit_bias`` and output log probabilities from
-the tiny engine, both refused by the simulated one (no model), and what the node says it serves
-in its server info."""
+the tiny engine (on a split request too: the decode leg reports them all), both refused by the
+simulated one (no model), and what the node says it serves in its server info."""
 
 from __future__ import annotations
+
+import asyncio
 
 import grpc
 import pytest
@@ -43,12 +45,33 @@ async def test_tiny_applies_logit_bias_and_returns_logprobs(nodes: StartNode) ->
         assert list(msgs[-1].complete.output_logprobs.token_logprobs) == list(lp.token_logprobs)
         info = MessageToDict((await stub.GetServerInfo(pb.GetServerInfoRequest())).scheduler_info)
         assert info["prefixgate_features"] == ["logit_bias", "logprobs", "response_format"]
-    decode: NodeServer = await nodes("decode", engine=TINY, block_size=BS)
-    async with grpc.aio.insecure_channel(decode.address) as ch:  # a split leg cannot return them all
-        info = MessageToDict(
-            (await pb_grpc.SglangSchedulerStub(ch).GetServerInfo(pb.GetServerInfoRequest())).scheduler_info
-        )
-        assert info["prefixgate_features"] == ["logit_bias", "response_format"]  # a decode leg constrains too
+    pre: NodeServer = await nodes("prefill", engine=TINY, block_size=BS, bootstrap_port=0)
+    dec: NodeServer = await nodes("decode", engine=TINY, block_size=BS)
+    assert pre.bootstrap is not None
+    async with (
+        grpc.aio.insecure_channel(pre.address) as pch,
+        grpc.aio.insecure_channel(dec.address) as dch,
+    ):
+        p, d = pb_grpc.SglangSchedulerStub(pch), pb_grpc.SglangSchedulerStub(dch)
+        for stream in (False, True):  # the decode leg reports them all, the first one handed over
+            req = with_logprobs(stream)
+            req.disaggregated_params.CopyFrom(
+                pb.DisaggregatedParams(
+                    bootstrap_host="127.0.0.1", bootstrap_port=pre.bootstrap.port, bootstrap_room=41 + stream
+                )
+            )
+            both = await asyncio.gather(collect(p, req), collect(d, req))
+            legs = both[1]  # the decode leg's
+            if stream:
+                got = [v for m in legs[:-1] for v in m.chunk.output_logprobs.token_logprobs]
+                ids = [t for m in legs[:-1] for t in m.chunk.output_logprobs.token_ids]
+            else:
+                got = list(legs[-1].complete.output_logprobs.token_logprobs)
+                ids = list(legs[-1].complete.output_logprobs.token_ids)
+            assert got == list(lp.token_logprobs) and ids == list(whole.output_ids), stream
+        for stub in (p, d):
+            info = MessageToDict((await stub.GetServerInfo(pb.GetServerInfoRequest())).scheduler_info)
+            assert info["prefixgate_features"] == ["logit_bias", "logprobs", "response_format"]
 
 
 async def test_sim_refuses_logit_bias_and_logprobs(nodes: StartNode) -> None:

@@ -173,12 +173,17 @@ class VllmOverOurNode(vpb_grpc.VllmEngineServicer):  # type: ignore[misc]
         )
         if p.HasField("max_tokens"):
             sp.max_new_tokens = p.max_tokens
+        for token_id, bias in p.logit_bias.items():  # vLLM's int32 keys, SGLang's strings
+            sp.logit_bias[str(token_id)] = bias
         req = spb.GenerateRequest(
             request_id=request.request_id,
             tokenized=spb.TokenizedInput(input_ids=list(request.tokenized.input_ids)),
             sampling_params=sp,
             stream=request.stream,
+            logprob_start_len=-1,
         )
+        if p.HasField("logprobs"):  # vLLM: that many alternatives a token (the chosen one's too)
+            req.return_logprob, req.top_logprobs_num = True, p.logprobs
         last = 0
         async for m in self.stub.Generate(req):
             if m.HasField("chunk"):
@@ -189,6 +194,7 @@ class VllmOverOurNode(vpb_grpc.VllmEngineServicer):  # type: ignore[misc]
                         prompt_tokens=c.prompt_tokens,
                         completion_tokens=c.completion_tokens - last,
                         cached_tokens=c.cached_tokens,
+                        output_logprobs=_vllm_logprobs(c) if c.HasField("output_logprobs") else None,
                     )
                 )
                 last = c.completion_tokens
@@ -200,6 +206,7 @@ class VllmOverOurNode(vpb_grpc.VllmEngineServicer):  # type: ignore[misc]
                 prompt_tokens=c.prompt_tokens,
                 completion_tokens=c.completion_tokens,
                 cached_tokens=c.cached_tokens,
+                output_logprobs=_vllm_logprobs(c) if c.HasField("output_logprobs") else None,
             )
             if self.kv_role == "kv_producer" and request.HasField("kv_transfer_params_json"):
                 done.kv_transfer_params_json = json.dumps(
@@ -213,6 +220,18 @@ class VllmOverOurNode(vpb_grpc.VllmEngineServicer):  # type: ignore[misc]
                     }
                 )
             yield vpb.GenerateResponse(complete=done)
+
+
+def _vllm_logprobs(msg: Any) -> Any:
+    """SGLang's ``output_logprobs`` as vLLM's (the same fields)."""
+    lp = msg.output_logprobs
+    return vpb.OutputLogProbs(
+        token_logprobs=list(lp.token_logprobs),
+        token_ids=list(lp.token_ids),
+        top_logprobs=[
+            vpb.TopLogProbs(values=list(t.values), token_ids=list(t.token_ids)) for t in lp.top_logprobs
+        ],
+    )
 
 
 async def serve(add: Callable[[grpc.aio.Server], None]) -> tuple[grpc.aio.Server, str]:

@@ -16,7 +16,7 @@ import pytest
 from prefixgate.backends.smg_service import SglangSchedulerService
 from tests.helpers import Proc, free_port, spawn
 from tests.smgwire import doubles
-from tests.smgwire.conftest import MODEL, StartNode
+from tests.smgwire.conftest import HF, MODEL, StartNode
 
 PROMPT = (
     "<|im_start|>user\n"
@@ -47,6 +47,13 @@ async def gateway(*workers: str) -> AsyncIterator[str]:
     finally:
         rc = await asyncio.to_thread(proc.stop, timeout=15)
         assert rc == 0, "\n".join(list(proc.lines)[-30:])
+
+
+def one_token_id(token: str) -> int:
+    """The id of a token given by its text."""
+    ids = HF.encode(token, add_special_tokens=False).ids
+    assert len(ids) == 1, token
+    return int(ids[0])
 
 
 def body(**kw: Any) -> dict[str, Any]:
@@ -138,5 +145,44 @@ async def test_sglang_refuses_a_seed_and_samples_each_choice_at_random(nodes: St
             err = r.json()["error"]
             assert err["param"] == "seed" and err["type"] == "invalid_request_error"
             assert "sglang" in err["message"]
+            # the sim node says it serves no log probabilities: refused before routing
+            r = await http.post("/v1/completions", json=body(logprobs=1))
+            assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
             assert len(await _texts(http, temperature=0, seed=1)) == 1  # greedy: any seed is the same
             assert len(set(await _texts(http, n=3, temperature=1))) == 3
+
+
+async def test_vllm_carries_logprobs_and_logit_bias(nodes: StartNode) -> None:
+    """vLLM's ``logprobs`` is the alternatives wanted, at least 1 (chat ``logprobs`` without
+    ``top_logprobs`` still asks for one, and shows none); ``logit_bias`` goes as int32 ids."""
+    ns = await nodes("monolithic", engine="tiny:preset=small")
+    servicer = doubles.VllmOverOurNode(ns.address, node=ns.node)
+    server, addr = await doubles.serve(doubles.add_vllm(servicer))
+    chat = {"model": "prefixgate-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    chat["temperature"] = 0
+    try:
+        async with gateway("--worker-urls", f"grpc://{addr}") as base:
+            async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+                r = await http.post("/v1/chat/completions", json={**chat, "logprobs": True})
+                assert r.status_code == 200, r.text
+                choice = r.json()["choices"][0]
+                entries = choice["logprobs"]["content"]
+                assert (
+                    len(entries) == 4 and "".join(e["token"] for e in entries) == choice["message"]["content"]
+                )
+                assert all(e["top_logprobs"] == [] and e["logprob"] <= 0 for e in entries)
+                r = await http.post(
+                    "/v1/chat/completions", json={**chat, "logprobs": True, "top_logprobs": 3}
+                )
+                assert [len(e["top_logprobs"]) for e in r.json()["choices"][0]["logprobs"]["content"]] == [
+                    3
+                ] * 4
+                first = one_token_id(entries[0]["token"])
+                r = await http.post("/v1/chat/completions", json={**chat, "logit_bias": {str(first): -100}})
+                assert r.status_code == 200, r.text
+                assert not r.json()["choices"][0]["message"]["content"].startswith(entries[0]["token"])
+    finally:
+        await server.stop(0)
+    asked = [r.sampling_params for r in servicer.requests]
+    assert [p.logprobs if p.HasField("logprobs") else None for p in asked] == [1, 3, None]
+    assert dict(asked[2].logit_bias) == {first: -100.0}

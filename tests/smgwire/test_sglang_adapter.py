@@ -264,3 +264,41 @@ async def test_kv_events_fill_the_index_with_the_gateways_hashes(nodes: StartNod
     finally:
         await sync.close()
         await pool.close()
+
+
+async def test_a_token_holding_half_a_character_has_its_own_bytes() -> None:
+    """Its text is U+FFFD (decoded alone), its bytes are its own, as OpenAI gives them (the tiny
+    engine never outputs such a token: the engine's log probability is given here)."""
+    from prefixgate.gateway.responses import chat_logprobs
+
+    c = SmgNodeClient("grpc://127.0.0.1:9", "127.0.0.1:9", SmgOptions(codec=HF))  # never dialled
+    half, rest = HF.encode("é", add_special_tokens=False).ids
+    lp = c.token_logprob((half, -0.5, ((rest, -0.1), (half, -0.5), (rest, -0.1))), 2)
+    assert lp.text == "\ufffd" and lp.raw == "é".encode()[:1]
+    assert lp.top == (("\ufffd", -0.1), ("\ufffd", -0.5))  # most likely first, each id once
+    assert lp.top_raw == ("é".encode()[1:], "é".encode()[:1])
+    entry = chat_logprobs([lp])["content"][0]
+    assert entry["bytes"] == [0xC3] and [a["bytes"] for a in entry["top_logprobs"]] == [[0xA9], [0xC3]]
+    plain = c.token_logprob((HF.token_to_id("Ġthe") or 0, -1.0, ()), 0)
+    assert plain.text == " the" and plain.raw is None and plain.top == ()
+    assert chat_logprobs([plain])["content"][0]["bytes"] == list(b" the")
+    await c.close()
+
+
+async def test_log_probabilities_stop_with_the_text(nodes: StartNode, client: Client) -> None:
+    """One a token, spelling the text; a stop string the gateway matches ends them with the text."""
+    ns = await nodes("monolithic", engine="tiny:preset=small")
+    c = client(ns)
+    plain = prompt(LONG, max_tokens=8)
+    plain.sampling.logprobs = True
+    deltas = [d async for d in c.generate(plain, timeout=30)]
+    tokens = [lp.text for d in deltas for lp in d.logprobs]
+    assert len(tokens) == 8 and "".join(tokens) == "".join(d.text for d in deltas)
+    assert all(lp.top == () for d in deltas for lp in d.logprobs)  # no alternatives asked
+    stop = tokens[3][-1:] if tokens[3].strip() else tokens[3]
+    cut = next(i for i, t in enumerate(tokens) if stop in t)
+    stopped = prompt(LONG, max_tokens=8, stop=(stop,))
+    stopped.sampling.logprobs = True
+    out = [d async for d in c.generate(stopped, timeout=30)]
+    assert len([lp for d in out for lp in d.logprobs]) == cut + 1  # up to the token that stopped it
+    assert out[-1].finish_reason == "stop"
