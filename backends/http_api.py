@@ -79,7 +79,7 @@ from prefixgate.gateway.tokens import EngineTokenizer, open_tokenizer_dir
 from prefixgate.openai.errors import APIError, from_domain, invalid
 from prefixgate.openai.exceptions import GatewayError
 from prefixgate.openai.normalize import NormalizationError, render_completion
-from prefixgate.openai.schema import MAX_SEED, ParsedRequest, choice_seed, parse_json, parse_request
+from prefixgate.openai.schema import MAX_N, MAX_SEED, ParsedRequest, choice_seed, parse_json, parse_request
 
 _log = structlog.get_logger("prefixgate.node_http")
 
@@ -349,12 +349,28 @@ class Room:
 @dataclass(frozen=True, slots=True)
 class PDRequest:
     leg: str  # "prefill" | "decode" | "sglang" (the node's role decides)
-    room: Room | None = None
+    rooms: tuple[Room, ...] = ()  # one, or one per choice (SGLang's lists)
+
+    @property
+    def room(self) -> Room | None:
+        return self.rooms[0] if self.rooms else None
+
+    def rooms_for(self, n: int) -> list[Room]:
+        """The room of each of ``n`` choices: the lists' entries when there is one per choice
+        (sglang-router sends lists of ``n`` for a chat with ``n``), else, as SGLang's engines
+        expand one room, ``bootstrap_room + i`` for choice ``i``."""
+        if len(self.rooms) == n:
+            return list(self.rooms)
+        if len(self.rooms) == 1:
+            r = self.rooms[0]
+            return [replace(r, room=r.room + i) for i in range(n)]
+        raise invalid(
+            f"'bootstrap_room' has {len(self.rooms)} rooms for {n} choices: give one, or one per choice",
+            "bootstrap_room",
+        )
 
 
 def _int(v: Any, name: str) -> int:
-    if isinstance(v, list) and len(v) == 1:
-        v = v[0]  # a batch of one
     if isinstance(v, bool) or not isinstance(v, int | str):
         raise invalid(f"'{name}' must be an integer", name)
     try:
@@ -363,19 +379,37 @@ def _int(v: Any, name: str) -> int:
         raise invalid(f"'{name}' must be an integer", name) from None
 
 
+def _each(v: Any, name: str, count: int) -> list[Any]:
+    """SGLang's bootstrap field ``v`` as ``count`` values: a list of them, or one for all."""
+    if not isinstance(v, list):
+        return [v] * count
+    if len(v) == 1:
+        return v * count
+    if len(v) != count:
+        raise invalid(f"'{name}' has {len(v)} entries, 'bootstrap_room' {count}", name)
+    return v
+
+
+def _sglang_rooms(body: Mapping[str, Any]) -> tuple[Room, ...]:
+    """SGLang's ``bootstrap_host/port/room``: one each, or lists of one per choice."""
+    raw = body["bootstrap_room"]
+    rooms = [_int(r, "bootstrap_room") for r in (raw if isinstance(raw, list) else [raw])]
+    if not rooms or len(rooms) > MAX_N:
+        raise invalid(f"'bootstrap_room' must hold 1 to {MAX_N} rooms", "bootstrap_room")
+    out = []
+    hosts = _each(body.get("bootstrap_host"), "bootstrap_host", len(rooms))
+    ports = _each(body.get("bootstrap_port"), "bootstrap_port", len(rooms))
+    for host, port, room in zip(hosts, ports, rooms, strict=True):
+        if not isinstance(host, str) or not host:
+            raise invalid("'bootstrap_host' is required with 'bootstrap_room'", "bootstrap_host")
+        out.append(Room(host.strip("[]"), 0 if port is None else _int(port, "bootstrap_port"), room))
+    return tuple(out)
+
+
 def pd_request(body: Mapping[str, Any]) -> PDRequest | None:
     """The PD part of a request body (None: a whole request)."""
     if body.get("bootstrap_room") is not None:
-        host = body.get("bootstrap_host")
-        if isinstance(host, list) and len(host) == 1:
-            host = host[0]
-        if not isinstance(host, str) or not host:
-            raise invalid("'bootstrap_host' is required with 'bootstrap_room'", "bootstrap_host")
-        port = body.get("bootstrap_port")
-        port = 0 if port is None or port == [None] else _int(port, "bootstrap_port")
-        return PDRequest(
-            "sglang", Room(host.strip("[]"), port, _int(body["bootstrap_room"], "bootstrap_room"))
-        )
+        return PDRequest("sglang", _sglang_rooms(body))
     params = body.get("kv_transfer_params")
     if params is None:
         return None
@@ -389,7 +423,7 @@ def pd_request(body: Mapping[str, Any]) -> PDRequest | None:
             raise invalid("kv_transfer_params.remote_host is required", "kv_transfer_params")
         port = _int(params.get("remote_port"), "kv_transfer_params.remote_port")
         room = _int(params.get("bootstrap_room"), "kv_transfer_params.bootstrap_room")
-        return PDRequest("decode", Room(host.strip("[]"), port, room))
+        return PDRequest("decode", (Room(host.strip("[]"), port, room),))
     return None
 
 
@@ -508,8 +542,9 @@ class NodeAPI:
 
         Choice ``i`` samples with ``choice_sampling(sampling, i)``. Whole: choice 0 is prefilled
         first, the others then start at once and reuse its blocks, so the prompt is computed once.
-        SGLang's PD: as SGLang's engines do, choice ``i``'s legs meet at room ``bootstrap_room + i``
-        on both nodes: the decode leg presents every room at once; the prefill leg takes them all,
+        SGLang's PD: choice ``i``'s legs meet at its own room on both nodes (``PDRequest.rooms_for``:
+        the ``i``-th of the lists sglang-router sends, or ``bootstrap_room + i`` as SGLang's
+        engines expand one room): the decode leg presents every room at once; the prefill leg takes them all,
         prefills choice 0's, then the others' (its blocks cached: only the last partial block is
         computed again), each choice its own first token and sampling state, pushed to the decode
         node (which keeps one copy of the shared blocks)."""
@@ -524,18 +559,14 @@ class NodeAPI:
         if pd.leg != "sglang" and n > 1:
             raise invalid("'n' must be 1 with kv_transfer_params: vLLM's PD hands over one choice", "n")
         if pd.leg == "decode" or (pd.leg == "sglang" and role == "decode"):
-            at = pd.room
-            assert at is not None
-            return await _all(
-                [self._decode_leg(replace(at, room=at.room + i), s) for i, s in enumerate(choices)]
-            ), {}
+            rooms = pd.rooms_for(n)
+            return await _all([self._decode_leg(r, s) for r, s in zip(rooms, choices, strict=True)]), {}
         bootstrap = self._bootstrap()
         if pd.leg == "sglang":
-            assert pd.room is not None
             computed = asyncio.Event()
             legs = [
-                self._hand_off(bootstrap, prompt, s, pd.room.room + i, None, computed if i else None)
-                for i, s in enumerate(choices)
+                self._hand_off(bootstrap, prompt, s, r.room, None, computed if i else None)
+                for i, (r, s) in enumerate(zip(pd.rooms_for(n), choices, strict=True))
             ]
             results = await _all([_setting(computed, legs[0]), *legs[1:]])
             return [(_one(self._prefill_chunk(r)), self._prefill_chunk(r)) for r in results], {}
