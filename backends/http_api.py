@@ -25,6 +25,11 @@ front of it gets no help from prefixgate's normalizer; ``normalize=True`` render
 gateway does with normalization on. No model or tokenizer path is reported, so sglang-router
 does not try to load a tokenizer.
 
+``n`` (up to ``schema.MAX_N``) is served on chat and text completions: choice ``i`` samples with
+``choice_sampling`` (under a ``seed``, the seed the gateway gives choice ``i``), carries its
+``index``, and ``usage`` counts the prompt once and every choice's completion tokens. Choice 0 is
+prefilled first, the others then reuse its blocks: the prompt is computed once.
+
 PD (split serving) over HTTP, both engines' ways, reusing the node's bootstrap handoff
 (``backends.bootstrap``: the decode node presents a room to the prefill node's bootstrap
 listener, the prefill node pushes the KV pages to the decode node's gRPC port):
@@ -33,13 +38,14 @@ listener, the prefill node pushes the KV pages to the decode node's gRPC port):
   ``bootstrap_host``, ``bootstrap_port`` and ``bootstrap_room``, to a prefill and a decode node
   at once. A prefill node waits for the room's decode leg, prefills and pushes, and answers with
   the first token; a decode node presents the room, receives the pages and streams the answer.
+  With ``n``, choice ``i``'s legs meet at its own room (``PDRequest.rooms_for``).
 - vLLM (NIXL proxy, vllm-router ``--vllm-pd-disaggregation``): the prefill request carries
   ``kv_transfer_params: {"do_remote_decode": true}``; the prefill node computes the prompt (its
   pages stay in its pool), opens a bootstrap room for it and answers with ``kv_transfer_params``
   naming it (``remote_host``, ``remote_port`` = its bootstrap port, ``bootstrap_room``,
   ``do_remote_prefill: true``). The decode request carries those params: the decode node
   presents the room and the prefill node pushes the (now cached) pages, as in SGLang's way.
-  The decode leg reports the first prefill's cached tokens.
+  The decode leg reports the first prefill's cached tokens. One choice only (``n`` > 1: 400).
 
 Runs on uvicorn in the node's own event loop, next to the gRPC server.
 """
