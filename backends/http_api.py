@@ -25,6 +25,11 @@ front of it gets no help from prefixgate's normalizer; ``normalize=True`` render
 gateway does with normalization on. No model or tokenizer path is reported, so sglang-router
 does not try to load a tokenizer.
 
+``n`` (up to ``schema.MAX_N``) is served on chat and text completions: choice ``i`` samples with
+``choice_sampling`` (under a ``seed``, the seed the gateway gives choice ``i``), carries its
+``index``, and ``usage`` counts the prompt once and every choice's completion tokens. Choice 0 is
+prefilled first, the others then reuse its blocks: the prompt is computed once.
+
 PD (split serving) over HTTP, both engines' ways, reusing the node's bootstrap handoff
 (``backends.bootstrap``: the decode node presents a room to the prefill node's bootstrap
 listener, the prefill node pushes the KV pages to the decode node's gRPC port):
@@ -33,13 +38,14 @@ listener, the prefill node pushes the KV pages to the decode node's gRPC port):
   ``bootstrap_host``, ``bootstrap_port`` and ``bootstrap_room``, to a prefill and a decode node
   at once. A prefill node waits for the room's decode leg, prefills and pushes, and answers with
   the first token; a decode node presents the room, receives the pages and streams the answer.
+  With ``n``, choice ``i``'s legs meet at its own room (``PDRequest.rooms_for``).
 - vLLM (NIXL proxy, vllm-router ``--vllm-pd-disaggregation``): the prefill request carries
   ``kv_transfer_params: {"do_remote_decode": true}``; the prefill node computes the prompt (its
   pages stay in its pool), opens a bootstrap room for it and answers with ``kv_transfer_params``
   naming it (``remote_host``, ``remote_port`` = its bootstrap port, ``bootstrap_room``,
   ``do_remote_prefill: true``). The decode request carries those params: the decode node
   presents the room and the prefill node pushes the (now cached) pages, as in SGLang's way.
-  The decode leg reports the first prefill's cached tokens.
+  The decode leg reports the first prefill's cached tokens. One choice only (``n`` > 1: 400).
 
 Runs on uvicorn in the node's own event loop, next to the gRPC server.
 """
@@ -55,7 +61,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import grpc
 import orjson
@@ -79,7 +85,7 @@ from prefixgate.gateway.tokens import EngineTokenizer, open_tokenizer_dir
 from prefixgate.openai.errors import APIError, from_domain, invalid
 from prefixgate.openai.exceptions import GatewayError
 from prefixgate.openai.normalize import NormalizationError, render_completion
-from prefixgate.openai.schema import ParsedRequest, parse_json, parse_request
+from prefixgate.openai.schema import MAX_N, MAX_SEED, ParsedRequest, choice_seed, parse_json, parse_request
 
 _log = structlog.get_logger("prefixgate.node_http")
 
@@ -209,12 +215,16 @@ def wire_logprobs(
     }
 
 
-def usage(chunk: Chunk) -> dict[str, Any]:
+def usage(lasts: Sequence[Chunk]) -> dict[str, Any]:
+    """The usage of a request whose choices ended with ``lasts`` (choice order): the prompt once
+    (and what of it choice 0 found cached), the completion tokens of every choice."""
+    head = lasts[0]
+    completion = sum(c.completion_tokens for c in lasts)
     return {
-        "prompt_tokens": chunk.prompt_tokens,
-        "completion_tokens": chunk.completion_tokens,
-        "total_tokens": chunk.prompt_tokens + chunk.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": chunk.cached_tokens},
+        "prompt_tokens": head.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": head.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": head.cached_tokens},
     }
 
 
@@ -225,8 +235,17 @@ def sse(obj: Any) -> bytes:
 DONE = b"data: [DONE]\n\n"
 
 
+@dataclass(slots=True)
+class Answer:
+    """One choice's whole answer: its text, its last chunk (finish and usage), its log probabilities."""
+
+    text: str
+    last: Chunk
+    logprobs: list[TokenLogprob]
+
+
 class Wire:
-    """OpenAI response objects for one request (chat or text completion)."""
+    """OpenAI response objects for one request (chat or text completion), each choice by its index."""
 
     def __init__(
         self,
@@ -237,7 +256,7 @@ class Wire:
     ) -> None:
         self.chat = kind == "chat"
         self.text_of = text_of  # set: log probabilities are asked for
-        self.offset = 0
+        self.offsets: dict[int, int] = {}  # text completions: each choice's text offset so far
         rid = uuid.uuid4().hex
         self.base = {
             "id": f"chatcmpl-{rid}" if self.chat else f"cmpl-{rid}",
@@ -248,48 +267,46 @@ class Wire:
         }
         self.include_usage = include_usage
 
-    def logprobs(self, lps: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+    def logprobs(self, lps: Sequence[TokenLogprob], index: int = 0) -> dict[str, Any] | None:
         if self.text_of is None:
             return None
-        out = wire_logprobs(lps, self.chat, self.text_of, self.offset)
-        self.offset += sum(len(self.text_of(lp.token)) for lp in lps)
+        offset = self.offsets.get(index, 0)
+        out = wire_logprobs(lps, self.chat, self.text_of, offset)
+        self.offsets[index] = offset + sum(len(self.text_of(lp.token)) for lp in lps)
         return out
 
-    def chunk(self, text: str, finish: str, first: bool, lps: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
+    def chunk(
+        self, text: str, finish: str, first: bool, lps: Sequence[TokenLogprob] = (), index: int = 0
+    ) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
             if not first and not text:
                 delta = {}
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish or None}
+            choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish or None}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": finish or None}
-        choice["logprobs"] = self.logprobs(lps)
+            choice = {"index": index, "text": text, "finish_reason": finish or None}
+        choice["logprobs"] = self.logprobs(lps, index)
         out: dict[str, Any] = {**self.base, "choices": [choice]}
         if self.include_usage:
             out["usage"] = None
         return out
 
-    def usage_chunk(self, last: Chunk) -> dict[str, Any]:
-        return {**self.base, "choices": [], "usage": usage(last)}
+    def usage_chunk(self, lasts: Sequence[Chunk]) -> dict[str, Any]:
+        return {**self.base, "choices": [], "usage": usage(lasts)}
 
-    def whole(self, text: str, last: Chunk, lps: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
-        if self.chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": last.finish_reason or "length",
-                "logprobs": self.logprobs(lps),
-            }
-            obj = "chat.completion"
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "finish_reason": last.finish_reason or "length",
-                "logprobs": self.logprobs(lps),
-            }
-            obj = "text_completion"
-        return {**self.base, "object": obj, "choices": [choice], "usage": usage(last)}
+    def whole(self, answers: Sequence[Answer]) -> dict[str, Any]:
+        choices: list[dict[str, Any]] = []
+        for index, a in enumerate(answers):
+            choice: dict[str, Any] = {"index": index}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": a.text}
+            else:
+                choice["text"] = a.text
+            choice["finish_reason"] = a.last.finish_reason or "length"
+            choice["logprobs"] = self.logprobs(a.logprobs, index)
+            choices.append(choice)
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {**self.base, "object": obj, "choices": choices, "usage": usage([a.last for a in answers])}
 
 
 def sglang_sampling(body: Mapping[str, Any]) -> Sampling:
@@ -338,12 +355,28 @@ class Room:
 @dataclass(frozen=True, slots=True)
 class PDRequest:
     leg: str  # "prefill" | "decode" | "sglang" (the node's role decides)
-    room: Room | None = None
+    rooms: tuple[Room, ...] = ()  # one, or one per choice (SGLang's lists)
+
+    @property
+    def room(self) -> Room | None:
+        return self.rooms[0] if self.rooms else None
+
+    def rooms_for(self, n: int) -> list[Room]:
+        """The room of each of ``n`` choices: the lists' entries when there is one per choice
+        (sglang-router sends lists of ``n`` for a chat with ``n``), else, as SGLang's engines
+        expand one room, ``bootstrap_room + i`` for choice ``i``."""
+        if len(self.rooms) == n:
+            return list(self.rooms)
+        if len(self.rooms) == 1:
+            r = self.rooms[0]
+            return [replace(r, room=r.room + i) for i in range(n)]
+        raise invalid(
+            f"'bootstrap_room' has {len(self.rooms)} rooms for {n} choices: give one, or one per choice",
+            "bootstrap_room",
+        )
 
 
 def _int(v: Any, name: str) -> int:
-    if isinstance(v, list) and len(v) == 1:
-        v = v[0]  # a batch of one
     if isinstance(v, bool) or not isinstance(v, int | str):
         raise invalid(f"'{name}' must be an integer", name)
     try:
@@ -352,19 +385,37 @@ def _int(v: Any, name: str) -> int:
         raise invalid(f"'{name}' must be an integer", name) from None
 
 
+def _each(v: Any, name: str, count: int) -> list[Any]:
+    """SGLang's bootstrap field ``v`` as ``count`` values: a list of them, or one for all."""
+    if not isinstance(v, list):
+        return [v] * count
+    if len(v) == 1:
+        return v * count
+    if len(v) != count:
+        raise invalid(f"'{name}' has {len(v)} entries, 'bootstrap_room' {count}", name)
+    return v
+
+
+def _sglang_rooms(body: Mapping[str, Any]) -> tuple[Room, ...]:
+    """SGLang's ``bootstrap_host/port/room``: one each, or lists of one per choice."""
+    raw = body["bootstrap_room"]
+    rooms = [_int(r, "bootstrap_room") for r in (raw if isinstance(raw, list) else [raw])]
+    if not rooms or len(rooms) > MAX_N:
+        raise invalid(f"'bootstrap_room' must hold 1 to {MAX_N} rooms", "bootstrap_room")
+    out = []
+    hosts = _each(body.get("bootstrap_host"), "bootstrap_host", len(rooms))
+    ports = _each(body.get("bootstrap_port"), "bootstrap_port", len(rooms))
+    for host, port, room in zip(hosts, ports, rooms, strict=True):
+        if not isinstance(host, str) or not host:
+            raise invalid("'bootstrap_host' is required with 'bootstrap_room'", "bootstrap_host")
+        out.append(Room(host.strip("[]"), 0 if port is None else _int(port, "bootstrap_port"), room))
+    return tuple(out)
+
+
 def pd_request(body: Mapping[str, Any]) -> PDRequest | None:
     """The PD part of a request body (None: a whole request)."""
     if body.get("bootstrap_room") is not None:
-        host = body.get("bootstrap_host")
-        if isinstance(host, list) and len(host) == 1:
-            host = host[0]
-        if not isinstance(host, str) or not host:
-            raise invalid("'bootstrap_host' is required with 'bootstrap_room'", "bootstrap_host")
-        port = body.get("bootstrap_port")
-        port = 0 if port is None or port == [None] else _int(port, "bootstrap_port")
-        return PDRequest(
-            "sglang", Room(host.strip("[]"), port, _int(body["bootstrap_room"], "bootstrap_room"))
-        )
+        return PDRequest("sglang", _sglang_rooms(body))
     params = body.get("kv_transfer_params")
     if params is None:
         return None
@@ -378,7 +429,7 @@ def pd_request(body: Mapping[str, Any]) -> PDRequest | None:
             raise invalid("kv_transfer_params.remote_host is required", "kv_transfer_params")
         port = _int(params.get("remote_port"), "kv_transfer_params.remote_port")
         room = _int(params.get("bootstrap_room"), "kv_transfer_params.bootstrap_room")
-        return PDRequest("decode", Room(host.strip("[]"), port, room))
+        return PDRequest("decode", (Room(host.strip("[]"), port, room),))
     return None
 
 
@@ -394,6 +445,8 @@ class JSON(Response):
 
 Handler = Callable[[Request], Awaitable[Response]]
 Gen = AsyncGenerator[Chunk, None]
+T = TypeVar("T")
+Started = tuple[Gen, Chunk]  # a started choice: its chunks, and the first one already read
 
 
 def _node_error(e: NodeError) -> APIError:
@@ -476,27 +529,53 @@ class NodeAPI:
             raise
         return gen, first
 
+    async def _after(self, first: Started, rest: Sequence[Awaitable[Started]]) -> list[Started]:
+        """The choices after ``first``, started at once (``first`` closed when one cannot start)."""
+        if not rest:
+            return []
+        try:
+            return await _all(rest)
+        except BaseException:
+            await first[0].aclose()
+            raise
+
     async def _run(
-        self, body: Mapping[str, Any], prompt: Prompt, sampling: Sampling
-    ) -> tuple[Gen, Chunk, dict[str, Any]]:
-        """Start a request: whole here, or this node's leg of a PD pair. Returns the chunks, the
-        first one, and fields to add to the response (vLLM's ``kv_transfer_params``)."""
+        self, body: Mapping[str, Any], prompt: Prompt, sampling: Sampling, n: int = 1
+    ) -> tuple[list[Started], dict[str, Any]]:
+        """Start a request's ``n`` choices: whole here, or this node's leg of a PD pair. Returns
+        each choice's chunks and first chunk (choice order), and fields to add to the response
+        (vLLM's ``kv_transfer_params``).
+
+        Choice ``i`` samples with ``choice_sampling(sampling, i)``. Whole: choice 0 is prefilled
+        first, the others then start at once and reuse its blocks, so the prompt is computed once.
+        SGLang's PD: choice ``i``'s legs meet at its own room on both nodes (``PDRequest.rooms_for``:
+        the ``i``-th of the lists sglang-router sends, or ``bootstrap_room + i`` as SGLang's
+        engines expand one room): the decode leg presents every room at once; the prefill leg takes them all,
+        prefills choice 0's, then the others' (its blocks cached: only the last partial block is
+        computed again), each choice its own first token and sampling state, pushed to the decode
+        node (which keeps one copy of the shared blocks)."""
         pd = pd_request(body)
         role = self.node.config.role
+        choices = [choice_sampling(sampling, i) for i in range(n)]
         if pd is None or (pd.leg == "sglang" and role not in ("prefill", "decode")):
-            gen, first = await self._start(prompt, sampling)
-            return gen, first, {}
+            first = await self._start(prompt, choices[0])
+            return [first, *await self._after(first, [self._start(prompt, s) for s in choices[1:]])], {}
         if self.pd is None:
             raise invalid("this node's HTTP endpoint takes no disaggregated requests", "kv_transfer_params")
+        if pd.leg != "sglang" and n > 1:
+            raise invalid("'n' must be 1 with kv_transfer_params: vLLM's PD hands over one choice", "n")
         if pd.leg == "decode" or (pd.leg == "sglang" and role == "decode"):
-            assert pd.room is not None
-            gen, first = await self._decode_leg(pd.room, sampling)
-            return gen, first, {}
+            rooms = pd.rooms_for(n)
+            return await _all([self._decode_leg(r, s) for r, s in zip(rooms, choices, strict=True)]), {}
         bootstrap = self._bootstrap()
         if pd.leg == "sglang":
-            assert pd.room is not None
-            r = await self._hand_off(bootstrap, prompt, sampling, pd.room.room, None)
-            return _one(self._prefill_chunk(r)), self._prefill_chunk(r), {}
+            computed = asyncio.Event()
+            legs = [
+                self._hand_off(bootstrap, prompt, s, r.room, None, computed if i else None)
+                for i, (r, s) in enumerate(zip(pd.rooms_for(n), choices, strict=True))
+            ]
+            results = await _all([_setting(computed, legs[0]), *legs[1:]])
+            return [(_one(self._prefill_chunk(r)), self._prefill_chunk(r)) for r in results], {}
         # vLLM: compute now, keep the pages, hand them to whichever decode node presents the room.
         rid = uuid.uuid4().hex
         r = await self.node.prefill(PrefillCall(rid, prompt.tokens, prompt.hashes, sampling))
@@ -515,7 +594,7 @@ class NodeAPI:
             "tp_size": 1,
         }
         chunk = self._prefill_chunk(r)
-        return _one(chunk), chunk, {"kv_transfer_params": params}
+        return [(_one(chunk), chunk)], {"kv_transfer_params": params}
 
     def _parked_done(self, task: asyncio.Task[PrefillResult]) -> None:
         self._parked.discard(task)
@@ -547,15 +626,24 @@ class NodeAPI:
         return c
 
     async def _hand_off(
-        self, bootstrap: BootstrapServer, prompt: Prompt, sampling: Sampling, room: int, cached: int | None
+        self,
+        bootstrap: BootstrapServer,
+        prompt: Prompt,
+        sampling: Sampling,
+        room: int,
+        cached: int | None,
+        after: asyncio.Event | None = None,
     ) -> PrefillResult:
         """Wait for the decode leg presenting ``room``, prefill (pages reused when this node
-        computed them already), push the pages there, tell it the handle."""
+        computed them already; ``after``: once that is set, when another choice computes them),
+        push the pages there, tell it the handle."""
         peer = await bootstrap.wait_decode(room, "")
         call = PrefillCall(
             uuid.uuid4().hex, prompt.tokens, prompt.hashes, sampling, decode_address=peer.kv_address
         )
         try:
+            if after is not None:
+                await after.wait()
             r = await self.node.prefill(call)
         except NodeError as e:
             peer.reply({"error": e.message, "code": e.code.name})
@@ -615,40 +703,47 @@ class NodeAPI:
         req = self._parse(body, kind)
         prompt = self.renderer.prompt(self.renderer.tokens(req))
         engine = self.node.engine
-        gen, first, extra = await self._run(body, prompt, sampling_of(req, engine))
+        started, extra = await self._run(body, prompt, sampling_of(req, engine), req.n)
+        first = started[0][1]
         text_of = engine.token_text if req.sampling.logprobs else None
         wire = Wire(kind, req.model, req.include_usage, text_of)
         if req.stream:
             return StreamingResponse(
-                self._stream(wire, gen, first),
+                self._stream(wire, started),
                 media_type="text/event-stream",
                 headers={**self._headers(first), "cache-control": "no-cache"},
             )
-        parts: list[str] = [first.text]
-        lps = list(first.logprobs)
-        last = first
+        parts: list[list[str]] = [[f.text] for _, f in started]
+        lps = [list(f.logprobs) for _, f in started]
+        lasts = [f for _, f in started]
+        chunks = merged(started)
         try:
-            async for c in gen:
-                parts.append(c.text)
-                lps.extend(c.logprobs)
-                last = c
+            async for i, c in chunks:
+                parts[i].append(c.text)
+                lps[i].extend(c.logprobs)
+                lasts[i] = c
         finally:
-            await gen.aclose()
-        return JSON({**wire.whole("".join(parts), last, lps), **extra}, headers=self._headers(first))
+            await chunks.aclose()
+            await _close(started)
+        answers = [Answer("".join(p), last, lp) for p, last, lp in zip(parts, lasts, lps, strict=True)]
+        return JSON({**wire.whole(answers), **extra}, headers=self._headers(first))
 
-    async def _stream(self, wire: Wire, gen: Gen, first: Chunk) -> AsyncIterator[bytes]:
-        last = first
+    async def _stream(self, wire: Wire, started: list[Started]) -> AsyncIterator[bytes]:
+        lasts = [f for _, f in started]
+        chunks = merged(started)
         try:
-            yield sse(wire.chunk(first.text, first.finish_reason, True, first.logprobs))
-            async for c in gen:
-                last = c
+            for i, (_, f) in enumerate(started):
+                yield sse(wire.chunk(f.text, f.finish_reason, True, f.logprobs, i))
+            async for i, c in chunks:
+                lasts[i] = c
                 if c.text or c.finish_reason or c.logprobs:
-                    yield sse(wire.chunk(c.text, c.finish_reason, False, c.logprobs))
+                    yield sse(wire.chunk(c.text, c.finish_reason, False, c.logprobs, i))
             if wire.include_usage:
-                yield sse(wire.usage_chunk(last))
+                yield sse(wire.usage_chunk(lasts))
             yield DONE
         finally:
-            await gen.aclose()
+            await chunks.aclose()
+            await _close(started)
 
     async def chat(self, request: Request) -> Response:
         return await self.completions(request, "chat")
@@ -671,7 +766,7 @@ class NodeAPI:
         else:
             raise invalid("'text' (a string) or 'input_ids' is required", "text")
         prompt = self.renderer.prompt(tokens)
-        gen, first, _extra = await self._run(body, prompt, sglang_sampling(body))
+        ((gen, first),), _extra = await self._run(body, prompt, sglang_sampling(body))
         rid = str(body.get("rid") or uuid.uuid4().hex)
 
         def meta(c: Chunk) -> dict[str, Any]:
@@ -845,6 +940,79 @@ def _lp_of(raw: Any) -> TokenLogprob | None:
         return TokenLogprob(int(token), float(value), tuple((int(t), float(v)) for t, v in top))
     except (TypeError, ValueError):
         return None
+
+
+def choice_sampling(sampling: Sampling, index: int) -> Sampling:
+    """Choice ``index`` of a request's ``n``: its own sampling stream (choice 0 is the request as
+    sent). Seeded: the seed the gateway gives choice ``index`` when it runs ``n`` as ``n``
+    requests (``schema.choice_seed``), so choice ``i`` is reproducible and the same either way;
+    unseeded: the engine mixes ``index`` into the seed it draws from the prompt."""
+    if index == 0:
+        return sampling
+    if sampling.seed is not None:
+        return replace(sampling, seed=choice_seed(sampling.seed, index) & MAX_SEED)
+    return replace(sampling, choice=index)
+
+
+async def _all(starts: Sequence[Awaitable[T]]) -> list[T]:
+    """Start choices at once; when one cannot start, the others are stopped (the started ones'
+    chunks closed) and its error raised."""
+    tasks = [asyncio.ensure_future(s) for s in starts]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for t in tasks:
+            done = t.result() if not t.cancelled() and t.exception() is None else None
+            if isinstance(done, tuple):
+                await done[0].aclose()
+        raise
+
+
+async def _setting(event: asyncio.Event, work: Awaitable[PrefillResult]) -> PrefillResult:
+    """``work``, then ``event`` set (whether it succeeded or not)."""
+    try:
+        return await work
+    finally:
+        event.set()
+
+
+async def merged(started: Sequence[Started]) -> AsyncGenerator[tuple[int, Chunk], None]:
+    """The chunks after each choice's first, tagged with the choice's index, as they come."""
+    if len(started) == 1:
+        async for c in started[0][0]:
+            yield 0, c
+        return
+    gens = [g for g, _ in started]
+    pending: dict[asyncio.Future[Chunk], int] = {}
+
+    def ask(i: int) -> None:
+        pending[asyncio.ensure_future(anext(gens[i]))] = i
+
+    try:
+        for i in range(len(gens)):
+            ask(i)
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for t in sorted(done, key=pending.__getitem__):
+                i = pending.pop(t)
+                try:
+                    c = t.result()
+                except StopAsyncIteration:
+                    continue
+                yield i, c
+                ask(i)
+    finally:
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def _close(started: Sequence[Started]) -> None:
+    for gen, _ in started:
+        await gen.aclose()
 
 
 async def _one(chunk: Chunk) -> Gen:

@@ -15,22 +15,24 @@ why, except under CI (``CI`` set), where it fails.
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from openai import OpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.helpers import REPO, Proc, free_port
+from tests.helpers import REPO, Proc, free_port, spawn
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -167,20 +169,39 @@ def _wait_routed(base: str, proc: Proc, timeout: float = 60.0) -> None:
     raise TimeoutError(f"router at {base} never routed a request (exit={proc.proc.poll()}):\n{tail}")
 
 
-@pytest.fixture(scope="module", params=sorted(ROUTERS))
-def router(request: pytest.FixtureRequest, cluster: Cluster) -> Iterator[str]:
-    r = ROUTERS[request.param]
-    t0 = time.monotonic()
-    venv = _venv(r)
-    print(f"{r.package} {r.version}: {venv} (found or installed in {time.monotonic() - t0:.1f}s)")
-    port, prom = free_port(), free_port()
-    p = _start(_router_argv(r, venv, cluster, port, prom))
-    base = f"http://127.0.0.1:{port}"
+@pytest.fixture(scope="module")
+def routers(cluster: Cluster) -> Iterator[Callable[[str], str]]:
+    """``routers(name)``: the base URL of that router in front of the module's PD pair, started
+    on first use and shared by the module's tests."""
+    started: dict[str, tuple[Proc, str]] = {}
+
+    def get(name: str) -> str:
+        if name not in started:
+            r = ROUTERS[name]
+            t0 = time.monotonic()
+            venv = _venv(r)
+            print(f"{r.package} {r.version}: {venv} (found or installed in {time.monotonic() - t0:.1f}s)")
+            port, prom = free_port(), free_port()
+            p = _start(_router_argv(r, venv, cluster, port, prom))
+            base = f"http://127.0.0.1:{port}"
+            try:
+                _wait_routed(base, p)
+            except BaseException:
+                p.stop(timeout=10)
+                raise
+            started[name] = (p, base)
+        return started[name][1]
+
     try:
-        _wait_routed(base, p)
-        yield base
+        yield get
     finally:
-        p.stop(timeout=10)
+        for p, _ in started.values():
+            p.stop(timeout=10)
+
+
+@pytest.fixture(scope="module", params=sorted(ROUTERS))
+def router(request: pytest.FixtureRequest, routers: Callable[[str], str]) -> str:
+    return routers(str(request.param))
 
 
 def _client(base: str) -> OpenAI:
@@ -239,3 +260,87 @@ def test_the_router_serves_pd_with_the_nodes_own_text_and_reports_the_cache(
 
     assert cluster.prefill.prompt_tokens() > prefilled  # the prefill node computed the prompts
     assert cluster.decode.prompt_tokens() == decode_prefilled  # the decode node only decoded
+
+
+Choice = tuple[int, str, list[tuple[str, float, list[tuple[str, float]]]]]
+
+
+def _choices(r: httpx.Response) -> list[Choice]:
+    """(index, text, [(token, logprob, [(top token, top logprob)])]) of each choice, by index."""
+    assert r.status_code == 200, r.text
+    out = []
+    for c in sorted(r.json()["choices"], key=lambda c: c["index"]):
+        lps = [
+            (e["token"], e["logprob"], [(t["token"], t["logprob"]) for t in e["top_logprobs"]])
+            for e in c["logprobs"]["content"]
+        ]
+        out.append((c["index"], c["message"]["content"], lps))
+    return out
+
+
+def _within_an_ulp(got: list[Choice], want: list[Choice]) -> bool:
+    """The same choices, tokens and log probabilities, each value within one unit in the last
+    place: sglang-router re-encodes the numbers it relays after a best-effort (not exactly
+    rounded) parse, which can move a value by its last bit."""
+
+    def close(a: float, b: float) -> bool:
+        return abs(a - b) <= math.ulp(b)
+
+    def flat(cs: list[Choice]) -> tuple[list[Any], list[float]]:
+        keys: list[Any] = []
+        values: list[float] = []
+        for index, text, lps in cs:
+            keys.append((index, text))
+            for token, v, top in lps:
+                keys.append((token, [t for t, _ in top]))
+                values += [v, *(tv for _, tv in top)]
+        return keys, values
+
+    (gk, gv), (wk, wv) = flat(got), flat(want)
+    return gk == wk and len(gv) == len(wv) and all(close(a, b) for a, b in zip(gv, wv, strict=True))
+
+
+def test_n_with_logprobs_through_prefixgate_as_through_sglang_router(
+    routers: Callable[[str], str], cluster: Cluster
+) -> None:
+    """``n=2`` with log probabilities over SGLang's PD: sglang-router sends ``n`` to both nodes in
+    one request (with a bootstrap room per choice; the nodes run the choices), prefixgate runs a
+    PD pair per choice; the same choices, tokens and log probabilities either way, the node's own."""
+    sglang = routers("sglang")
+    port = free_port()
+    pd = [
+        "--prefill",
+        cluster.prefill.url,
+        str(cluster.prefill.bootstrap_port),
+        "--decode",
+        cluster.decode.url,
+    ]
+    gw = spawn(["gateway", "--port", str(port), "--grpc-port", str(free_port()), *pd, "--backend", "sglang"])
+    gateway = f"http://127.0.0.1:{port}"
+    try:
+        _wait_routed(gateway, gw)
+        # no trailing space: prefixgate's normalization (on by default) would strip it from the prompt
+        content = f"{secrets.token_hex(8)} {LONG.strip()}"
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": 6,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 2,
+        }
+        url = "/v1/chat/completions"
+        ((_, text, lps),) = _choices(httpx.post(cluster.monolithic.url + url, json=body, timeout=60))
+        assert text and len(lps) == 6 and all(len(top) == 2 for _, _, top in lps)
+        want = [(0, text, lps), (1, text, lps)]  # greedy: both choices are the node's one answer
+        two = {**body, "n": 2}
+        got = {base: httpx.post(base + url, json=two, timeout=60) for base in (sglang, gateway)}
+        assert got[gateway].headers["x-prefixgate-route"] == "disaggregated"
+        through_gateway, through_router = _choices(got[gateway]), _choices(got[sglang])
+        assert through_gateway == want  # prefixgate relays the node's values exactly
+        assert _within_an_ulp(through_router, through_gateway)
+        usage = {base: r.json()["usage"] for base, r in got.items()}
+        assert usage[sglang]["completion_tokens"] == usage[gateway]["completion_tokens"] == 12
+        assert usage[sglang]["prompt_tokens"] == usage[gateway]["prompt_tokens"] > 0
+    finally:
+        gw.stop(timeout=10)
