@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -95,8 +96,33 @@ def start_node(model: str, time_scale: float = 0.05) -> Worker:
     return Worker(model, f"http://{ready['http_address']}", proc)
 
 
+# What the mock worker imports, as the peer-router kit installs it.
+MOCK_PACKAGES = ("aiohttp==3.14.5", "orjson==3.13.0", "uvloop==0.23.0", "httpx==0.28.1")
+
+
+def ensure_mock_python() -> None:
+    """Make the mock worker's venv when it is missing (pip, about 10 s), built aside and moved in
+    whole, so a half-made one is never used; a failure leaves it missing (said by ``start_mock``)."""
+    if MOCK_PYTHON.exists() or not MOCK_SCRIPT.exists():
+        return
+    venv = MOCK_PYTHON.parent.parent
+    scratch = venv.with_name(f"{venv.name}.{os.getpid()}")
+    try:
+        subprocess.run(
+            [sys.executable, "-m", "venv", str(scratch)], check=True, capture_output=True, timeout=120
+        )
+        pip = [str(scratch / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        subprocess.run([*pip, *MOCK_PACKAGES], check=True, capture_output=True, timeout=300)
+        scratch.rename(venv)
+    except (subprocess.SubprocessError, OSError) as e:
+        print(f"mock worker venv not made: {e}", file=sys.stderr)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def start_mock(model: str) -> tuple[Worker | None, subprocess.Popen[bytes] | None]:
     """The peers' mock worker, or (None, None) with the reason printed when it cannot run here."""
+    ensure_mock_python()
     missing = [str(p) for p in (MOCK_SCRIPT, MOCK_PYTHON) if not p.exists()]
     if missing:
         reason = f"mock worker not run: missing {', '.join(missing)} (a venv with aiohttp, orjson, uvloop)"
