@@ -193,6 +193,30 @@ async def load_engine_tokenizer(
     raise kind("no worker gave a tokenizer: " + "; ".join(reasons))
 
 
+async def differing_tokenizer(
+    chosen: EngineTokenizer,
+    workers: Sequence[str],
+    *,
+    cache_dir: str | Path | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    local_paths: bool = True,
+) -> EngineTokenizer | None:
+    """The tokenizer of the first worker whose own is not ``chosen`` (a worker of another model;
+    its ``origin`` names the worker), or None. Workers that do not answer or give none are passed
+    over: they cannot be told apart."""
+    cache = BundleCache(Path(cache_dir) if cache_dir else default_cache_dir())
+    for address in workers:
+        try:
+            tok = await tokenizer_from_worker(
+                address, cache=cache, timeout_s=timeout_s, local_paths=local_paths
+            )
+        except (BundleError, TokenizerLoadError, OSError):
+            continue
+        if tok.name != chosen.name:
+            return tok
+    return None
+
+
 async def wait_engine_tokenizer(
     workers: Sequence[str],
     *,

@@ -20,6 +20,7 @@ from prefixgate.cachetier.tokenizer import Tokenizer, load_tokenizer
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.tokens.engine import EngineTokenizer, TokenizerLoadError
 from prefixgate.gateway.tokens.loader import (
+    differing_tokenizer,
     load_engine_tokenizer,
     open_tokenizer_dir,
     wait_engine_tokenizer,
@@ -82,6 +83,19 @@ async def resolve_tokenizer(settings: Settings) -> Settings:
         raise TokenizerLoadError(
             f"{e}; pass --tokenizer-path DIR (the model's tokenizer.json and tokenizer_config.json)"
         ) from None
+    theirs = await differing_tokenizer(
+        tok,
+        worker_addresses(settings),
+        cache_dir=settings.tokenizer_cache_dir or None,
+        timeout_s=min(settings.tokenizer_timeout_s, 10.0),
+        local_paths=settings.tokenizer_worker_paths,
+    )
+    if theirs is not None:  # one tokenizer feeds every worker: another model's would get wrong ids
+        raise TokenizerLoadError(
+            f"the workers use different tokenizers ({tok.origin}: {tok.name}; {theirs.origin}: "
+            f"{theirs.name}) and a gateway tokenizes with one: run a gateway per model, or pass "
+            "--tokenizer-path DIR if they take the same ids"
+        )
     log.info("tokenizer_loaded", tokenizer=tok.name, origin=tok.origin)
     return dataclasses.replace(settings, tokenizer="engine", tokenizer_path=str(tok.directory))
 

@@ -5,6 +5,8 @@ and exits at once, in one line saying what to pass, when the worker offers none.
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 import subprocess
 import sys
 import time
@@ -25,6 +27,26 @@ from prefixgate.gateway.tokens.wiring import resolve_tokenizer
 from tests.helpers import REPO, free_port
 
 SHIPPED = open_tokenizer_dir(TOKENIZER_DIR).name
+
+
+class Elsewhere(pb_grpc.SglangSchedulerServicer):  # type: ignore[misc]
+    """An SGLang worker of another model whose tokenizer directory is ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    async def GetModelInfo(self, request: Any, context: Any) -> Any:
+        return pb.GetModelInfoResponse(
+            model_path=str(self.path), tokenizer_path=str(self.path), served_model_name="other-model"
+        )
+
+
+async def _serve(servicer: Any) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    pb_grpc.add_SglangSchedulerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"grpc://127.0.0.1:{port}"
 
 
 class NoTokenizer(pb_grpc.SglangSchedulerServicer):  # type: ignore[misc]
@@ -122,6 +144,35 @@ async def test_an_explicit_path_or_hf_file_is_used_as_given_and_no_worker_is_ask
         # hf:FILE means --tokenizer-path of its directory: the model's own chat template with it
         assert settings.tokenizer_path == str(TOKENIZER_DIR)
         assert await resolve_tokenizer(settings) == settings
+
+
+async def test_workers_of_models_with_different_tokenizers_are_refused(tmp_path: Path) -> None:
+    node = await start_node("monolithic", "127.0.0.1", 0, time_scale=0.0)
+    same = tmp_path / "same"
+    shutil.copytree(TOKENIZER_DIR, same)  # another model name, the very same tokenizer
+    other = tmp_path / "other"
+    shutil.copytree(TOKENIZER_DIR, other)
+    raw = json.loads((other / "tokenizer.json").read_text())
+    raw["added_tokens"].append({**raw["added_tokens"][-1], "id": 4095, "content": "<|extra|>"})
+    (other / "tokenizer.json").write_text(json.dumps(raw))
+    servers = [await _serve(Elsewhere(same)), await _serve(Elsewhere(other))]
+    try:
+        ours = f"grpc://{node.address}"
+        ok = load_settings(overrides={"worker_urls": [ours, servers[0][1]]}, environ={})
+        assert Path((await resolve_tokenizer(ok)).tokenizer_path) == TOKENIZER_DIR
+        mixed = load_settings(overrides={"worker_urls": [ours, servers[0][1], servers[1][1]]}, environ={})
+        with pytest.raises(TokenizerLoadError, match="different tokenizers") as e:
+            await resolve_tokenizer(mixed)
+        assert servers[1][1] in str(e.value) and "--tokenizer-path DIR" in str(e.value)
+        # an explicit tokenizer is the operator's word: nothing is compared
+        given = load_settings(
+            overrides={"worker_urls": [ours, servers[1][1]], "tokenizer_path": str(TOKENIZER_DIR)}, environ={}
+        )
+        assert await resolve_tokenizer(given) == given
+    finally:
+        for server, _ in servers:
+            await server.stop(0)
+        await node.stop(grace=0.2)
 
 
 async def test_no_worker_up_within_the_wait_is_an_error_naming_the_flag() -> None:
