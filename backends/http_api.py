@@ -81,6 +81,7 @@ from prefixgate.backends.hftok import TOKENIZER_DIR
 from prefixgate.backends.node import Node, PrefillCall, PrefillResult
 from prefixgate.cachetier.hashing import Namespace, block_hashes
 from prefixgate.cachetier.tokenizer import pack_ids, unpack_ids
+from prefixgate.gateway.streams import tagged_merge
 from prefixgate.gateway.tokens import EngineTokenizer, open_tokenizer_dir
 from prefixgate.openai.errors import APIError, from_domain, invalid
 from prefixgate.openai.exceptions import GatewayError
@@ -979,35 +980,9 @@ async def _setting(event: asyncio.Event, work: Awaitable[PrefillResult]) -> Pref
         event.set()
 
 
-async def merged(started: Sequence[Started]) -> AsyncGenerator[tuple[int, Chunk], None]:
+def merged(started: Sequence[Started]) -> AsyncGenerator[tuple[int, Chunk], None]:
     """The chunks after each choice's first, tagged with the choice's index, as they come."""
-    if len(started) == 1:
-        async for c in started[0][0]:
-            yield 0, c
-        return
-    gens = [g for g, _ in started]
-    pending: dict[asyncio.Future[Chunk], int] = {}
-
-    def ask(i: int) -> None:
-        pending[asyncio.ensure_future(anext(gens[i]))] = i
-
-    try:
-        for i in range(len(gens)):
-            ask(i)
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for t in sorted(done, key=pending.__getitem__):
-                i = pending.pop(t)
-                try:
-                    c = t.result()
-                except StopAsyncIteration:
-                    continue
-                yield i, c
-                ask(i)
-    finally:
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+    return tagged_merge([g for g, _ in started])
 
 
 async def _close(started: Sequence[Started]) -> None:

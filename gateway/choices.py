@@ -14,12 +14,13 @@ index. ``n = 1`` is a single execution with no merging.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from prefixgate.gateway.runner import Caller, Prepare, RequestRunner, deltas
+from prefixgate.gateway.streams import tagged_merge
 
 if TYPE_CHECKING:
     from prefixgate.gateway.pipeline import Delta, Execution, Pipeline, Prepared
@@ -63,36 +64,8 @@ class Choices:
 
     async def stream(self) -> AsyncIterator[tuple[int, Delta]]:
         """``(choice index, delta)`` as the choices produce them; ``StreamBroken`` if one breaks."""
-        if len(self.executions) == 1:
-            async for d in deltas(self.first):
-                yield 0, d
-            return
-        streams = [deltas(ex) for ex in self.executions]
-        pending: dict[asyncio.Task[Delta], int] = {}
-
-        def ask(i: int) -> None:
-            pending[asyncio.ensure_future(anext(streams[i]))] = i
-
-        try:
-            for i in range(len(streams)):
-                ask(i)
-            while pending:
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in sorted(done, key=lambda t: pending[t]):
-                    i = pending.pop(task)
-                    try:
-                        d = task.result()
-                    except StopAsyncIteration:
-                        continue
-                    yield i, d
-                    ask(i)
-        finally:
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            for s in streams:
-                if isinstance(s, AsyncGenerator):
-                    await s.aclose()
+        async for i, d in tagged_merge([deltas(ex) for ex in self.executions]):
+            yield i, d
 
     async def close(self) -> None:
         for ex in self.executions:
