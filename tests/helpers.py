@@ -105,3 +105,21 @@ def document(seed: int, tokens: int) -> str:
         out.append(w)
         size += len(w) + 1
     return " ".join(out)
+
+
+def wait_answered(base: str, proc: Proc, model: str, *, timeout: float = 60.0, interval: float = 0.3) -> None:
+    """Until a one-token chat through the gateway or router at ``base`` is answered (it is up and
+    routes to a worker), or raise with the tail of its output (it exited or never routed)."""
+    import httpx
+
+    body = {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.proc.poll() is None:
+        try:
+            if httpx.post(f"{base}/v1/chat/completions", json=body, timeout=10).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval)
+    tail = "\n".join(list(proc.lines)[-30:])
+    raise TimeoutError(f"{base} never routed a request (exit={proc.proc.poll()}):\n{tail}")

@@ -32,7 +32,7 @@ import pytest
 from openai import OpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.helpers import REPO, Proc, free_port, spawn
+from tests.helpers import REPO, Proc, free_port, spawn, wait_answered
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -156,17 +156,7 @@ def _router_argv(r: Router, venv: Path, c: Cluster, port: int, prom: int) -> lis
 
 
 def _wait_routed(base: str, proc: Proc, timeout: float = 60.0) -> None:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.proc.poll() is None:
-        try:
-            if httpx.post(f"{base}/v1/chat/completions", json=body, timeout=10).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    tail = "\n".join(list(proc.lines)[-30:])
-    raise TimeoutError(f"router at {base} never routed a request (exit={proc.proc.poll()}):\n{tail}")
+    wait_answered(base, proc, MODEL, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 from tokenizers import Tokenizer
 
 from prefixgate.backends.hftok import TOKENIZER_DIR
-from tests.helpers import REPO, Proc, free_port
+from tests.helpers import REPO, Proc, free_port, wait_answered
 
 SMG_VERSION = "1.13.0"
 TINY = "tiny:preset=small"
@@ -113,19 +113,7 @@ def _node(*args: str) -> tuple[Proc, dict[str, object]]:
 
 
 def _wait_routed(base: str, proc: Proc, timeout: float = 90.0) -> None:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.proc.poll() is not None:
-            break
-        try:
-            if httpx.post(f"{base}/v1/chat/completions", json=body, timeout=10).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    tail = "\n".join(list(proc.lines)[-30:])
-    raise TimeoutError(f"smg at {base} never routed a request (exit={proc.proc.poll()}):\n{tail}")
+    wait_answered(base, proc, MODEL, timeout=timeout)
 
 
 def _smg(exe: str, *workers: str, env: dict[str, str] | None = None) -> tuple[Proc, str]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from hypothesis import strategies as st
 from openai import OpenAI
 
 from prefixgate.backends.hftok import TOKENIZER_DIR
-from tests.helpers import Proc, free_port, spawn
+from tests.helpers import Proc, free_port, spawn, wait_answered
 
 MODEL = "prefixgate-tiny"
 TINY = "tiny:preset=small"
@@ -65,16 +64,7 @@ def _gateway(*args: str) -> tuple[Proc, str]:
 def _ready(base: str, proc: Proc, timeout: float = 60.0) -> None:
     """Until a plain request is answered: the gateway is up and has read its node's status
     (the features a node serves come with it)."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.proc.poll() is None:
-        try:
-            if httpx.post(f"{base}/v1/chat/completions", json=body, timeout=10).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{base} never answered:\n" + "\n".join(list(proc.lines)[-30:]))
+    wait_answered(base, proc, MODEL, timeout=timeout, interval=0.1)
 
 
 @pytest.fixture(scope="module")
