@@ -186,9 +186,11 @@ async def load_engine_tokenizer(
                 local_paths=local_paths,
             )
         except (BundleError, TokenizerLoadError, OSError) as e:
-            unreachable += isinstance(e, WorkerUnreachable)
             reasons.append(f"{address}: {e}")
-            log.warning("worker_tokenizer_unavailable", worker=address, error=str(e))
+            if isinstance(e, WorkerUnreachable):
+                unreachable += 1  # not up (yet): the caller says so, once
+            else:
+                log.warning("worker_tokenizer_unavailable", worker=address, error=str(e))
     kind = NoWorkerAnswered if unreachable == len(workers) else TokenizerLoadError
     raise kind("no worker gave a tokenizer: " + "; ".join(reasons))
 
@@ -229,10 +231,14 @@ async def wait_engine_tokenizer(
     usable tokenizer fails at once."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
+    waiting = False
     while True:
         try:
             return await load_engine_tokenizer(workers=workers, **options)
-        except NoWorkerAnswered:
+        except NoWorkerAnswered as e:
             if loop.time() + interval_s > deadline:
                 raise
+            if not waiting:
+                waiting = True
+                log.info("tokenizer_waiting_for_workers", wait_s=wait_s, reason=str(e))
         await asyncio.sleep(interval_s)
