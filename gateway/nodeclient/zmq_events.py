@@ -518,6 +518,9 @@ class ZmqKVEvents:
 # -- a node client whose KV events come from ZMQ ---------------------------------------------------
 
 
+MODEL_NAME_TIMEOUT_S = 5.0  # the worker's status, for the model its events belong to
+
+
 class ZmqEventsClient:
     """A worker's client with its ``kv_events`` taken from the engine's ZMQ publisher."""
 
@@ -545,7 +548,12 @@ class ZmqEventsClient:
         return self.inner.generate(prompt, timeout=timeout)
 
     async def kv_events(self, since_seq: int) -> AsyncGenerator[KVEvent, None]:
-        """Always from a fresh SNAPSHOT: a ZMQ publisher keeps no cursor for us."""
+        """Always from a fresh SNAPSHOT: a ZMQ publisher keeps no cursor for us. The blocks are
+        named in the namespace of the model the worker says it serves (as requests for it are
+        hashed), so the worker's status comes first."""
+        status = await self.inner.status(MODEL_NAME_TIMEOUT_S)
+        if status.models and status.models[0] != self.source.namespace.model:
+            self.source.namespace = replace(self.source.namespace, model=status.models[0])
         gen = self.source.events()
         try:
             async for ev in gen:

@@ -22,7 +22,7 @@ import types
 import zipfile
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -403,3 +403,32 @@ async def test_the_gateway_setting_puts_a_workers_events_on_zmq() -> None:
         await service.pool.close()
     with pytest.raises(ValueError):
         GatewayService(load_settings(None, {"kv_events": ["127.0.0.1:1=tcp://*:5557"]}, {}))
+
+
+async def test_a_worker_naming_its_model_has_its_events_in_that_models_namespace() -> None:
+    """The gateway's namespace is set up with the default model; the worker says it serves
+    ``engine-model``, so its blocks are named as requests for ``engine-model`` are hashed."""
+    pub = Publisher(buffer=3)
+    spec = f"w1={pub.endpoint}?replay={pub.replay_endpoint}&topic=kv"
+    status = replace(fake_status("w1", "monolithic"), models=("engine-model",))
+    fake = FakeNodeClient("w1", status=status)
+    pool = NodePool(connect=events_connector([spec], NS, lambda a: fake), poll=False)
+    index = MemoryIndex()
+    sync = EventSync(pool, index, Metrics(), retry_s=0.05)
+    node = pool.add("monolithic", "w1")
+    await pool.refresh(node)
+    sync.watch(node)
+    toks = list(range(2000, 2016))
+    theirs = block_hashes(pack_ids(toks), GW_BS, replace(NS, model="engine-model").root())
+    try:
+        await until(lambda: sync.last_seq.get("w1", 0) >= 1)
+        pub.publish(vllm_batch(vllm_stored(toks, 4, [b"a", b"b", b"c", b"d"], None)))
+        deadline = asyncio.get_running_loop().time() + 10
+        while (await index.lookup(theirs)).get("w1", 0) != 4:
+            assert asyncio.get_running_loop().time() < deadline, await index.lookup(theirs)
+            await asyncio.sleep(0.02)
+        assert (await index.lookup(gw(toks))).get("w1", 0) == 0  # not under the default model
+    finally:
+        await sync.close()
+        await pool.close()
+        pub.close()
