@@ -78,9 +78,10 @@ def prompt_basis(svc: GatewayService, prep: Prepared) -> dict[str, Any]:
     tokens = sorted(n.id for n in nodes if not n.client.capabilities.openai_body)
     exact = not http
     # chats through the model's own template when the gateway has it (gateway.tokens), else ours
-    model_template = getattr(svc.tokenizer, "template", None) is not None
+    tokenizer = svc.pipeline.tokenizer_for(prep.model)
+    model_template = getattr(tokenizer, "template", None) is not None
     return {
-        "tokenizer": svc.tokenizer.name,
+        "tokenizer": tokenizer.name,
         "rendering": "model template" if model_template else "gateway",
         "exact": exact,
         "approximate_for": http,
@@ -191,7 +192,7 @@ async def explain(svc: GatewayService, prep: Prepared) -> dict[str, Any]:
         # Routing ignores the index; still show what it holds.
         shown = await svc.index.lookup(prep.hashes)
         plan = replace(plan, hits=shown)
-    spans = token_spans(prep.layout, svc.tokenizer, prep.prompt_tokens)
+    spans = token_spans(prep.layout, svc.pipeline.tokenizer_for(prep.model), prep.prompt_tokens)
     full = len(prep.hashes)
     target = routed(plan)
     split = plan.mode.mode == Mode.DISAGGREGATED

@@ -54,6 +54,9 @@ class Settings:
     # The engine's own tokenizer (gateway.tokens): a local directory, else the workers' bundle,
     # kept under tokenizer_cache_dir (default $XDG_CACHE_HOME/prefixgate/tokenizers).
     tokenizer_path: str = ""
+    # "MODEL=DIR": the tokenizer of one model's workers where it is not ``tokenizer_path``'s (set
+    # at start from the workers, or given): one tokenizer per model behind one gateway.
+    model_tokenizers: list[str] = field(default_factory=list)
     tokenizer_cache_dir: str = ""
     tokenizer_timeout_s: float = 60.0
     tokenizer_worker_paths: bool = True  # use a worker's reported tokenizer_path when it exists here
@@ -307,6 +310,10 @@ def _check_tokenizer(settings: Settings) -> Settings:
     path = spec[len("engine:") :] if spec.startswith("engine:") else settings.tokenizer_path
     if path and not Path(path).expanduser().is_dir():
         raise ValueError(f"setting 'tokenizer_path': {path!r} is not a directory")
+    for entry in settings.model_tokenizers:
+        model, sep, tok_dir = entry.partition("=")
+        if not sep or not model or not Path(tok_dir).expanduser().is_dir():
+            raise ValueError(f"setting 'model_tokenizers': expected MODEL=DIR (a directory), got {entry!r}")
     if settings.tokenizer == "bytes4" and (ids := workers.id_workers(settings)):
         raise ValueError(
             f"setting 'tokenizer': bytes4 cannot feed {ids[0]}: grpc:// workers take the model's own "

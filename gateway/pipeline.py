@@ -298,11 +298,13 @@ class Pipeline:
         tokenizer: Tokenizer,
         metrics: Metrics,
         documents: DocumentStore,
+        model_tokenizers: Mapping[str, Tokenizer] | None = None,
     ) -> None:
         self.settings = settings
         self.pool = pool
         self.index = index
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer  # every model's, but those in ``model_tokenizers``
+        self.model_tokenizers: dict[str, Tokenizer] = dict(model_tokenizers or {})
         self.metrics = metrics
         self.documents = documents
         self.switches = Switches(settings.disaggregation, settings.prefix_routing, settings.normalization)
@@ -352,9 +354,13 @@ class Pipeline:
         nodes = self._serving(model)
         return bool(nodes) and all(n.client.capabilities.openai_body for n in nodes)
 
+    def tokenizer_for(self, model: str) -> Tokenizer:
+        """The tokenizer of ``model``'s workers (the name the nodes know it by)."""
+        return self.model_tokenizers.get(model, self.tokenizer)
+
     def namespace(self, model: str, tenant: str) -> Namespace:
         salt = "" if tenant in self.settings.shared_namespaces else tenant
-        return Namespace(model, salt, self.settings.block_size, self.tokenizer.name)
+        return Namespace(model, salt, self.settings.block_size, self.tokenizer_for(model).name)
 
     def prepare(
         self,
@@ -369,28 +375,30 @@ class Pipeline:
         for doc_id in req.document_ids:
             docs.append(self.documents.get(tenant, doc_id))
         normalize = self.switches.normalization
+        model = self.pool.canonical(req.model, self.settings.model)  # ``model`` may be an alias
+        tokenizer = self.tokenizer_for(model)
         chat_tools = req.tools if req.kind == "chat" else None
         if chat_tools and self._passing_through(req.model):  # the workers parse their own calls
             tools = ToolPlan("", chat_tools, req.needs)
         else:
             tools = plan_tools(
-                chat_tools, req.tool_choice, req.needs, self.tokenizer, self.settings.tool_call_parser
+                chat_tools, req.tool_choice, req.needs, tokenizer, self.settings.tool_call_parser
             )
         try:
-            if req.kind == "chat" and isinstance(self.tokenizer, ChatEncoder):
+            if req.kind == "chat" and isinstance(tokenizer, ChatEncoder):
                 # the model's own chat template over the canonical messages (gateway.tokens)
-                layout, tokens = self.tokenizer.encode_chat(
+                layout, tokens = tokenizer.encode_chat(
                     req.messages, documents=docs, tools=tools.tools, normalize=normalize
                 )
             elif req.kind == "chat":
                 layout = render_chat(req.messages, documents=docs, tools=req.tools, normalize=normalize)
-                tokens = self.tokenizer.encode(layout.text)
+                tokens = tokenizer.encode(layout.text)
             elif req.prompt_token_ids is not None:
                 tokens = pack_ids(req.prompt_token_ids)
                 layout = Layout("", [Segment("prompt", "token ids", 0, len(tokens))])
             else:
                 layout = render_completion(req.prompt or "", documents=docs, normalize=normalize)
-                tokens = self.tokenizer.encode(layout.text)
+                tokens = tokenizer.encode(layout.text)
         except NormalizationError as e:
             raise InvalidRequest(str(e), param=e.param) from None
         n = len(tokens) // 4
@@ -404,7 +412,7 @@ class Pipeline:
                 code="context_length_exceeded",
             )
         sampling = req.sampling
-        self._check_logit_bias(sampling)
+        self._check_logit_bias(sampling, tokenizer)
         sampling.keep_special_tokens = bool(tools.parser)  # tool-call markers may be special tokens
         if tools.constraint is not None:
             sampling.constraint = tools.constraint  # tool_choice forces calls
@@ -418,7 +426,6 @@ class Pipeline:
                     code="context_length_exceeded",
                 )
             sampling.max_tokens = room
-        model = self.pool.canonical(req.model, s.model)  # ``model`` may be an alias
         ns = self.namespace(model, tenant)
         hashes = block_hashes(tokens, s.block_size, ns.root())
         return Prepared(
@@ -435,10 +442,10 @@ class Pipeline:
             tool_parser=tools.parser,
         )
 
-    def _check_logit_bias(self, sampling: Sampling) -> None:
+    def _check_logit_bias(self, sampling: Sampling, tokenizer: Tokenizer) -> None:
         """``logit_bias`` names tokens of the model's vocabulary (known when the gateway holds
         the engine's tokenizer)."""
-        vocab = int(getattr(self.tokenizer, "vocab_size", 0) or 0)
+        vocab = int(getattr(tokenizer, "vocab_size", 0) or 0)
         if vocab <= 0 or not sampling.logit_bias:
             return
         outside = sorted(t for t in sampling.logit_bias if t >= vocab)

@@ -14,6 +14,7 @@ from prefixgate.cachetier.hashing import Namespace
 from prefixgate.cachetier.index import BlockIndex
 from prefixgate.cachetier.memory import MemoryIndex
 from prefixgate.cachetier.resilient import ResyncHook
+from prefixgate.cachetier.tokenizer import Tokenizer
 from prefixgate.gateway import workers
 from prefixgate.gateway.breaker import CircuitBreaker
 from prefixgate.gateway.config import Settings
@@ -29,7 +30,7 @@ from prefixgate.gateway.quotas import PinLimits
 from prefixgate.gateway.replicated import DocumentRegistry, PinRegistry, open_state
 from prefixgate.gateway.runner import RequestRunner
 from prefixgate.gateway.state_memory import MemoryState
-from prefixgate.gateway.tokens.wiring import gateway_tokenizer, worker_tokenizer
+from prefixgate.gateway.tokens.wiring import gateway_tokenizer, model_tokenizers, worker_tokenizer
 from prefixgate.gateway.usage import Prices, UsageLedger
 
 log = structlog.get_logger("prefixgate.gateway")
@@ -90,7 +91,10 @@ class GatewayService:
         # Front ends resolve ``document_ids`` first (DocumentRegistry.resolve); the embedded
         # store still answers the pipeline directly.
         local_docs = self.state.documents if isinstance(self.state, MemoryState) else DocumentStore()
-        self.pipeline = Pipeline(settings, self.pool, self.index, self.tokenizer, self.metrics, local_docs)
+        per_model = model_tokenizers(settings)
+        self.pipeline = Pipeline(
+            settings, self.pool, self.index, self.tokenizer, self.metrics, local_docs, per_model
+        )
         self.pipeline.on_finished = self._count_usage
         self.events = EventSync(self.pool, self.index, self.metrics)
         self.pipeline.on_mispredict = self._resync_node
@@ -109,7 +113,21 @@ class GatewayService:
         s = self.settings
         ns = Namespace(s.default_model, "", s.block_size, self.tokenizer.name)
         codec = getattr(self.tokenizer, "hf", None)  # an EngineTokenizer's ``tokenizers.Tokenizer``
-        return events_connector(s.kv_events, ns, workers.connector(s, lambda: self.tokenizer.name, codec))
+
+        def tokenizer_of(model: str) -> Tokenizer:  # the pipeline's, once it exists
+            pipeline = getattr(self, "pipeline", None)
+            return pipeline.tokenizer_for(model) if pipeline is not None else self.tokenizer
+
+        return events_connector(
+            s.kv_events,
+            ns,
+            workers.connector(
+                s,
+                lambda model: tokenizer_of(model).name,
+                codec,
+                codec_for=lambda model: getattr(tokenizer_of(model), "hf", None),
+            ),
+        )
 
     def _count_usage(self, ex: Execution) -> None:
         """One request, its prompt counted once: a request's choices after the first (each its

@@ -155,12 +155,17 @@ def _codec(spec: str) -> Any:
 
 
 def connector(
-    settings: Settings, tokenizer_name: str | Callable[[], str], codec: Any = None
+    settings: Settings,
+    tokenizer_name: str | Callable[[str], str],
+    codec: Any = None,
+    *,
+    codec_for: Callable[[str], Any] | None = None,
 ) -> Callable[[str], NodeClient]:
     """``NodePool``'s client factory for these settings.
 
-    ``tokenizer_name`` (or a function giving it, when the gateway loads the engine's tokenizer
-    after it starts) names the namespace events are re-hashed into; ``codec`` is the engine's
+    ``tokenizer_name`` (or a function of the model giving it: each model's workers may have a
+    tokenizer of their own, and the gateway may load it after it starts) names the namespace
+    events are re-hashed into; ``codec_for(model)``, else ``codec``, is the engine's
     ``tokenizers.Tokenizer`` for detokenizing (None: from the ``tokenizer`` spec, else the
     worker's ``tokenizer_path``)."""
     from prefixgate.gateway import nodeclient
@@ -170,12 +175,13 @@ def connector(
     bs = settings.block_size
     unnamed = settings.default_model
     codec = codec if codec is not None else _codec(settings.tokenizer)
-    name_of = tokenizer_name if callable(tokenizer_name) else lambda: tokenizer_name
+    name_of = tokenizer_name if callable(tokenizer_name) else lambda _model: tokenizer_name
 
     def root_of(model: str, lora: str, salt: str) -> int | None:
         # Engine events name no tenant; the default namespace is the keyless tenant's (""). The
         # model is the engine's own name, as requests for it are hashed (``NodePool.canonical``).
-        return None if lora else Namespace(model or unnamed, salt, bs, name_of()).root()
+        model = model or unnamed
+        return None if lora else Namespace(model, salt, bs, name_of(model)).root()
 
     split = set(settings.prefill) | set(settings.decode)
 
@@ -188,7 +194,7 @@ def connector(
             return nodeclient.connect(address, http_pd=pd)
         if scheme != "grpc":
             return nodeclient.connect(address)
-        options = SmgOptions(settings.backend, ports.get(address), bs, root_of, codec)
+        options = SmgOptions(settings.backend, ports.get(address), bs, root_of, codec, codec_for)
         return nodeclient.connect(address, smg=options)
 
     return connect

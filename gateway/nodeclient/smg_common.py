@@ -131,6 +131,9 @@ class SmgOptions:
     block_size: int = 0
     root_of: Callable[[str, str, str], int | None] | None = None
     codec: Codec | None = None
+    # The tokenizer of the engine's model (``EngineInfo.model_name``), before ``codec``: a gateway
+    # with one tokenizer per model detokenizes each worker's ids with its model's.
+    codec_for: Callable[[str], Codec | None] | None = None
 
 
 EngineLogprob = tuple[int, float, tuple[tuple[int, float], ...]]  # (id, logprob, top (id, logprob))
@@ -292,6 +295,7 @@ class SmgNodeClient:
         self.stub: Any = None
         self.info: EngineInfo | None = None
         self._codec: Codec | None = self.options.codec
+        self._model_codec: Codec | None = None
         self._detect_lock = asyncio.Lock()
         self._background: set[asyncio.Task[None]] = set()
         self._no_loads = False  # GetLoads answered UNIMPLEMENTED
@@ -360,7 +364,14 @@ class SmgNodeClient:
         raise NodeFailure(self._address, Stage.PROBE, FailureKind.INVALID, detail)
 
     def codec(self) -> Codec:
-        """The engine's tokenizer: given, or ``tokenizer.json`` under GetModelInfo's path."""
+        """The engine's tokenizer: its model's (``codec_for``), given, or ``tokenizer.json`` under
+        GetModelInfo's path."""
+        if self._model_codec is None and self.options.codec_for is not None and self.info is not None:
+            self._model_codec = self.options.codec_for(self.info.model_name) or self._codec
+            if self._model_codec is not None:
+                return self._model_codec
+        if self._model_codec is not None:
+            return self._model_codec
         if self._codec is None:
             path = Path(self.info.tokenizer_path if self.info is not None else "")
             file = path / "tokenizer.json" if path.is_dir() else path

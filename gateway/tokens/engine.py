@@ -80,6 +80,7 @@ class EngineTokenizer:
         self.sha256 = hashlib.sha256(raw).hexdigest()
         self.name = f"engine:{self.sha256[:16]}"
         self.origin = origin or str(d)
+        self.served_model = ""  # the model of the worker it came from, when it came from one
         try:
             self.hf = _HF.from_str(raw.decode("utf-8"))
             parsed = json.loads(raw)
@@ -118,6 +119,7 @@ class EngineTokenizer:
         self.pad_token_id: int | None = self.hf.token_to_id(pad) if pad else None
         self.vocab_size: int = self.hf.get_vocab_size(with_added_tokens=True)
         source = read_template_source(d, self.config)
+        self.template_source = json.dumps(source, sort_keys=True) if source is not None else None
         variables: dict[str, Any] = dict(self.special_tokens)
         extra = self.config.get("additional_special_tokens")
         if isinstance(extra, list):
@@ -129,6 +131,11 @@ class EngineTokenizer:
             except ValueError as e:
                 raise TokenizerLoadError(f"{d}: {e}") from None
         self.segments = SegmentEncoder(self.hf, self.added, segment_cache_bytes)
+
+    @property
+    def identity(self) -> tuple[str, str | None]:
+        """What makes two tokenizers interchangeable: the same ids and the same chat template."""
+        return self.name, self.template_source
 
     def __repr__(self) -> str:
         return f"EngineTokenizer({self.name}, from {self.origin})"

@@ -128,6 +128,20 @@ async def tokenizer_from_worker(
                     ) from None
                 if e.code() != grpc.StatusCode.UNIMPLEMENTED or b == backends[-1]:
                     raise BundleError(f"GetModelInfo on {address}: {e.code().name}: {e.details()}") from None
+    tok = await _tokenizer_of(address, info, chosen, cache, timeout_s, segment_cache_bytes, local_paths)
+    tok.served_model = info.served_model_name or info.model_path
+    return tok
+
+
+async def _tokenizer_of(
+    address: str,
+    info: Any,
+    chosen: str,
+    cache: BundleCache,
+    timeout_s: float,
+    segment_cache_bytes: int,
+    local_paths: bool,
+) -> EngineTokenizer:
     local = Path(info.tokenizer_path) if info.tokenizer_path else None
     if local_paths and local is not None and (local / "tokenizer.json").is_file():
         try:
@@ -195,28 +209,26 @@ async def load_engine_tokenizer(
     raise kind("no worker gave a tokenizer: " + "; ".join(reasons))
 
 
-async def differing_tokenizer(
-    chosen: EngineTokenizer,
+async def worker_tokenizers(
     workers: Sequence[str],
     *,
     cache_dir: str | Path | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     local_paths: bool = True,
-) -> EngineTokenizer | None:
-    """The tokenizer of the first worker whose own is not ``chosen`` (a worker of another model;
-    its ``origin`` names the worker), or None. Workers that do not answer or give none are passed
-    over: they cannot be told apart."""
+) -> list[EngineTokenizer]:
+    """The tokenizer of every worker that gives one (``served_model`` says its model), in order;
+    workers that do not answer or give none are passed over."""
     cache = BundleCache(Path(cache_dir) if cache_dir else default_cache_dir())
+    out: list[EngineTokenizer] = []
     for address in workers:
         try:
             tok = await tokenizer_from_worker(
                 address, cache=cache, timeout_s=timeout_s, local_paths=local_paths
             )
+            out.append(tok)
         except (BundleError, TokenizerLoadError, OSError):
             continue
-        if tok.name != chosen.name:
-            return tok
-    return None
+    return out
 
 
 async def wait_engine_tokenizer(

@@ -20,10 +20,10 @@ from prefixgate.cachetier.tokenizer import Tokenizer, load_tokenizer
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.tokens.engine import EngineTokenizer, TokenizerLoadError
 from prefixgate.gateway.tokens.loader import (
-    differing_tokenizer,
     load_engine_tokenizer,
     open_tokenizer_dir,
     wait_engine_tokenizer,
+    worker_tokenizers,
 )
 from prefixgate.gateway.workers import id_workers
 
@@ -51,6 +51,15 @@ def gateway_tokenizer(settings: Settings) -> Tokenizer:
     if path is None:
         return load_tokenizer(settings.tokenizer or "bytes4")
     return load_tokenizer("bytes4")
+
+
+def model_tokenizers(settings: Settings) -> dict[str, Tokenizer]:
+    """The tokenizers of models whose workers do not take the default one (``model_tokenizers``)."""
+    out: dict[str, Tokenizer] = {}
+    for entry in settings.model_tokenizers:
+        model, _, directory = entry.partition("=")
+        out[model] = open_tokenizer_dir(directory, segment_cache_bytes=settings.tokenizer_segment_cache_bytes)
+    return out
 
 
 def worker_addresses(settings: Settings) -> list[str]:
@@ -83,21 +92,26 @@ async def resolve_tokenizer(settings: Settings) -> Settings:
         raise TokenizerLoadError(
             f"{e}; pass --tokenizer-path DIR (the model's tokenizer.json and tokenizer_config.json)"
         ) from None
-    theirs = await differing_tokenizer(
-        tok,
+    others = await worker_tokenizers(
         worker_addresses(settings),
         cache_dir=settings.tokenizer_cache_dir or None,
         timeout_s=min(settings.tokenizer_timeout_s, 10.0),
         local_paths=settings.tokenizer_worker_paths,
     )
-    if theirs is not None:  # one tokenizer feeds every worker: another model's would get wrong ids
-        raise TokenizerLoadError(
-            f"the workers use different tokenizers ({tok.origin}: {tok.name}; {theirs.origin}: "
-            f"{theirs.name}) and a gateway tokenizes with one: run a gateway per model, or pass "
-            "--tokenizer-path DIR if they take the same ids"
-        )
-    log.info("tokenizer_loaded", tokenizer=tok.name, origin=tok.origin)
-    return dataclasses.replace(settings, tokenizer="engine", tokenizer_path=str(tok.directory))
+    per_model: dict[str, EngineTokenizer] = {}
+    for t in (tok, *others):
+        known = per_model.setdefault(t.served_model, t)
+        if known.identity != t.identity:  # one model's workers must take the same prompts
+            raise TokenizerLoadError(
+                f"workers of model {t.served_model!r} use different tokenizers ({known.origin}: "
+                f"{known.name}; {t.origin}: {t.name}); pass --tokenizer-path DIR if they take the same ids"
+            )
+    extra = [f"{m}={t.directory}" for m, t in per_model.items() if m and t.identity != tok.identity]
+    for m, t in per_model.items():
+        log.info("tokenizer_loaded", model=m, tokenizer=t.name, origin=t.origin)
+    return dataclasses.replace(
+        settings, tokenizer="engine", tokenizer_path=str(tok.directory), model_tokenizers=extra
+    )
 
 
 async def worker_tokenizer(settings: Settings) -> EngineTokenizer | None:

@@ -18,12 +18,16 @@ import grpc
 import pytest
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
+from transformers import AutoTokenizer
 
 from prefixgate.backends.hftok import TOKENIZER_DIR
 from prefixgate.backends.server import start_node
+from prefixgate.cachetier.tokenizer import unpack_ids
 from prefixgate.gateway.config import load_settings
+from prefixgate.gateway.service import GatewayService
 from prefixgate.gateway.tokens import TokenizerLoadError, open_tokenizer_dir
 from prefixgate.gateway.tokens.wiring import resolve_tokenizer
+from prefixgate.openai.schema import parse_request
 from tests.helpers import REPO, free_port
 
 SHIPPED = open_tokenizer_dir(TOKENIZER_DIR).name
@@ -146,24 +150,52 @@ async def test_an_explicit_path_or_hf_file_is_used_as_given_and_no_worker_is_ask
         assert await resolve_tokenizer(settings) == settings
 
 
-async def test_workers_of_models_with_different_tokenizers_are_refused(tmp_path: Path) -> None:
+def _other_template(directory: Path) -> Path:
+    """The shipped tokenizer with a chat template of its own (another model's): the same ids."""
+    shutil.copytree(TOKENIZER_DIR, directory)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["chat_template"] = "<|im_start|>system\nOther model.<|im_end|>\n" + config["chat_template"]
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+async def test_each_model_gets_its_own_workers_tokenizer(tmp_path: Path) -> None:
     node = await start_node("monolithic", "127.0.0.1", 0, time_scale=0.0)
     same = tmp_path / "same"
-    shutil.copytree(TOKENIZER_DIR, same)  # another model name, the very same tokenizer
-    other = tmp_path / "other"
-    shutil.copytree(TOKENIZER_DIR, other)
-    raw = json.loads((other / "tokenizer.json").read_text())
-    raw["added_tokens"].append({**raw["added_tokens"][-1], "id": 4095, "content": "<|extra|>"})
-    (other / "tokenizer.json").write_text(json.dumps(raw))
+    shutil.copytree(TOKENIZER_DIR, same)  # another copy of the very same tokenizer
+    other = _other_template(tmp_path / "other")
     servers = [await _serve(Elsewhere(same)), await _serve(Elsewhere(other))]
     try:
         ours = f"grpc://{node.address}"
-        ok = load_settings(overrides={"worker_urls": [ours, servers[0][1]]}, environ={})
-        assert Path((await resolve_tokenizer(ok)).tokenizer_path) == TOKENIZER_DIR
-        mixed = load_settings(overrides={"worker_urls": [ours, servers[0][1], servers[1][1]]}, environ={})
-        with pytest.raises(TokenizerLoadError, match="different tokenizers") as e:
+        one = load_settings(overrides={"worker_urls": [ours, servers[0][1]]}, environ={})
+        resolved = await resolve_tokenizer(one)
+        assert Path(resolved.tokenizer_path) == TOKENIZER_DIR and resolved.model_tokenizers == []
+        two = load_settings(overrides={"worker_urls": [ours, servers[1][1]]}, environ={})
+        resolved = await resolve_tokenizer(two)
+        assert Path(resolved.tokenizer_path) == TOKENIZER_DIR
+        assert resolved.model_tokenizers == [f"other-model={other}"]
+        # the pipeline renders each model's chats with its own workers' template
+        svc = GatewayService(resolved)
+        chat = [{"role": "user", "content": "Which model am I talking to?"}]
+        models = {"prefixgate-sim", "other-model"}
+        ids = {}
+        for model in sorted(models):
+            body = {"model": model, "messages": chat, "max_tokens": 4}
+            parsed = parse_request(
+                body, "chat", models=models, default_max_tokens=4, max_tokens_limit=8, max_documents=1
+            )
+            prep = svc.pipeline.prepare(parsed, "")
+            want = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR if model == "prefixgate-sim" else other))
+            text = want.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+            assert unpack_ids(prep.tokens) == want(text, add_special_tokens=False)["input_ids"], model
+            ids[model] = prep.namespace.root()
+        assert ids["prefixgate-sim"] != ids["other-model"]
+        # one model whose workers disagree cannot be served right: refused in one line
+        servers.append(await _serve(Elsewhere(same)))
+        mixed = load_settings(overrides={"worker_urls": [servers[1][1], servers[2][1]]}, environ={})
+        with pytest.raises(TokenizerLoadError, match="workers of model 'other-model' use different") as e:
             await resolve_tokenizer(mixed)
-        assert servers[1][1] in str(e.value) and "--tokenizer-path DIR" in str(e.value)
+        assert "--tokenizer-path DIR" in str(e.value)
         # an explicit tokenizer is the operator's word: nothing is compared
         given = load_settings(
             overrides={"worker_urls": [ours, servers[1][1]], "tokenizer_path": str(TOKENIZER_DIR)}, environ={}
