@@ -457,8 +457,9 @@ def admin_routes() -> list[Route]:
     return [
         Route("/admin/nodes", require_admin(list_nodes), methods=["GET"]),
         Route("/admin/nodes", require_admin(add_node), methods=["POST"]),
-        Route("/admin/nodes/{node_id:str}", require_admin(remove_node), methods=["DELETE"]),
-        Route("/admin/nodes/{node_id:str}/drain", require_admin(drain_node), methods=["POST"]),
+        # ``path``: a grpc:// worker's id is its address, slashes included (sent as is or encoded)
+        Route("/admin/nodes/{node_id:path}/drain", require_admin(drain_node), methods=["POST"]),
+        Route("/admin/nodes/{node_id:path}", require_admin(remove_node), methods=["DELETE"]),
         Route("/admin/cache", require_admin(cache_view), methods=["GET"]),
         Route("/admin/cache/lookup", require_admin(cache_lookup), methods=["POST"]),
         Route("/admin/cache/evict", require_admin(cache_evict), methods=["POST"]),

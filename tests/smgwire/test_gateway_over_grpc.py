@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.parse
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,10 +28,10 @@ PROMPT = (
 
 
 @asynccontextmanager
-async def gateway(*workers: str) -> AsyncIterator[str]:
+async def gateway(*workers: str, env: dict[str, str] | None = None) -> AsyncIterator[str]:
     """The gateway process; waits without blocking the loop our nodes run in."""
     port = free_port()
-    proc: Proc = spawn(["gateway", "--port", str(port), *workers])  # the worker flags alone
+    proc: Proc = spawn(["gateway", "--port", str(port), *workers], env=env)  # the worker flags alone
     base = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient(timeout=2) as http:
@@ -186,3 +188,42 @@ async def test_vllm_carries_logprobs_and_logit_bias(nodes: StartNode) -> None:
     asked = [r.sampling_params for r in servicer.requests]
     assert [p.logprobs if p.HasField("logprobs") else None for p in asked] == [1, 3, None]
     assert dict(asked[2].logit_bias) == {first: -100.0}
+
+
+async def test_a_workers_tokenizer_from_its_bundle_serves_requests(nodes: StartNode, tmp_path: Path) -> None:
+    """A worker on another host: its ``tokenizer_path`` means nothing here, so the gateway takes
+    the ``GetTokenizer`` bundle, and detokenizes the worker's ids with it too."""
+    node = await nodes("monolithic")
+    address = f"grpc://{node.address}"
+    # as if the worker's tokenizer_path were on another host; the bundle lands in a scratch dir
+    env = {"PREFIXGATE_TOKENIZER_WORKER_PATHS": "false", "PREFIXGATE_TOKENIZER_CACHE_DIR": str(tmp_path)}
+    texts = []
+    for extra in (env, None):
+        async with (
+            gateway("--worker-urls", address, env=extra) as base,
+            httpx.AsyncClient(timeout=30) as http,
+        ):
+            r = await http.post(f"{base}/v1/completions", json=body())
+            assert r.status_code == 200, r.text
+            texts.append(r.json()["choices"][0]["text"])
+    assert texts[0] == texts[1] and texts[0]
+    bundled = await asyncio.to_thread(lambda: [p.name for p in tmp_path.rglob("tokenizer.json")])
+    assert bundled == ["tokenizer.json"]  # it came as a bundle
+
+
+async def test_a_grpc_worker_is_drained_and_removed_by_its_id(nodes: StartNode) -> None:
+    """A grpc:// worker's id is its address, slashes and all: the admin paths take it as sent and
+    percent-encoded."""
+    first, second = await nodes("monolithic"), await nodes("monolithic")
+    ids = [f"grpc://{first.address}", f"grpc://{second.address}"]
+    async with gateway("--worker-urls", *ids) as base, httpx.AsyncClient(base_url=base, timeout=10) as http:
+        r = await http.post(f"/admin/nodes/{ids[0]}/drain")
+        assert r.status_code == 200, r.text
+        encoded = urllib.parse.quote(ids[1], safe="")
+        assert (await http.post(f"/admin/nodes/{encoded}/drain", json={"drain": False})).status_code == 200
+        rows = {n["id"]: n for n in (await http.get("/admin/nodes")).json()["data"]}
+        assert rows[ids[0]]["draining"] is True and rows[ids[1]]["draining"] is False
+        assert (await http.delete(f"/admin/nodes/{encoded}")).status_code == 200
+        left = {n["id"] for n in (await http.get("/admin/nodes")).json()["data"]}
+        assert left == {ids[0]}
+        assert (await http.delete(f"/admin/nodes/{encoded}")).status_code == 404
