@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 import httpx
 import orjson
@@ -392,9 +392,14 @@ def plan_request(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | N
         if action == "add":
             return "POST", "/admin/nodes", {"role": args.role, "address": args.address}, render_node
         if action == "remove":
-            return "DELETE", f"/admin/nodes/{args.node_id}", None, render_removed
+            return "DELETE", f"/admin/nodes/{quote(args.node_id, safe='')}", None, render_removed
         if action == "drain":
-            return "POST", f"/admin/nodes/{args.node_id}/drain", {"drain": not args.undo}, render_node
+            return (
+                "POST",
+                f"/admin/nodes/{quote(args.node_id, safe='')}/drain",
+                {"drain": not args.undo},
+                render_node,
+            )
         return "GET", "/admin/nodes", None, render_nodes
     if cmd == "cache":
         return "GET", "/admin/cache", None, render_cache
