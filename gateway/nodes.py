@@ -267,11 +267,12 @@ class NodePool:
         """Ask the node for its status: the health probe. Feeds reachability and the breaker."""
         try:
             st = await node.client.status(timeout=self.probe_timeout_s if timeout is None else timeout)
-        except NodeFailure as e:
+        except Exception as e:  # an answer the adapter cannot read is a failed probe, not a dead poll
+            error = str(e) if isinstance(e, NodeFailure) else f"unreadable status: {e!r}"
             if node.reachable:
-                log.warning("node_unreachable", node=node.id, address=node.address, error=str(e)[:200])
+                log.warning("node_unreachable", node=node.id, address=node.address, error=error[:200])
             node.reachable = False
-            node.last_error = str(e)[:500]
+            node.last_error = error[:500]
             node.probe_failures += 1
             node.probe_successes = 0
             if node.probe_failures >= self.failures_to_trip:

@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 import pytest
+from google.protobuf import struct_pb2
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
@@ -27,6 +28,7 @@ from prefixgate.gateway.nodeclient.smg_sglang import BootstrapStream
 from prefixgate.gateway.nodes import NodePool
 from prefixgate.gateway.vocab import FailureKind, Stage
 from prefixgate.openai.schema import Sampling
+from tests.smgwire import doubles
 from tests.smgwire.conftest import BS, HF, MODEL, Client, StartNode, chat_ids, root_of
 
 LONG = chat_ids("Tell me everything about prefix caches, KV pages and the tokens they hold. " * 4)
@@ -302,3 +304,29 @@ async def test_log_probabilities_stop_with_the_text(nodes: StartNode, client: Cl
     out = [d async for d in c.generate(stopped, timeout=30)]
     assert len([lp for d in out for lp in d.logprobs]) == cut + 1  # up to the token that stopped it
     assert out[-1].finish_reason == "stop"
+
+
+class _BadPageSize(doubles.ScriptedSglang):
+    """An engine whose server info says ``page_size`` "abc" (a value no adapter can read)."""
+
+    async def GetServerInfo(self, request: Any, context: Any) -> Any:
+        args = struct_pb2.Struct()
+        args.update({"page_size": "abc", "disaggregation_mode": "null"})
+        return pb.GetServerInfoResponse(server_args=args)
+
+
+async def test_an_unreadable_status_is_a_failed_probe_and_the_probes_go_on() -> None:
+    server, addr = await doubles.serve(doubles.add_sglang(_BadPageSize(None)))
+    opts = SmgOptions(block_size=BS, root_of=root_of, codec=HF)
+    pool = NodePool(0.05, connect=lambda a: SmgNodeClient(a, a.removeprefix("grpc://"), opts))
+    try:
+        node = pool.add("monolithic", f"grpc://{addr}")
+        node.reachable = True  # as it was before its engine started answering nonsense
+        assert await pool.refresh(node) is False
+        assert not node.reachable and "unreadable status" in node.last_error
+        failures = node.probe_failures
+        await asyncio.sleep(0.3)  # the poll keeps probing (and failing), it did not die
+        assert node.probe_failures > failures and not node.routable
+    finally:
+        await pool.close()
+        await server.stop(0)
