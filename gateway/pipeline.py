@@ -210,6 +210,9 @@ class Execution:
                     d = await self._next()
                 except StopAsyncIteration:
                     break
+                if self._past_max_tokens(d):  # an engine that goes on past max_tokens is cut
+                    yield self._cut_at_max_tokens()
+                    break
                 self._account(d)
                 yield d
             if not self.finish_reason:
@@ -265,6 +268,29 @@ class Execution:
                 self._waiter.cancel()
         else:
             self._watchdog = loop.call_at(due, self._watch)
+
+    def _past_max_tokens(self, d: TokenDelta) -> bool:
+        """``max_tokens`` were relayed and the engine sends more without finishing (its own finish
+        right at the limit, ``stop`` or ``length``, passes as it is)."""
+        limit = self.prep.sampling.max_tokens
+        more = d.completion_tokens > self.completion_tokens  # text held back and flushed is not more
+        return 0 < limit <= self.completion_tokens and more and not d.finish_reason
+
+    def _cut_at_max_tokens(self) -> TokenDelta:
+        """The finish the engine did not send: ``length`` at ``max_tokens`` (the node's work is
+        cancelled when the stream closes; usage counts no more than was asked for)."""
+        limit = self.prep.sampling.max_tokens
+        log.warning(
+            "engine_past_max_tokens",
+            request_id=self.request_id,
+            node=self.decode_node.id,
+            max_tokens=limit,
+            completion_tokens=self.completion_tokens,
+        )
+        self.completion_tokens = limit
+        self.finish_reason = "length"
+        self.outcome = "ok"
+        return TokenDelta(finish_reason="length", completion_tokens=limit)
 
     def _account(self, d: TokenDelta) -> None:
         if d.completion_tokens:

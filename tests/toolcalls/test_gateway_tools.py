@@ -391,3 +391,38 @@ async def test_the_grpc_front_refuses_tools_it_cannot_answer(
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "tools_json" in (e.value.details() or "")
     assert double.inputs == []
+
+
+async def test_an_engine_going_on_past_max_tokens_is_cut_there(
+    template_dir: Path, engine: tuple[RecordingSglang, str]
+) -> None:
+    """The engine ignores ``max_new_tokens`` (this one answers its script whole): the gateway
+    ends the answer at ``max_tokens`` with ``length``, streamed and not, and bills no more."""
+    double, worker = engine
+    long = " ".join(f"word{i}" for i in range(120))  # far more tokens than asked for
+    async with gateway(template_dir, worker) as base:
+        client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=30)
+        user = {"role": "user", "content": "Talk."}
+        double.answers = [long, long]
+        whole = await create(client, model=MODEL, messages=[user], max_tokens=8, temperature=0)
+        assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 8
+        want = double.hf.decode(double.hf.encode(long, add_special_tokens=False)[:8])
+        assert whole.choices[0].message.content == want
+        stream = await create(
+            client,
+            model=MODEL,
+            messages=[user],
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        text, finish, usage = "", "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+            usage = chunk.usage or usage
+        assert finish == "length" and usage is not None and usage.completion_tokens == 8
+        assert text == want  # the engine streams 2 tokens a chunk: the limit falls between chunks
+        await client.close()
