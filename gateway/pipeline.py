@@ -330,7 +330,7 @@ class Pipeline:
         self.pool = pool
         self.index = index
         self.tokenizer = tokenizer  # every model's, but those in ``model_tokenizers``
-        self.model_tokenizers: dict[str, Tokenizer] = dict(model_tokenizers or {})
+        self.model_tokenizers: Mapping[str, Tokenizer] = model_tokenizers or {}
         self.metrics = metrics
         self.documents = documents
         self.switches = Switches(settings.disaggregation, settings.prefix_routing, settings.normalization)
@@ -404,7 +404,7 @@ class Pipeline:
         model = self.pool.canonical(req.model, self.settings.model)  # ``model`` may be an alias
         tokenizer = self.tokenizer_for(model)
         chat_tools = req.tools if req.kind == "chat" else None
-        if chat_tools and self._passing_through(req.model):  # the workers parse their own calls
+        if chat_tools and self._passing_through(model):  # the workers parse their own calls
             tools = ToolPlan("", chat_tools, req.needs)
         else:
             tools = plan_tools(

@@ -58,6 +58,7 @@ class GatewayService:
         self.metrics = Metrics()
         self.index = index if index is not None else open_index(settings, self._index_recovered)
         self.tokenizer = gateway_tokenizer(settings)
+        self.model_tokenizers = model_tokenizers(settings)  # models whose workers take another
         self.pool = NodePool(
             settings.stats_interval_s,
             connect=self._connector(),
@@ -91,9 +92,8 @@ class GatewayService:
         # Front ends resolve ``document_ids`` first (DocumentRegistry.resolve); the embedded
         # store still answers the pipeline directly.
         local_docs = self.state.documents if isinstance(self.state, MemoryState) else DocumentStore()
-        per_model = model_tokenizers(settings)
         self.pipeline = Pipeline(
-            settings, self.pool, self.index, self.tokenizer, self.metrics, local_docs, per_model
+            settings, self.pool, self.index, self.tokenizer, self.metrics, local_docs, self.model_tokenizers
         )
         self.pipeline.on_finished = self._count_usage
         self.events = EventSync(self.pool, self.index, self.metrics)
@@ -112,22 +112,17 @@ class GatewayService:
         ``kv_events`` names."""
         s = self.settings
         ns = Namespace(s.default_model, "", s.block_size, self.tokenizer.name)
-        codec = getattr(self.tokenizer, "hf", None)  # an EngineTokenizer's ``tokenizers.Tokenizer``
 
-        def tokenizer_of(model: str) -> Tokenizer:  # the pipeline's, once it exists
-            pipeline = getattr(self, "pipeline", None)
-            return pipeline.tokenizer_for(model) if pipeline is not None else self.tokenizer
+        def tokenizer_of(model: str) -> Tokenizer:  # read at connect time: ``start`` may load it
+            return self.model_tokenizers.get(model, self.tokenizer)
 
-        return events_connector(
-            s.kv_events,
-            ns,
-            workers.connector(
-                s,
-                lambda model: tokenizer_of(model).name,
-                codec,
-                codec_for=lambda model: getattr(tokenizer_of(model), "hf", None),
-            ),
+        # an EngineTokenizer's ``hf`` (a ``tokenizers.Tokenizer``) detokenizes its model's ids
+        connect = workers.connector(
+            s,
+            lambda model: tokenizer_of(model).name,
+            codec_for=lambda model: getattr(tokenizer_of(model), "hf", None),
         )
+        return events_connector(s.kv_events, ns, connect)
 
     def _count_usage(self, ex: Execution) -> None:
         """One request, its prompt counted once: a request's choices after the first (each its

@@ -294,8 +294,7 @@ class SmgNodeClient:
         self.runtime: Runtime | None = None
         self.stub: Any = None
         self.info: EngineInfo | None = None
-        self._codec: Codec | None = self.options.codec
-        self._model_codec: Codec | None = None
+        self._codec: Codec | None = None if self.options.codec_for else self.options.codec
         self._detect_lock = asyncio.Lock()
         self._background: set[asyncio.Task[None]] = set()
         self._no_loads = False  # GetLoads answered UNIMPLEMENTED
@@ -366,12 +365,8 @@ class SmgNodeClient:
     def codec(self) -> Codec:
         """The engine's tokenizer: its model's (``codec_for``), given, or ``tokenizer.json`` under
         GetModelInfo's path."""
-        if self._model_codec is None and self.options.codec_for is not None and self.info is not None:
-            self._model_codec = self.options.codec_for(self.info.model_name) or self._codec
-            if self._model_codec is not None:
-                return self._model_codec
-        if self._model_codec is not None:
-            return self._model_codec
+        if self._codec is None and self.options.codec_for is not None and self.info is not None:
+            self._codec = self.options.codec_for(self.info.model_name) or self.options.codec
         if self._codec is None:
             path = Path(self.info.tokenizer_path if self.info is not None else "")
             file = path / "tokenizer.json" if path.is_dir() else path

@@ -57,7 +57,7 @@ def _node(*args: str) -> tuple[Proc, dict[str, Any]]:
 
 def _gateway(*args: str) -> tuple[Proc, str]:
     port = free_port()
-    p = spawn(["gateway", "--port", str(port), "--block-size", str(BS), *args])
+    p = spawn(["gateway", "--port", str(port), *args])
     return p, f"http://127.0.0.1:{port}"
 
 
@@ -89,14 +89,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 f.result() for f in (mono_f, pre_f, dec_f, sim_f)
             )
         procs += [mono_p, pre_p, dec_p, sim_p]
-        # grpc:// workers: the tokenizer is pinned to the node's own (--tokenizer-path) and the
-        # model named (--model), whatever the gateway's default tokenizer for such workers is.
-        pinned = ["--model", MODEL, "--tokenizer-path"]
         gateways = [
-            _gateway(*pinned, str(tok), "--worker-urls", f"grpc://{mono['address']}"),
+            # the tools template above instead of the node's own (the tokenizer the worker gives)
+            _gateway("--tokenizer-path", str(tok), "--worker-urls", f"grpc://{mono['address']}"),
             _gateway(
-                *pinned,
-                str(TOKENIZER_DIR),
                 "--prefill",
                 f"grpc://{pre['address']}",
                 str(pre["bootstrap_port"]),
@@ -104,7 +100,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 f"grpc://{dec['address']}",
             ),
             _gateway("--worker-urls", f"http://{mono['http_address']}"),
-            _gateway(*pinned, str(TOKENIZER_DIR), "--worker-urls", f"grpc://{sim['address']}"),
+            # the sim node names its model prefixgate-sim: the alias lets the same requests ask it
+            _gateway("--model", MODEL, "--worker-urls", f"grpc://{sim['address']}"),
         ]
         procs += [p for p, _ in gateways]
         for p, base in gateways:

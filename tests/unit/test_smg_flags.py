@@ -192,9 +192,6 @@ def test_pd_command_line_from_smg_serves_and_exposes_metrics() -> None:
             "--pd-disaggregation", "--prefill", f"grpc://{p_addr}", str(boot), "--decode", f"grpc://{d_addr}",
             "--policy", "cache_aware", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom),
             "--log-level", "warn",
-            # The node's shipped tokenizer, named explicitly (grpc:// prompts are engine token ids),
-            # and the block size of the nodes' KV pages.
-            "--tokenizer-path", str(TOKENIZER_DIR), "--block-size", "16",
         ])  # fmt: skip
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 30
