@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import httpx
 import orjson
 
 from prefixgate.gateway.documents import TENANT_OVERHEAD, stored_cost
+from prefixgate.gateway.stack import free_port as _free_port
 from prefixgate.openai.normalize import Document
 
 # name: (documents, characters each, character)
@@ -30,12 +30,6 @@ SCENARIOS: dict[str, tuple[int, int, str]] = {
     "64 1 MB ascii": (64, 1_048_576, "x"),
     "64 1 MB cjk (3 B utf-8)": (64, 349_525, "\u6587"),
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rss(pid: int) -> int:

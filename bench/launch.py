@@ -21,7 +21,6 @@ import os
 import secrets
 import selectors
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,15 +31,11 @@ from pathlib import Path
 
 import httpx
 
+from prefixgate.gateway.stack import free_port
+
 PR_SET_PDEATHSIG = 1
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 MODEL = "prefixgate-sim"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child

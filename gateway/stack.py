@@ -19,10 +19,26 @@ from prefixgate.gateway.nodeclient import NodeFailure
 PR_SET_PDEATHSIG = 1
 
 
+_HANDED_OUT: set[int] = set()
+_HANDED_OUT_LIMIT = 4096
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port free now that this process has not handed out before.
+
+    The probe socket is closed before the child binds, so the kernel may offer the same port
+    again to the next probe; a stack of several nodes started at once then gets one port twice.
+    """
+    if len(_HANDED_OUT) >= _HANDED_OUT_LIMIT:
+        _HANDED_OUT.clear()
+    for _ in range(64):
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise OSError(f"no fresh free port on {host} after 64 tries")
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child

@@ -6,7 +6,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,13 +14,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prefixgate.gateway.stack import free_port as free_port
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

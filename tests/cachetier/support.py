@@ -13,6 +13,7 @@ import uuid
 import pytest
 
 from prefixgate.bench.redis_cluster import RedisClusterHarness, wait_pong
+from prefixgate.gateway.stack import free_port as _free_port
 
 __all__ = ["PrivateRedis", "RedisClusterHarness", "TcpProxy", "redis_url", "test_prefix", "wait_pong"]
 
@@ -139,9 +140,3 @@ class PrivateRedis:
     def cli(self, *args: str) -> str:
         out = subprocess.run(["redis-cli", "-p", str(self.port), *args], capture_output=True, timeout=10)
         return out.stdout.decode().strip()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
