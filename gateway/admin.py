@@ -146,7 +146,17 @@ def _node(svc: GatewayService, node_id: str) -> Node:
 # -- views ---------------------------------------------------------------------------------------
 
 
-def node_json(node: Node, index_blocks: int | None = None) -> dict[str, Any]:
+def tenant_cache(svc: GatewayService, node: Node) -> str:
+    """How the node's engine cache stands between tenants: ``salted`` (its protocol carries each
+    tenant's salt into the cache key), ``shared`` (one cache for the gateway's several tenants,
+    ``tenant_cache = "shared"``) or ``unsalted`` (no salt; one tenant namespace, nothing shared)."""
+    if node.client.capabilities.tenant_salt:
+        return "salted"
+    return "shared" if svc.shares_tenant_cache(node) else "unsalted"
+
+
+def node_json(node: Node, index_blocks: int | None = None, *, tenants: str = "salted") -> dict[str, Any]:
+    """``tenants``: ``tenant_cache(svc, node)``."""
     st = node.status
     return {
         "id": node.id,
@@ -175,6 +185,7 @@ def node_json(node: Node, index_blocks: int | None = None) -> dict[str, Any]:
         "engine": st.engine if st else None,
         "models": list(node.models),
         "cache": cache_ops.cache_view(node),
+        "tenant_cache": tenants,
         "profile": st.profile.name if st else None,
         "instance_id": node.instance_id or None,
         "slowness": round(node.slowness, 3),
@@ -204,7 +215,8 @@ async def list_nodes(request: Request) -> Response:
     svc = service_of(request)
     held = await _index_blocks(svc)
     nodes = sorted(svc.pool.nodes.values(), key=lambda n: (ROLES.index(n.role), n.id))
-    return ORJSONResponse({"object": "list", "data": [node_json(n, held.get(n.id, 0)) for n in nodes]})
+    data = [node_json(n, held.get(n.id, 0), tenants=tenant_cache(svc, n)) for n in nodes]
+    return ORJSONResponse({"object": "list", "data": data})
 
 
 async def add_node(request: Request) -> Response:
@@ -225,7 +237,7 @@ async def add_node(request: Request) -> Response:
         node = await svc.add_node(str(role), address)
     except ValueError as e:  # a protocol that cannot take this role
         raise invalid(str(e), "role") from None
-    return ORJSONResponse(node_json(node, 0), status_code=201)
+    return ORJSONResponse(node_json(node, 0, tenants=tenant_cache(svc, node)), status_code=201)
 
 
 async def remove_node(request: Request) -> Response:
@@ -254,7 +266,7 @@ async def drain_node(request: Request) -> Response:
         raise invalid("'drain' must be true or false", "drain")
     await svc.drain_node(node, drain)
     held = await _index_blocks(svc)
-    return ORJSONResponse(node_json(node, held.get(node.id, 0)))
+    return ORJSONResponse(node_json(node, held.get(node.id, 0), tenants=tenant_cache(svc, node)))
 
 
 async def cache_view(request: Request) -> Response:

@@ -378,7 +378,7 @@ async def _warm_node(
             res.error, res.code = "the node's protocol cannot warm or pin a prompt", FailureKind.INVALID.value
             svc.metrics.warm.labels(node.id, "failed").inc()
             return res
-        return await _keep_warm_node(svc, prep, node, res, pin_seconds)
+        return await _keep_warm_node(svc, prep, node, res, pin_seconds, held_blocks)
     res.action = "pin" if pin_seconds > 0 else "prefill"
     try:
         if pin_seconds > 0 and prep.hashes and held_blocks >= len(prep.hashes):
@@ -421,9 +421,11 @@ async def _warm_node(
 
 
 async def _keep_warm_node(
-    svc: GatewayService, prep: Prepared, node: Node, res: WarmResult, pin_seconds: float
+    svc: GatewayService, prep: Prepared, node: Node, res: WarmResult, pin_seconds: float, held_blocks: int
 ) -> WarmResult:
-    """Warm with a one-token request; a pin keeps re-sending it (``gateway.keepwarm``)."""
+    """Warm with a one-token request; a pin keeps re-sending it (``gateway.keepwarm``). The
+    tenant is told of no more reuse than its own prefixes on the node account for
+    (``held_blocks``, per the index) when the engine's cache is shared between tenants."""
     res.method = res.action = "keep-warm" if pin_seconds > 0 else "re-prefill"
     node.local_requests += 1
     try:
@@ -433,8 +435,11 @@ async def _keep_warm_node(
             node, prep.tokens, tuple(prep.hashes), svc.settings.request_timeout_s, pair
         )
         res.prefill_seconds = round(time.monotonic() - t0, 6)
-        res.cached_tokens = r.cached_tokens
-        res.computed_tokens = prep.prompt_tokens - r.cached_tokens
+        own = min(prep.prompt_tokens, held_blocks * svc.settings.block_size)
+        isolates = node.client.capabilities.tenant_salt
+        cached = svc.pipeline.tenancy.reported_cached(r.cached_tokens, own, isolates)
+        res.cached_tokens = cached
+        res.computed_tokens = prep.prompt_tokens - cached
         if pin_seconds > 0:
             until = keepwarm.keeper(svc).add(node, prep.tokens, tuple(prep.hashes), pin_seconds)
             res.pinned_blocks = len(prep.hashes)

@@ -155,6 +155,11 @@ class Settings:
     api_keys: list[str] = field(default_factory=list)
     admin_token: str = ""
     shared_namespaces: list[str] = field(default_factory=list)  # tenants that share one cache
+    # Workers whose protocol cannot keep tenants apart in the engine's prefix cache (``grpc://``):
+    # "isolated" refuses them while the keys name several tenants; "shared" serves them with one
+    # engine cache for all (a tenant's timing can tell what another sent before), never
+    # reporting a tenant another's reuse (``gateway.tenancy``).
+    tenant_cache: str = "isolated"
     # HTTP server limits (per connection, before any request reaches the app).
     header_timeout_s: float = 10.0  # from accept (or the previous response) to the end of the headers
     body_timeout_s: float = 60.0  # from the end of the headers to the end of the body
@@ -249,6 +254,7 @@ def load_settings(
         raise ValueError(f"setting 'policy': {e}") from None
     settings = _check_tokenizer(settings)
     _check_tool_call_parser(settings)
+    _check_tenant_cache(settings)
     _check_bounds(settings)
     return settings
 
@@ -282,6 +288,18 @@ def _check_bounds(settings: Settings) -> None:
             raise ValueError(f"setting {name!r}: {value!r} is below {low:g}")
     if settings.retry_jitter_factor > 1:
         raise ValueError(f"setting 'retry_jitter_factor': {settings.retry_jitter_factor!r} is above 1")
+
+
+def _check_tenant_cache(settings: Settings) -> None:
+    from prefixgate.gateway.tenancy import TENANT_CACHE_MODES
+
+    for tenant in settings.api_key_map().values():  # a control character could forge a salt
+        if not tenant.isprintable():
+            raise ValueError(f"setting 'api_keys': tenant {tenant!r} has a control character")
+    if settings.tenant_cache not in TENANT_CACHE_MODES:
+        raise ValueError(
+            f"setting 'tenant_cache': {settings.tenant_cache!r}: use one of {', '.join(TENANT_CACHE_MODES)}"
+        )
 
 
 def _check_tool_call_parser(settings: Settings) -> None:

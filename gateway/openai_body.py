@@ -56,6 +56,8 @@ GATEWAY_FIELDS = frozenset(
         "n",
         "best_of",
         "echo",
+        "cache_salt",  # replaced: the tenant's namespace salt (``gateway.tenancy``)
+        "extra_key",
     }
 )
 MAX_ENGINE_SEED = 2**63 - 1
@@ -121,6 +123,7 @@ def engine_body(
     *,
     normalize: bool,
     raw: Mapping[str, Any] | None = None,
+    cache_salt: str = "",
 ) -> OpenAIBody:
     """The engine's request for ``req`` (``raw``: the client's JSON body, when there is one;
     without it, the parsed sampling fields are sent).
@@ -153,6 +156,8 @@ def engine_body(
                 body["tool_choice"] = req.tool_choice
         if req.response_format is not None:
             body["response_format"] = dict(req.response_format)
+    if cache_salt:  # the tenant's namespace in the engine's prefix cache (``gateway.tenancy``)
+        body["cache_salt"] = cache_salt
     body["model"] = req.model
     body["max_tokens"] = req.sampling.max_tokens
     body["stream"] = True

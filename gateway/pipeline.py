@@ -35,6 +35,7 @@ from prefixgate.gateway.refusals import refusal
 from prefixgate.gateway.routing import Decision, Policy, RouteInput, parse_policy, planner
 from prefixgate.gateway.routing.inflight import InflightPrefixes, extension, follows_inflight, merge_hits
 from prefixgate.gateway.routing.planner import Plan, RequestView, Rules
+from prefixgate.gateway.tenancy import Tenancy, engine_salt, namespace_salt
 from prefixgate.gateway.tokens import ChatEncoder
 from prefixgate.gateway.toolcalls.support import ToolPlan, passing_through, plan_tools
 from prefixgate.gateway.vocab import FailureKind, Mode, Stage
@@ -157,6 +158,7 @@ class Execution:
         attempts: int,
         on_close: Callable[[Execution], None],
         stall_timeout_s: float = 0.0,
+        cache_shared: bool = False,
     ) -> None:
         self.prep = prep
         self.route = route
@@ -175,6 +177,8 @@ class Execution:
         self.failure: NodeFailure | None = None  # what broke the stream after the first token
         self._on_close = on_close
         self._stall_timeout_s = stall_timeout_s
+        # The node's engine cache holds other tenants' prefixes too (``gateway.tenancy``).
+        self._cache_shared = cache_shared
         self._waiting_since = 0.0  # loop time at which ``_next`` began waiting; 0 when not waiting
         self._waiter: asyncio.Task[object] | None = None
         self._watchdog: asyncio.TimerHandle | None = None
@@ -186,8 +190,18 @@ class Execution:
         return self.prep.request_id
 
     @property
-    def cached_tokens(self) -> int:
+    def engine_cached_tokens(self) -> int:
+        """What the node says it served from its cache (operators' figures)."""
         return self._stream.cached_tokens
+
+    @property
+    def cached_tokens(self) -> int:
+        """The cached tokens the tenant is told of (body, headers, usage): on an engine whose
+        cache is shared between tenants, no more than the tenant's own prefixes account for."""
+        engine = max(0, self._stream.cached_tokens)
+        if self._cache_shared:
+            return min(engine, self.predicted_tokens)
+        return engine
 
     def headers(self) -> dict[str, str]:
         return {
@@ -327,6 +341,9 @@ class Pipeline:
         model_tokenizers: Mapping[str, Tokenizer] | None = None,
     ) -> None:
         self.settings = settings
+        self.tenancy = Tenancy.of(
+            settings.api_key_map().values(), settings.shared_namespaces, settings.tenant_cache
+        )
         self.pool = pool
         self.index = index
         self.tokenizer = tokenizer  # every model's, but those in ``model_tokenizers``
@@ -384,9 +401,21 @@ class Pipeline:
         """The tokenizer of ``model``'s workers (the name the nodes know it by)."""
         return self.model_tokenizers.get(model, self.tokenizer)
 
-    def namespace(self, model: str, tenant: str) -> Namespace:
-        salt = "" if tenant in self.settings.shared_namespaces else tenant
+    def namespace(self, model: str, tenant: str, cache_salt: str = "") -> Namespace:
+        """The tenant's namespace (``gateway.tenancy.namespace_salt``); ``cache_salt``: the
+        client's own division of it."""
+        salt = namespace_salt(tenant, self.settings.shared_namespaces, cache_salt)
         return Namespace(model, salt, self.settings.block_size, self.tokenizer_for(model).name)
+
+    def _check_cache_salt(self, req: ParsedRequest, model: str) -> None:
+        """A client's ``cache_salt`` is honoured only where every worker of the model can carry
+        it into its engine's cache key; elsewhere it would be ignored, so it is refused."""
+        if req.cache_salt and not all(n.client.capabilities.tenant_salt for n in self._serving(model)):
+            raise InvalidRequest(
+                "'cache_salt' is not supported by the engines serving this model (their protocol "
+                "carries no cache salt)",
+                param="cache_salt",
+            )
 
     def prepare(
         self,
@@ -452,7 +481,8 @@ class Pipeline:
                     code="context_length_exceeded",
                 )
             sampling.max_tokens = room
-        ns = self.namespace(model, tenant)
+        self._check_cache_salt(req, model)
+        ns = self.namespace(model, tenant, req.cache_salt)
         hashes = block_hashes(tokens, s.block_size, ns.root())
         return Prepared(
             request_id or uuid.uuid4().hex,
@@ -464,7 +494,7 @@ class Pipeline:
             sampling,
             model,
             tools.needs,
-            partial(engine_body, req, docs, normalize=normalize, raw=body),
+            partial(engine_body, req, docs, normalize=normalize, raw=body, cache_salt=engine_salt(ns.tenant)),
             tool_parser=tools.parser,
         )
 
@@ -745,7 +775,8 @@ class Pipeline:
         openai = None
         if node is not None and node.client.capabilities.openai_body and prep.openai_body is not None:
             openai = for_choice(prep.openai_body(), prep.sampling.seed, prep.sampling.choice)
-        return Prompt(prep.request_id, prep.tokens, prep.hashes, prep.sampling, openai)
+        salt = engine_salt(prep.namespace.tenant)
+        return Prompt(prep.request_id, prep.tokens, prep.hashes, prep.sampling, openai, salt)
 
     @staticmethod
     def _blamed(e: NodeFailure, *nodes: Node) -> Node:
@@ -893,6 +924,9 @@ class Pipeline:
             attempts=attempts,
             on_close=self.finished,
             stall_timeout_s=self.settings.stall_timeout_s,
+            cache_shared=self.tenancy.shares_cache(
+                (prefill_node or decode_node).client.capabilities.tenant_salt
+            ),
         )
 
     # -- bookkeeping ---------------------------------------------------------------------------
@@ -939,8 +973,8 @@ class Pipeline:
             node=node,
             transfer_node=ex.prefill_node.id if ex.prefill_node is not None else None,
         )
-        m.observe_hit(node, ex.prompt_tokens, ex.cached_tokens, ex.predicted_tokens)
-        self._check_prediction(ex.prefill_node or ex.decode_node, ex.predicted_tokens, ex.cached_tokens)
+        m.observe_hit(node, ex.prompt_tokens, ex.engine_cached_tokens, ex.predicted_tokens)
+        self._check_prediction(ex.prefill_node or ex.decode_node, ex.predicted_tokens, ex.engine_cached_tokens)
         log.info(
             "request",
             request_id=ex.request_id,
@@ -948,11 +982,11 @@ class Pipeline:
             prefill_node=ex.prefill_node.id if ex.prefill_node else None,
             decode_node=ex.decode_node.id,
             prompt_tokens=ex.prompt_tokens,
-            cached_tokens=ex.cached_tokens,
+            cached_tokens=ex.engine_cached_tokens,
             predicted_cached_tokens=ex.predicted_tokens,
             **ex.prep.route_notes,
             index_chosen_tokens=ex.prep.index_hits.get(node, 0) * self.settings.block_size,
-            computed_tokens=ex.prompt_tokens - ex.cached_tokens,
+            computed_tokens=ex.prompt_tokens - ex.engine_cached_tokens,
             completion_tokens=ex.completion_tokens,
             outcome=ex.outcome,
             attempts=ex.attempts,

@@ -22,6 +22,7 @@ from prefixgate.gateway.http_guard import HttpGuard, Inflight
 from prefixgate.gateway.service import GatewayService
 from prefixgate.gateway.tokens.engine import TokenizerLoadError
 from prefixgate.gateway.tokens.wiring import resolve_tokenizer
+from prefixgate.gateway.workers import tenancy_refusal
 
 log = structlog.get_logger("prefixgate.server")
 
@@ -111,7 +112,11 @@ def make_server(
 
 async def serve(settings: Settings) -> int:
     """Serve until a signal; the exit status (``EXIT_WORK_CUT`` if the grace cut requests; 2 when
-    the workers' tokenizer cannot be had, said in one line)."""
+    the workers' tokenizer cannot be had or the tenants cannot be kept apart, said in one line)."""
+    refusal = tenancy_refusal(settings)
+    if refusal:
+        print(f"prefixgate gateway: {refusal}", file=sys.stderr, flush=True)
+        return 2
     try:
         settings = await resolve_tokenizer(settings)
     except TokenizerLoadError as e:

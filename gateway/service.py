@@ -153,11 +153,24 @@ class GatewayService:
         the configured ``model`` for nodes that name none."""
         return self.pool.models(self.settings.model)
 
+    def _check_tenancy(self, address: str) -> None:
+        """A worker that would mix tenants' prefixes in its engine cache, refused unless the
+        operator agreed to a shared engine cache (``gateway.tenancy``)."""
+        salted = address.partition("://")[0] not in workers.UNSALTED_SCHEMES
+        if self.pipeline.tenancy.refused(isolates=salted):
+            raise ValueError(
+                f"{address}: its protocol carries no cache salt, so its engine would share one "
+                'prefix cache between this gateway\'s tenants (tenant_cache is "isolated")'
+            )
+
     async def start(self) -> None:
         if self._started:
             return
         self._started = True
         s = self.settings
+        refusal = workers.tenancy_refusal(s)
+        if refusal:
+            raise ValueError(refusal)
         self.pool.extend("prefill", s.prefill)
         self.pool.extend("decode", s.decode)
         self.pool.extend("monolithic", s.monolithic)
@@ -186,6 +199,19 @@ class GatewayService:
             index=self.index.backend,
             auth=f"api keys, {tenants} tenant(s)" if tenants else KEYLESS_NOTICE,
         )
+        shared = [n.id for n in self.pool.nodes.values() if self.shares_tenant_cache(n)]
+        if shared:
+            log.warning(
+                "tenant_cache_shared",
+                nodes=shared,
+                detail="these engines keep one prefix cache for every tenant (tenant_cache = "
+                '"shared"): a tenant\'s latency can tell what another sent; cached_tokens report '
+                "only a tenant's own reuse",
+            )
+
+    def shares_tenant_cache(self, node: Node) -> bool:
+        """The node's engine holds several tenants' prefixes in one cache."""
+        return self.pipeline.tenancy.shares_cache(node.client.capabilities.tenant_salt)
 
     def node_samples(self) -> list[NodeSample]:
         """Every node's state for the scrape-time gauges (no I/O)."""
@@ -210,6 +236,7 @@ class GatewayService:
         return out
 
     async def _add_node(self, role: str, address: str) -> Node:
+        self._check_tenancy(address)
         node = self.pool.add(role, address)
         self.events.watch(node)
         await self.pool.refresh(node, timeout=2.0)

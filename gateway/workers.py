@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prefixgate.cachetier.hashing import Namespace
+from prefixgate.gateway.tenancy import Tenancy
 
 if TYPE_CHECKING:
     from prefixgate.gateway.config import Settings
@@ -177,11 +178,14 @@ def connector(
     codec = codec if codec is not None else _codec(settings.tokenizer)
     name_of = tokenizer_name if callable(tokenizer_name) else lambda _model: tokenizer_name
 
+    tenancy = Tenancy.of(settings.api_key_map().values(), settings.shared_namespaces, settings.tenant_cache)
+
     def root_of(model: str, lora: str, salt: str) -> int | None:
-        # Engine events name no tenant; the default namespace is the keyless tenant's (""). The
-        # model is the engine's own name, as requests for it are hashed (``NodePool.canonical``).
+        # Engine events name the salt the engine was given, if any: blocks stored under none are
+        # the one tenant's, or nobody's when there are several (``gateway.tenancy``). The model
+        # is the engine's own name, as requests for it are hashed (``NodePool.canonical``).
         model = model or unnamed
-        return None if lora else Namespace(model, salt, bs, name_of(model)).root()
+        return None if lora else Namespace(model, tenancy.event_salt(salt), bs, name_of(model)).root()
 
     split = set(settings.prefill) | set(settings.decode)
 
@@ -198,3 +202,30 @@ def connector(
         return nodeclient.connect(address, smg=options)
 
     return connect
+
+
+# Protocols that carry no cache salt to the engine (``gateway.tenancy``).
+UNSALTED_SCHEMES = ("grpc",)
+
+
+def unsalted_workers(settings: Settings) -> list[str]:
+    """The configured workers whose engines keep one prefix cache for every tenant."""
+    addresses = [*settings.prefill, *settings.decode, *settings.monolithic, *settings.worker_urls]
+    return [a for a in dict.fromkeys(addresses) if a.partition("://")[0] in UNSALTED_SCHEMES and "://" in a]
+
+
+def tenancy_refusal(settings: Settings) -> str:
+    """Why these settings cannot start ("" when they can): several tenants in front of engines
+    that would share one cache between them, without the operator having agreed to that."""
+    tenancy = Tenancy.of(settings.api_key_map().values(), settings.shared_namespaces, settings.tenant_cache)
+    unsalted = unsalted_workers(settings)
+    if not unsalted or not tenancy.refused(isolates=False):
+        return ""
+    shown = ", ".join(unsalted[:3]) + (f" and {len(unsalted) - 3} more" if len(unsalted) > 3 else "")
+    return (
+        f"the API keys name {len(tenancy.salts)} tenant cache namespaces, but the SMG protocol of "
+        f"{shown} carries no cache salt, so their engines would share one prefix cache between "
+        "tenants (a tenant could tell from its latency what another sent); put them behind a "
+        "protocol that carries one (http:// workers, prefixgate nodes), or accept one shared "
+        'engine cache with --tenant-cache shared (tenant_cache = "shared")'
+    )

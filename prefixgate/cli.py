@@ -53,6 +53,13 @@ def _gateway_args(p: argparse.ArgumentParser, *, stack: bool) -> None:
     )
     p.add_argument("--admin-token", default=None)
     p.add_argument("--api-key", action="append", dest="api_keys", default=None, metavar="KEY=TENANT")
+    p.add_argument(
+        "--tenant-cache",
+        choices=["isolated", "shared"],
+        default=None,
+        help="grpc:// workers keep one prefix cache for every tenant: refuse them with several "
+        "tenants (isolated, the default) or share their cache (shared)",
+    )
     p.add_argument("--log-format", choices=["auto", "json", "console"], default=None)
     quotas = p.add_argument_group("per-tenant quotas (also PREFIXGATE_* and the config file)")
     quotas.add_argument("--pin-quota-blocks-per-node", type=int, default=None, metavar="N")
@@ -178,6 +185,7 @@ _GATEWAY_KEYS = (
     "policy",
     "admin_token",
     "api_keys",
+    "tenant_cache",
     "log_format",
     "pin_quota_blocks_per_node",
     "pin_quota_node_share",

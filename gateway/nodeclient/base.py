@@ -117,6 +117,8 @@ class Capabilities:
     features: frozenset[str] | None = None
     openai_body: bool = False  # generates from the normalized OpenAI request (``Prompt.openai``)
     flush: bool = False  # drop the node's whole cache (the most an engine without evict offers)
+    # The protocol carries the tenant into the engine's prefix-cache key (``gateway.tenancy``).
+    tenant_salt: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +141,9 @@ class Prompt:
     hashes: Sequence[int]
     sampling: Sampling
     openai: OpenAIBody | None = None
+    # What the engine salts its prefix cache with for this request's namespace ("": none;
+    # ``gateway.tenancy.engine_salt``), for protocols that carry one.
+    cache_salt: str = ""
 
     @property
     def token_count(self) -> int:

@@ -57,7 +57,7 @@ class Fail:
 Reply: TypeAlias = Tokens | Fail
 Script: TypeAlias = Reply | list[Reply] | Callable[[Prompt], Reply]
 StatusScript: TypeAlias = NodeStatus | Fail | list[NodeStatus | Fail]
-ALL_CAPABILITIES = Capabilities(split=True, kv_events=True, pin=True, evict=True, warm=True)
+ALL_CAPABILITIES = Capabilities(split=True, kv_events=True, pin=True, evict=True, warm=True, tenant_salt=True)
 
 
 def fake_status(node_id: str, role: str, *, kv_format: KVFormat = FAKE_FORMAT, queued: int = 0) -> NodeStatus:

@@ -60,7 +60,7 @@ RELAYED = frozenset(
     f.value
     for f in (Feature.LOGPROBS, Feature.LOGIT_BIAS, Feature.TOOLS, Feature.SEED, Feature.RESPONSE_FORMAT)
 )
-CAPABILITIES = Capabilities(openai_body=True, features=RELAYED)
+CAPABILITIES = Capabilities(openai_body=True, features=RELAYED, tenant_salt=True)
 # An HTTP worker states no prefill speed. Without one every prefill would look free and the
 # routing policy would give a cached prefix no weight against load; this declared nominal
 # figure (the reference server's) gives the cache its usual worth.
@@ -339,6 +339,8 @@ class HttpOpenAIClient:
             body["seed"] = s.seed
         if s.stop:
             body["stop"] = list(s.stop)
+        if prompt.cache_salt:
+            body["cache_salt"] = prompt.cache_salt
         return OpenAIBody("completion", body)
 
     async def open(self, prompt: Prompt, timeout: float) -> httpx.Response:

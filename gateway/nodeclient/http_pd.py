@@ -62,7 +62,7 @@ DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port defaul
 ROOM_LIMIT = (1 << 63) - 1  # HTTP rooms are int64 (ENGINES.md §5.2)
 BLAME_GRACE_S = 0.3  # a failed decode leg waits this long for its prefill leg's own verdict
 PROBE_TIMEOUT_S = 5.0
-CAPABILITIES = Capabilities(openai_body=True, split=True, features=RELAYED)
+CAPABILITIES = Capabilities(openai_body=True, split=True, features=RELAYED, tenant_salt=True)
 # Fields a prefill-only request must not carry (vLLM proxy: the prefill computes one token).
 VLLM_PREFILL_DROPS = ("stream_options", "min_tokens", "min_completion_tokens")
 

@@ -50,7 +50,7 @@ CHANNEL_OPTIONS = [
 ]
 REQUEST_ID_KEY = "x-prefixgate-request-id"
 STAGE_KEY = "x-prefixgate-stage"  # trailing metadata: where along the node's work it failed
-CAPABILITIES = Capabilities(split=True, kv_events=True, pin=True, evict=True, warm=True)
+CAPABILITIES = Capabilities(split=True, kv_events=True, pin=True, evict=True, warm=True, tenant_salt=True)
 
 # Why a status code means what it means on our nodes (backends/server.py documents the codes).
 KINDS: dict[grpc.StatusCode, FailureKind] = {

@@ -79,6 +79,7 @@ class ParsedRequest:
     n: int = 1
     response_format: dict[str, Any] | None = None
     tool_choice: Any = None
+    cache_salt: str = ""  # the client's own division of its tenant's cache namespace
     # Engine-dependent features the request asks for, each with the field that asks for it.
     needs: dict[Feature, str] = field(default_factory=dict)
 
@@ -160,6 +161,14 @@ def _str(body: Mapping[str, Any], key: str, max_len: int = 256) -> str:
     if len(v) > max_len:
         raise invalid(f"'{key}' is longer than {max_len} characters", key)
     return v
+
+
+def _cache_salt(body: Mapping[str, Any]) -> str:
+    """vLLM's ``cache_salt``; SGLang's ``extra_key`` is its own name for the same thing, so a
+    body giving it is told to use the one the gateway carries to every engine."""
+    if body.get("extra_key") is not None:
+        raise invalid("'extra_key' is not taken; send 'cache_salt' (a string)", "extra_key")
+    return _str(body, "cache_salt")
 
 
 def parse_documents(body: Mapping[str, Any], max_documents: int) -> tuple[list[Document], list[str]]:
@@ -409,6 +418,7 @@ def parse_request(
         stream=stream,
         include_usage=include_usage,
         user=_str(body, "user"),
+        cache_salt=_cache_salt(body),
         max_tokens_given=given,
         max_tokens_param="max_completion_tokens"
         if body.get("max_completion_tokens") is not None
