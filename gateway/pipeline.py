@@ -974,7 +974,9 @@ class Pipeline:
             transfer_node=ex.prefill_node.id if ex.prefill_node is not None else None,
         )
         m.observe_hit(node, ex.prompt_tokens, ex.engine_cached_tokens, ex.predicted_tokens)
-        self._check_prediction(ex.prefill_node or ex.decode_node, ex.predicted_tokens, ex.engine_cached_tokens)
+        self._check_prediction(
+            ex.prefill_node or ex.decode_node, ex.predicted_tokens, ex.engine_cached_tokens
+        )
         log.info(
             "request",
             request_id=ex.request_id,

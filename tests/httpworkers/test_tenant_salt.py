@@ -44,12 +44,17 @@ async def worker() -> AsyncIterator[tuple[Engine, str]]:
 async def test_each_tenant_reaches_the_engine_under_its_own_cache_salt(worker: tuple[Engine, str]) -> None:
     eng, url = worker
     env = {"PREFIXGATE_SHARED_NAMESPACES": "carol"}  # carol: the engine's default namespace
-    async with gateway("--worker-urls", url, *KEYS, env=env) as base, httpx.AsyncClient(base_url=base) as http:
+    async with (
+        gateway("--worker-urls", url, *KEYS, env=env) as base,
+        httpx.AsyncClient(base_url=base) as http,
+    ):
 
         async def send(tenant: str, **extra: object) -> dict[str, object]:
             before = len(eng.requests)
             r = await http.post(
-                "/v1/chat/completions", json={**CHAT, **extra}, headers={"authorization": f"Bearer key-{tenant}"}
+                "/v1/chat/completions",
+                json={**CHAT, **extra},
+                headers={"authorization": f"Bearer key-{tenant}"},
             )
             assert r.status_code == 200, r.text
             assert len(eng.requests) == before + 1
@@ -64,7 +69,9 @@ async def test_each_tenant_reaches_the_engine_under_its_own_cache_salt(worker: t
         stolen = await send("bob", cache_salt=str(alice["cache_salt"]))
         assert stolen["cache_salt"] not in (alice["cache_salt"], engine_salt("bob"))
         r = await http.post(
-            "/v1/chat/completions", json={**CHAT, "extra_key": "x"}, headers={"authorization": "Bearer key-bob"}
+            "/v1/chat/completions",
+            json={**CHAT, "extra_key": "x"},
+            headers={"authorization": "Bearer key-bob"},
         )
         assert r.status_code == 400 and r.json()["error"]["param"] == "extra_key"
         assert all("extra_key" not in body for _, _, body in eng.requests)

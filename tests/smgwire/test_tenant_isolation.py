@@ -32,7 +32,9 @@ def body(**kw: Any) -> dict[str, Any]:
 async def cached(http: httpx.AsyncClient, tenant: str) -> tuple[int, str]:
     r = await http.post("/v1/completions", json=body(), headers=as_(tenant))
     assert r.status_code == 200, r.text
-    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"], r.headers["x-prefixgate-cached-tokens"]
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"], r.headers[
+        "x-prefixgate-cached-tokens"
+    ]
 
 
 async def streamed_cached(http: httpx.AsyncClient, tenant: str) -> int:
