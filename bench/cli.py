@@ -13,7 +13,7 @@ def _tiny(args: argparse.Namespace) -> int:
 
 
 def add_bench_parser(sub: Any) -> None:
-    """Add ``bench replay``, ``hotpath``, ``index``, ``peers`` and ``overhead`` to a subparsers object."""
+    """Add the ``bench`` subcommands (replay, hotpath, index, detok, tiny, peers, overhead)."""
     from prefixgate.bench import hotpath, replay
 
     bench = sub.add_parser("bench", help="run a benchmark (prints a table; --json FILE writes the figures)")
@@ -38,6 +38,12 @@ def add_bench_parser(sub: Any) -> None:
         "rest", nargs=argparse.REMAINDER, help="arguments of python -m prefixgate.bench.tiny_bench"
     )
     tb.set_defaults(func=_tiny)
+
+    from prefixgate.bench import detok_cost
+
+    dt = inner.add_parser("detok", help="detokenizer cost per output token, 1 KB to 1 MB of text")
+    detok_cost.add_arguments(dt)
+    dt.set_defaults(func=detok_cost.run)
 
     from prefixgate.bench import overhead, peers
 

@@ -43,7 +43,7 @@ from prefixgate.gateway.nodeclient.base import (
     TokenLogprob,
 )
 from prefixgate.gateway.nodeclient.smg_events import ChainRehasher, Overflow
-from prefixgate.gateway.tokens.detokenize import Detokenizer
+from prefixgate.gateway.tokens.detokenize import Detokenizer, vocabulary
 from prefixgate.gateway.vocab import EventKind, FailureKind, Stage
 from prefixgate.openai.features import Feature
 
@@ -391,6 +391,8 @@ class SmgNodeClient:
         known = self._token_texts.get(token_id)
         if known is None:
             codec = self.codec()
+            if not vocabulary(codec).known(token_id):  # the engine's fault, shown as the text shows it
+                return REPLACEMENT, None
             text = str(codec.decode([token_id], skip_special_tokens=False))
             known = (text, token_bytes(codec, token_id) if REPLACEMENT in text else None)
             if len(self._token_texts) >= TOKEN_TEXT_CACHE:
@@ -643,6 +645,7 @@ class GenerateStream:
         self._finished = False  # the engine said complete (nothing to abort)
         self._closed = False
         self._pending: list[TokenDelta] = []
+        self._oov_logged = False
         self.engine_stream = True
 
     def __aiter__(self) -> GenerateStream:
@@ -758,12 +761,14 @@ class GenerateStream:
         s = self.prompt.sampling
         if not s.logprobs:
             piece = self._detok.push(out.ids)
+            self._note_out_of_vocabulary()
             return piece.text, (), piece.stopped
         # token by token: the log probabilities stop where the text stops
         by_position = {i: lp for i, lp in enumerate(out.logprobs)}
         text, lps = "", []
         for i, token_id in enumerate(out.ids):
             piece = self._detok.push([token_id])
+            self._note_out_of_vocabulary()
             text += piece.text
             engine_lp = by_position.get(i)
             if engine_lp is not None and not (piece.stopped and piece.matched_stop == token_id):
@@ -772,6 +777,21 @@ class GenerateStream:
             if piece.stopped:
                 return text, tuple(lps), True
         return text, tuple(lps), False
+
+    def _note_out_of_vocabulary(self) -> None:
+        """Once a request: the engine sent ids its tokenizer does not know (shown as U+FFFD)."""
+        assert self._detok is not None
+        if self._oov_logged or not self._detok.out_of_vocabulary:
+            return
+        self._oov_logged = True
+        log.warning(
+            "smg_out_of_vocabulary_ids",
+            address=self.node_id,
+            request_id=self.prompt.request_id,
+            engine_request_id=self.rid,
+            first_id=self._detok.first_out_of_vocabulary,
+            count_so_far=self._detok.out_of_vocabulary,
+        )
 
     def _finish(self, text: str, reason: str, lps: tuple[TokenLogprob, ...] = ()) -> TokenDelta:
         self._closed = True
