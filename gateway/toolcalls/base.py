@@ -15,6 +15,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from prefixgate.gateway.toolcalls.scan import loads, skip_ws, too_deep
+
 
 @dataclass(frozen=True, slots=True)
 class Text:
@@ -53,13 +55,13 @@ def whole(call: Call) -> list[Event]:
 
 def calls_of(events: list[Event]) -> list[Call]:
     """The calls that ``events`` make, their argument pieces joined."""
-    out: list[Call] = []
+    calls: list[tuple[str, list[str]]] = []
     for e in events:
         if isinstance(e, CallStart):
-            out.append(Call(e.name, ""))
-        elif isinstance(e, CallArgs) and out:
-            out[-1] = Call(out[-1].name, out[-1].arguments + e.text)
-    return out
+            calls.append((e.name, []))
+        elif isinstance(e, CallArgs) and calls:
+            calls[-1][1].append(e.text)
+    return [Call(name, "".join(pieces)) for name, pieces in calls]
 
 
 class FormatParser(Protocol):
@@ -77,9 +79,11 @@ def call_id() -> str:
 
 def partial_suffix(buf: str, marker: str) -> int:
     """Length of the longest suffix of ``buf`` that is a proper prefix of ``marker``."""
-    for k in range(min(len(marker) - 1, len(buf)), 0, -1):
-        if buf.endswith(marker[:k]):
-            return k
+    i = buf.find(marker[0], max(0, len(buf) - len(marker) + 1))
+    while i >= 0:
+        if marker.startswith(buf[i:]):
+            return len(buf) - i
+        i = buf.find(marker[0], i + 1)
     return 0
 
 
@@ -92,7 +96,7 @@ def as_call(obj: Any, *, args_keys: tuple[str, ...] = ("arguments",)) -> Call | 
     args: Any = obj[key] if key is not None else {}
     if isinstance(args, str):
         try:
-            args = json.loads(args)
+            args = loads(args)
         except ValueError:
             return None
     if not isinstance(args, dict):
@@ -102,11 +106,13 @@ def as_call(obj: Any, *, args_keys: tuple[str, ...] = ("arguments",)) -> Call | 
 
 def first_json(text: str) -> tuple[Any, int] | None:
     """The JSON value at the start of ``text`` (after whitespace) and where it ends; None while it
-    is incomplete or invalid."""
-    start = len(text) - len(text.lstrip())
+    is incomplete, invalid or nested deeper than ``MAX_DEPTH``."""
+    start = skip_ws(text)
+    if too_deep(text, start):
+        return None
     try:
         value, end = json.JSONDecoder().raw_decode(text, start)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return value, end
 
@@ -118,7 +124,7 @@ class Shaped:
 
     def __init__(self, parser: FormatParser) -> None:
         self._parser = parser
-        self._pending = ""  # trailing whitespace not yet shown
+        self._pending: list[str] = []  # trailing whitespace not yet shown, as it came
         self._after_call = False  # whitespace right after a call is dropped too
         self.calls = 0
 
@@ -126,20 +132,21 @@ class Shaped:
         out: list[Event] = []
         for e in events:
             if isinstance(e, CallStart | CallArgs):
-                self._pending = ""
+                self._pending = []
                 self._after_call = True
                 self.calls += isinstance(e, CallStart)
                 out.append(e)
                 continue
-            text = self._pending + e.text
+            if e.text.isspace() or not e.text:  # decided by what follows: held, not rescanned
+                if not self._after_call:
+                    self._pending.append(e.text)
+                continue
+            text = "".join(self._pending) + e.text
             if self._after_call:
                 text = text.lstrip()
             body = text.rstrip()
-            if not body:
-                self._pending = text
-                continue
             self._after_call = False
-            self._pending = text[len(body) :]
+            self._pending = [text[len(body) :]]
             out.append(Text(body))
         return out
 
@@ -148,7 +155,8 @@ class Shaped:
 
     def finish(self) -> list[Event]:
         out = self._shape(self._parser.finish())
-        if self._pending and not self.calls:
-            out.append(Text(self._pending))
-        self._pending = ""
+        pending = "".join(self._pending)
+        if pending and not self.calls:
+            out.append(Text(pending))
+        self._pending = []
         return out
