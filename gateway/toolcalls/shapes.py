@@ -10,9 +10,14 @@ streams them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from prefixgate.gateway.toolcalls import Call, CallStart, Text, call_id, new_parser, parse_text
+import structlog
+
+from prefixgate.gateway.toolcalls import Call, CallStart, Event, Text, call_id, new_parser, parse_text
+
+log = structlog.get_logger("prefixgate.toolcalls")
 
 
 def parser_of(execution: object) -> str:
@@ -26,8 +31,13 @@ def tool_call(call: Call) -> dict[str, Any]:
 
 
 def message(parser: str, text: str) -> tuple[dict[str, Any], bool]:
-    """The assistant message of a whole answer, and whether it called tools."""
-    content, calls = parse_text(parser, text)
+    """The assistant message of a whole answer, and whether it called tools (a parser that
+    fails leaves the answer as its content)."""
+    try:
+        content, calls = parse_text(parser, text)
+    except Exception as e:  # a parser is total; this keeps a bug in one from failing the answer
+        log.error("tool_parser_failed", parser=parser, exc_info=e)
+        calls = []
     if not calls:
         return {"role": "assistant", "content": text}, False
     return {
@@ -42,18 +52,35 @@ def finish_reason(called: bool, reason: str) -> str:
 
 
 class ToolDeltas:
-    """One streamed choice: its text in, the chat deltas to send out."""
+    """One streamed choice: its text in, the chat deltas to send out. Should the parser fail,
+    the text from there on is content: the stream goes on to its end."""
 
     def __init__(self, parser: str) -> None:
+        self._name = parser
         self._parser = new_parser(parser)
+        self._failed = False
         self.calls = 0
+
+    def _events(self, text: str, final: bool) -> list[Event]:
+        events: list[Event] = [Text(text)] if text else []
+        if not self._failed:
+            events = self._safely(lambda: self._parser.feed(text), events)
+        if final and not self._failed:
+            events = events + self._safely(self._parser.finish, [])
+        return events
+
+    def _safely(self, parse: Callable[[], list[Event]], instead: list[Event]) -> list[Event]:
+        try:
+            return parse()
+        except Exception as e:  # a parser is total; this keeps a bug in one from cutting the stream
+            log.error("tool_parser_failed", parser=self._name, exc_info=e)
+            self._failed = True
+            return instead
 
     def step(self, text: str, final: bool) -> list[dict[str, Any]]:
         """Deltas for the next text (``final``: the choice ended with it); consecutive pieces of
         the same kind are sent as one delta."""
-        events = self._parser.feed(text)
-        if final:
-            events += self._parser.finish()
+        events = self._events(text, final)
         out: list[dict[str, Any]] = []
         for e in events:
             if isinstance(e, Text):
