@@ -13,7 +13,7 @@ def _tiny(args: argparse.Namespace) -> int:
 
 
 def add_bench_parser(sub: Any) -> None:
-    """Add the ``bench`` subcommands (replay, hotpath, index, detok, tiny, peers, overhead)."""
+    """Add the ``bench`` subcommands (replay, hotpath, index, toolcalls, detok, tiny, peers, overhead)."""
     from prefixgate.bench import hotpath, replay
 
     bench = sub.add_parser("bench", help="run a benchmark (prints a table; --json FILE writes the figures)")
@@ -32,6 +32,12 @@ def add_bench_parser(sub: Any) -> None:
     ix = inner.add_parser("index", help="index lookup latency, write throughput, Redis memory per block")
     index_bench.add_arguments(ix)
     ix.set_defaults(func=index_bench.run_args)
+
+    from prefixgate.bench import toolcall_cost
+
+    tc = inner.add_parser("toolcalls", help="tool-call parsing cost per KB of a streamed answer")
+    toolcall_cost.add_arguments(tc)
+    tc.set_defaults(func=toolcall_cost.run)
 
     tb = inner.add_parser("tiny", help="tiny engine: TTFT with and without a prefix hit, KV transfer")
     tb.add_argument(
