@@ -79,9 +79,11 @@ def merge_tool_calls(deltas: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
     """Streamed tool-call deltas as whole calls: per ``index``, the first id, type and name, the
     argument pieces joined."""
     calls: dict[int, dict[str, Any]] = {}
+    pieces: dict[int, list[str]] = {}  # argument pieces, joined once (linear in the answer)
     for d in deltas:
         i = d.get("index")
-        call = calls.setdefault(i if isinstance(i, int) else len(calls), {})
+        at = i if isinstance(i, int) else len(calls)
+        call = calls.setdefault(at, {})
         for key in ("id", "type"):
             if d.get(key) and key not in call:
                 call[key] = d[key]
@@ -90,7 +92,9 @@ def merge_tool_calls(deltas: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
             f = call.setdefault("function", {"name": "", "arguments": ""})
             if fn.get("name") and not f["name"]:
                 f["name"] = fn["name"]
-            f["arguments"] += str(fn.get("arguments") or "")
+            pieces.setdefault(at, []).append(str(fn.get("arguments") or ""))
+    for at, parts in pieces.items():
+        calls[at]["function"]["arguments"] = "".join(parts)
     return [{"type": "function", **c} for _, c in sorted(calls.items())]
 
 
