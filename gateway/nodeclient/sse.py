@@ -13,10 +13,8 @@ line is dropped; a leading byte-order mark is ignored.
 
 from __future__ import annotations
 
-import re
 from collections.abc import AsyncIterable, AsyncIterator
 
-_EOL = re.compile(rb"\r\n|\r|\n")
 _BOM = b"\xef\xbb\xbf"
 
 
@@ -27,23 +25,27 @@ class EventTooLarge(ValueError):
 async def event_data(chunks: AsyncIterable[bytes], *, max_line: int, max_event: int) -> AsyncIterator[str]:
     """The data of each event in ``chunks`` (text; bytes that are not UTF-8 are replaced)."""
     buf = bytearray()
-    pos = 0  # where the next line end may be: what is before it was searched already
-    data: list[bytes] = []
+    data: list[bytearray] = []
     size = 0
     first = True
     async for chunk in chunks:
         buf += chunk
-        start = 0
-        while (m := _EOL.search(buf, pos)) is not None:
-            if m.end() == len(buf) and buf.endswith(b"\r"):
-                break  # a CR at the end may be the first half of a CRLF
-            if m.start() - start > max_line:
+        held = len(buf) - 1 if buf.endswith(b"\r") else len(buf)  # a last CR may start a CRLF
+        end = max(buf.rfind(b"\n", 0, held), buf.rfind(b"\r", 0, held)) + 1
+        if not end:  # no line ends here yet
+            if len(buf) > max_line:
                 raise EventTooLarge(f"a line over {max_line} bytes")
-            line = bytes(buf[start : m.start()])
-            start = pos = m.end()
-            if first:
-                first = False
-                line = line.removeprefix(_BOM)
+            continue
+        lines = buf[:end].splitlines()  # bytes split at CRLF, LF and CR only
+        del buf[:end]
+        if len(buf) > max_line:
+            raise EventTooLarge(f"a line over {max_line} bytes")
+        if first:
+            first = False
+            lines[0] = lines[0].removeprefix(_BOM)
+        for line in lines:
+            if len(line) > max_line:
+                raise EventTooLarge(f"a line over {max_line} bytes")
             if not line:
                 if data:
                     yield b"\n".join(data).decode("utf-8", errors="replace")
@@ -57,7 +59,3 @@ async def event_data(chunks: AsyncIterable[bytes], *, max_line: int, max_event: 
             if size > max_event:
                 raise EventTooLarge(f"an event over {max_event} bytes")
             data.append(value)
-        del buf[:start]
-        pos = max(0, len(buf) - 1)
-        if len(buf) > max_line:
-            raise EventTooLarge(f"a line over {max_line} bytes")
