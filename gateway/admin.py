@@ -99,7 +99,8 @@ def admin_tenant(svc: GatewayService, body: Mapping[str, Any], parsed: ParsedReq
 
 async def _prepare(svc: GatewayService, parsed: ParsedRequest, tenant: str, request: Request) -> Prepared:
     await svc.documents.resolve(tenant, parsed)
-    return svc.pipeline.prepare(parsed, tenant, current_request_id() or request_id_of(request))
+    rid = current_request_id() or request_id_of(request)
+    return await svc.runner.compute(lambda: svc.pipeline.prepare(parsed, tenant, rid), 0)
 
 
 def _nodes_param(body: Mapping[str, Any]) -> list[str] | int | None:
@@ -374,7 +375,7 @@ async def cache_pin(request: Request) -> Response:
         parsed = parse_completion(svc, body)
         tenant = admin_tenant(svc, body, parsed)
         await svc.documents.resolve(tenant, parsed)
-        return svc.pipeline.prepare(parsed, tenant, identity.request_id)
+        return await svc.runner.compute(lambda: svc.pipeline.prepare(parsed, tenant, identity.request_id), 0)
 
     async with svc.runner.admitted(caller_of(request), prepare, Credentials.ADMIN) as prep:
         pin_seconds = _pin_seconds(body, required=True)
@@ -400,7 +401,8 @@ async def prefill_service(request: Request) -> Response:
         parsed = parse_completion(svc, body)
         parsed.pin_seconds = _pin_seconds(body, required=False, limit=max_pin, setting="pin_max_seconds")
         await svc.documents.resolve(identity.tenant(), parsed)
-        return svc.pipeline.prepare(parsed, identity.tenant(), identity.request_id)
+        tenant = identity.tenant()
+        return await svc.runner.compute(lambda: svc.pipeline.prepare(parsed, tenant, identity.request_id), 0)
 
     async with svc.runner.admitted(caller_of(request), prepare) as prep:
         pin_seconds = _pin_seconds(body, required=False, limit=max_pin)  # validated in prepare

@@ -36,10 +36,10 @@ from prefixgate.gateway.routing import Decision, Policy, RouteInput, parse_polic
 from prefixgate.gateway.routing.inflight import InflightPrefixes, extension, follows_inflight, merge_hits
 from prefixgate.gateway.routing.planner import Plan, RequestView, Rules
 from prefixgate.gateway.tenancy import Tenancy, engine_salt, namespace_salt
-from prefixgate.gateway.tokens import ChatEncoder
+from prefixgate.gateway.tokens import ChatEncoder, TemplateLimitError
 from prefixgate.gateway.toolcalls.support import ToolPlan, passing_through, plan_tools
 from prefixgate.gateway.vocab import FailureKind, Mode, Stage
-from prefixgate.openai.exceptions import InvalidRequest, Overloaded, StreamBroken, Unavailable
+from prefixgate.openai.exceptions import GatewayError, InvalidRequest, Overloaded, StreamBroken, Unavailable
 from prefixgate.openai.features import Feature
 from prefixgate.openai.normalize import Layout, NormalizationError, Segment, render_chat, render_completion
 from prefixgate.openai.schema import ParsedRequest, Sampling
@@ -397,6 +397,13 @@ class Pipeline:
         nodes = self._serving(model)
         return bool(nodes) and all(n.client.capabilities.openai_body for n in nodes)
 
+    @property
+    def renders_templates(self) -> bool:
+        """Whether preparing a request may run a model's chat template (CPU work of the
+        template's making: it runs off the event loop, ``RequestRunner.compute``)."""
+        tokenizers = (self.tokenizer, *self.model_tokenizers.values())
+        return any(hasattr(t, "encode_chat") for t in tokenizers)
+
     def tokenizer_for(self, model: str) -> Tokenizer:
         """The tokenizer of ``model``'s workers (the name the nodes know it by)."""
         return self.model_tokenizers.get(model, self.tokenizer)
@@ -456,6 +463,9 @@ class Pipeline:
                 tokens = tokenizer.encode(layout.text)
         except NormalizationError as e:
             raise InvalidRequest(str(e), param=e.param) from None
+        except TemplateLimitError as e:  # no chat renders like that: the template is at fault (a 500)
+            detail = f"{e}; the chat template of model {model!r} is at fault, not the request"
+            raise GatewayError(detail, code="chat_template_limit") from None
         n = len(tokens) // 4
         if n == 0:
             raise InvalidRequest("the prompt is empty", param="messages" if req.kind == "chat" else "prompt")

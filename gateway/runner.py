@@ -16,14 +16,19 @@ so a thread would not spare the event loop); above ``OFFLOAD_BYTES`` the rest (v
 render, tokenize, hash: bounded by the message, part and value limits) runs on a worker
 thread; at most ``HEAVY_CONCURRENCY`` requests at a time do either. Clients sending huge bodies
 queue behind each other instead of stalling the event loop that serves every other request and
-the health checks.
+the health checks. A model's own chat template (``gateway.tokens``) is code that came with the
+model: whatever the body's size, a request that may render one is prepared on one of
+``RENDER_THREADS`` threads, where the template's bounds (time, output) stop it if it runs away.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from enum import StrEnum
@@ -42,6 +47,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 OFFLOAD_BYTES = 1024 * 1024  # more than the text of a prompt of max_prompt_tokens (bytes4)
 HEAVY_CONCURRENCY = 2
+RENDER_THREADS = 4  # CPU work under one interpreter lock: more threads would not render faster
 
 
 class Credentials(StrEnum):
@@ -84,9 +90,11 @@ class RequestRunner:
         self.keys = KeyRing(svc.settings.api_keys)
         self._heavy = asyncio.Semaphore(HEAVY_CONCURRENCY)
         self.bodies = BodyParser(svc.settings.max_json_values, workers=HEAVY_CONCURRENCY)
+        self._render = ThreadPoolExecutor(RENDER_THREADS, thread_name_prefix="prefixgate-render")
 
     def close(self) -> None:
         self.bodies.close()
+        self._render.shutdown(wait=False, cancel_futures=True)
 
     def authenticate(self, caller: Caller, credentials: Credentials = Credentials.CLIENT) -> str | None:
         """The API key's tenant (None in keyless mode or for the admin); raises when refused."""
@@ -104,11 +112,15 @@ class RequestRunner:
             return await self.bodies.parse(raw)
 
     async def compute(self, work: Callable[[], T], size: int) -> T:
-        """Run request-sized CPU work: inline when small, else on a worker thread, bounded."""
-        if size < OFFLOAD_BYTES:
-            return work()
-        async with self._heavy:
-            return await asyncio.to_thread(work)
+        """Run request-sized CPU work: inline when small, else on a worker thread, bounded; on
+        a render thread when it may run a model's chat template."""
+        if size >= OFFLOAD_BYTES:
+            async with self._heavy:
+                return await asyncio.to_thread(work)
+        if self.svc.pipeline.renders_templates:
+            call = functools.partial(contextvars.copy_context().run, work)
+            return await asyncio.get_running_loop().run_in_executor(self._render, call)
+        return work()
 
     async def prepare(
         self,

@@ -19,7 +19,9 @@ Capabilities are what the wire allows: no KV events (the index learns the worker
 routing alone), no eviction, pinning or warming, no split serving.
 
 One ``httpx.AsyncClient`` per worker: pooled keep-alive connections (bounded), every call
-bounded in time.
+bounded in time, every answer in size (an SSE line or event, ``MAX_SSE_LINE_BYTES``; a whole JSON
+answer, ``MAX_JSON_BYTES``): past a bound the attempt fails as the worker's fault. Usage counts
+and finish reasons are read through ``reported`` (never trusted as sent).
 """
 
 from __future__ import annotations
@@ -31,10 +33,10 @@ from typing import Any
 
 import httpx
 import orjson
-from httpx_sse import EventSource, ServerSentEvent
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefixgate.cachetier.tokenizer import unpack_ids
+from prefixgate.gateway.nodeclient import reported
 from prefixgate.gateway.nodeclient.base import (
     Capabilities,
     CostProfile,
@@ -49,6 +51,7 @@ from prefixgate.gateway.nodeclient.base import (
     TokenDelta,
     TokenLogprob,
 )
+from prefixgate.gateway.nodeclient.sse import EventTooLarge, event_data
 from prefixgate.gateway.routing.costmodel import S5000
 from prefixgate.gateway.vocab import FailureKind, Stage
 from prefixgate.openai.features import Feature
@@ -77,6 +80,11 @@ CONNECT_TIMEOUT_S = 5.0
 MAX_PROBE_BYTES = 4 * 1024 * 1024  # /metrics of a busy engine included
 MAX_ERROR_BYTES = 64 * 1024
 MAX_JSON_BYTES = 32 * 1024 * 1024  # a whole (non-streamed) answer, from a server ignoring ``stream``
+# One SSE line, and one event's data: a chunk holds a few tokens (a few KiB with top log
+# probabilities); 16 MiB still takes a whole long answer sent in one chunk, and bounds what a
+# worker sending one endless line costs (the line is held once as bytes, once as text).
+MAX_SSE_LINE_BYTES = 16 * 1024 * 1024
+MAX_SSE_EVENT_BYTES = 16 * 1024 * 1024
 MAX_MODELS = 256
 USAGE_WAIT_S = 5.0  # after the finish, for the usage chunk and the end of the stream
 LOAD_GAUGES = {
@@ -88,7 +96,7 @@ LOAD_GAUGES = {
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
-class _TooLarge(Exception):
+class _TooLarge(ValueError):
     pass
 
 
@@ -445,7 +453,7 @@ class SSEStream:
         self._timeout = timeout
         self._chat = (prompt.openai.kind if prompt.openai else "completion") == "chat"
         self._response: httpx.Response | None = None
-        self._events: AsyncIterator[ServerSentEvent] | None = None
+        self._events: AsyncIterator[str] | None = None
         self._whole: TokenDelta | None = None  # a server that answered JSON, not a stream
         self._counted = False
         self._done = False
@@ -475,7 +483,7 @@ class SSEStream:
         except (httpx.HTTPError, TimeoutError) as e:
             await self.aclose()
             raise _transport_failure(address, Stage.GENERATE, e) from e
-        except (ValueError, _TooLarge) as e:
+        except (ValueError, _TooLarge, EventTooLarge) as e:
             await self.aclose()
             raise NodeFailure(address, Stage.GENERATE, FailureKind.INTERNAL, f"bad stream: {e}"[:300]) from e
 
@@ -488,8 +496,12 @@ class SSEStream:
             self._whole = self._whole_answer(
                 orjson.loads(await _read_bounded(self._response, MAX_JSON_BYTES))
             )
+        elif "text/event-stream" in ctype:
+            self._events = event_data(
+                self._response.aiter_bytes(), max_line=MAX_SSE_LINE_BYTES, max_event=MAX_SSE_EVENT_BYTES
+            )
         else:
-            self._events = EventSource(self._response).aiter_sse()
+            raise ValueError(f"the answer is neither JSON nor an event stream ({ctype[:80]!r})")
 
     def _whole_answer(self, obj: Any) -> TokenDelta:
         if not isinstance(obj, Mapping):
@@ -501,7 +513,7 @@ class SSEStream:
         message = choice.get("message") if self._chat else None
         message = message if isinstance(message, Mapping) else {}
         text = message.get("content") if self._chat else choice.get("text")
-        finish = str(choice.get("finish_reason") or "stop")
+        finish = self._finish_reason(choice.get("finish_reason")) or "stop"
         lps = parse_logprobs(choice.get("logprobs"), self._chat)
         calls = message.get("tool_calls")
         calls = [{"index": i, **c} for i, c in enumerate(calls) if isinstance(c, Mapping)] if calls else []
@@ -514,13 +526,19 @@ class SSEStream:
             raise NodeFailure(self._client.address, Stage.GENERATE, FailureKind.INTERNAL, str(message)[:300])
 
     def _usage(self, usage: Any) -> None:
+        """The engine's counts, where sane (``reported``): one that is not is left unreported."""
         if not isinstance(usage, Mapping):
             return
-        self._prompt_tokens = int(usage.get("prompt_tokens") or 0)
-        self._usage_completion = int(usage.get("completion_tokens") or 0)
-        details = usage.get("prompt_tokens_details")
-        if isinstance(details, Mapping):
-            self.cached_tokens = int(details.get("cached_tokens") or 0)
+        u = reported.openai_usage(usage, sent_prompt=self._prompt.token_count)
+        if u.prompt is not None:
+            self._prompt_tokens = u.prompt
+        if u.completion is not None:
+            self._usage_completion = u.completion
+        if u.cached is not None:
+            self.cached_tokens = u.cached
+        bound = self._prompt_tokens or self._prompt.token_count
+        if bound and self.cached_tokens > bound:  # an earlier chunk's count, past this prompt count
+            self.cached_tokens = bound
 
     def _final(
         self,
@@ -543,15 +561,15 @@ class SSEStream:
     async def _event(self) -> Mapping[str, Any] | None:
         """The next chunk (None at the end of the stream)."""
         assert self._events is not None
-        ev = await anext(self._events, None)
-        if ev is None:
+        data = await anext(self._events, None)
+        if data is None:
             return None
-        if ev.data.strip() == "[DONE]":
+        if data.strip() == "[DONE]":
             self._clean_end = True
             return None
-        if not ev.data.strip():
+        if not data.strip():
             return {}
-        obj = orjson.loads(ev.data)
+        obj = orjson.loads(data)
         if not isinstance(obj, Mapping):
             raise ValueError("a stream chunk is not a JSON object")
         self._check_error(obj)
@@ -577,7 +595,16 @@ class SSEStream:
         else:
             text = c.get("text")
         lps = parse_logprobs(c.get("logprobs"), self._chat)
-        return str(text or ""), str(c.get("finish_reason") or ""), lps, calls
+        return str(text or ""), self._finish_reason(c.get("finish_reason")), lps, calls
+
+    def _finish_reason(self, raw: Any) -> str:
+        """OpenAI's finish reason for the engine's (``reported``); an engine that gave up on the
+        request (``abort``, ``error``) failed it."""
+        finish = reported.finish_reason(raw, self._client.address)
+        if finish in reported.FAILED:
+            detail = f"the engine ended the request with finish_reason {finish!r}"
+            raise NodeFailure(self._client.address, Stage.GENERATE, FailureKind.INTERNAL, detail)
+        return finish
 
     async def _next(self) -> TokenDelta:
         while True:

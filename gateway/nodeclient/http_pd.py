@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 import orjson
 
+from prefixgate.gateway.nodeclient import reported
 from prefixgate.gateway.nodeclient.base import (
     Capabilities,
     FailedStream,
@@ -108,21 +109,16 @@ class HttpPDClient(HttpOpenAIClient):
                     if r.status_code == 200:
                         info = orjson.loads(await _read_bounded(r, MAX_PROBE_BYTES))
                         if isinstance(info, Mapping):
-                            port = int(info.get("disaggregation_bootstrap_port") or 0)
+                            value = info.get("disaggregation_bootstrap_port")
+                            port = value if type(value) is int and 0 < value < 65536 else 0
             self._bootstrap_port = port or DEFAULT_BOOTSTRAP_PORT
         return self._bootstrap_port
 
 
-def _cached(answer: Mapping[str, Any]) -> int | None:
-    """``usage.prompt_tokens_details.cached_tokens`` of an answer (None: not reported)."""
-    usage = answer.get("usage")
-    details = usage.get("prompt_tokens_details") if isinstance(usage, Mapping) else None
-    if not isinstance(details, Mapping) or details.get("cached_tokens") is None:
-        return None
-    try:
-        return int(details["cached_tokens"])
-    except (TypeError, ValueError):
-        return None
+def _cached(answer: Mapping[str, Any], sent_prompt: int) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` of an answer, checked as ``reported``
+    checks it (None: not reported, or not a sane count)."""
+    return reported.openai_usage(answer.get("usage"), sent_prompt=sent_prompt).cached
 
 
 def _as_decode(e: NodeFailure) -> NodeFailure:
@@ -197,7 +193,7 @@ class _SplitStream:
         return d
 
     def _report(self, answer: Mapping[str, Any]) -> None:
-        self._prefill_cached = _cached(answer)
+        self._prefill_cached = _cached(answer, self.prompt.token_count)
         cached = self._prefill_cached or 0
         self.prefill = PrefillReport(cached, 0.0, 0.0, 0.0, 0)
         self.cached_tokens = cached

@@ -28,6 +28,7 @@ import grpc
 import structlog
 
 from prefixgate.cachetier.tokenizer import unpack_ids
+from prefixgate.gateway.nodeclient import reported
 from prefixgate.gateway.nodeclient.base import (
     Capabilities,
     CostProfile,
@@ -169,6 +170,14 @@ class Output:
     matched: str | int | None = None
     kv_transfer_params_json: str = ""
     logprobs: list[EngineLogprob] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        """The engine's counts as ``reported`` checks them: one that is not sane is 0 (not
+        reported), ``cached_tokens`` at most the engine's own ``prompt_tokens``."""
+        u = reported.checked(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+        self.prompt_tokens = u.prompt or 0
+        self.completion_tokens = u.completion or 0
+        self.cached_tokens = u.cached or 0
 
 
 @dataclass(slots=True)
@@ -730,7 +739,7 @@ class GenerateStream:
             return None  # one choice a request (the gateway sends n=1)
         assert self._detok is not None
         if self.prefill is None:  # split: the prefill leg's count stands (it did the prefill)
-            self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
+            self.cached_tokens = max(self.cached_tokens, self.cached_of(out))
         self._completion = max(self._completion, out.completion_tokens)
         if not out.complete:
             self._chunks += 1
@@ -746,13 +755,21 @@ class GenerateStream:
                 return self._finish(text, "stop", lps)
         tail = self._detok.finish()
         text += tail.text
-        reason = "stop" if tail.stopped else (out.finish_reason or "stop")
-        if reason == "abort":
+        reason = (
+            "stop" if tail.stopped else (reported.finish_reason(out.finish_reason, self.node_id) or "stop")
+        )
+        if reason in reported.FAILED:
             self._closed = True
-            raise NodeFailure(
-                self.node_id, self.stage, FailureKind.INTERNAL, "the engine aborted the request"
+            detail = (
+                "the engine aborted the request" if reason == "abort" else "the engine failed the request"
             )
+            raise NodeFailure(self.node_id, self.stage, FailureKind.INTERNAL, detail)
         return self._finish(text, reason, lps)
+
+    def cached_of(self, out: Output) -> int:
+        """``out``'s cached tokens, at most the prompt sent (the ids the engine was given)."""
+        sent = self.prompt.token_count
+        return min(out.cached_tokens, sent) if sent else out.cached_tokens
 
     def _push(self, out: Output) -> tuple[str, tuple[TokenLogprob, ...], bool]:
         """The text of ``out``'s ids, their log probabilities when the request asked (one a

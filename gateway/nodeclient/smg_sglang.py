@@ -289,8 +289,9 @@ class BootstrapStream(GenerateStream):
                 first.cancel()
             await self.aclose()
             raise
-        self.prefill = PrefillReport(report.cached_tokens, 0.0, 0.0, 0.0, 0)
-        self.cached_tokens = report.cached_tokens  # the prefill leg's count (decode's is ignored)
+        cached = self.cached_of(report)
+        self.prefill = PrefillReport(cached, 0.0, 0.0, 0.0, 0)
+        self.cached_tokens = cached  # the prefill leg's count (decode's is ignored)
         return out
 
     async def _blame_prefill_first(self) -> None:

@@ -267,8 +267,9 @@ class RelayStream(GenerateStream):
             raise NodeFailure(
                 self.p.address, Stage.PREFILL, FailureKind.INTERNAL, "prefill leg ended without complete"
             )
-        self.prefill = PrefillReport(complete.cached_tokens, 0.0, time.perf_counter() - t0, 0.0, 0)
-        self.cached_tokens = complete.cached_tokens
+        cached = self.cached_of(complete)
+        self.prefill = PrefillReport(cached, 0.0, time.perf_counter() - t0, 0.0, 0)
+        self.cached_tokens = cached
         if complete.kv_transfer_params_json:
             request.kv_transfer_params_json = complete.kv_transfer_params_json
             self.relayed = True

@@ -45,7 +45,7 @@ from typing import Any, Protocol, runtime_checkable
 from prefixgate.gateway.tokens.bundle import BundleCache, BundleError, default_cache_dir
 from prefixgate.gateway.tokens.engine import DEFAULT_SEGMENT_CACHE_BYTES, EngineTokenizer, TokenizerLoadError
 from prefixgate.gateway.tokens.loader import fetch_bundle, load_engine_tokenizer, open_tokenizer_dir
-from prefixgate.gateway.tokens.template import ChatTemplate, ChatTemplateError
+from prefixgate.gateway.tokens.template import ChatTemplate, ChatTemplateError, TemplateLimitError
 from prefixgate.openai.normalize import Document, Layout
 
 
@@ -71,6 +71,7 @@ __all__ = [
     "ChatTemplate",
     "ChatTemplateError",
     "EngineTokenizer",
+    "TemplateLimitError",
     "TokenizerLoadError",
     "default_cache_dir",
     "fetch_bundle",

@@ -3,13 +3,20 @@
 The engine streams a zip of its tokenizer files in chunks; the last chunk carries the sha256 of
 the whole zip. The checks are SMG's: at least one chunk, a sha256 on the last one, at most
 200 MiB, the digest matching (case-insensitive); at most 50 entries and 500 MiB unpacked, flat
-names only (no ``/``, ``\\``, ``..``, absolute paths); the whole RPC under one timeout. Files are
-written by us from the entries' bytes (never ``extractall``), so no link or special file can be
-made, and unpacking counts the bytes it really inflates rather than trusting the headers.
+names only (no ``/``, ``\\``, ``..``, absolute paths); the whole RPC under one timeout. To those the
+gateway adds: no more than ``STALL_TIMEOUT_S`` between two chunks; the entry count (and the size
+of the zip's central directory, which is what a zip reader turns into one object per entry) read
+from the zip's end record and refused before any entry is looked at; a ``tokenizer.json`` among
+the files. Files are written by us from the entries' bytes (never ``extractall``), so no link or
+special file can be made, and unpacking counts the bytes it really inflates rather than trusting
+the headers.
 
 Unpacked bundles live in ``<cache>/<sha256>/`` (written to a temporary directory, then renamed
 into place), with ``<cache>/workers/<key>`` naming the sha256 last fetched from a worker whose
-model info gave that key: a restarted gateway loads from disk and does not fetch again.
+model info gave that key: a restarted gateway loads from disk and does not fetch again. What is
+refused is not kept: a temporary directory goes with the failure that ended it (or, left by a
+process that died, with the next store after ``STALE_UNPACK_S``), and a bundle whose tokenizer
+cannot be loaded is removed (``discard``).
 """
 
 from __future__ import annotations
@@ -17,7 +24,9 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import struct
 import tempfile
+import time
 import zipfile
 import zlib
 from collections.abc import AsyncIterable, Iterable
@@ -28,8 +37,13 @@ import grpc
 
 MAX_BUNDLE_BYTES = 200 << 20
 MAX_ENTRIES = 50
+# A directory entry is 46 bytes plus its name, extra fields and comment: 1 KiB an entry is more
+# than a tokenizer file needs, and bounds what reading the directory makes however it counts.
+MAX_DIRECTORY_BYTES = MAX_ENTRIES * 1024
 MAX_UNPACKED_BYTES = 500 << 20
 DEFAULT_TIMEOUT_S = 60.0
+STALL_TIMEOUT_S = 10.0  # between two chunks (the first included): a worker sending nothing is stuck
+STALE_UNPACK_S = 3600.0  # a temporary directory this old belongs to no running store
 _READ = 1 << 20
 _SHA_HEX = frozenset("0123456789abcdef")
 
@@ -82,11 +96,31 @@ def _safe_name(name: str) -> bool:
     )
 
 
+def _check_directory(buf: io.BytesIO) -> None:
+    """Refuse a zip with too many entries from its end record alone: reading the central
+    directory (``zipfile.ZipFile``) makes an object per entry, 700 bytes each, before anything
+    can be counted. The record is found by the zip reader's own function, so the one checked
+    is the one it reads (a lying entry count is caught by the directory's size)."""
+    end = zipfile._EndRecData(buf)  # type: ignore[attr-defined]  # what ZipFile itself reads first
+    if not end:
+        raise BundleError("tokenizer bundle is not a zip: no end of central directory record")
+    entries, size = end[4], end[5]  # _ECD_ENTRIES_TOTAL, _ECD_SIZE (zip64 values when it is one)
+    if entries > MAX_ENTRIES:
+        raise BundleError(f"tokenizer bundle has {entries} entries (at most {MAX_ENTRIES})")
+    if size > MAX_DIRECTORY_BYTES:
+        raise BundleError(
+            f"tokenizer bundle has a {size}-byte directory: more than {MAX_ENTRIES} entries need "
+            f"(at most {MAX_DIRECTORY_BYTES})"
+        )
+
+
 def unpack(data: bytes, dest: Path) -> list[str]:
     """Write the bundle's files into ``dest`` (which must exist); returns their names."""
+    buf = io.BytesIO(data)
     try:
-        zf = zipfile.ZipFile(io.BytesIO(data))
-    except zipfile.BadZipFile as e:
+        _check_directory(buf)
+        zf = zipfile.ZipFile(buf)
+    except (zipfile.BadZipFile, OSError, ValueError, struct.error) as e:
         raise BundleError(f"tokenizer bundle is not a zip: {e}") from None
     with zf:
         infos = zf.infolist()
@@ -119,6 +153,8 @@ def unpack(data: bytes, dest: Path) -> list[str]:
             names.append(info.filename)
     if not names:
         raise BundleError("tokenizer bundle holds no file")
+    if "tokenizer.json" not in names:
+        raise BundleError("tokenizer bundle holds no tokenizer.json")
     return names
 
 
@@ -146,11 +182,15 @@ class BundleCache:
         if found is not None:
             return found
         self.root.mkdir(parents=True, exist_ok=True)
+        self._sweep()
         tmp = Path(tempfile.mkdtemp(prefix=".unpack-", dir=self.root))
         try:
             unpack(data, tmp)
+            target = self.path(sha256)
+            if target.is_dir() and self.lookup(sha256) is None:
+                _remove_tree(target)  # a directory holding no tokenizer: nothing worth keeping
             try:
-                os.replace(tmp, self.path(sha256))
+                os.replace(tmp, target)
             except OSError:
                 if self.lookup(sha256) is None:  # not a concurrent writer that got there first
                     raise
@@ -158,6 +198,22 @@ class BundleCache:
             if tmp.exists():
                 _remove_tree(tmp)
         return self.path(sha256)
+
+    def discard(self, sha256: str) -> None:
+        """Remove a stored bundle (one whose tokenizer cannot be loaded): nothing refused is kept."""
+        p = self.path(sha256)
+        if _is_sha(sha256.lower()) and p.is_dir():
+            _remove_tree(p)
+
+    def _sweep(self) -> None:
+        """Remove the temporary directories of stores that died (older than ``STALE_UNPACK_S``)."""
+        cutoff = time.time() - STALE_UNPACK_S
+        for p in self.root.glob(".unpack-*"):
+            try:
+                if p.is_dir() and not p.is_symlink() and p.stat().st_mtime < cutoff:
+                    _remove_tree(p)
+            except OSError:
+                continue  # another store removing it too
 
     def remembered(self, key: str) -> Path | None:
         """The bundle last stored for the worker ``key``, if still on disk."""

@@ -8,7 +8,8 @@
    The SGLang service is asked first, the vLLM one when the worker does not implement it.
 
 The first worker that gives a usable tokenizer wins; when none does, the error names each
-worker's reason.
+worker's reason. A ``GetTokenizer`` stream is bounded in time as a whole (``timeout_s``) and
+between two chunks (``bundle.STALL_TIMEOUT_S``): a worker that stalls is a worker that gave none.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from smg_grpc_proto.generated import (
     vllm_engine_pb2_grpc,
 )
 
+from prefixgate.gateway.tokens import bundle
 from prefixgate.gateway.tokens.bundle import (
     DEFAULT_TIMEOUT_S,
     BundleCache,
@@ -73,22 +75,46 @@ def _stubs(ch: grpc.aio.Channel, backend: str) -> tuple[Any, Any]:
     return sglang_scheduler_pb2_grpc.SglangSchedulerStub(ch), sglang_scheduler_pb2.GetModelInfoRequest
 
 
-async def _chunks(call: Any) -> AsyncIterator[tuple[bytes, str]]:
-    async for c in call:
+class _Stalled(Exception):
+    pass
+
+
+async def _chunks(call: Any, stall_s: float) -> AsyncIterator[tuple[bytes, str]]:
+    """The stream's chunks; ``_Stalled`` when the next one takes longer than ``stall_s``."""
+    stream = call.__aiter__()
+    chunks = size = 0
+    while True:
+        try:
+            async with asyncio.timeout(stall_s):
+                c = await anext(stream)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise _Stalled(f"no chunk for {stall_s:g} s after {chunks} chunks ({size} bytes)") from None
+        chunks, size = chunks + 1, size + len(c.data)
         yield bytes(c.data), str(c.sha256)
 
 
 async def fetch_bundle(
-    address: str, *, backend: str = "sglang", timeout_s: float = DEFAULT_TIMEOUT_S
+    address: str,
+    *,
+    backend: str = "sglang",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    stall_s: float | None = None,
 ) -> tuple[bytes, str]:
-    """The verified ``GetTokenizer`` zip of a worker and its sha256 (whole RPC under ``timeout_s``)."""
+    """The verified ``GetTokenizer`` zip of a worker and its sha256: the whole RPC under
+    ``timeout_s``, each chunk within ``stall_s`` of the one before (``bundle.STALL_TIMEOUT_S``)."""
+    stall = bundle.STALL_TIMEOUT_S if stall_s is None else stall_s
     async with channel(address) as ch:
         stub, _ = _stubs(ch, backend)
         call = stub.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=timeout_s)
         try:
-            return await asyncio.wait_for(collect_chunks(_chunks(call)), timeout_s)
+            return await asyncio.wait_for(collect_chunks(_chunks(call, min(stall, timeout_s))), timeout_s)
         except grpc.aio.AioRpcError as e:
             raise BundleError(f"GetTokenizer on {address}: {e.code().name}: {e.details()}") from None
+        except _Stalled as e:
+            call.cancel()
+            raise BundleError(f"GetTokenizer on {address}: stalled: {e}") from None
         except TimeoutError:
             call.cancel()
             raise BundleError(f"GetTokenizer on {address}: no complete bundle within {timeout_s} s") from None
@@ -164,11 +190,18 @@ async def _tokenizer_of(
             log.warning("cached_tokenizer_unusable", worker=address, error=str(e))
     data, sha = await fetch_bundle(address, backend=chosen, timeout_s=timeout_s)
     path = await asyncio.to_thread(cache.store, data, sha)
+    size = len(data)
+    del data  # up to MAX_BUNDLE_BYTES, no longer needed while the tokenizer loads
+    try:
+        tok = EngineTokenizer(
+            path, origin=f"{address} bundle {sha[:16]}", segment_cache_bytes=segment_cache_bytes
+        )
+    except (TokenizerLoadError, OSError):
+        await asyncio.to_thread(cache.discard, sha)  # refused: not kept, not remembered
+        raise
     cache.remember(key, sha)
-    log.info("tokenizer_fetched", worker=address, sha256=sha, bytes=len(data))
-    return EngineTokenizer(
-        path, origin=f"{address} bundle {sha[:16]}", segment_cache_bytes=segment_cache_bytes
-    )
+    log.info("tokenizer_fetched", worker=address, sha256=sha, bytes=size)
+    return tok
 
 
 async def load_engine_tokenizer(

@@ -4,8 +4,12 @@ that serve good and bad bundles."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
+import struct
+import time
+import tracemalloc
 import zipfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -73,6 +77,7 @@ class Bundles:
     info_calls: int = 0
     fail: grpc.StatusCode | None = None
     seen: list[str] = field(default_factory=list)
+    stall_after: int = -1  # chunks sent before the stream goes silent (-1: never)
 
 
 def _info(cls: Any) -> Any:
@@ -93,7 +98,9 @@ class SglangBundles(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):  # type:
         self.state.calls += 1
         if self.state.fail is not None:
             await context.abort(self.state.fail, "no tokenizer here")
-        for data, sha in self.state.chunks:
+        for i, (data, sha) in enumerate(self.state.chunks):
+            if i == self.state.stall_after:
+                await asyncio.sleep(30)
             yield common_pb2.GetTokenizerChunk(data=data, sha256=sha)
 
 
@@ -170,6 +177,9 @@ async def test_a_vllm_worker_is_asked_on_its_own_service(serve: Serve, tmp_path:
 EVIL_ZIP, EVIL_SHA = make_zip([("tokenizer.json", b"{}"), ("../escape.json", b"x")])
 MANY_ZIP, MANY_SHA = make_zip([(f"f{i}.json", b"{}") for i in range(51)])
 NOT_ZIP = b"not a zip at all"
+NO_TOKENIZER_ZIP, NO_TOKENIZER_SHA = make_zip([("tokenizer_config.json", b"{}")])
+# A tokenizer.json no tokenizer loads from, with a large file beside it (kept on disk until now).
+JUNK_ZIP, JUNK_SHA = make_zip([("tokenizer.json", b"{}"), ("vocab.json", b"0" * (4 << 20))])
 
 BAD: dict[str, tuple[list[tuple[bytes, str]], str]] = {
     "no chunk": ([], "no chunk"),
@@ -179,6 +189,8 @@ BAD: dict[str, tuple[list[tuple[bytes, str]], str]] = {
     "path traversal": ([(EVIL_ZIP, EVIL_SHA)], "not a plain file name"),
     "too many entries": ([(MANY_ZIP, MANY_SHA)], "entries"),
     "not a zip": ([(NOT_ZIP, hashlib.sha256(NOT_ZIP).hexdigest())], "not a zip"),
+    "no tokenizer.json": ([(NO_TOKENIZER_ZIP, NO_TOKENIZER_SHA)], "no tokenizer.json"),
+    "a tokenizer.json no tokenizer loads": ([(JUNK_ZIP, JUNK_SHA)], "tokenizer.json"),
 }
 
 
@@ -228,3 +240,56 @@ def test_a_corrupt_entry_is_a_bundle_error(tmp_path: Path) -> None:
     broken = data[:body] + bytes(b ^ 0x5A for b in data[body : body + 16]) + data[body + 16 :]
     with pytest.raises(BundleError, match="cannot be read"):
         unpack(broken, tmp_path)
+
+
+def many_entries(n: int, *, declared: int | None = None) -> bytes:
+    """A zip of ``n`` directory entries (one empty stored file, named ``n`` times), built by
+    hand in no time; its end record declares ``declared`` entries (default ``n``, in a zip64
+    record when it takes one)."""
+    local = struct.pack("<4s5H3L2H", b"PK\x03\x04", 20, 0, 0, 0, 0x21, 0, 0, 0, 1, 0) + b"a"
+    entry = struct.pack("<4s6H3L5H2L", b"PK\x01\x02", 20, 20, 0, 0, 0, 0x21, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0)
+    directory = (entry + b"a") * n
+    count = n if declared is None else declared
+    at, size = len(local), len(directory)
+    tail = b""
+    if count > 0xFFFF:
+        z64 = struct.pack("<4sQ2H2L4Q", b"PK\x06\x06", 44, 45, 45, 0, 0, count, count, size, at)
+        tail = z64 + struct.pack("<4sLQL", b"PK\x06\x07", 0, at + size, 1)
+        count = 0xFFFF
+    end = struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, count, count, size, at, 0)
+    return local + directory + tail + end
+
+
+@pytest.mark.parametrize("declared", [None, 1], ids=["declared", "a lying count"])
+def test_a_zip_of_many_entries_is_refused_before_its_directory_is_read(
+    tmp_path: Path, declared: int | None
+) -> None:
+    data = many_entries(100_000, declared=declared)
+    assert len(zipfile.ZipFile(io.BytesIO(many_entries(60))).infolist()) == 60  # a real zip
+    tracemalloc.start()
+    try:
+        with pytest.raises(BundleError, match=r"entries|directory"):
+            unpack(data, tmp_path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak  # reading its 100,000 entries would take some 70 MB
+    assert list(tmp_path.iterdir()) == []
+
+
+async def test_a_stalled_bundle_stream_fails_in_one_line_at_the_stall_deadline(
+    serve: Serve, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prefixgate.gateway.tokens import bundle as bundle_module
+    from prefixgate.gateway.tokens.loader import wait_engine_tokenizer
+
+    monkeypatch.setattr(bundle_module, "STALL_TIMEOUT_S", 0.3)
+    addr, _ = await serve(split(GOOD, 4096, GOOD_SHA), stall_after=1)
+    t0 = time.monotonic()
+    with pytest.raises(TokenizerLoadError) as info:  # a worker that answers is not waited for
+        await wait_engine_tokenizer([addr], wait_s=30, cache_dir=tmp_path, timeout_s=20)
+    took = time.monotonic() - t0
+    message = str(info.value)
+    assert "stalled: no chunk for 0.3 s after 1 chunks (4096 bytes)" in message and addr in message
+    assert "\n" not in message and took < 2.0, took
+    assert not await asyncio.to_thread(lambda: any(tmp_path.rglob("*")))
