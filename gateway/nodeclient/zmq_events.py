@@ -116,7 +116,7 @@ REPLAY_RCVHWM = 64
 MAX_PENDING_BATCHES = 4096
 MAX_PENDING_BYTES = 32 << 20
 BEHIND_BATCHES = 64  # a gap seen with this many batches waiting is not replayed: we are behind
-SLICE_S = 0.005  # the longest the subscriber works before handing the event loop back
+SLICE_S = 0.001  # the longest the subscriber works before handing the event loop back
 STEP_BLOCKS = 512  # engine blocks of one event mapped per step
 DEFAULT_REPLAY_TIMEOUT_S = 2.0  # the longest wait for the replay's next message
 DEFAULT_REPLAY_DEADLINE_S = 10.0  # the longest a whole replay may take
@@ -171,13 +171,14 @@ def parse_kv_events(entries: Iterable[str]) -> dict[str, ZmqSource]:
 # -- mapping: engine blocks -> the gateway's chained hashes (pure) --------------------------------
 
 
-@dataclass(slots=True)
-class _Mapped:
-    last: int  # the gateway hash of the last full gateway block up to here (0: none yet)
-    chain: int  # the chaining value after it (the namespace root when ``last`` is 0)
-    carry: bytes  # tokens after the last full gateway block (packed LE uint32)
-    root: int
-    completed: tuple[int, ...] = ()  # gateway blocks this engine block completed
+# Where an engine block's prefix stands: (last, chain, carry, root, completed) -- the gateway hash
+# of the last full gateway block up to here (0: none yet), the chaining value after it (the
+# namespace root when ``last`` is 0), the tokens after it (packed LE uint32), the namespace root,
+# the gateway blocks this engine block completed. A plain tuple of ints and bytes: the garbage
+# collector stops tracking such tuples, and a mapper holds up to ``DEFAULT_MAX_BLOCKS`` of them
+# (as objects they made every full collection of the gateway's heap slower, and more frequent
+# while blocks come and go fast).
+_Mapped = tuple[int, int, bytes, int, tuple[int, ...]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,28 +243,28 @@ class BlockMapper:
             return
         root = self.root(ev.lora_name, ev.cache_salt)
         if ev.parent is None:
-            state = _Mapped(0, root, b"", root)
+            last, chain, carry = 0, root, b""
         else:
             parent = self.blocks.get(ev.parent)
-            if parent is None or parent.root != root:
+            if parent is None or parent[3] != root:
                 self.unmapped += n  # its prefix is unknown here: its gateway hashes cannot be had
                 return
             self.blocks.move_to_end(ev.parent)
-            state = parent
+            last, chain, carry = parent[0], parent[1], parent[2]
         full_stride = 4 * self.block_size
         for lo in range(0, n, per_step):
-            first_parent = state.last
+            first_parent = last
             new: list[int] = []
             for i in range(lo, min(n, lo + per_step)):
-                buf = state.carry + ev.tokens[i * stride : (i + 1) * stride]
+                buf = carry + ev.tokens[i * stride : (i + 1) * stride]
                 full = len(buf) // full_stride
-                done = tuple(block_hashes(buf, self.block_size, state.chain)) if full else ()
-                last = done[-1] if done else state.last
-                chain = done[-1] if done else state.chain
-                state = _Mapped(last, chain, buf[full * full_stride :], root, done)
+                done = tuple(block_hashes(buf, self.block_size, chain)) if full else ()
+                if done:
+                    last = chain = done[-1]
+                carry = buf[full * full_stride :]
                 new.extend(done)
                 handle = ev.block_hashes[i]
-                self.blocks[handle] = state
+                self.blocks[handle] = (last, chain, carry, root, done)
                 self.blocks.move_to_end(handle)
             while len(self.blocks) > self.max_blocks:
                 self.blocks.popitem(last=False)
@@ -277,7 +278,7 @@ class BlockMapper:
             for handle in ev.block_hashes[lo : lo + per_step]:
                 state = self.blocks.pop(handle, None)
                 if state is not None:
-                    gone.extend(state.completed)
+                    gone.extend(state[4])
             yield [Change(EventKind.REMOVED, 0, tuple(gone))] if gone else []
 
 
