@@ -13,7 +13,8 @@ def _tiny(args: argparse.Namespace) -> int:
 
 
 def add_bench_parser(sub: Any) -> None:
-    """Add ``bench replay``, ``hotpath``, ``index``, ``peers`` and ``overhead`` to a subparsers object."""
+    """Add ``bench replay``, ``hotpath``, ``index``, ``peers``, ``overhead`` and ``zmq-flood`` to a
+    subparsers object."""
     from prefixgate.bench import hotpath, replay
 
     bench = sub.add_parser("bench", help="run a benchmark (prints a table; --json FILE writes the figures)")
@@ -52,3 +53,11 @@ def add_bench_parser(sub: Any) -> None:
     )
     overhead.add_arguments(ov)
     ov.set_defaults(func=overhead.run)
+
+    from prefixgate.bench import zmq_flood
+
+    zf = inner.add_parser(
+        "zmq-flood", help="/healthz and RSS of a gateway while a ZMQ KV event publisher floods it"
+    )
+    zmq_flood.add_arguments(zf)
+    zf.set_defaults(func=zmq_flood.run)
