@@ -13,7 +13,8 @@ def _tiny(args: argparse.Namespace) -> int:
 
 
 def add_bench_parser(sub: Any) -> None:
-    """Add the ``bench`` subcommands (replay, hotpath, index, toolcalls, detok, tiny, peers, overhead)."""
+    """Add the ``bench`` subcommands (replay, hotpath, index, toolcalls, detok, zmq-flood, tiny, peers,
+    overhead)."""
     from prefixgate.bench import hotpath, replay
 
     bench = sub.add_parser("bench", help="run a benchmark (prints a table; --json FILE writes the figures)")
@@ -64,3 +65,11 @@ def add_bench_parser(sub: Any) -> None:
     )
     overhead.add_arguments(ov)
     ov.set_defaults(func=overhead.run)
+
+    from prefixgate.bench import zmq_flood
+
+    zf = inner.add_parser(
+        "zmq-flood", help="/healthz and RSS of a gateway while a ZMQ KV event publisher floods it"
+    )
+    zmq_flood.add_arguments(zf)
+    zf.set_defaults(func=zmq_flood.run)

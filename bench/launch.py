@@ -269,9 +269,12 @@ def start_gateway(
     name: str = "prefixgate",
     env: Mapping[str, str] | None = None,
     timeout: float = 60.0,
+    python: str = sys.executable,
 ) -> Child:
+    """A gateway on a free loopback port; ``python`` is the interpreter it runs under (another
+    checkout's venv runs that checkout's gateway)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "prefixgate.cli", "gateway", "--port", str(port), "--policy", policy]
+    cmd = [python, "-m", "prefixgate.cli", "gateway", "--port", str(port), "--policy", policy]
     for flag, addrs in (("--monolithic", monolithic), ("--prefill", prefill), ("--decode", decode)):
         for a in addrs:
             cmd += [flag, a]

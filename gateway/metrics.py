@@ -211,6 +211,13 @@ class Metrics:
         self.resyncs = Counter(
             "prefixgate_index_resyncs", "Node block sets resynchronised", ["reason"], registry=r
         )
+        self.kv_events_dropped = Counter(
+            "prefixgate_kv_events_dropped",
+            "Engine KV events dropped before the index (ZMQ): malformed messages, batches or events, "
+            "and batches shed while the subscriber was behind",
+            ["what"],
+            registry=r,
+        )
         self.warm = Counter(
             "prefixgate_warm_requests",
             "Prefill-as-a-service / pin operations per node and outcome",

@@ -122,7 +122,8 @@ class GatewayService:
             lambda model: tokenizer_of(model).name,
             codec_for=lambda model: getattr(tokenizer_of(model), "hf", None),
         )
-        return events_connector(s.kv_events, ns, connect)
+        dropped = self.metrics.kv_events_dropped
+        return events_connector(s.kv_events, ns, connect, lambda what, n: dropped.labels(what).inc(n))
 
     def _count_usage(self, ex: Execution) -> None:
         """One request, its prompt counted once: a request's choices after the first (each its
