@@ -30,6 +30,7 @@ from prefixgate.gateway.quotas import PinLimits
 from prefixgate.gateway.replicated import DocumentRegistry, PinRegistry, open_state
 from prefixgate.gateway.runner import RequestRunner
 from prefixgate.gateway.state_memory import MemoryState
+from prefixgate.gateway.tenancy import Tenancy
 from prefixgate.gateway.tokens.wiring import gateway_tokenizer, model_tokenizers, worker_tokenizer
 from prefixgate.gateway.usage import Prices, UsageLedger
 
@@ -123,7 +124,10 @@ class GatewayService:
             codec_for=lambda model: getattr(tokenizer_of(model), "hf", None),
         )
         dropped = self.metrics.kv_events_dropped
-        return events_connector(s.kv_events, ns, connect, lambda what, n: dropped.labels(what).inc(n))
+        tenancy = Tenancy.of(s.api_key_map().values(), s.shared_namespaces, s.tenant_cache)
+        return events_connector(
+            s.kv_events, ns, connect, lambda what, n: dropped.labels(what).inc(n), salt_of=tenancy.event_salt
+        )
 
     def _count_usage(self, ex: Execution) -> None:
         """One request, its prompt counted once: a request's choices after the first (each its

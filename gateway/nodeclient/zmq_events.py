@@ -13,8 +13,10 @@ buffered batch from ``start_seq`` and ends with seq ``2**64-1``.
 The engine's block hashes are engine-specific (SHA-256 chains, Python ``hash()``...), so they
 are only handles here: every stored block is re-hashed from its token ids into the gateway's own
 chained block hashes (``cachetier.hashing``) in the namespace a request of that model would use
-(``Namespace(model or lora_name, cache_salt or "", block_size, tokenizer)``; without API keys
-the gateway's tenant is "" too, so requests match). Engine blocks whose token ids are missing
+(``Namespace(model or lora_name, salt_of(cache_salt), block_size, tokenizer)``: the event's
+``cache_salt`` is what the gateway gave the engine for a tenant's namespace, mapped back; blocks
+under none belong to the gateway's one namespace, or with several tenants to none,
+``gateway.tenancy``). Engine blocks whose token ids are missing
 cannot be named in the gateway's hashes: they are counted (``unmapped``) and left out, and so
 are their descendants. The engine's block size need not equal the gateway's: tokens are carried
 across engine blocks until a gateway block is full; removing an engine block removes the
@@ -200,6 +202,8 @@ class BlockMapper:
     max_blocks: int = DEFAULT_MAX_BLOCKS
     blocks: OrderedDict[Hashable, _Mapped] = field(default_factory=OrderedDict)
     unmapped: int = 0  # engine blocks left out (no token ids, unknown parent, other tier)
+    # The gateway's namespace salt for the salt an engine reports (``Tenancy.event_salt``).
+    salt_of: Callable[[str], str] | None = None
     _roots: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def root(self, lora_name: str, cache_salt: str) -> int:
@@ -208,7 +212,8 @@ class BlockMapper:
         if r is None:
             if len(self._roots) > 1024:
                 self._roots.clear()
-            ns = Namespace(lora_name or self.model, cache_salt, self.block_size, self.tokenizer)
+            salt = self.salt_of(cache_salt) if self.salt_of is not None else cache_salt
+            ns = Namespace(lora_name or self.model, salt, self.block_size, self.tokenizer)
             r = self._roots[key] = ns.root()
         return r
 
@@ -308,8 +313,10 @@ class ZmqKVEvents:
         slice_s: float = SLICE_S,
         reconnect_max_s: float = 5.0,
         on_drop: Callable[[str, int], None] | None = None,
+        salt_of: Callable[[str], str] | None = None,
     ) -> None:
         self.source = source
+        self.salt_of = salt_of
         self.namespace = namespace
         self.max_blocks = max_blocks
         self.rcvhwm = rcvhwm
@@ -338,7 +345,7 @@ class ZmqKVEvents:
 
     def _mapper(self) -> BlockMapper:
         ns = self.namespace
-        return BlockMapper(ns.model, ns.block_size, ns.tokenizer, self.max_blocks)
+        return BlockMapper(ns.model, ns.block_size, ns.tokenizer, self.max_blocks, salt_of=self.salt_of)
 
     def _socket(self, ctx: zmq.asyncio.Context, kind: int, hwm: int) -> zmq.asyncio.Socket:
         sock = ctx.socket(kind)
@@ -691,11 +698,13 @@ def events_connector(
     namespace: Namespace,
     connect: Callable[[str], NodeClient],
     on_drop: Callable[[str, int], None] | None = None,
+    salt_of: Callable[[str], str] | None = None,
 ) -> Callable[[str], NodeClient]:
     """``connect`` wrapped so that workers named in ``entries`` get their events over ZMQ.
 
     ``namespace``'s model, block size and tokenizer are the gateway's (its tenant is ignored:
-    each event brings its own cache salt); ``on_drop(what, count)`` hears of what was dropped."""
+    each event brings its own cache salt, mapped by ``salt_of``); ``on_drop(what, count)`` hears
+    of what was dropped."""
     sources = parse_kv_events(entries)
     if not sources:
         return connect
@@ -705,6 +714,6 @@ def events_connector(
         source = sources.get(address)
         if source is None:
             return client
-        return ZmqEventsClient(client, ZmqKVEvents(source, namespace, on_drop=on_drop))
+        return ZmqEventsClient(client, ZmqKVEvents(source, namespace, on_drop=on_drop, salt_of=salt_of))
 
     return wrapped

@@ -43,7 +43,9 @@ from prefixgate.gateway.nodeclient.zmq_events import (
     events_connector,
     parse_kv_events,
 )
+from prefixgate.gateway.nodeclient.zmq_wire import Stored
 from prefixgate.gateway.nodes import NodePool
+from prefixgate.gateway.tenancy import HIDDEN_SALT, Tenancy, engine_salt
 from prefixgate.gateway.vocab import EventKind
 from tests.interop import engine_kv_structs as es
 
@@ -432,3 +434,21 @@ async def test_a_worker_naming_its_model_has_its_events_in_that_models_namespace
         await sync.close()
         await pool.close()
         pub.close()
+
+
+def test_an_events_salt_names_its_tenants_namespace_and_no_salt_none_of_several() -> None:
+    """A block the engine stored under the salt the gateway gave tenant ``a`` is ``a``'s; with
+    several tenants, one stored under no salt is nobody's (not the shared namespace's either)."""
+    tenancy = Tenancy.of(["a", "b", "c"], ["c"])
+    toks = list(range(200, 208))
+    (ev,) = decode_batch(vllm_batch(vllm_stored(toks, 4, [b"s1", b"s2"], None)))
+    m = BlockMapper("prefixgate-sim", GW_BS, "bytes4", salt_of=tenancy.event_salt)
+
+    def hashes_in(salt: str) -> list[int]:
+        return block_hashes(pack_ids(toks), GW_BS, Namespace("prefixgate-sim", salt, GW_BS, "bytes4").root())
+
+    assert isinstance(ev, Stored)
+    (salted,) = m.apply(replace(ev, cache_salt=engine_salt("a")))
+    assert list(salted.hashes) == hashes_in("a")
+    (bare,) = BlockMapper("prefixgate-sim", GW_BS, "bytes4", salt_of=tenancy.event_salt).apply(ev)
+    assert list(bare.hashes) == hashes_in(HIDDEN_SALT) and list(bare.hashes) != hashes_in("")
