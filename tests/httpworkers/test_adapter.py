@@ -8,15 +8,12 @@ came from (to see keep-alive connections reused).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import socket
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -27,6 +24,7 @@ from prefixgate.gateway.nodeclient import NodeFailure, OpenAIBody, Prompt, Token
 from prefixgate.gateway.nodeclient.http_openai import HttpOpenAIClient
 from prefixgate.gateway.vocab import FailureKind, Stage
 from prefixgate.openai.schema import Sampling
+from tests.httpworkers.appserver import serving
 
 
 def sse(obj: Any) -> bytes:
@@ -111,34 +109,16 @@ class Engine:
         )
 
 
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:  # the test process keeps its signals
-        yield
-
-
 @pytest.fixture
 async def engine() -> AsyncIterator[tuple[Engine, HttpOpenAIClient]]:
     eng = Engine()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    port = sock.getsockname()[1]
-    server = _Server(uvicorn.Config(eng.app(), log_level="error", lifespan="off", access_log=False))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    for _ in range(500):
-        if server.started:
-            break
-        await asyncio.sleep(0.01)
-    client = connect(f"http://127.0.0.1:{port}")
-    assert isinstance(client, HttpOpenAIClient)
-    try:
-        yield eng, client
-    finally:
-        await client.close()
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
-        sock.close()
+    async with serving(eng.app()) as url:
+        client = connect(url)
+        assert isinstance(client, HttpOpenAIClient)
+        try:
+            yield eng, client
+        finally:
+            await client.close()
 
 
 def prompt(model: str, kind: str = "chat") -> Prompt:

@@ -10,15 +10,12 @@ maps a request's ``model`` to the raw body it streams back.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
-from collections.abc import AsyncIterator, Callable, Generator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
 import orjson
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -32,6 +29,7 @@ from prefixgate.gateway.nodeclient.http_openai import MAX_JSON_BYTES, MAX_SSE_LI
 from prefixgate.gateway.service import GatewayService
 from prefixgate.gateway.vocab import FailureKind, Stage
 from prefixgate.openai.schema import Sampling
+from tests.httpworkers.appserver import serving
 
 PIECE = 1 << 20  # the worker writes big bodies a MiB at a time
 
@@ -99,30 +97,11 @@ class Worker:
         )
 
 
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:  # the test process keeps its signals
-        yield
-
-
 @pytest.fixture
 async def worker() -> AsyncIterator[tuple[Worker, str]]:
     w = Worker()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    server = _Server(uvicorn.Config(w.app(), log_level="error", lifespan="off", access_log=False))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    for _ in range(500):
-        if server.started:
-            break
-        await asyncio.sleep(0.01)
-    try:
-        yield w, f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
-        sock.close()
+    async with serving(w.app()) as url:
+        yield w, url
 
 
 def prompt(model: str, tokens: int = 26) -> Prompt:

@@ -9,15 +9,12 @@ Each server plays one role and answers per ``model``: ``ok``, or ``p503`` / ``d5
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import socket
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -28,6 +25,7 @@ from prefixgate.gateway.nodeclient import NodeFailure, OpenAIBody, Prompt, Token
 from prefixgate.gateway.nodeclient.http_pd import HttpPDClient, HttpPDOptions
 from prefixgate.gateway.vocab import FailureKind, Stage
 from prefixgate.openai.schema import Sampling
+from tests.httpworkers.appserver import serving
 
 PARAMS = {"do_remote_prefill": True, "remote_host": "10.0.0.9", "remote_port": 5600, "remote_block_ids": [1]}
 BOOTSTRAP = 18998
@@ -87,38 +85,13 @@ class Engine:
         )
 
 
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:  # the test process keeps its signals
-        yield
-
-
-@contextlib.asynccontextmanager
-async def serving(engine: Engine) -> AsyncIterator[str]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    server = _Server(uvicorn.Config(engine.app(), log_level="error", lifespan="off", access_log=False))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    for _ in range(500):
-        if server.started:
-            break
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
-        sock.close()
-
-
 Pair = tuple[Engine, Engine, HttpPDClient, HttpPDClient]
 
 
 @contextlib.asynccontextmanager
 async def pair(backend: str, bootstrap_port: int | None = None) -> AsyncIterator[Pair]:
     pe, de = Engine("prefill"), Engine("decode")
-    async with serving(pe) as purl, serving(de) as durl:
+    async with serving(pe.app()) as purl, serving(de.app()) as durl:
         p = connect(purl, http_pd=HttpPDOptions(backend, bootstrap_port))
         d = connect(durl, http_pd=HttpPDOptions(backend))
         assert isinstance(p, HttpPDClient) and isinstance(d, HttpPDClient)

@@ -5,16 +5,14 @@ passed through behind the gateway's back."""
 
 from __future__ import annotations
 
-import asyncio
-import socket
 from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-import uvicorn
 
 from prefixgate.gateway.tenancy import engine_salt
-from tests.httpworkers.test_adapter import Engine, _Server
+from tests.httpworkers.appserver import serving
+from tests.httpworkers.test_adapter import Engine
 from tests.smgwire.test_gateway_over_grpc import gateway
 
 KEYS = [f"--api-key=key-{t}={t}" for t in ("alice", "bob", "carol")]
@@ -24,21 +22,8 @@ CHAT = {"model": "m1", "messages": [{"role": "user", "content": "hello"}], "max_
 @pytest.fixture
 async def worker() -> AsyncIterator[tuple[Engine, str]]:
     eng = Engine()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    server = _Server(uvicorn.Config(eng.app(), log_level="error", lifespan="off", access_log=False))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    for _ in range(500):
-        if server.started:
-            break
-        await asyncio.sleep(0.01)
-    try:
-        yield eng, f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
-        sock.close()
+    async with serving(eng.app()) as url:
+        yield eng, url
 
 
 async def test_each_tenant_reaches_the_engine_under_its_own_cache_salt(worker: tuple[Engine, str]) -> None:
