@@ -13,7 +13,7 @@ state machine, each object by ``JsonScan`` up to its closing brace, where it is 
 from __future__ import annotations
 
 from prefixgate.gateway.toolcalls.base import Event, Text, as_call, whole
-from prefixgate.gateway.toolcalls.scan import MAX_CALL_CHARS, Held, JsonScan, loads, skip_ws
+from prefixgate.gateway.toolcalls.scan import MAX_CALL_CHARS, Held, JsonScan, loads, match_tag, skip_ws
 
 TAG = "<|python_tag|>"
 ARGS_KEYS = ("parameters", "arguments")
@@ -40,11 +40,8 @@ class Llama3Parser:
     def _match_tag(self, text: str, i: int) -> tuple[int, bool | None]:
         """Go on matching TAG at ``text[i:]``: (where it stopped, True whole / False not it /
         None not known yet)."""
-        k = min(len(TAG) - self._tag, len(text) - i)
-        if text[i : i + k] != TAG[self._tag : self._tag + k]:
-            return i, False
-        self._tag += k
-        return i + k, (True if self._tag == len(TAG) else None)
+        i, self._tag, whole = match_tag(TAG, self._tag, text, i)
+        return i, whole
 
     def _decide(self, text: str) -> str | None:
         """Read the start of the answer; the text to go on with in the mode it settles on (None:

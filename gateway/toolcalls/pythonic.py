@@ -21,7 +21,7 @@ import string
 from typing import Any
 
 from prefixgate.gateway.toolcalls.base import Call, Event, Text, whole
-from prefixgate.gateway.toolcalls.scan import MAX_CALL_CHARS, MAX_DEPTH, Held, skip, skip_ws
+from prefixgate.gateway.toolcalls.scan import MAX_CALL_CHARS, MAX_DEPTH, Held, match_tag, skip, skip_ws
 
 START_TAG = "<|python_start|>"
 END_TAG = "<|python_end|>"
@@ -143,11 +143,8 @@ class PythonicParser:
         self._carry = ""  # the end of the list's text the scan looks at again
 
     def _match(self, tag: str, text: str, i: int) -> tuple[int, bool | None]:
-        k = min(len(tag) - self._tag, len(text) - i)
-        if text[i : i + k] != tag[self._tag : self._tag + k]:
-            return i, False
-        self._tag += k
-        return i + k, (True if self._tag == len(tag) else None)
+        i, self._tag, whole = match_tag(tag, self._tag, text, i)
+        return i, whole
 
     def _decide(self, text: str) -> str | None:
         """Read the start of the answer: the text to go on with in the mode it settles on (None:

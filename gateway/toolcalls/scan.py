@@ -160,3 +160,13 @@ class Finder:
         keep = len(self.marker) - 1
         self._tail = window[-keep:] if keep else ""
         return -1
+
+
+def match_tag(tag: str, matched: int, text: str, i: int) -> tuple[int, int, bool | None]:
+    """Go on matching ``tag``, of which ``matched`` characters were seen, at ``text[i:]``: (where
+    it stopped, characters matched now, True whole / False not it / None not known yet)."""
+    k = min(len(tag) - matched, len(text) - i)
+    if text[i : i + k] != tag[matched : matched + k]:
+        return i, matched, False
+    matched += k
+    return i + k, matched, (True if matched == len(tag) else None)
