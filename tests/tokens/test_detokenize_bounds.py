@@ -80,13 +80,13 @@ def test_every_id_costs_a_bounded_decode_whatever_the_stream() -> None:
 def test_twenty_thousand_ids_of_any_kind_decode_in_well_under_a_second_and_a_half() -> None:
     for name, ids in STREAMS.items():
         d = Detokenizer(TOK)
-        start = time.perf_counter()
+        start = time.thread_time()  # CPU time: other processes on the machine do not inflate it
         for i, t in enumerate(ids):
             d.push([t])
             if i % 500 == 0:
-                assert time.perf_counter() - start < 1.5, f"{name}: {i} ids took 1.5 s"
+                assert time.thread_time() - start < 1.5, f"{name}: {i} ids took 1.5 s"
         d.finish()
-        assert time.perf_counter() - start < 1.5, name
+        assert time.thread_time() - start < 1.5, name
 
 
 def test_an_incomplete_tail_is_shown_once_ids_enough_follow() -> None:
