@@ -12,6 +12,7 @@ from typing import Any, get_type_hints
 
 from prefixgate.gateway import workers
 from prefixgate.gateway.routing import parse_policy
+from prefixgate.gateway.tenancy import TENANT_CACHE_MODES, Tenancy
 
 ENV_PREFIX = "PREFIXGATE_"
 # The model name of nodes that name none (our own protocol's nodes), unless ``model`` is set.
@@ -183,6 +184,10 @@ class Settings:
         """The name of nodes that name no model."""
         return self.model or DEFAULT_MODEL
 
+    def tenancy(self) -> Tenancy:
+        """The tenants' cache namespaces and what may share an engine's cache (``gateway.tenancy``)."""
+        return Tenancy.of(self.api_key_map().values(), self.shared_namespaces, self.tenant_cache)
+
     def api_key_map(self) -> dict[str, str]:
         out: dict[str, str] = {}
         for entry in self.api_keys:
@@ -291,8 +296,6 @@ def _check_bounds(settings: Settings) -> None:
 
 
 def _check_tenant_cache(settings: Settings) -> None:
-    from prefixgate.gateway.tenancy import TENANT_CACHE_MODES
-
     for tenant in settings.api_key_map().values():  # a control character could forge a salt
         if not tenant.isprintable():
             raise ValueError(f"setting 'api_keys': tenant {tenant!r} has a control character")

@@ -35,7 +35,7 @@ from prefixgate.gateway.refusals import refusal
 from prefixgate.gateway.routing import Decision, Policy, RouteInput, parse_policy, planner
 from prefixgate.gateway.routing.inflight import InflightPrefixes, extension, follows_inflight, merge_hits
 from prefixgate.gateway.routing.planner import Plan, RequestView, Rules
-from prefixgate.gateway.tenancy import Tenancy, engine_salt, namespace_salt
+from prefixgate.gateway.tenancy import engine_salt, namespace_salt
 from prefixgate.gateway.tokens import ChatEncoder, TemplateLimitError
 from prefixgate.gateway.toolcalls.support import ToolPlan, passing_through, plan_tools
 from prefixgate.gateway.vocab import FailureKind, Mode, Stage
@@ -81,6 +81,8 @@ class Prepared:
     index_hits: dict[str, int] = field(default_factory=dict)  # node -> leading blocks, per the index
     # The tool-call format the gateway parses the answer with ("": none; ``gateway.toolcalls``).
     tool_parser: str = ""
+    # What engines salt their prefix cache with for ``namespace`` (``gateway.tenancy.engine_salt``).
+    engine_salt: str = ""
 
     @property
     def prompt_tokens(self) -> int:
@@ -341,9 +343,7 @@ class Pipeline:
         model_tokenizers: Mapping[str, Tokenizer] | None = None,
     ) -> None:
         self.settings = settings
-        self.tenancy = Tenancy.of(
-            settings.api_key_map().values(), settings.shared_namespaces, settings.tenant_cache
-        )
+        self.tenancy = settings.tenancy()
         self.pool = pool
         self.index = index
         self.tokenizer = tokenizer  # every model's, but those in ``model_tokenizers``
@@ -494,6 +494,7 @@ class Pipeline:
         self._check_cache_salt(req, model)
         ns = self.namespace(model, tenant, req.cache_salt)
         hashes = block_hashes(tokens, s.block_size, ns.root())
+        salt = engine_salt(ns.tenant)
         return Prepared(
             request_id or uuid.uuid4().hex,
             tenant,
@@ -504,8 +505,9 @@ class Pipeline:
             sampling,
             model,
             tools.needs,
-            partial(engine_body, req, docs, normalize=normalize, raw=body, cache_salt=engine_salt(ns.tenant)),
+            partial(engine_body, req, docs, normalize=normalize, raw=body, cache_salt=salt),
             tool_parser=tools.parser,
+            engine_salt=salt,
         )
 
     def _check_logit_bias(self, sampling: Sampling, tokenizer: Tokenizer) -> None:
@@ -785,8 +787,7 @@ class Pipeline:
         openai = None
         if node is not None and node.client.capabilities.openai_body and prep.openai_body is not None:
             openai = for_choice(prep.openai_body(), prep.sampling.seed, prep.sampling.choice)
-        salt = engine_salt(prep.namespace.tenant)
-        return Prompt(prep.request_id, prep.tokens, prep.hashes, prep.sampling, openai, salt)
+        return Prompt(prep.request_id, prep.tokens, prep.hashes, prep.sampling, openai, prep.engine_salt)
 
     @staticmethod
     def _blamed(e: NodeFailure, *nodes: Node) -> Node:

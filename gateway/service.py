@@ -30,7 +30,6 @@ from prefixgate.gateway.quotas import PinLimits
 from prefixgate.gateway.replicated import DocumentRegistry, PinRegistry, open_state
 from prefixgate.gateway.runner import RequestRunner
 from prefixgate.gateway.state_memory import MemoryState
-from prefixgate.gateway.tenancy import Tenancy
 from prefixgate.gateway.tokens.wiring import gateway_tokenizer, model_tokenizers, worker_tokenizer
 from prefixgate.gateway.usage import Prices, UsageLedger
 
@@ -124,10 +123,11 @@ class GatewayService:
             codec_for=lambda model: getattr(tokenizer_of(model), "hf", None),
         )
         dropped = self.metrics.kv_events_dropped
-        tenancy = Tenancy.of(s.api_key_map().values(), s.shared_namespaces, s.tenant_cache)
-        return events_connector(
-            s.kv_events, ns, connect, lambda what, n: dropped.labels(what).inc(n), salt_of=tenancy.event_salt
-        )
+
+        def on_drop(what: str, n: int) -> None:
+            dropped.labels(what).inc(n)
+
+        return events_connector(s.kv_events, ns, connect, on_drop, s.tenancy().event_salt)
 
     def _count_usage(self, ex: Execution) -> None:
         """One request, its prompt counted once: a request's choices after the first (each its
@@ -161,8 +161,7 @@ class GatewayService:
     def _check_tenancy(self, address: str) -> None:
         """A worker that would mix tenants' prefixes in its engine cache, refused unless the
         operator agreed to a shared engine cache (``gateway.tenancy``)."""
-        salted = address.partition("://")[0] not in workers.UNSALTED_SCHEMES
-        if self.pipeline.tenancy.refused(isolates=salted):
+        if self.pipeline.tenancy.refused(isolates=workers.salted(address)):
             raise ValueError(
                 f"{address}: its protocol carries no cache salt, so its engine would share one "
                 'prefix cache between this gateway\'s tenants (tenant_cache is "isolated")'

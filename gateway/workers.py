@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prefixgate.cachetier.hashing import Namespace
-from prefixgate.gateway.tenancy import Tenancy
 
 if TYPE_CHECKING:
     from prefixgate.gateway.config import Settings
@@ -178,7 +177,7 @@ def connector(
     codec = codec if codec is not None else _codec(settings.tokenizer)
     name_of = tokenizer_name if callable(tokenizer_name) else lambda _model: tokenizer_name
 
-    tenancy = Tenancy.of(settings.api_key_map().values(), settings.shared_namespaces, settings.tenant_cache)
+    tenancy = settings.tenancy()
 
     def root_of(model: str, lora: str, salt: str) -> int | None:
         # Engine events name the salt the engine was given, if any: blocks stored under none are
@@ -208,16 +207,21 @@ def connector(
 UNSALTED_SCHEMES = ("grpc",)
 
 
+def salted(address: str) -> bool:
+    """Whether the worker's protocol carries the tenant's salt into its engine's cache key."""
+    return address.partition("://")[0] not in UNSALTED_SCHEMES
+
+
 def unsalted_workers(settings: Settings) -> list[str]:
     """The configured workers whose engines keep one prefix cache for every tenant."""
     addresses = [*settings.prefill, *settings.decode, *settings.monolithic, *settings.worker_urls]
-    return [a for a in dict.fromkeys(addresses) if a.partition("://")[0] in UNSALTED_SCHEMES and "://" in a]
+    return [a for a in dict.fromkeys(addresses) if not salted(a)]
 
 
 def tenancy_refusal(settings: Settings) -> str:
     """Why these settings cannot start ("" when they can): several tenants in front of engines
     that would share one cache between them, without the operator having agreed to that."""
-    tenancy = Tenancy.of(settings.api_key_map().values(), settings.shared_namespaces, settings.tenant_cache)
+    tenancy = settings.tenancy()
     unsalted = unsalted_workers(settings)
     if not unsalted or not tenancy.refused(isolates=False):
         return ""

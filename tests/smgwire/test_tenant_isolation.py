@@ -16,7 +16,9 @@ from tests.smgwire.conftest import MODEL, StartNode
 from tests.smgwire.test_gateway_over_grpc import gateway
 
 KEYS = [f"--api-key=key-{t}={t}" for t in ("alice", "bob", "carol", "dave")]
-# carol shares one namespace: before, engine events landed in it and showed her everyone's prompts
+# carol shares one namespace: before, engine events landed in it and showed her everyone's prompts;
+# the admin token only lets the test read /admin/nodes. ``--tenant-cache shared`` (below) is the
+# setting under test: at the default the gateway refuses these workers (the first test).
 SHARED = {"PREFIXGATE_SHARED_NAMESPACES": "carol", "PREFIXGATE_ADMIN_TOKEN": "admin"}
 SECRET = "Alice's merger memo: the board meets on the ninth about the acquisition. " * 40
 
