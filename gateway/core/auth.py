@@ -14,7 +14,7 @@ import hmac
 from collections.abc import Iterable
 
 from prefixgate.gateway.config import split_api_key
-from prefixgate.openai.exceptions import Forbidden, Unauthenticated
+from prefixgate.gateway.core.errors import Forbidden, Unauthenticated
 
 REQUEST_ID_MAX = 128
 LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})

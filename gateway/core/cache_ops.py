@@ -20,6 +20,7 @@ from prefixgate.cachetier.index import StoreOp
 from prefixgate.cachetier.tokenizer import Tokenizer
 from prefixgate.gateway.cluster.nodes import ROLES, Node
 from prefixgate.gateway.core import keepwarm
+from prefixgate.gateway.core.errors import InvalidRequest, NotFound, Overloaded, Unavailable
 from prefixgate.gateway.core.pipeline import Prepared
 from prefixgate.gateway.core.service import GatewayService
 from prefixgate.gateway.nodeclient import NodeFailure, Prompt
@@ -27,7 +28,6 @@ from prefixgate.gateway.routing import Decision, RouteInput, estimate_ttft
 from prefixgate.gateway.routing.base import Estimate
 from prefixgate.gateway.routing.planner import Plan
 from prefixgate.gateway.vocab import FailureKind, Mode
-from prefixgate.openai.exceptions import InvalidRequest, NotFound, Overloaded, Unavailable
 from prefixgate.openai.normalize import Layout
 from prefixgate.openai.schema import Sampling
 

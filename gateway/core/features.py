@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from prefixgate.gateway.cluster.nodes import Node
-from prefixgate.openai.exceptions import InvalidRequest
+from prefixgate.gateway.core.errors import InvalidRequest
 from prefixgate.openai.features import Feature, refusal
 
 

@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING
 import structlog
 
 from prefixgate.gateway.cluster.nodes import Node
+from prefixgate.gateway.core.errors import Overloaded
 from prefixgate.gateway.nodeclient import NodeFailure, Prompt, TokenStream
 from prefixgate.gateway.vocab import FailureKind, Stage
-from prefixgate.openai.exceptions import Overloaded
 from prefixgate.openai.schema import Sampling
 
 if TYPE_CHECKING:

@@ -26,6 +26,7 @@ from prefixgate.cachetier.tokenizer import Tokenizer, pack_ids
 from prefixgate.cachetier.writer import IndexWriter
 from prefixgate.gateway.cluster.nodes import Node, NodePool
 from prefixgate.gateway.config import Settings
+from prefixgate.gateway.core.errors import GatewayError, InvalidRequest, Overloaded, StreamBroken, Unavailable
 from prefixgate.gateway.core.features import unable
 from prefixgate.gateway.core.refusals import refusal
 from prefixgate.gateway.core.tenancy import engine_salt, namespace_salt
@@ -39,7 +40,6 @@ from prefixgate.gateway.state.documents import DocumentStore
 from prefixgate.gateway.tokens import ChatEncoder, TemplateLimitError
 from prefixgate.gateway.toolcalls.support import ToolPlan, passing_through, plan_tools
 from prefixgate.gateway.vocab import FailureKind, Mode, Stage
-from prefixgate.openai.exceptions import GatewayError, InvalidRequest, Overloaded, StreamBroken, Unavailable
 from prefixgate.openai.features import Feature
 from prefixgate.openai.normalize import Layout, NormalizationError, Segment, render_chat, render_completion
 from prefixgate.openai.schema import ParsedRequest, Sampling

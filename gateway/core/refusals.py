@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import re
 
+from prefixgate.gateway.core.errors import InvalidRequest, Unprocessable
 from prefixgate.gateway.nodeclient import NodeFailure
 from prefixgate.gateway.vocab import FailureKind, Stage
-from prefixgate.openai.exceptions import InvalidRequest, Unprocessable
 
 MAX_MESSAGE = 300
 # Stages at which a node judged the request (CACHE and PROBE refusals are the gateway's own asks).

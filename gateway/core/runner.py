@@ -7,7 +7,7 @@ The HTTP API, the gRPC API and the admin/prefill endpoints all serve a request t
         ...  # stream or collect; the slot is held until this block is left, however it is left
 
 ``admitted`` is the same without ``execute``, for operations that are not a generation
-(warming and pinning a prefix). Errors are domain errors (``prefixgate.openai.exceptions``); each front
+(warming and pinning a prefix). Errors are domain errors (``prefixgate.gateway.core.errors``); each front
 end maps them once.
 
 Preparing a large request is CPU work proportional to its size. A body of many JSON values
@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from prefixgate.gateway.config import KEYLESS_TENANT
 from prefixgate.gateway.core.auth import KeyRing, check_admin
+from prefixgate.gateway.core.errors import Draining, StreamBroken
 from prefixgate.gateway.httpfront.bodyparse import BodyParser
-from prefixgate.openai.exceptions import Draining, StreamBroken
 
 if TYPE_CHECKING:
     from prefixgate.gateway.core.pipeline import Delta, Execution, Prepared

@@ -22,12 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from prefixgate.gateway.core.auth import valid_request_id
-from prefixgate.gateway.core.pipeline import Execution, Prepared
-from prefixgate.gateway.core.runner import Caller, Identity, Prepare, deltas
-from prefixgate.gateway.core.service import GatewayService
-from prefixgate.gateway.logging import bind_request
-from prefixgate.openai.errors import invalid
-from prefixgate.openai.exceptions import (
+from prefixgate.gateway.core.errors import (
     Conflict,
     DeadlineExceeded,
     Forbidden,
@@ -40,7 +35,12 @@ from prefixgate.openai.exceptions import (
     TooLarge,
     Unauthenticated,
     Unavailable,
+    invalid,
 )
+from prefixgate.gateway.core.pipeline import Execution, Prepared
+from prefixgate.gateway.core.runner import Caller, Identity, Prepare, deltas
+from prefixgate.gateway.core.service import GatewayService
+from prefixgate.gateway.logging import bind_request
 from prefixgate.openai.schema import ParsedRequest, check_message_count, parse_request
 from prefixgate.v1 import gateway_pb2, gateway_pb2_grpc
 

@@ -20,6 +20,7 @@ from prefixgate.gateway.cluster.nodes import ROLES, Node
 from prefixgate.gateway.config import KEYLESS_TENANT
 from prefixgate.gateway.core import cache_ops
 from prefixgate.gateway.core.auth import check_admin
+from prefixgate.gateway.core.errors import Conflict, Forbidden, NotFound, invalid
 from prefixgate.gateway.core.pipeline import Prepared
 from prefixgate.gateway.core.runner import Credentials, Identity
 from prefixgate.gateway.core.service import GatewayService
@@ -34,8 +35,6 @@ from prefixgate.gateway.httpfront.common import (
 )
 from prefixgate.gateway.logging import current_request_id
 from prefixgate.gateway.metrics import HitCounts
-from prefixgate.openai.errors import invalid
-from prefixgate.openai.exceptions import Conflict, Forbidden, NotFound
 from prefixgate.openai.schema import ParsedRequest, parse_request
 
 SWITCHES = ("disaggregation", "prefix_routing", "normalization")

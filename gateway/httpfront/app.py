@@ -19,6 +19,7 @@ from starlette.routing import Route
 
 from prefixgate.gateway.config import KEYLESS_TENANT
 from prefixgate.gateway.core import choices
+from prefixgate.gateway.core.errors import NotFound, invalid
 from prefixgate.gateway.core.pipeline import Prepared
 from prefixgate.gateway.core.runner import Identity
 from prefixgate.gateway.core.service import GatewayService
@@ -37,8 +38,7 @@ from prefixgate.gateway.httpfront.common import (
     service_of,
 )
 from prefixgate.gateway.httpfront.metrics_listener import MetricsListener, scrape
-from prefixgate.openai.errors import APIError, invalid
-from prefixgate.openai.exceptions import NotFound
+from prefixgate.openai.errors import APIError
 from prefixgate.openai.schema import ParsedRequest, document_id, parse_request
 
 log = structlog.get_logger("prefixgate.http")

@@ -19,7 +19,7 @@ import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from prefixgate.openai import exceptions
+from prefixgate.gateway.core import errors as exceptions
 from prefixgate.openai.schema import parse_json
 
 Outcome = tuple[dict[str, Any] | None, tuple[str, str, str | None, str | None] | None]

@@ -1,7 +1,7 @@
 """HTTP plumbing shared by the client API (``gateway.httpfront.app``) and the admin API
 (``gateway.httpfront.admin``).
 
-Errors are mapped here once: a domain error (``prefixgate.openai.exceptions``) becomes an OpenAI-format
+Errors are mapped here once: a domain error (``prefixgate.gateway.core.errors``) becomes an OpenAI-format
 error with its HTTP status (``prefixgate.openai.errors.from_domain``); anything unexpected becomes a 500.
 
 Two kinds of endpoint: ``guard(handler)`` for a handler that returns its response, and
@@ -23,12 +23,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from prefixgate.gateway.core.auth import valid_request_id
+from prefixgate.gateway.core.errors import GatewayError, InvalidRequest, TooLarge
 from prefixgate.gateway.core.runner import Caller, RequestRunner
 from prefixgate.gateway.core.service import GatewayService
 from prefixgate.gateway.httpfront.connections import DISCONNECT_EXTENSION, DisconnectHook
 from prefixgate.gateway.logging import bind_request, current_request_id
 from prefixgate.openai.errors import APIError, from_domain
-from prefixgate.openai.exceptions import GatewayError, InvalidRequest, TooLarge
 
 log = structlog.get_logger("prefixgate.http")
 

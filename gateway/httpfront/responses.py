@@ -19,11 +19,11 @@ import orjson
 from starlette.responses import Response
 
 from prefixgate.gateway.core.choices import Choices
+from prefixgate.gateway.core.errors import StreamBroken
 from prefixgate.gateway.httpfront.common import SSE_DONE, ORJSONResponse
 from prefixgate.gateway.nodeclient.base import TokenLogprob
 from prefixgate.gateway.toolcalls import shapes as toolcalls
 from prefixgate.openai.errors import from_domain
-from prefixgate.openai.exceptions import StreamBroken
 from prefixgate.openai.schema import ParsedRequest
 
 FINGERPRINT = "prefixgate"

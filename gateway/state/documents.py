@@ -17,7 +17,7 @@ import sys
 import uuid
 from dataclasses import dataclass
 
-from prefixgate.openai.exceptions import NotFound, QuotaExceeded, TooLarge
+from prefixgate.gateway.core.errors import NotFound, QuotaExceeded, TooLarge
 from prefixgate.openai.normalize import Document
 
 # The Document, the (document, cost) entry and its dictionary slot: 125 to 173 bytes measured

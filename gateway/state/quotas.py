@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from prefixgate.openai.exceptions import InvalidRequest, QuotaExceeded
+from prefixgate.gateway.core.errors import InvalidRequest, QuotaExceeded
 
 
 def first_expiry(until: Iterable[float], now: float) -> float | None:

@@ -30,6 +30,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
+from prefixgate.gateway.core.errors import Unavailable
+from prefixgate.gateway.state import lua as state_lua
 from prefixgate.gateway.state.documents import (
     TENANT_OVERHEAD,
     DocumentLimits,
@@ -47,8 +49,6 @@ from prefixgate.gateway.state.store import (
     UsageCounts,
     UsageKey,
 )
-from prefixgate.gateway.state import lua as state_lua
-from prefixgate.openai.exceptions import Unavailable
 
 Client = aioredis.Redis | RedisCluster
 GRACE_MS = 60_000  # keys outlive their expiry this long, so the next put clears them itself

@@ -91,7 +91,7 @@ UsageKey = tuple[str, str]  # (tenant, model)
 class StateStore(Protocol):
     """Shared state of a deployment. Every method is one atomic change or one consistent read.
 
-    Quota and bound violations raise the domain errors of ``prefixgate.openai.exceptions``.
+    Quota and bound violations raise the domain errors of ``prefixgate.gateway.core.errors``.
     """
 
     backend: str

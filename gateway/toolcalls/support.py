@@ -22,10 +22,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefixgate.gateway.core.errors import InvalidRequest
 from prefixgate.gateway.toolcalls.detect import detect_parser, mentions_tools
 from prefixgate.gateway.toolcalls.forcing import forceable, forced_calls
 from prefixgate.openai.constraint import Constraint
-from prefixgate.openai.exceptions import InvalidRequest
 from prefixgate.openai.features import Feature, refusal
 
 

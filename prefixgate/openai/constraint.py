@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prefixgate.openai.errors import invalid
+from prefixgate.gateway.core.errors import invalid
 
 KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 JSON_OBJECT = json.dumps({"type": "object"})

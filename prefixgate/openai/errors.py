@@ -6,7 +6,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from prefixgate.openai.exceptions import (
+from prefixgate.gateway.core.errors import (
     Conflict,
     DeadlineExceeded,
     Draining,
@@ -71,11 +71,6 @@ class APIError(Exception):
         if self.retry_after is not None:
             hdrs["Retry-After"] = str(max(1, round(self.retry_after)))
         return JSONResponse(self.body(), status_code=self.status, headers=hdrs)
-
-
-def invalid(message: str, param: str | None = None, code: str | None = None) -> InvalidRequest:
-    """A malformed request (HTTP 400, gRPC INVALID_ARGUMENT)."""
-    return InvalidRequest(message, param=param, code=code)
 
 
 _STATUS: tuple[tuple[type[GatewayError], int], ...] = (

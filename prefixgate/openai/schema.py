@@ -10,9 +10,8 @@ from typing import Any
 import orjson
 import xxhash
 
+from prefixgate.gateway.core.errors import NotFound, TooLarge, invalid
 from prefixgate.openai.constraint import Constraint, from_response_format
-from prefixgate.openai.errors import invalid
-from prefixgate.openai.exceptions import NotFound, TooLarge
 from prefixgate.openai.features import Feature
 from prefixgate.openai.normalize import DOCUMENT_ID_ALPHABET, MAX_DOCUMENT_ID, Document, is_document_id
 from prefixgate.openai.tool_messages import check_tool_messages, check_tools

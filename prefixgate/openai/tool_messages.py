@@ -10,7 +10,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from prefixgate.openai.errors import invalid
+from prefixgate.gateway.core.errors import invalid
 
 
 def check_tools(tools: list[Any]) -> None:

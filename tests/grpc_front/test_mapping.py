@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from prefixgate.gateway.grpcfront.servicer import request_body, status_of
-from prefixgate.openai.exceptions import (
+from prefixgate.gateway.core.errors import (
     Conflict,
     DeadlineExceeded,
     Draining,
@@ -20,6 +19,7 @@ from prefixgate.openai.exceptions import (
     Unauthenticated,
     Unavailable,
 )
+from prefixgate.gateway.grpcfront.servicer import request_body, status_of
 from prefixgate.v1 import gateway_pb2
 
 

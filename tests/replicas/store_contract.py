@@ -8,11 +8,11 @@ import time
 
 import pytest
 
+from prefixgate.gateway.core.errors import InvalidRequest, NotFound, QuotaExceeded
 from prefixgate.gateway.state.documents import DocumentLimits
 from prefixgate.gateway.state.quotas import PinLimits
 from prefixgate.gateway.state.replicated import DocumentRegistry, PinRegistry
 from prefixgate.gateway.state.store import Member, StateStore, UsageCounts
-from prefixgate.openai.exceptions import InvalidRequest, NotFound, QuotaExceeded
 
 DOCS = DocumentLimits(per_tenant_count=3, per_tenant_bytes=20_000, total_bytes=30_000)
 PINS = PinLimits(blocks_per_node=4, node_share=0.5, blocks=6, max_seconds=60)

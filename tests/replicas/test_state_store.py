@@ -9,13 +9,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 from prometheus_client import CollectorRegistry
 
+from prefixgate.gateway.core.errors import NotFound, Unavailable
 from prefixgate.gateway.core.usage import Prices, UsageLedger
 from prefixgate.gateway.state.documents import DocumentLimits
 from prefixgate.gateway.state.memory import MemoryState
 from prefixgate.gateway.state.redis_store import RedisState
 from prefixgate.gateway.state.replicated import DocumentRegistry
 from prefixgate.gateway.state.store import StateStore, UsageCounts
-from prefixgate.openai.exceptions import NotFound, Unavailable
 from tests.cachetier.support import redis_url, test_prefix
 from tests.replicas.store_contract import CONTRACT
 

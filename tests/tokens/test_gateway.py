@@ -74,7 +74,7 @@ def test_prepare_hashes_the_ids_the_engine_template_gives() -> None:
 
 
 def test_a_template_refusal_is_a_400() -> None:
-    from prefixgate.openai.exceptions import InvalidRequest
+    from prefixgate.gateway.core.errors import InvalidRequest
 
     svc = GatewayService(Settings(tokenizer_path=str(TOKENIZER_DIR)))
     with pytest.raises(InvalidRequest):

@@ -7,7 +7,7 @@ import hmac
 import pytest
 
 from prefixgate.gateway.core.auth import KeyRing, check_admin, valid_request_id
-from prefixgate.openai.exceptions import Forbidden, Unauthenticated
+from prefixgate.gateway.core.errors import Forbidden, Unauthenticated
 
 KEYS = ["sk-a=alice", "sk-b=bob", "sk-c"]
 

@@ -8,9 +8,9 @@ import orjson
 import pytest
 
 from prefixgate.gateway.config import load_settings
+from prefixgate.gateway.core.errors import GatewayError
 from prefixgate.gateway.httpfront.bodyparse import values_bound
 from prefixgate.openai.errors import from_domain
-from prefixgate.openai.exceptions import GatewayError
 from prefixgate.openai.schema import count_values, parse_json, parse_request
 
 KW = dict(models={"m"}, default_max_tokens=16, max_tokens_limit=1000, max_documents=4)

@@ -9,8 +9,8 @@ import tracemalloc
 import orjson
 import pytest
 
+from prefixgate.gateway.core.errors import QuotaExceeded, TooLarge
 from prefixgate.gateway.state.documents import DocumentLimits, DocumentStore
-from prefixgate.openai.exceptions import QuotaExceeded, TooLarge
 
 
 def test_one_tenant_flooding_the_registry_never_evicts_another_tenants_document() -> None:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixgate.gateway.vocab import FailureKind, Mode, Role
-from prefixgate.openai.errors import from_domain, http_status
-from prefixgate.openai.exceptions import (
+from prefixgate.gateway.core.errors import (
     DeadlineExceeded,
     Draining,
     GatewayError,
@@ -16,6 +14,8 @@ from prefixgate.openai.exceptions import (
     StreamBroken,
     Unavailable,
 )
+from prefixgate.gateway.vocab import FailureKind, Mode, Role
+from prefixgate.openai.errors import from_domain, http_status
 
 
 @pytest.mark.parametrize(

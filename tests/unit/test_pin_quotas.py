@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from prefixgate.gateway.core.errors import InvalidRequest, QuotaExceeded
 from prefixgate.gateway.state.quotas import PinLedger, PinLimits
-from prefixgate.openai.exceptions import InvalidRequest, QuotaExceeded
 
 LIMITS = PinLimits(blocks_per_node=100, node_share=0.25, blocks=150, max_seconds=60)
 

@@ -15,10 +15,10 @@ from prefixgate.backends.tiny.vocab import CLASS_OF, OUTPUT_CLASSES, OUTPUT_IDS
 from prefixgate.cachetier.hashing import block_hashes
 from prefixgate.cachetier.tokenizer import Bytes4Tokenizer
 from prefixgate.gateway.core import choices
+from prefixgate.gateway.core.errors import InvalidRequest, StreamBroken
 from prefixgate.gateway.nodeclient.base import Capabilities
 from prefixgate.gateway.nodeclient.fake import Fail, FakeNodeClient, Tokens, fake_status
 from prefixgate.gateway.vocab import FailureKind, Mode
-from prefixgate.openai.exceptions import InvalidRequest, StreamBroken
 from prefixgate.openai.features import Feature
 from prefixgate.openai.normalize import render_chat
 from prefixgate.openai.schema import parse_request

@@ -9,8 +9,8 @@ import pytest
 
 from prefixgate.cachetier.hashing import Namespace, block_hashes
 from prefixgate.cachetier.tokenizer import Bytes4Tokenizer
+from prefixgate.gateway.core.errors import InvalidRequest
 from prefixgate.openai.errors import http_status
-from prefixgate.openai.exceptions import InvalidRequest
 from prefixgate.openai.normalize import (
     Document,
     Layout,

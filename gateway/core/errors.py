@@ -1,9 +1,12 @@
-"""Domain errors of the gateway core, free of any transport's status codes.
+"""Domain errors of the gateway core, free of any transport's status codes and web framework.
 
-The core (pipeline, cache operations, documents, service) raises these; each front end maps them
-once: the HTTP front end to an OpenAI-format error with an HTTP status (``prefixgate.openai.errors``), the
-gRPC front end to a gRPC status. ``code`` is the OpenAI ``error.code`` both front ends send;
-``param`` names the offending request field where there is one.
+The core (pipeline, cache operations, documents, service) and the request validation it runs
+(``prefixgate.openai.schema``) raise these; each front end maps them once: the HTTP front end to
+an OpenAI-format error with an HTTP status (``prefixgate.openai.errors``), the gRPC front end to
+a gRPC status. ``code`` is the OpenAI ``error.code`` both front ends send; ``param`` names the
+offending request field where there is one. This module imports nothing, so the OpenAI
+protocol layer and the nodes' own HTTP endpoint raise the same errors without importing the
+rest of the gateway.
 """
 
 from __future__ import annotations
@@ -105,3 +108,8 @@ class StreamBroken(GatewayError):
     """Generation failed after the first token was sent: nothing can be retried."""
 
     default_code = "stream_broken"
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> InvalidRequest:
+    """A malformed request (HTTP 400, gRPC INVALID_ARGUMENT)."""
+    return InvalidRequest(message, param=param, code=code)
