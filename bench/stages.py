@@ -60,7 +60,7 @@ RULES: tuple[tuple[str, str], ...] = (
     ("response framing", "_stream|gateway/httpfront/app.py"),
     ("response framing", "_sse|gateway/httpfront/app.py"),
     ("response framing", "_complete|gateway/httpfront/app.py"),
-    ("response framing", "deltas|gateway/core/runner.py"),
+    ("response framing", "stream|gateway/core/choices.py"),
     ("response framing", "_stream|gateway/httpfront/hotroutes.py"),
     ("response framing", "_complete|gateway/httpfront/hotroutes.py"),
     ("pipeline", "gateway/core/pipeline.py"),

@@ -3,7 +3,8 @@
 ``explain`` is read-only (it runs ``Pipeline.preview``); ``evict`` removes blocks from the
 node caches (node ``Evict``) and from the index; ``warm`` prefills a prompt on nodes without
 generating (node ``Prefill`` with ``skip_first_token``), optionally pinning it, and records
-the blocks in the index. The HTTP layer (``gateway.httpfront.admin``) only parses and answers.
+the blocks in the index. They return typed values; the HTTP layer (``gateway.httpfront.admin``)
+parses the requests and shapes the answers' JSON.
 """
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field, replace
 
 import structlog
 
@@ -21,7 +21,7 @@ from prefixgate.cachetier.tokenizer import Tokenizer
 from prefixgate.gateway.cluster.nodes import ROLES, Node
 from prefixgate.gateway.core import keepwarm
 from prefixgate.gateway.core.errors import InvalidRequest, NotFound, Overloaded, Unavailable
-from prefixgate.gateway.core.pipeline import Prepared
+from prefixgate.gateway.core.pipeline import Prepared, Switches
 from prefixgate.gateway.core.service import GatewayService
 from prefixgate.gateway.nodeclient import NodeFailure, Prompt
 from prefixgate.gateway.routing import Decision, RouteInput, estimate_ttft
@@ -37,26 +37,6 @@ MAX_PIN_SECONDS = 7 * 24 * 3600.0
 NODE_RPC_TIMEOUT_S = 10.0
 
 
-def hex_hash(h: int) -> str:
-    return f"{h:016x}"
-
-
-def parse_hash(value: Any, param: str) -> int:
-    """A block hash as 16 hex digits (optionally 0x-prefixed) or a non-negative integer."""
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64:
-        return value
-    if isinstance(value, str):
-        text = value.lower().removeprefix("0x")
-        if 0 < len(text) <= 16:
-            try:
-                return int(text, 16)
-            except ValueError:
-                pass
-    raise InvalidRequest(
-        "a block hash is 16 hex digits (as /admin/cache/lookup shows) or an integer", param=param
-    )
-
-
 # -- explain -------------------------------------------------------------------------------------
 
 
@@ -65,7 +45,19 @@ def cache_view(node: Node) -> str:
     return "kv-events" if node.client.capabilities.kv_events else "index-only"
 
 
-def prompt_basis(svc: GatewayService, prep: Prepared) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class PromptBasis:
+    """What a prompt's block hashes are computed on (``prompt_basis``)."""
+
+    tokenizer: str
+    rendering: str  # "model template" or "gateway"
+    exact: bool
+    approximate_for: list[str]
+    exact_for: list[str]
+    note: str
+
+
+def prompt_basis(svc: GatewayService, prep: Prepared) -> PromptBasis:
     """What the block hashes are computed on, and whether that is what the nodes compute.
 
     Nodes fed tokens compute exactly the gateway's tokens. OpenAI-compatible HTTP workers take
@@ -80,20 +72,20 @@ def prompt_basis(svc: GatewayService, prep: Prepared) -> dict[str, Any]:
     # chats through the model's own template when the gateway has it (gateway.tokens), else ours
     tokenizer = svc.pipeline.tokenizer_for(prep.model)
     model_template = getattr(tokenizer, "template", None) is not None
-    return {
-        "tokenizer": tokenizer.name,
-        "rendering": "model template" if model_template else "gateway",
-        "exact": exact,
-        "approximate_for": http,
-        "exact_for": tokens,
-        "note": (
+    return PromptBasis(
+        tokenizer=tokenizer.name,
+        rendering="model template" if model_template else "gateway",
+        exact=exact,
+        approximate_for=http,
+        exact_for=tokens,
+        note=(
             "block hashes are the gateway's tokens of its rendering, which the nodes compute"
             if exact
             else "block hashes are the gateway's tokenizer over its own rendering; OpenAI-compatible "
             "workers render and tokenize themselves, so for them this approximates the prompt's "
             "prefix structure (their index entries come from routing, not from their cache)"
         ),
-    }
+    )
 
 
 def routed(plan: Plan) -> Decision | None:
@@ -129,26 +121,69 @@ def token_spans(layout: Layout, tokenizer: Tokenizer, prompt_tokens: int) -> lis
     return [(bounds[i], max(bounds[i], bounds[i + 1])) for i in range(len(layout.segments))]
 
 
-def _estimate_json(e: Estimate | None) -> dict[str, Any]:
-    if e is None:
-        return {}
-    return {
-        "estimated_ttft_ms": round(e.ttft_s * 1000, 3),
-        "queue_ms": round(e.queue_s * 1000, 3),
-        "prefill_ms": round(e.prefill_s * 1000, 3),
-        "transfer_ms": round(e.transfer_s * 1000, 3),
-        "within_load_bound": e.within_bound,
-    }
+@dataclass(frozen=True, slots=True)
+class NodeMatch:
+    """One serving node as ``explain`` sees it: its cached prefix, load and estimate."""
+
+    id: str
+    role: str
+    routable: bool
+    cache: str  # ``cache_view``
+    hit_blocks: int
+    cached_tokens: int
+    outstanding_requests: int
+    outstanding_tokens: int
+    active_streams: int
+    estimate: Estimate | None
+    chosen_for: list[str]  # "prefill", "decode", "monolithic"
 
 
-def _node_rows(svc: GatewayService, prep: Prepared, plan: Plan) -> list[dict[str, Any]]:
+@dataclass(frozen=True, slots=True)
+class SegmentMatch:
+    """One layout segment: its token and block range, and how much of it is cached."""
+
+    kind: str
+    label: str
+    tokens: tuple[int, int]  # [start, end)
+    blocks: tuple[int, int]  # [first, end)
+    cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class RouteChoice:
+    """Where the request would be served now, and why."""
+
+    mode: str
+    reason: str
+    prefill_node: str | None
+    decode_node: str | None
+    monolithic_node: str | None
+    node_reason: str
+    cached_blocks: int
+    predicted_cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Explanation:
+    """How a request would be served now (``explain``)."""
+
+    prep: Prepared
+    block_size: int
+    switches: Switches  # a copy, as they were
+    segments: list[SegmentMatch]
+    basis: PromptBasis
+    nodes: list[NodeMatch]
+    decision: RouteChoice
+
+
+def _node_rows(svc: GatewayService, prep: Prepared, plan: Plan) -> list[NodeMatch]:
     bs = svc.settings.block_size
     policy_estimates: dict[str, Estimate] = {}
     for d in (plan.prefill, plan.monolithic):
         if d is not None:
             policy_estimates.update({e.node_id: e for e in d.estimates})
     target, split = routed(plan), plan.mode.mode == Mode.DISAGGREGATED
-    rows: list[dict[str, Any]] = []
+    rows: list[NodeMatch] = []
     serving = svc.pool.serving(prep.model, svc.settings.model)  # other models' nodes never serve it
     for node in sorted(serving, key=lambda n: (ROLES.index(n.role), n.id)):
         hit = plan.hits.get(node.id, 0)
@@ -163,26 +198,24 @@ def _node_rows(svc: GatewayService, prep: Prepared, plan: Plan) -> list[dict[str
             chosen.append("decode")
         view = node.view()
         rows.append(
-            {
-                "id": node.id,
-                "role": node.role,
-                "routable": node.routable,
-                "cache": cache_view(node),
-                "hit_blocks": hit,
-                "cached_tokens": min(prep.prompt_tokens, hit * bs),
-                "load": {
-                    "outstanding_requests": view.outstanding_requests,
-                    "outstanding_tokens": view.outstanding_tokens,
-                    "active_streams": node.active_streams,
-                },
-                **_estimate_json(est),
-                "chosen_for": chosen,
-            }
+            NodeMatch(
+                id=node.id,
+                role=node.role,
+                routable=node.routable,
+                cache=cache_view(node),
+                hit_blocks=hit,
+                cached_tokens=min(prep.prompt_tokens, hit * bs),
+                outstanding_requests=view.outstanding_requests,
+                outstanding_tokens=view.outstanding_tokens,
+                active_streams=node.active_streams,
+                estimate=est,
+                chosen_for=chosen,
+            )
         )
     return rows
 
 
-async def explain(svc: GatewayService, prep: Prepared) -> dict[str, Any]:
+async def explain(svc: GatewayService, prep: Prepared) -> Explanation:
     """How this request would be served now: layout, blocks, per-node match and estimate, decision."""
     pipe = svc.pipeline
     bs = svc.settings.block_size
@@ -201,44 +234,33 @@ async def explain(svc: GatewayService, prep: Prepared) -> dict[str, Any]:
     segments = []
     for seg, (start, end) in zip(prep.layout.segments, spans, strict=True):
         segments.append(
-            {
-                "kind": seg.kind,
-                "label": seg.label,
-                "tokens": [start, end],
-                "token_count": end - start,
-                "blocks": [min(full, start // bs), min(full, -(-end // bs))],
-                "cached_tokens": max(0, min(end, cached_upto) - start),
-            }
+            SegmentMatch(
+                kind=seg.kind,
+                label=seg.label,
+                tokens=(start, end),
+                blocks=(min(full, start // bs), min(full, -(-end // bs))),
+                cached_tokens=max(0, min(end, cached_upto) - start),
+            )
         )
-    decision = {
-        "mode": plan.mode.mode,
-        "reason": plan.mode.reason,
-        "prefill_node": target.node_id if split and target is not None else None,
-        "decode_node": plan.decode_node if split else None,
-        "monolithic_node": target.node_id if not split and target is not None else None,
-        "node_reason": target.reason if target is not None else "no routable node",
-        "cached_blocks": target_hit,
-        "predicted_cached_tokens": cached_upto,
-    }
-    sw = pipe.switches
-    return {
-        "object": "cache.lookup",
-        "model": prep.model,
-        "tenant": prep.tenant,
-        "prompt_tokens": prep.prompt_tokens,
-        "block_size": bs,
-        "full_blocks": full,
-        "switches": {
-            "disaggregation": sw.disaggregation,
-            "prefix_routing": sw.prefix_routing,
-            "normalization": sw.normalization,
-        },
-        "layout": {"segments": segments},
-        "block_hashes": [hex_hash(h) for h in prep.hashes],
-        "prompt_basis": prompt_basis(svc, prep),
-        "nodes": _node_rows(svc, prep, plan),
-        "decision": decision,
-    }
+    decision = RouteChoice(
+        mode=plan.mode.mode,
+        reason=plan.mode.reason,
+        prefill_node=target.node_id if split and target is not None else None,
+        decode_node=plan.decode_node if split else None,
+        monolithic_node=target.node_id if not split and target is not None else None,
+        node_reason=target.reason if target is not None else "no routable node",
+        cached_blocks=target_hit,
+        predicted_cached_tokens=cached_upto,
+    )
+    return Explanation(
+        prep=prep,
+        block_size=bs,
+        switches=replace(pipe.switches),
+        segments=segments,
+        basis=prompt_basis(svc, prep),
+        nodes=_node_rows(svc, prep, plan),
+        decision=decision,
+    )
 
 
 # -- evict ---------------------------------------------------------------------------------------
@@ -253,16 +275,6 @@ class NodeEviction:
     # What was done where: "node and index" (the node evicted the blocks), "whole-node flush"
     # (a node that can only flush its whole cache was asked for everything), "index only".
     action: str = "node and index"
-
-    def to_json(self, max_hashes: int = 1024) -> dict[str, Any]:
-        return {
-            "action": self.action,
-            "evicted_blocks": len(self.evicted),
-            "block_hashes": [hex_hash(h) for h in self.evicted[:max_hashes]],
-            "truncated": len(self.evicted) > max_hashes,
-            "index_removed": self.index_removed,
-            "error": self.error,
-        }
 
 
 async def _evict_node(
@@ -337,8 +349,15 @@ class WarmResult:
     error: str | None = None
     code: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+
+@dataclass(frozen=True, slots=True)
+class WarmReport:
+    """A warm (and pin) of one prompt: what each target node did."""
+
+    prep: Prepared
+    block_size: int
+    pin_seconds: float
+    nodes: list[WarmResult]
 
 
 def warm_targets(
@@ -466,7 +485,7 @@ async def warm(
     pin_seconds: float,
     *,
     tenant_quota: bool = False,
-) -> dict[str, Any]:
+) -> WarmReport:
     """Prefill ``prep`` on the target nodes (no generation), pinned for ``pin_seconds`` if > 0.
 
     With ``tenant_quota`` (a tenant's own pin, not an admin's) the pin is first reserved against
@@ -512,13 +531,21 @@ async def warm(
         if all(r.code == FailureKind.OVERLOADED for r in failed):
             raise Overloaded(f"no node had room for the prompt ({detail})", retry_after=1)
         raise Unavailable(f"no node could take the prompt ({detail})", retry_after=2)
-    return {
-        "object": "prefill",
-        "id": prep.request_id,
-        "model": prep.model,
-        "prompt_tokens": prep.prompt_tokens,
-        "blocks": len(prep.hashes),
-        "block_size": svc.settings.block_size,
-        "pin_seconds": pin_seconds,
-        "nodes": [r.to_json() for r in results],
-    }
+    return WarmReport(prep, svc.settings.block_size, pin_seconds, list(results))
+
+
+@dataclass(frozen=True, slots=True)
+class Warm:
+    """The runner's job (``gateway.core.runner.Job``) of a warm: the prompt on ``nodes`` (named,
+    a count of the best, or None: the routed one), pinned for ``pin_seconds`` if > 0."""
+
+    svc: GatewayService
+    nodes: list[str] | int | None
+    pin_seconds: float
+    tenant_quota: bool = False
+
+    async def start(self, prepared: Prepared) -> WarmReport:
+        return await warm(self.svc, prepared, self.nodes, self.pin_seconds, tenant_quota=self.tenant_quota)
+
+    async def close(self, started: WarmReport) -> None:
+        """Nothing to close: the warm is done once started."""

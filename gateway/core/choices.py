@@ -8,18 +8,19 @@ holds one admission slot for all its choices (``n`` is bounded by ``schema.MAX_N
 
 All choices are started before anything is sent (a choice that cannot start fails the request,
 and the ones started are closed); their deltas are then merged as they come, tagged with their
-index. ``n = 1`` is a single execution with no merging.
+index. ``n = 1`` is a single execution with no merging: a streamed token passes the execution's
+stream and ``Choices.stream``, nothing more.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
-from dataclasses import replace
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from prefixgate.gateway.core.runner import Caller, Prepare, RequestRunner, deltas
+from prefixgate.gateway.core.errors import StreamBroken
 from prefixgate.gateway.core.streams import tagged_merge
 
 if TYPE_CHECKING:
@@ -63,9 +64,24 @@ class Choices:
         return self.first.headers()
 
     async def stream(self) -> AsyncIterator[tuple[int, Delta]]:
-        """``(choice index, delta)`` as the choices produce them; ``StreamBroken`` if one breaks."""
-        async for i, d in tagged_merge([deltas(ex) for ex in self.executions]):
-            yield i, d
+        """``(choice index, delta)`` as the choices produce them. A node failure after the first
+        token is ``StreamBroken``, with the one message both front ends send (HTTP: an SSE error
+        event or a 502; gRPC: UNAVAILABLE)."""
+        try:
+            if len(self.executions) == 1:
+                deltas = self.first.stream()
+                try:
+                    async for d in deltas:
+                        yield 0, d
+                finally:
+                    if isinstance(deltas, AsyncGenerator):
+                        await deltas.aclose()
+            else:
+                async with aclosing(tagged_merge([ex.stream() for ex in self.executions])) as merged:
+                    async for item in merged:
+                        yield item
+        except StreamBroken as e:
+            raise StreamBroken(f"generation failed after it started: {e}") from e
 
     async def close(self) -> None:
         for ex in self.executions:
@@ -90,15 +106,15 @@ async def start(pipeline: Pipeline, prep: Prepared, n: int) -> Choices:
         raise
 
 
-@asynccontextmanager
-async def run(
-    runner: RequestRunner, caller: Caller, prepare: Prepare, count: Callable[[], int]
-) -> AsyncIterator[Choices]:
-    """``runner.admitted``, then every choice started (``count()`` of them, read once prepared);
-    closed and the slot released on exit."""
-    async with runner.admitted(caller, prepare) as prep:
-        choices = await start(runner.svc.pipeline, prep, count())
-        try:
-            yield choices
-        finally:
-            await choices.close()
+@dataclass(frozen=True, slots=True)
+class Generate:
+    """The runner's job (``gateway.core.runner.Job``) of a completion: its ``n`` choices."""
+
+    pipeline: Pipeline
+    n: int = 1
+
+    async def start(self, prepared: Prepared) -> Choices:
+        return await start(self.pipeline, prepared, self.n)
+
+    async def close(self, started: Choices) -> None:
+        await started.close()

@@ -1,14 +1,18 @@
-"""One request runner for every front end: drain check, auth, request id, admission, execute, release.
+"""One request runner for every front end: drain check, auth, request id, prepare, admission, run.
 
-The HTTP API, the gRPC API and the admin/prefill endpoints all serve a request through
-``RequestRunner``, in that order, so none of them can skip a step or leak an in-flight slot::
+The HTTP API, the gRPC API and the admin/prefill endpoints all serve a request the same way, in
+this order, so none of them can skip a step or leak an in-flight slot::
 
-    async with runner.run(caller, prepare) as execution:
+    identity = runner.enter(caller)                      # drain check, auth, request id
+    parsed, prepared = await runner.prepare(parse, identity.tenant(), identity.request_id, size)
+    async with runner.run(prepared, Generate(pipeline, n)) as choices:
         ...  # stream or collect; the slot is held until this block is left, however it is left
 
-``admitted`` is the same without ``execute``, for operations that are not a generation
-(warming and pinning a prefix). Errors are domain errors (``prefixgate.gateway.core.errors``); each front
-end maps them once.
+The front end reads its transport and prepares; it passes values down (the identity, the
+prepared request, the job) and the runner calls nothing of the front end. The job says what the
+admitted request does on the nodes: generate its choices (``gateway.core.choices.Generate``) or
+warm a prefix (``gateway.core.cache_ops.Warm``). Errors are domain errors
+(``gateway.core.errors``); each front end maps them once.
 
 Preparing a large request is CPU work proportional to its size. A body of many JSON values
 is parsed in a worker process (``gateway.httpfront.bodyparse``: the parser holds the interpreter lock,
@@ -27,24 +31,24 @@ import asyncio
 import contextvars
 import functools
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from prefixgate.gateway.config import KEYLESS_TENANT
 from prefixgate.gateway.core.auth import KeyRing, check_admin
-from prefixgate.gateway.core.errors import Draining, StreamBroken
+from prefixgate.gateway.core.errors import Draining
 from prefixgate.gateway.httpfront.bodyparse import BodyParser
 
 if TYPE_CHECKING:
-    from prefixgate.gateway.core.pipeline import Delta, Execution, Prepared
-    from prefixgate.gateway.core.service import GatewayService
+    from prefixgate.gateway.core.pipeline import Pipeline, Prepared
     from prefixgate.openai.schema import ParsedRequest
 
 T = TypeVar("T")
+Started = TypeVar("Started")
 OFFLOAD_BYTES = 1024 * 1024  # more than the text of a prompt of max_prompt_tokens (bytes4)
 HEAVY_CONCURRENCY = 2
 RENDER_THREADS = 4  # CPU work under one interpreter lock: more threads would not render faster
@@ -79,17 +83,40 @@ class Identity:
         return KEYLESS_TENANT if self.key_tenant is None else self.key_tenant
 
 
-Prepare = Callable[[Identity], Awaitable["Prepared"]]
+class Job(Protocol[Started]):
+    """What an admitted request does on the nodes: started once admitted, closed on leaving."""
+
+    async def start(self, prepared: Prepared) -> Started: ...
+
+    async def close(self, started: Started) -> None: ...
+
+
+class Documents(Protocol):
+    """Where a request's registered documents are fetched from (``DocumentRegistry``)."""
+
+    async def resolve(self, tenant: str, req: ParsedRequest) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerLimits:
+    """The settings the runner applies: credentials and the body parser's value bound."""
+
+    api_keys: Sequence[str] = ()
+    admin_token: str = ""
+    max_json_values: int = 0
 
 
 class RequestRunner:
-    """The one path from an incoming request to an admitted, executing one."""
+    """The one path from an incoming request to an admitted, running one."""
 
-    def __init__(self, svc: GatewayService) -> None:
-        self.svc = svc
-        self.keys = KeyRing(svc.settings.api_keys)
+    def __init__(self, pipeline: Pipeline, documents: Documents, limits: RunnerLimits) -> None:
+        self.pipeline = pipeline
+        self.documents = documents
+        self.admin_token = limits.admin_token
+        self.keys = KeyRing(limits.api_keys)
+        self.draining = False  # set on shutdown: new requests are refused (``Draining``)
         self._heavy = asyncio.Semaphore(HEAVY_CONCURRENCY)
-        self.bodies = BodyParser(svc.settings.max_json_values, workers=HEAVY_CONCURRENCY)
+        self.bodies = BodyParser(limits.max_json_values, workers=HEAVY_CONCURRENCY)
         self._render = ThreadPoolExecutor(RENDER_THREADS, thread_name_prefix="prefixgate-render")
 
     def close(self) -> None:
@@ -99,9 +126,15 @@ class RequestRunner:
     def authenticate(self, caller: Caller, credentials: Credentials = Credentials.CLIENT) -> str | None:
         """The API key's tenant (None in keyless mode or for the admin); raises when refused."""
         if credentials is Credentials.ADMIN:
-            check_admin(self.svc.settings.admin_token, caller.authorization, caller.client_host)
+            check_admin(self.admin_token, caller.authorization, caller.client_host)
             return None
         return self.keys.authenticate(caller.authorization)
+
+    def enter(self, caller: Caller, credentials: Credentials = Credentials.CLIENT) -> Identity:
+        """The first step of every request, before its body is read: drain check, auth, request id."""
+        if self.draining:
+            raise Draining("the gateway is shutting down", retry_after=1)
+        return Identity(self.authenticate(caller, credentials), caller.request_id or uuid.uuid4().hex)
 
     async def parse_body(self, raw: bytes) -> dict[str, Any]:
         """A JSON object body within the value bound; parsed off this process when it may
@@ -117,7 +150,7 @@ class RequestRunner:
         if size >= OFFLOAD_BYTES:
             async with self._heavy:
                 return await asyncio.to_thread(work)
-        if self.svc.pipeline.renders_templates:
+        if self.pipeline.renders_templates:
             call = functools.partial(contextvars.copy_context().run, work)
             return await asyncio.get_running_loop().run_in_executor(self._render, call)
         return work()
@@ -135,7 +168,7 @@ class RequestRunner:
         CPU work runs as ``compute`` runs it; a request naming no registered document is parsed
         and prepared in one go.
         """
-        pipeline = self.svc.pipeline
+        pipeline = self.pipeline
 
         def first() -> tuple[ParsedRequest, Prepared | None]:
             req = parse()
@@ -145,41 +178,19 @@ class RequestRunner:
 
         req, prep = await self.compute(first, size)
         if prep is None:
-            await self.svc.documents.resolve(tenant, req)
+            await self.documents.resolve(tenant, req)
             prep = await self.compute(lambda: pipeline.prepare(req, tenant, request_id, body=body), size)
         return req, prep
 
     @asynccontextmanager
-    async def admitted(
-        self, caller: Caller, prepare: Prepare, credentials: Credentials = Credentials.CLIENT
-    ) -> AsyncIterator[Prepared]:
-        """Drain check, auth, request id, prepare, admission; the slot is released on exit."""
-        if self.svc.draining:
-            raise Draining("the gateway is shutting down", retry_after=1)
-        identity = Identity(self.authenticate(caller, credentials), caller.request_id or uuid.uuid4().hex)
-        prep = await prepare(identity)
-        release = self.svc.pipeline.admit()
+    async def run(self, prepared: Prepared, job: Job[Started]) -> AsyncIterator[Started]:
+        """Admission, then the job started; it is closed and the slot released on exit."""
+        release = self.pipeline.admit()
         try:
-            yield prep
+            started = await job.start(prepared)
+            try:
+                yield started
+            finally:
+                await job.close(started)
         finally:
             release()
-
-    @asynccontextmanager
-    async def run(self, caller: Caller, prepare: Prepare) -> AsyncIterator[Execution]:
-        """``admitted``, then execute; the execution is closed and the slot released on exit."""
-        async with self.admitted(caller, prepare) as prep:
-            execution = await self.svc.pipeline.execute(prep)
-            try:
-                yield execution
-            finally:
-                await execution.close()
-
-
-async def deltas(execution: Execution) -> AsyncIterator[Delta]:
-    """The execution's deltas. A node failure after the first token is ``StreamBroken``, with
-    the one message both front ends send (HTTP: an SSE error event or a 502; gRPC: UNAVAILABLE)."""
-    try:
-        async for delta in execution.stream():
-            yield delta
-    except StreamBroken as e:
-        raise StreamBroken(f"generation failed after it started: {e}") from e

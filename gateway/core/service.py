@@ -22,7 +22,7 @@ from prefixgate.gateway.cluster.membership import Membership
 from prefixgate.gateway.cluster.nodes import Node, NodePool
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.core.pipeline import Execution, Pipeline
-from prefixgate.gateway.core.runner import RequestRunner
+from prefixgate.gateway.core.runner import RequestRunner, RunnerLimits
 from prefixgate.gateway.core.usage import Prices, UsageLedger
 from prefixgate.gateway.metrics import Metrics, NodeSample
 from prefixgate.gateway.nodeclient import NodeClient
@@ -99,11 +99,13 @@ class GatewayService:
         self.events = EventSync(self.pool, self.index, self.metrics)
         self.pipeline.on_mispredict = self._resync_node
         self.metrics.bind_nodes(self.node_samples)
-        self.runner = RequestRunner(self)  # every front end serves requests through it
+        # every front end serves requests through it
+        self.runner = RequestRunner(
+            self.pipeline, self.documents, RunnerLimits(s.api_keys, s.admin_token, s.max_json_values)
+        )
         self.membership = Membership(
             self.state, self.pool, self._add_node, self._forget_node, s.membership_interval_s
         )
-        self.draining = False
         self._started = False
 
     def _connector(self) -> Callable[[str], NodeClient]:
@@ -151,6 +153,15 @@ class GatewayService:
         for node in nodes:
             self.metrics.resyncs.labels(label).inc()
             self.events.resync(node)
+
+    @property
+    def draining(self) -> bool:
+        """Shutting down: new requests are refused (the runner's check), ``/readyz`` is 503."""
+        return self.runner.draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self.runner.draining = value
 
     @property
     def models(self) -> set[str]:

@@ -4,15 +4,16 @@ A request is turned into the same OpenAI-shaped body the HTTP API takes, validat
 ``parse_request`` and served by the same request runner (``gateway.core.runner``) with the same
 auth and limits (its largest message is the HTTP body limit); domain errors become gRPC status
 codes (``STATUS_CODES``) with the same messages and codes (trailer
-``x-prefixgate-error-code``). Standard health and
-reflection are served beside it. It runs in the gateway's event loop, started and stopped with
-the HTTP app's lifespan, so one process serves both. A client that cancels cancels the work
+``x-prefixgate-error-code``). Standard health and reflection are served beside it. It runs in
+the gateway's event loop, started and stopped by the process beside the HTTP front end
+(``gateway.ops.server``), so one process serves both. A client that cancels cancels the work
 (the handler task is cancelled and the node call with it).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import grpc
@@ -21,7 +22,9 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from prefixgate.gateway.core import choices
 from prefixgate.gateway.core.auth import valid_request_id
+from prefixgate.gateway.core.choices import Choices
 from prefixgate.gateway.core.errors import (
     Conflict,
     DeadlineExceeded,
@@ -38,7 +41,7 @@ from prefixgate.gateway.core.errors import (
     invalid,
 )
 from prefixgate.gateway.core.pipeline import Execution, Prepared
-from prefixgate.gateway.core.runner import Caller, Identity, Prepare, deltas
+from prefixgate.gateway.core.runner import Caller
 from prefixgate.gateway.core.service import GatewayService
 from prefixgate.gateway.logging import bind_request
 from prefixgate.openai.schema import ParsedRequest, check_message_count, parse_request
@@ -148,20 +151,25 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         rid = bind_request(valid_request_id(*(md.get(k) for k in REQUEST_ID_KEYS)), rpc=rpc)
         return Caller(authorization=md.get("authorization", ""), request_id=rid)
 
-    def _preparer(self, req: gateway_pb2.CompletionRequest) -> Prepare:
-        async def prepare(identity: Identity) -> Prepared:
-            _parsed, prep = await self.svc.runner.prepare(
-                lambda: self._parse(req), identity.tenant(), identity.request_id, req.ByteSize()
-            )
-            if prep.tool_parser:  # parsed tool calls have no field in this API's answers
-                raise invalid("tool calls are served on the HTTP API (/v1/chat/completions)", "tools_json")
-            return prep
+    async def _prepare(
+        self, request: gateway_pb2.CompletionRequest, context: grpc.aio.ServicerContext, rpc: str
+    ) -> Prepared:
+        """The runner's entry check, then the request prepared as the HTTP API prepares it."""
+        runner = self.svc.runner
+        identity = runner.enter(self._caller(context, rpc))
+        _parsed, prep = await runner.prepare(
+            lambda: self._parse(request), identity.tenant(), identity.request_id, request.ByteSize()
+        )
+        if prep.tool_parser:  # parsed tool calls have no field in this API's answers
+            raise invalid("tool calls are served on the HTTP API (/v1/chat/completions)", "tools_json")
+        return prep
 
-        return prepare
+    def _run(self, prep: Prepared) -> AbstractAsyncContextManager[Choices]:
+        return self.svc.runner.run(prep, choices.Generate(self.svc.pipeline))
 
-    async def _headers(self, context: grpc.aio.ServicerContext, ex: Execution) -> None:
+    async def _headers(self, context: grpc.aio.ServicerContext, ch: Choices) -> None:
         if self.svc.settings.response_headers:
-            await context.send_initial_metadata(tuple(ex.headers().items()))
+            await context.send_initial_metadata(tuple(ch.headers().items()))
 
     async def _fail(self, context: grpc.aio.ServicerContext, e: GatewayError) -> None:
         log.info("request_failed", status=status_of(e).name, code=e.code, error=e.message[:200])
@@ -176,10 +184,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self, request: gateway_pb2.CompletionRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.CompletionChunk]:
         try:
-            async with self.svc.runner.run(self._caller(context, "Generate"), self._preparer(request)) as ex:
-                await self._headers(context, ex)
+            async with self._run(await self._prepare(request, context, "Generate")) as ch:
+                await self._headers(context, ch)
+                ex = ch.first
                 first = True
-                async for d in deltas(ex):
+                async for _, d in ch.stream():
                     if not (d.text or d.finish_reason or first):
                         continue
                     chunk = gateway_pb2.CompletionChunk(
@@ -200,9 +209,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self, request: gateway_pb2.CompletionRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.CompletionResponse:
         try:
-            async with self.svc.runner.run(self._caller(context, "Complete"), self._preparer(request)) as ex:
-                await self._headers(context, ex)
-                text = "".join([d.text async for d in deltas(ex)])
+            async with self._run(await self._prepare(request, context, "Complete")) as ch:
+                await self._headers(context, ch)
+                text = "".join([d.text async for _, d in ch.stream()])
+                ex = ch.first
                 return gateway_pb2.CompletionResponse(
                     id=ex.request_id,
                     text=text,

@@ -2,7 +2,8 @@
 
 Also serves ``POST /v1/prefill`` (prefill-as-a-service, client auth): the same warm operation
 as ``POST /admin/cache/pin``, for tenants. The operations live in ``gateway.core.cache_ops`` and
-``GatewayService``; this module parses, authorizes and answers.
+``GatewayService``; this module parses, authorizes and answers (their JSON:
+``gateway.httpfront.cache_json``).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from prefixgate.gateway.core import cache_ops
 from prefixgate.gateway.core.auth import check_admin
 from prefixgate.gateway.core.errors import Conflict, Forbidden, NotFound, invalid
 from prefixgate.gateway.core.pipeline import Prepared
-from prefixgate.gateway.core.runner import Credentials, Identity
+from prefixgate.gateway.core.runner import Credentials
 from prefixgate.gateway.core.service import GatewayService
+from prefixgate.gateway.httpfront import cache_json
 from prefixgate.gateway.httpfront.common import (
     Handler,
     ORJSONResponse,
@@ -86,7 +88,7 @@ def parse_completion(svc: GatewayService, body: Mapping[str, Any]) -> ParsedRequ
     )
 
 
-def admin_tenant(svc: GatewayService, body: Mapping[str, Any], parsed: ParsedRequest) -> str:
+def admin_tenant(body: Mapping[str, Any]) -> str:
     """The admin names the tenant (``tenant``); by default the keyless one (``user`` selects none)."""
     tenant = body.get("tenant")
     if tenant is not None:
@@ -96,10 +98,17 @@ def admin_tenant(svc: GatewayService, body: Mapping[str, Any], parsed: ParsedReq
     return KEYLESS_TENANT
 
 
-async def _prepare(svc: GatewayService, parsed: ParsedRequest, tenant: str, request: Request) -> Prepared:
-    await svc.documents.resolve(tenant, parsed)
-    rid = current_request_id() or request_id_of(request)
-    return await svc.runner.compute(lambda: svc.pipeline.prepare(parsed, tenant, rid), 0)
+async def _prepare(svc: GatewayService, body: Mapping[str, Any], request_id: str) -> Prepared:
+    """The completion-shaped body prepared as the runner prepares a client's, for the tenant
+    the admin names."""
+    _parsed, prep = await svc.runner.prepare(
+        lambda: parse_completion(svc, body), admin_tenant(body), request_id, 0
+    )
+    return prep
+
+
+def _request_id(request: Request) -> str:
+    return current_request_id() or request_id_of(request) or ""
 
 
 def _nodes_param(body: Mapping[str, Any]) -> list[str] | int | None:
@@ -320,9 +329,8 @@ async def cache_view(request: Request) -> Response:
 async def cache_lookup(request: Request) -> Response:
     svc = service_of(request)
     body = await _body(request, svc.settings.max_body_bytes)
-    parsed = parse_completion(svc, body)
-    prep = await _prepare(svc, parsed, admin_tenant(svc, body, parsed), request)
-    return ORJSONResponse(await cache_ops.explain(svc, prep))
+    prep = await _prepare(svc, body, _request_id(request))
+    return ORJSONResponse(cache_json.explanation_json(await cache_ops.explain(svc, prep)))
 
 
 async def cache_evict(request: Request) -> Response:
@@ -336,13 +344,12 @@ async def cache_evict(request: Request) -> Response:
         raise invalid("'all' must be true or false", "all")
     hashes: list[int] = []
     if "prompt" in body or "messages" in body:
-        parsed = parse_completion(svc, body)
-        hashes += (await _prepare(svc, parsed, admin_tenant(svc, body, parsed), request)).hashes
+        hashes += (await _prepare(svc, body, _request_id(request))).hashes
     raw = body.get("block_hashes")
     if raw is not None:
         if not isinstance(raw, list):
             raise invalid("'block_hashes' must be an array", "block_hashes")
-        hashes += [cache_ops.parse_hash(h, f"block_hashes[{i}]") for i, h in enumerate(raw)]
+        hashes += [cache_json.parse_hash(h, f"block_hashes[{i}]") for i, h in enumerate(raw)]
     if hashes and everything:
         raise invalid("give blocks (prompt, messages, block_hashes) or 'all', not both", "all")
     if not hashes and not everything:
@@ -359,7 +366,7 @@ async def cache_evict(request: Request) -> Response:
             "requested_blocks": len(set(hashes)),
             "all": everything,
             "evicted_blocks": sum(len(r.evicted) for r in results),
-            "nodes": {r.node: r.to_json() for r in results},
+            "nodes": {r.node: cache_json.eviction_json(r) for r in results},
         }
     )
 
@@ -367,45 +374,39 @@ async def cache_evict(request: Request) -> Response:
 async def cache_pin(request: Request) -> Response:
     """``POST /admin/cache/pin``: warm and pin a prefix on nodes the admin may name."""
     svc = service_of(request)
-    body: dict[str, Any] = {}
-
-    async def prepare(identity: Identity) -> Prepared:
-        body.update(await _body(request, svc.settings.max_body_bytes))
-        parsed = parse_completion(svc, body)
-        tenant = admin_tenant(svc, body, parsed)
-        await svc.documents.resolve(tenant, parsed)
-        return await svc.runner.compute(lambda: svc.pipeline.prepare(parsed, tenant, identity.request_id), 0)
-
-    async with svc.runner.admitted(caller_of(request), prepare, Credentials.ADMIN) as prep:
-        pin_seconds = _pin_seconds(body, required=True)
-        return ORJSONResponse(await cache_ops.warm(svc, prep, _nodes_param(body), pin_seconds))
+    identity = svc.runner.enter(caller_of(request), Credentials.ADMIN)
+    body = await _body(request, svc.settings.max_body_bytes)
+    prep = await _prepare(svc, body, identity.request_id)
+    pin_seconds = _pin_seconds(body, required=True)
+    job = cache_ops.Warm(svc, _nodes_param(body), pin_seconds)
+    async with svc.runner.run(prep, job) as report:
+        return ORJSONResponse(cache_json.warm_json(report))
 
 
 async def prefill_service(request: Request) -> Response:
     """``POST /v1/prefill``: warm (and optionally pin) a prompt or document set for a tenant."""
     svc = service_of(request)
-    body: dict[str, Any] = {}
-
+    runner = svc.runner
     max_pin = min(svc.settings.pin_max_seconds, cache_ops.MAX_PIN_SECONDS)
+    identity = runner.enter(caller_of(request))
+    body = await _body(request, svc.settings.max_body_bytes)
+    if body.get("nodes") is not None:
+        raise Forbidden(
+            "choosing nodes is for the admin API (POST /admin/cache/pin); a tenant's prefill goes "
+            "to the node its requests are routed to",
+            param="nodes",
+            code="admin_only",
+        )
 
-    async def prepare(identity: Identity) -> Prepared:
-        body.update(await _body(request, svc.settings.max_body_bytes))
-        if body.get("nodes") is not None:
-            raise Forbidden(
-                "choosing nodes is for the admin API (POST /admin/cache/pin); a tenant's prefill goes "
-                "to the node its requests are routed to",
-                param="nodes",
-                code="admin_only",
-            )
+    def parse() -> ParsedRequest:
         parsed = parse_completion(svc, body)
         parsed.pin_seconds = _pin_seconds(body, required=False, limit=max_pin, setting="pin_max_seconds")
-        await svc.documents.resolve(identity.tenant(), parsed)
-        tenant = identity.tenant()
-        return await svc.runner.compute(lambda: svc.pipeline.prepare(parsed, tenant, identity.request_id), 0)
+        return parsed
 
-    async with svc.runner.admitted(caller_of(request), prepare) as prep:
-        pin_seconds = _pin_seconds(body, required=False, limit=max_pin)  # validated in prepare
-        return ORJSONResponse(await cache_ops.warm(svc, prep, None, pin_seconds, tenant_quota=True))
+    _parsed, prep = await runner.prepare(parse, identity.tenant(), identity.request_id, 0)
+    pin_seconds = _pin_seconds(body, required=False, limit=max_pin)  # validated in parse
+    async with runner.run(prep, cache_ops.Warm(svc, None, pin_seconds, tenant_quota=True)) as report:
+        return ORJSONResponse(cache_json.warm_json(report))
 
 
 async def get_switches(request: Request) -> Response:

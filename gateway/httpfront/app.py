@@ -20,10 +20,7 @@ from starlette.routing import Route
 from prefixgate.gateway.config import KEYLESS_TENANT
 from prefixgate.gateway.core import choices
 from prefixgate.gateway.core.errors import NotFound, invalid
-from prefixgate.gateway.core.pipeline import Prepared
-from prefixgate.gateway.core.runner import Identity
 from prefixgate.gateway.core.service import GatewayService
-from prefixgate.gateway.grpcfront.servicer import GrpcFront
 from prefixgate.gateway.httpfront import responses
 from prefixgate.gateway.httpfront.admin import admin_routes
 from prefixgate.gateway.httpfront.common import (
@@ -37,7 +34,7 @@ from prefixgate.gateway.httpfront.common import (
     read_body,
     service_of,
 )
-from prefixgate.gateway.httpfront.metrics_listener import MetricsListener, scrape
+from prefixgate.gateway.httpfront.metrics_listener import scrape
 from prefixgate.openai.errors import APIError
 from prefixgate.openai.schema import ParsedRequest, document_id, parse_request
 
@@ -79,14 +76,11 @@ async def completions(request: Request, respond: Respond, kind: str) -> None:
     svc = service_of(request)
     runner = svc.runner
     watch = DisconnectWatch(request)
-    parsed: ParsedRequest | None = None
-
-    async def prepare(identity: Identity) -> Prepared:
-        nonlocal parsed
+    try:
+        identity = runner.enter(caller_of(request))
         raw = await read_body(request, svc.settings.max_body_bytes)
         watch.arm()
         body = await runner.parse_body(raw)
-
         parsed, prep = await runner.prepare(
             lambda: parse_completion_body(svc, body, kind),
             identity.tenant(),
@@ -94,18 +88,11 @@ async def completions(request: Request, respond: Respond, kind: str) -> None:
             len(raw),
             body=body,
         )
-        return prep
-
-    def count() -> int:
-        return parsed.n if parsed is not None else 1
-
-    try:
-        async with choices.run(runner, caller_of(request), prepare, count) as ex:
-            assert parsed is not None
+        async with runner.run(prep, choices.Generate(svc.pipeline, parsed.n)) as ex:
             headers = ex.headers() if svc.settings.response_headers else {}
             if parsed.stream:  # the watch stays armed until the stream's last message
-                async with aclosing(responses.stream(ex, parsed, kind)) as body:
-                    await respond(EventStream(body, {**headers, "cache-control": "no-cache"}, watch.disarm))
+                async with aclosing(responses.stream(ex, parsed, kind)) as events:
+                    await respond(EventStream(events, {**headers, "cache-control": "no-cache"}, watch.disarm))
                 return
             response = await responses.complete(ex, parsed, kind, headers)
             watch.disarm()
@@ -229,27 +216,16 @@ async def _method_not_allowed(request: Request, exc: Exception) -> Response:
 
 
 def create_app(service: GatewayService) -> Starlette:
+    """The HTTP front end of ``service``. Its lifespan starts and stops the service, for an app
+    run alone (tests); the gateway's process (``gateway.ops.server``) starts the service and the
+    front ends side by side instead."""
+
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await service.start()
-        front = None
-        prometheus = None
-        settings = service.settings
         try:
-            if settings.grpc_port:  # the gRPC front end shares this process and loop
-                front = GrpcFront(service, settings.host, settings.grpc_port)
-                await front.start()
-            if settings.prometheus_port:
-                prometheus = MetricsListener(
-                    service, settings.prometheus_host or settings.host, settings.prometheus_port
-                )
-                await prometheus.start()
             yield
         finally:
-            if prometheus is not None:
-                await prometheus.stop()
-            if front is not None:
-                await front.stop()
             await service.stop()
 
     app = Starlette(

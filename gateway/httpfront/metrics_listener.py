@@ -2,7 +2,7 @@
 
 It serves the same exposition as ``/metrics`` on the main port, behind the same metrics token,
 and nothing else (404). It runs in the gateway's process and loop, started and stopped with the
-gateway (``gateway.httpfront.app``'s lifespan): a scraper pointed at smg's metrics port keeps working.
+gateway (``gateway.ops.server``): a scraper pointed at smg's metrics port keeps working.
 """
 
 from __future__ import annotations

@@ -1,14 +1,16 @@
-"""Run the gateway under uvicorn (uvloop + httptools), with connection limits, the HTTP access
-policy and a bounded shutdown."""
+"""Run the gateway: one service, and its front ends side by side around it in one process and
+loop: HTTP under uvicorn (uvloop + httptools, with connection limits, the HTTP access policy and
+a bounded shutdown), the gRPC front end and the metrics listener when their ports are set."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 import socket
 import sys
-from collections.abc import Generator
+from collections.abc import AsyncIterator, Generator
 from types import FrameType
 
 import structlog
@@ -17,6 +19,7 @@ import uvicorn
 from prefixgate.gateway.cluster.workers import tenancy_refusal
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.core.service import GatewayService
+from prefixgate.gateway.grpcfront.servicer import GrpcFront
 from prefixgate.gateway.httpfront.app import COMPLETION_ENDPOINTS, create_app
 from prefixgate.gateway.httpfront.connections import (
     ConnectionLimits,
@@ -25,20 +28,49 @@ from prefixgate.gateway.httpfront.connections import (
 )
 from prefixgate.gateway.httpfront.guard import HttpGuard, Inflight
 from prefixgate.gateway.httpfront.hotroutes import HotRoutes
+from prefixgate.gateway.httpfront.metrics_listener import MetricsListener
 from prefixgate.gateway.tokens.engine import TokenizerLoadError
 from prefixgate.gateway.tokens.wiring import resolve_tokenizer
 
 log = structlog.get_logger("prefixgate.server")
 
 #: Exit status when the shutdown grace ended requests that were still running.
-EXIT_WORK_CUT = 4  # uvicorn exits 3 when it cannot start
+EXIT_WORK_CUT = 4
+EXIT_STARTUP_FAILED = 3  # as uvicorn's own startup failure
 #: Time given to cut requests to write their last event and close, after the grace.
 _CUT_MARGIN_S = 2.0
 
 
+@contextlib.asynccontextmanager
+async def side_fronts(service: GatewayService) -> AsyncIterator[None]:
+    """The service started, then the gRPC front end and the metrics listener beside the HTTP
+    one (which runs inside); on exit they stop, then the service."""
+    settings = service.settings
+    await service.start()
+    grpc_front = None
+    prometheus = None
+    try:
+        if settings.grpc_port:
+            grpc_front = GrpcFront(service, settings.host, settings.grpc_port)
+            await grpc_front.start()
+        if settings.prometheus_port:
+            prometheus = MetricsListener(
+                service, settings.prometheus_host or settings.host, settings.prometheus_port
+            )
+            await prometheus.start()
+        yield
+    finally:
+        if prometheus is not None:
+            await prometheus.stop()
+        if grpc_front is not None:
+            await grpc_front.stop()
+        await service.stop()
+
+
 class GatewayServer(uvicorn.Server):
-    """uvicorn without its own signal capture: the caller decides how a signal stops it, so a
-    clean SIGTERM exits 0 instead of being re-raised at the end."""
+    """uvicorn serving the HTTP front end between the start and the stop of the service and
+    the other front ends (``side_fronts``), without its own signal capture: the caller decides
+    how a signal stops it, so a clean SIGTERM exits 0 instead of being re-raised at the end."""
 
     service: GatewayService | None = None
     inflight: Inflight | None = None
@@ -47,6 +79,16 @@ class GatewayServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        assert self.service is not None
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                await stack.enter_async_context(side_fronts(self.service))
+            except Exception:  # as uvicorn answers an app whose startup failed
+                logging.getLogger("uvicorn.error").exception("Application startup failed. Exiting.")
+                sys.exit(EXIT_STARTUP_FAILED)
+            await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """Stop accepting; in-flight requests and streams get ``shutdown_grace_s``."""
@@ -98,7 +140,7 @@ def make_server(
         port=settings.port,
         loop="uvloop",
         http=limited_protocol(connection_limits(settings)),
-        lifespan="on",
+        lifespan="off",  # the server starts and stops the service itself (``side_fronts``)
         log_level="warning",
         access_log=False,
         proxy_headers=False,  # the guard applies the proxy policy (gateway.http_guard)

@@ -68,9 +68,9 @@ def test_prepare_hashes_the_ids_the_engine_template_gives() -> None:
     assert prep.namespace.root() != svc.pipeline.namespace(svc.settings.default_model, "other-tenant").root()
     from prefixgate.gateway.core.cache_ops import prompt_basis
 
-    assert prompt_basis(svc, prep)["rendering"] == "model template"
+    assert prompt_basis(svc, prep).rendering == "model template"
     bare = GatewayService(Settings(block_size=BS))
-    assert prompt_basis(bare, bare.pipeline.prepare(chat(bare, messages), ""))["rendering"] == "gateway"
+    assert prompt_basis(bare, bare.pipeline.prepare(chat(bare, messages), "")).rendering == "gateway"
 
 
 def test_a_template_refusal_is_a_400() -> None:

@@ -20,5 +20,6 @@ def test_the_core_imports_no_web_framework() -> None:
         f"import sys\nfor m in {CORE!r}: __import__(m)\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'starlette', 'uvicorn', 'fastapi'}))"
     )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60)
+    argv = [sys.executable, "-c", probe]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from dataclasses import dataclass, field
 
 import pytest
 
 from prefixgate.gateway.config import Settings
+from prefixgate.gateway.core import choices
 from prefixgate.gateway.core.errors import Draining, GatewayError, Overloaded, Unauthenticated
 from prefixgate.gateway.core.pipeline import Prepared
-from prefixgate.gateway.core.runner import OFFLOAD_BYTES, Caller, Credentials, Identity, Prepare
+from prefixgate.gateway.core.runner import OFFLOAD_BYTES, Caller, Credentials, Identity
 from prefixgate.gateway.core.service import GatewayService
 from prefixgate.openai.errors import APIError
 from prefixgate.openai.schema import parse_request
@@ -22,71 +24,80 @@ def _service(**kw: object) -> GatewayService:
     return GatewayService(Settings(api_keys=["sk-a=alice"], max_inflight=2, **kw))  # type: ignore[arg-type]
 
 
-def _preparer(svc: GatewayService, seen: list[Identity]) -> Prepare:
-    async def prepare(identity: Identity) -> Prepared:
-        seen.append(identity)
-        parsed = parse_request(
-            {"model": MODEL, "prompt": "hello there, general"},
-            "completion",
-            models=svc.models,
-            default_max_tokens=4,
-            max_tokens_limit=16,
-            max_documents=1,
-        )
-        return svc.pipeline.prepare(parsed, identity.tenant(), identity.request_id)
+def _prepare(svc: GatewayService, identity: Identity) -> Prepared:
+    parsed = parse_request(
+        {"model": MODEL, "prompt": "hello there, general"},
+        "completion",
+        models=svc.models,
+        default_max_tokens=4,
+        max_tokens_limit=16,
+        max_documents=1,
+    )
+    return svc.pipeline.prepare(parsed, identity.tenant(), identity.request_id)
 
-    return prepare
+
+@dataclass
+class Hold:
+    """A job that does nothing on the nodes: what it started and closed, in order."""
+
+    log: list[str] = field(default_factory=list)
+
+    async def start(self, prepared: Prepared) -> Prepared:
+        self.log.append(f"start {prepared.request_id}")
+        return prepared
+
+    async def close(self, started: Prepared) -> None:
+        self.log.append(f"close {started.request_id}")
 
 
 KEYED = Caller(authorization="Bearer sk-a", request_id="rid-1")
 
 
-async def test_drain_check_comes_before_auth_and_prepare() -> None:
+async def test_drain_check_comes_before_auth() -> None:
     svc = _service()
     svc.draining = True
-    seen: list[Identity] = []
     with pytest.raises(Draining):
-        async with svc.runner.run(Caller(authorization="Bearer wrong"), _preparer(svc, seen)):
-            pass
-    assert seen == [] and svc.pipeline.inflight == 0
-
-
-async def test_auth_comes_before_prepare_and_admission() -> None:
-    svc = _service()
-    seen: list[Identity] = []
+        svc.runner.enter(Caller(authorization="Bearer wrong"))
+    svc.draining = False
     with pytest.raises(Unauthenticated):
-        async with svc.runner.run(Caller(authorization="Bearer wrong"), _preparer(svc, seen)):
-            pass
-    assert seen == [] and svc.pipeline.inflight == 0
+        svc.runner.enter(Caller(authorization="Bearer wrong"))
+
+
+async def test_entry_gives_the_key_tenant_and_the_request_id() -> None:
+    svc = _service()
+    assert svc.runner.enter(KEYED) == Identity("alice", "rid-1")
+    fresh = svc.runner.enter(Caller(authorization="Bearer sk-a"))
+    assert fresh.key_tenant == "alice" and len(fresh.request_id) == 32  # a new one
 
 
 async def test_a_failed_execute_releases_the_slot() -> None:
     svc = _service()
-    seen: list[Identity] = []
+    prep = _prepare(svc, svc.runner.enter(KEYED))
     for _ in range(5):  # more than max_inflight: a leak would turn these into Overloaded
         with pytest.raises((GatewayError, APIError)) as e:
-            async with svc.runner.run(KEYED, _preparer(svc, seen)):
+            async with svc.runner.run(prep, choices.Generate(svc.pipeline)):
                 pass
         assert not isinstance(e.value, Overloaded)
     assert svc.pipeline.inflight == 0
-    assert seen[0] == Identity("alice", "rid-1")
 
 
 async def test_the_slot_is_held_inside_and_released_however_the_block_ends() -> None:
     svc = _service()
-    seen: list[Identity] = []
-    async with svc.runner.admitted(KEYED, _preparer(svc, seen)) as prep:
-        assert prep.tenant == "alice" and prep.request_id == "rid-1"
+    prep = _prepare(svc, svc.runner.enter(KEYED))
+    job = Hold()
+    async with svc.runner.run(prep, job) as started:
+        assert started is prep and prep.tenant == "alice" and prep.request_id == "rid-1"
         assert svc.pipeline.inflight == 1
-        async with svc.runner.admitted(KEYED, _preparer(svc, seen)):
+        async with svc.runner.run(prep, job):
             assert svc.pipeline.inflight == 2
             with pytest.raises(Overloaded):
-                async with svc.runner.admitted(KEYED, _preparer(svc, seen)):
+                async with svc.runner.run(prep, job):
                     pass
     assert svc.pipeline.inflight == 0
+    assert job.log == ["start rid-1", "start rid-1", "close rid-1", "close rid-1"]  # refused: not started
 
     async def hold() -> None:
-        async with svc.runner.admitted(KEYED, _preparer(svc, seen)):
+        async with svc.runner.run(prep, job):
             await asyncio.sleep(60)
 
     task = asyncio.create_task(hold())
@@ -96,18 +107,16 @@ async def test_the_slot_is_held_inside_and_released_however_the_block_ends() -> 
     with pytest.raises(asyncio.CancelledError):
         await task
     assert svc.pipeline.inflight == 0
+    assert job.log[-1] == "close rid-1"
 
 
 async def test_admin_credentials_use_the_admin_check() -> None:
     svc = _service(admin_token="root")
-    seen: list[Identity] = []
     with pytest.raises(Unauthenticated) as e:
-        async with svc.runner.admitted(KEYED, _preparer(svc, seen), Credentials.ADMIN):
-            pass
+        svc.runner.enter(KEYED, Credentials.ADMIN)
     assert e.value.code == "invalid_admin_token"
-    async with svc.runner.admitted(Caller("Bearer root"), _preparer(svc, seen), Credentials.ADMIN) as prep:
-        assert prep.tenant == ""  # the admin names tenants itself; no key tenant
-    assert svc.pipeline.inflight == 0
+    admin = svc.runner.enter(Caller("Bearer root"), Credentials.ADMIN)
+    assert admin.key_tenant is None  # the admin names tenants itself; no key tenant
 
 
 async def test_large_work_runs_off_the_event_loop() -> None:
