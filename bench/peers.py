@@ -43,7 +43,7 @@ from rich.console import Console
 
 from prefixgate.bench import launch, live
 from prefixgate.bench.replay import build_workload, workload_format
-from prefixgate.bench.report import write_json
+from prefixgate.bench.report import print_error, write_json
 from prefixgate.bench.workloads import FORMATS, Workload
 from prefixgate.v1 import node_pb2, node_pb2_grpc
 
@@ -219,13 +219,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         workload = build_workload(args, True)
     except (OSError, ValueError) as e:
-        console.print(f"[red]error:[/] {e}")
+        print_error(console, e)
         return 2
     targets, skipped = targets_of(args)
     try:
         variants = dict(parse_variant(v) for v in args.variant)
     except ValueError as e:
-        console.print(f"[red]error:[/] {e}")
+        print_error(console, e)
         return 2
     for name, reason in skipped.items():
         console.print(f"[yellow]skipped[/] {name}: {reason}")
