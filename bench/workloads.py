@@ -58,7 +58,7 @@ def trace_path(fmt: str, path: str | Path | None = None) -> Path:
     if not p.is_file():
         raise TraceMissing(
             f"no {TRACE_NAMES[fmt]} trace at {p}: set PREFIXGATE_TRACES to the directory holding "
-            f"{DEFAULT_TRACES[fmt]}, or pass --trace FILE (bench/README.md, \"Traces\")"
+            f'{DEFAULT_TRACES[fmt]}, or pass --trace FILE (bench/README.md, "Traces")'
         )
     return p
 
