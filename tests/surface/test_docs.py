@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -100,3 +101,34 @@ def test_readme_links_every_docs_page() -> None:
     linked = {t.partition("#")[0] for t in _links(ROOT / "README.md")}
     for page in (ROOT / "docs").glob("*.md"):
         assert f"docs/{page.name}" in linked, page.name
+
+
+def _commands(page: Path) -> list[str]:
+    """The ``prefixgate ...`` lines of a page's code blocks, continuations joined, comments cut."""
+    out: list[str] = []
+    fenced, held = False, ""
+    for raw in page.read_text().splitlines():
+        if FENCE.match(raw):
+            fenced = not fenced
+            continue
+        if not fenced:
+            continue
+        line = f"{held} {raw.strip()}" if held else raw.strip()
+        held = ""
+        if line.endswith("\\"):
+            held = line[:-1].rstrip()
+            continue
+        m = re.match(r"^(?:[A-Z_]+=\S+ )*prefixgate (.*)$", line)
+        if m and "..." not in m[1] and "<" not in m[1]:  # placeholders are for the reader
+            out.append(m[1].split(" #")[0].strip())
+    return out
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_commands_in_the_docs_parse(page: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    for command in _commands(page):
+        try:
+            parser.parse_args(shlex.split(command))
+        except SystemExit:
+            pytest.fail(f"{page.relative_to(ROOT)}: prefixgate {command}\n{capsys.readouterr().err}")
