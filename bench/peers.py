@@ -19,7 +19,7 @@ everything stopped. Targets:
 (passed as ``PREFIXGATE_*`` variables), e.g. ``--variant index-only:inflight_prefixes=false`` for
 a before/after of one setting in one run.
 
-Peers come from a directory of venvs (``--peers-venv``; README, Benchmarks, has the install
+Peers come from a directory of venvs (``--peers-venv``; bench/README.md, "Peer routers", has the install
 commands); a peer that is not installed is skipped with a line saying so. Nodes render HTTP
 prompts as sent (no normalization), as a real engine would; prefixgate normalizes before it
 routes. Per target: hit rate (cached / prompt tokens from ``usage``), TTFT p50/p95/p99,
