@@ -1,7 +1,8 @@
 """One request runner for every front end: drain check, auth, request id, prepare, admission, run.
 
-The HTTP API, the gRPC API and the admin/prefill endpoints all serve a request the same way, in
-this order, so none of them can skip a step or leak an in-flight slot::
+The HTTP API, the gRPC API and the admin/prefill endpoints all serve a request with these three
+calls, in this order; ``run`` is the only way to an in-flight slot, and it releases the slot
+however its block is left::
 
     identity = runner.enter(caller)                      # drain check, auth, request id
     parsed, prepared = await runner.prepare(parse, identity.tenant(), identity.request_id, size)

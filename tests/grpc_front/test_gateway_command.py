@@ -10,7 +10,7 @@ from tests.admin.conftest import MODEL
 from tests.helpers import free_port, spawn
 
 
-def test_gateway_command_serves_grpc_from_its_lifespan() -> None:
+def test_gateway_command_serves_grpc_beside_http() -> None:
     node = spawn(["node", "--role", "decode", "--node-id", "solo", "--time-scale", "0.05"])
     gw = None
     try:
