@@ -145,11 +145,7 @@ class HttpPrefillLeg:
         return self.parse(await self.worker.answer(self.body, self.rid, Stage.PREFILL, self.timeout))
 
     async def abort(self) -> None:
-        task = self._task
-        if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+        await _cancel(self._task)
 
 
 class HttpDecodeLeg:
@@ -203,12 +199,16 @@ class HttpDecodeLeg:
             raise _as_decode(e) from e
 
     async def abort(self) -> None:
-        first = self._first
-        if first is not None and not first.done():
-            first.cancel()
-            with contextlib.suppress(BaseException):
-                await first
+        await _cancel(self._first)
         await self._sse.aclose()
+
+
+async def _cancel(task: asyncio.Future[Any] | None) -> None:
+    """A leg's task ended if it still runs (the connection it reads closes: the engine aborts)."""
+    if task is not None and not task.done():
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
 
 
 def _new_rid(prompt: Prompt) -> str:

@@ -23,8 +23,8 @@ from prefixgate.cachetier.tokenizer import pack_ids
 from prefixgate.gateway.events import EventSync
 from prefixgate.gateway.metrics import Metrics
 from prefixgate.gateway.nodeclient import NodeFailure, Prompt, TokenStream
+from prefixgate.gateway.nodeclient.handoff import BootstrapStream
 from prefixgate.gateway.nodeclient.smg_common import SmgNodeClient, SmgOptions
-from prefixgate.gateway.nodeclient.smg_sglang import BootstrapStream
 from prefixgate.gateway.nodes import NodePool
 from prefixgate.gateway.vocab import FailureKind, Stage
 from prefixgate.openai.schema import Sampling
