@@ -81,7 +81,7 @@ from prefixgate.backends.hftok import TOKENIZER_DIR
 from prefixgate.backends.node import Node, PrefillCall, PrefillResult
 from prefixgate.cachetier.hashing import Namespace, block_hashes
 from prefixgate.cachetier.tokenizer import pack_ids, unpack_ids
-from prefixgate.gateway.streams import tagged_merge
+from prefixgate.gateway.core.streams import tagged_merge
 from prefixgate.gateway.tokens import EngineTokenizer, open_tokenizer_dir
 from prefixgate.openai.errors import APIError, from_domain, invalid
 from prefixgate.openai.exceptions import GatewayError

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-from prefixgate.gateway.stack import free_port
+from prefixgate.gateway.ops.stack import free_port
 
 PR_SET_PDEATHSIG = 1
 CLK_TCK = os.sysconf("SC_CLK_TCK")

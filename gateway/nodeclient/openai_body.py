@@ -56,7 +56,7 @@ GATEWAY_FIELDS = frozenset(
         "n",
         "best_of",
         "echo",
-        "cache_salt",  # replaced: the tenant's namespace salt (``gateway.tenancy``)
+        "cache_salt",  # replaced: the tenant's namespace salt (``gateway.core.tenancy``)
         "extra_key",
     }
 )
@@ -156,7 +156,7 @@ def engine_body(
                 body["tool_choice"] = req.tool_choice
         if req.response_format is not None:
             body["response_format"] = dict(req.response_format)
-    if cache_salt:  # the tenant's namespace in the engine's prefix cache (``gateway.tenancy``)
+    if cache_salt:  # the tenant's namespace in the engine's prefix cache (``gateway.core.tenancy``)
         body["cache_salt"] = cache_salt
     body["model"] = req.model
     body["max_tokens"] = req.sampling.max_tokens

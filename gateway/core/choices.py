@@ -19,11 +19,11 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from prefixgate.gateway.runner import Caller, Prepare, RequestRunner, deltas
-from prefixgate.gateway.streams import tagged_merge
+from prefixgate.gateway.core.runner import Caller, Prepare, RequestRunner, deltas
+from prefixgate.gateway.core.streams import tagged_merge
 
 if TYPE_CHECKING:
-    from prefixgate.gateway.pipeline import Delta, Execution, Pipeline, Prepared
+    from prefixgate.gateway.core.pipeline import Delta, Execution, Pipeline, Prepared
 
 
 def choice_of(prep: Prepared, i: int) -> Prepared:

@@ -3,8 +3,8 @@
 What a client or an operator changes through one replica must hold on every other: registered
 documents, tenants' pins (with their expiry, for the pin quotas), node membership changes made
 through the admin API, and tenant usage. ``StateStore`` is that storage, with two
-implementations: ``MemoryState`` (one process, the embedded default, ``gateway.state_memory``)
-and ``RedisState`` (single Redis or Redis Cluster, ``gateway.state_redis``), which pass the same
+implementations: ``MemoryState`` (one process, the embedded default, ``gateway.state.memory``)
+and ``RedisState`` (single Redis or Redis Cluster, ``gateway.state.redis_store``), which pass the same
 tests. The registries above it (documents, pins, membership, usage) hold the policy; the store
 holds the data and makes each change atomic.
 
@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from prefixgate.gateway.documents import DocumentLimits
-from prefixgate.gateway.quotas import PinLimits
+from prefixgate.gateway.state.documents import DocumentLimits
+from prefixgate.gateway.state.quotas import PinLimits
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""HTTP plumbing shared by the client API (``gateway.app``) and the admin API (``gateway.admin``).
+"""HTTP plumbing shared by the client API (``gateway.httpfront.app``) and the admin API
+(``gateway.httpfront.admin``).
 
 Errors are mapped here once: a domain error (``prefixgate.openai.exceptions``) becomes an OpenAI-format
 error with its HTTP status (``prefixgate.openai.errors.from_domain``); anything unexpected becomes a 500.
@@ -21,11 +22,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from prefixgate.gateway.auth import valid_request_id
-from prefixgate.gateway.connections import DISCONNECT_EXTENSION, DisconnectHook
+from prefixgate.gateway.core.auth import valid_request_id
+from prefixgate.gateway.core.runner import Caller, RequestRunner
+from prefixgate.gateway.core.service import GatewayService
+from prefixgate.gateway.httpfront.connections import DISCONNECT_EXTENSION, DisconnectHook
 from prefixgate.gateway.logging import bind_request, current_request_id
-from prefixgate.gateway.runner import Caller, RequestRunner
-from prefixgate.gateway.service import GatewayService
 from prefixgate.openai.errors import APIError, from_domain
 from prefixgate.openai.exceptions import GatewayError, InvalidRequest, TooLarge
 
@@ -180,7 +181,7 @@ class DisconnectWatch:
     """Cancel the current task if the client disconnects, from ``arm()`` (once the body is read)
     until ``disarm()`` (before the response's last message).
 
-    Under the gateway's own protocol (``gateway.connections``) the request's disconnect hook
+    Under the gateway's own protocol (``gateway.httpfront.connections``) the request's disconnect hook
     calls back; under any other server a task waits on ``receive()`` for the disconnect.
     """
 

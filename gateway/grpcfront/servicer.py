@@ -1,7 +1,7 @@
 """The gRPC front end: ``prefixgate.v1.Gateway`` (Generate streams, Complete is unary).
 
 A request is turned into the same OpenAI-shaped body the HTTP API takes, validated by the same
-``parse_request`` and served by the same request runner (``gateway.runner``) with the same
+``parse_request`` and served by the same request runner (``gateway.core.runner``) with the same
 auth and limits (its largest message is the HTTP body limit); domain errors become gRPC status
 codes (``STATUS_CODES``) with the same messages and codes (trailer
 ``x-prefixgate-error-code``). Standard health and
@@ -21,11 +21,11 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from prefixgate.gateway.auth import valid_request_id
+from prefixgate.gateway.core.auth import valid_request_id
+from prefixgate.gateway.core.pipeline import Execution, Prepared
+from prefixgate.gateway.core.runner import Caller, Identity, Prepare, deltas
+from prefixgate.gateway.core.service import GatewayService
 from prefixgate.gateway.logging import bind_request
-from prefixgate.gateway.pipeline import Execution, Prepared
-from prefixgate.gateway.runner import Caller, Identity, Prepare, deltas
-from prefixgate.gateway.service import GatewayService
 from prefixgate.openai.errors import invalid
 from prefixgate.openai.exceptions import (
     Conflict,

@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from prefixgate.gateway.cluster.nodes import Node
 from prefixgate.gateway.nodeclient import NodeFailure, Prompt, TokenStream
-from prefixgate.gateway.nodes import Node
 from prefixgate.gateway.vocab import FailureKind, Stage
 from prefixgate.openai.exceptions import Overloaded
 from prefixgate.openai.schema import Sampling
 
 if TYPE_CHECKING:
-    from prefixgate.gateway.service import GatewayService
+    from prefixgate.gateway.core.service import GatewayService
 
 log = structlog.get_logger("prefixgate.keepwarm")
 

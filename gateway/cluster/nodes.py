@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from prefixgate.gateway import nodeclient
-from prefixgate.gateway.breaker import CircuitBreaker
+from prefixgate.gateway.cluster.breaker import CircuitBreaker
 from prefixgate.gateway.config import DEFAULT_MODEL
 from prefixgate.gateway.nodeclient import NodeClient, NodeFailure, NodeStatus
 from prefixgate.gateway.routing import NodeView

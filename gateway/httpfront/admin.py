@@ -1,7 +1,7 @@
 """The admin API (``/admin``): bearer admin token, or loopback clients only when none is set.
 
 Also serves ``POST /v1/prefill`` (prefill-as-a-service, client auth): the same warm operation
-as ``POST /admin/cache/pin``, for tenants. The operations live in ``gateway.cache_ops`` and
+as ``POST /admin/cache/pin``, for tenants. The operations live in ``gateway.core.cache_ops`` and
 ``GatewayService``; this module parses, authorizes and answers.
 """
 
@@ -16,10 +16,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from prefixgate.gateway import cache_ops
-from prefixgate.gateway.auth import check_admin
+from prefixgate.gateway.cluster.nodes import ROLES, Node
 from prefixgate.gateway.config import KEYLESS_TENANT
-from prefixgate.gateway.httpcommon import (
+from prefixgate.gateway.core import cache_ops
+from prefixgate.gateway.core.auth import check_admin
+from prefixgate.gateway.core.pipeline import Prepared
+from prefixgate.gateway.core.runner import Credentials, Identity
+from prefixgate.gateway.core.service import GatewayService
+from prefixgate.gateway.httpfront.common import (
     Handler,
     ORJSONResponse,
     caller_of,
@@ -30,10 +34,6 @@ from prefixgate.gateway.httpcommon import (
 )
 from prefixgate.gateway.logging import current_request_id
 from prefixgate.gateway.metrics import HitCounts
-from prefixgate.gateway.nodes import ROLES, Node
-from prefixgate.gateway.pipeline import Prepared
-from prefixgate.gateway.runner import Credentials, Identity
-from prefixgate.gateway.service import GatewayService
 from prefixgate.openai.errors import invalid
 from prefixgate.openai.exceptions import Conflict, Forbidden, NotFound
 from prefixgate.openai.schema import ParsedRequest, parse_request

@@ -15,23 +15,23 @@ from prefixgate.cachetier.index import BlockIndex
 from prefixgate.cachetier.memory import MemoryIndex
 from prefixgate.cachetier.resilient import ResyncHook
 from prefixgate.cachetier.tokenizer import Tokenizer
-from prefixgate.gateway import workers
-from prefixgate.gateway.breaker import CircuitBreaker
+from prefixgate.gateway.cluster import workers
+from prefixgate.gateway.cluster.breaker import CircuitBreaker
+from prefixgate.gateway.cluster.events import EventSync
+from prefixgate.gateway.cluster.membership import Membership
+from prefixgate.gateway.cluster.nodes import Node, NodePool
 from prefixgate.gateway.config import Settings
-from prefixgate.gateway.documents import DocumentLimits, DocumentStore
-from prefixgate.gateway.events import EventSync
-from prefixgate.gateway.membership import Membership
+from prefixgate.gateway.core.pipeline import Execution, Pipeline
+from prefixgate.gateway.core.runner import RequestRunner
+from prefixgate.gateway.core.usage import Prices, UsageLedger
 from prefixgate.gateway.metrics import Metrics, NodeSample
 from prefixgate.gateway.nodeclient import NodeClient
 from prefixgate.gateway.nodeclient.zmq_events import events_connector
-from prefixgate.gateway.nodes import Node, NodePool
-from prefixgate.gateway.pipeline import Execution, Pipeline
-from prefixgate.gateway.quotas import PinLimits
-from prefixgate.gateway.replicated import DocumentRegistry, PinRegistry, open_state
-from prefixgate.gateway.runner import RequestRunner
-from prefixgate.gateway.state_memory import MemoryState
+from prefixgate.gateway.state.documents import DocumentLimits, DocumentStore
+from prefixgate.gateway.state.memory import MemoryState
+from prefixgate.gateway.state.quotas import PinLimits
+from prefixgate.gateway.state.replicated import DocumentRegistry, PinRegistry, open_state
 from prefixgate.gateway.tokens.wiring import gateway_tokenizer, model_tokenizers, worker_tokenizer
-from prefixgate.gateway.usage import Prices, UsageLedger
 
 log = structlog.get_logger("prefixgate.gateway")
 
@@ -131,7 +131,7 @@ class GatewayService:
 
     def _count_usage(self, ex: Execution) -> None:
         """One request, its prompt counted once: a request's choices after the first (each its
-        own execution, ``gateway.choices``) add their output tokens only, as the response's
+        own execution, ``gateway.core.choices``) add their output tokens only, as the response's
         ``usage`` counts them."""
         p = ex.prep
         if p.sampling.choice:
@@ -160,7 +160,7 @@ class GatewayService:
 
     def _check_tenancy(self, address: str) -> None:
         """A worker that would mix tenants' prefixes in its engine cache, refused unless the
-        operator agreed to a shared engine cache (``gateway.tenancy``)."""
+        operator agreed to a shared engine cache (``gateway.core.tenancy``)."""
         if self.pipeline.tenancy.refused(isolates=workers.salted(address)):
             raise ValueError(
                 f"{address}: its protocol carries no cache salt, so its engine would share one "

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from prefixgate.gateway.state import Member, StateStore
+from prefixgate.gateway.state.store import Member, StateStore
 
 if TYPE_CHECKING:
-    from prefixgate.gateway.nodes import Node, NodePool
+    from prefixgate.gateway.cluster.nodes import Node, NodePool
 
 log = structlog.get_logger("prefixgate.membership")
 

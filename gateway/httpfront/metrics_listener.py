@@ -2,7 +2,7 @@
 
 It serves the same exposition as ``/metrics`` on the main port, behind the same metrics token,
 and nothing else (404). It runs in the gateway's process and loop, started and stopped with the
-gateway (``gateway.app``'s lifespan): a scraper pointed at smg's metrics port keeps working.
+gateway (``gateway.httpfront.app``'s lifespan): a scraper pointed at smg's metrics port keeps working.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from prefixgate.gateway.http_guard import HttpGuard
-from prefixgate.gateway.service import GatewayService
+from prefixgate.gateway.core.service import GatewayService
+from prefixgate.gateway.httpfront.guard import HttpGuard
 from prefixgate.openai.errors import APIError
 
 log = structlog.get_logger("prefixgate.metrics")

@@ -24,7 +24,7 @@ from typing import Any
 import structlog
 from prometheus_client import CollectorRegistry, Counter
 
-from prefixgate.gateway.state import StateStore, UsageCounts, UsageKey
+from prefixgate.gateway.state.store import StateStore, UsageCounts, UsageKey
 
 log = structlog.get_logger("prefixgate.usage")
 

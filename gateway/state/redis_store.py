@@ -1,7 +1,7 @@
 """``StateStore`` on Redis (single or Cluster): what every gateway replica shares.
 
 Keys (``P`` is ``redis_prefix``; each family has one hash tag, so on a Cluster it lives in one
-slot and its Lua scripts, ``gateway.state_lua``, are atomic):
+slot and its Lua scripts, ``gateway.state.lua``, are atomic):
 
 - documents: ``P{docs}:d:<tenant>`` (id -> text), ``P{docs}:c:<tenant>`` (id -> bytes counted),
   ``P{docs}:bytes`` (tenant -> bytes), ``P{docs}:seen`` (tenant -> expiry), ``P{docs}:total``;
@@ -30,8 +30,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
-from prefixgate.gateway import state_lua
-from prefixgate.gateway.documents import (
+from prefixgate.gateway.state import lua as state_lua
+from prefixgate.gateway.state.documents import (
     TENANT_OVERHEAD,
     DocumentLimits,
     bytes_exceeded,
@@ -39,8 +39,8 @@ from prefixgate.gateway.documents import (
     store_full,
     too_large,
 )
-from prefixgate.gateway.quotas import PinLimits, node_quota_exceeded, too_long, total_quota_exceeded
-from prefixgate.gateway.state import (
+from prefixgate.gateway.state.quotas import PinLimits, node_quota_exceeded, too_long, total_quota_exceeded
+from prefixgate.gateway.state.store import (
     DocumentUsage,
     Member,
     PinHold,

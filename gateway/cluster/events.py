@@ -13,9 +13,9 @@ import contextlib
 import structlog
 
 from prefixgate.cachetier.index import BlockIndex, StoreOp
+from prefixgate.gateway.cluster.nodes import Node, NodePool
 from prefixgate.gateway.metrics import Metrics
 from prefixgate.gateway.nodeclient import KVEvent, NodeFailure
-from prefixgate.gateway.nodes import Node, NodePool
 from prefixgate.gateway.vocab import EventKind, FailureKind
 
 log = structlog.get_logger("prefixgate.events")

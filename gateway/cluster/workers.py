@@ -181,7 +181,7 @@ def connector(
 
     def root_of(model: str, lora: str, salt: str) -> int | None:
         # Engine events name the salt the engine was given, if any: blocks stored under none are
-        # the one tenant's, or nobody's when there are several (``gateway.tenancy``). The model
+        # the one tenant's, or nobody's when there are several (``gateway.core.tenancy``). The model
         # is the engine's own name, as requests for it are hashed (``NodePool.canonical``).
         model = model or unnamed
         return None if lora else Namespace(model, tenancy.event_salt(salt), bs, name_of(model)).root()
@@ -203,7 +203,7 @@ def connector(
     return connect
 
 
-# Protocols that carry no cache salt to the engine (``gateway.tenancy``).
+# Protocols that carry no cache salt to the engine (``gateway.core.tenancy``).
 UNSALTED_SCHEMES = ("grpc",)
 
 

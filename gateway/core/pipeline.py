@@ -24,18 +24,18 @@ from prefixgate.cachetier.hashing import Namespace, block_hashes
 from prefixgate.cachetier.index import BlockIndex, StoreOp
 from prefixgate.cachetier.tokenizer import Tokenizer, pack_ids
 from prefixgate.cachetier.writer import IndexWriter
+from prefixgate.gateway.cluster.nodes import Node, NodePool
 from prefixgate.gateway.config import Settings
-from prefixgate.gateway.documents import DocumentStore
-from prefixgate.gateway.features import unable
+from prefixgate.gateway.core.features import unable
+from prefixgate.gateway.core.refusals import refusal
+from prefixgate.gateway.core.tenancy import engine_salt, namespace_salt
 from prefixgate.gateway.metrics import Metrics
 from prefixgate.gateway.nodeclient import NodeFailure, OpenAIBody, Prompt, TokenDelta, TokenStream
-from prefixgate.gateway.nodes import Node, NodePool
-from prefixgate.gateway.openai_body import engine_body, for_choice
-from prefixgate.gateway.refusals import refusal
+from prefixgate.gateway.nodeclient.openai_body import engine_body, for_choice
 from prefixgate.gateway.routing import Decision, Policy, RouteInput, parse_policy, planner
 from prefixgate.gateway.routing.inflight import InflightPrefixes, extension, follows_inflight, merge_hits
 from prefixgate.gateway.routing.planner import Plan, RequestView, Rules
-from prefixgate.gateway.tenancy import engine_salt, namespace_salt
+from prefixgate.gateway.state.documents import DocumentStore
 from prefixgate.gateway.tokens import ChatEncoder, TemplateLimitError
 from prefixgate.gateway.toolcalls.support import ToolPlan, passing_through, plan_tools
 from prefixgate.gateway.vocab import FailureKind, Mode, Stage
@@ -81,7 +81,7 @@ class Prepared:
     index_hits: dict[str, int] = field(default_factory=dict)  # node -> leading blocks, per the index
     # The tool-call format the gateway parses the answer with ("": none; ``gateway.toolcalls``).
     tool_parser: str = ""
-    # What engines salt their prefix cache with for ``namespace`` (``gateway.tenancy.engine_salt``).
+    # What engines salt their prefix cache with for ``namespace`` (``gateway.core.tenancy.engine_salt``).
     engine_salt: str = ""
 
     @property
@@ -179,7 +179,7 @@ class Execution:
         self.failure: NodeFailure | None = None  # what broke the stream after the first token
         self._on_close = on_close
         self._stall_timeout_s = stall_timeout_s
-        # The node's engine cache holds other tenants' prefixes too (``gateway.tenancy``).
+        # The node's engine cache holds other tenants' prefixes too (``gateway.core.tenancy``).
         self._cache_shared = cache_shared
         self._waiting_since = 0.0  # loop time at which ``_next`` began waiting; 0 when not waiting
         self._waiter: asyncio.Task[object] | None = None
@@ -366,7 +366,7 @@ class Pipeline:
     def admit(self) -> Callable[[], None]:
         """Take an in-flight slot or refuse (``Overloaded``); returns the (idempotent) release.
 
-        Front ends do not call this directly: ``gateway.runner`` pairs it with its release.
+        Front ends do not call this directly: ``gateway.core.runner`` pairs it with its release.
         """
         limit = self.settings.max_inflight
         if self.inflight >= limit:
@@ -409,7 +409,7 @@ class Pipeline:
         return self.model_tokenizers.get(model, self.tokenizer)
 
     def namespace(self, model: str, tenant: str, cache_salt: str = "") -> Namespace:
-        """The tenant's namespace (``gateway.tenancy.namespace_salt``); ``cache_salt``: the
+        """The tenant's namespace (``gateway.core.tenancy.namespace_salt``); ``cache_salt``: the
         client's own division of it."""
         salt = namespace_salt(tenant, self.settings.shared_namespaces, cache_salt)
         return Namespace(model, salt, self.settings.block_size, self.tokenizer_for(model).name)

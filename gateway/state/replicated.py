@@ -10,10 +10,10 @@ import time
 from collections.abc import Mapping, Sequence
 
 from prefixgate.gateway.config import Settings
-from prefixgate.gateway.documents import DocumentLimits, new_document_id, not_found, stored_cost
-from prefixgate.gateway.quotas import PinLimits
-from prefixgate.gateway.state import DocumentUsage, PinHold, PinRow, StateStore
-from prefixgate.gateway.state_memory import MemoryState
+from prefixgate.gateway.state.documents import DocumentLimits, new_document_id, not_found, stored_cost
+from prefixgate.gateway.state.memory import MemoryState
+from prefixgate.gateway.state.quotas import PinLimits
+from prefixgate.gateway.state.store import DocumentUsage, PinHold, PinRow, StateStore
 from prefixgate.openai.normalize import Document
 from prefixgate.openai.schema import ParsedRequest
 
@@ -21,7 +21,7 @@ from prefixgate.openai.schema import ParsedRequest
 def open_state(settings: Settings) -> StateStore:
     if not settings.redis:
         return MemoryState()
-    from prefixgate.gateway.state_redis import RedisState
+    from prefixgate.gateway.state.redis_store import RedisState
 
     return RedisState(
         settings.redis,
@@ -74,7 +74,7 @@ class DocumentRegistry:
 
 
 class PinRegistry:
-    """Tenants' pins under their quotas (``gateway.quotas``), with their expiry, for every replica."""
+    """Tenants' pins under their quotas (``gateway.state.quotas``), with their expiry, for every replica."""
 
     def __init__(self, state: StateStore, limits: PinLimits) -> None:
         self.state = state

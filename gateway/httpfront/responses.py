@@ -18,8 +18,8 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
-from prefixgate.gateway.choices import Choices
-from prefixgate.gateway.httpcommon import SSE_DONE, ORJSONResponse
+from prefixgate.gateway.core.choices import Choices
+from prefixgate.gateway.httpfront.common import SSE_DONE, ORJSONResponse
 from prefixgate.gateway.nodeclient.base import TokenLogprob
 from prefixgate.gateway.toolcalls import shapes as toolcalls
 from prefixgate.openai.errors import from_domain

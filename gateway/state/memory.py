@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from prefixgate.gateway.documents import DocumentLimits, DocumentStore
-from prefixgate.gateway.quotas import PinLedger, PinLimits
-from prefixgate.gateway.state import (
+from prefixgate.gateway.state.documents import DocumentLimits, DocumentStore
+from prefixgate.gateway.state.quotas import PinLedger, PinLimits
+from prefixgate.gateway.state.store import (
     DocumentUsage,
     Member,
     PinHold,

@@ -175,7 +175,7 @@ def use_smg_workers(settings: Settings, nodes: list[NodeProcess]) -> None:
 
 
 async def run_stack(settings: Settings, opts: StackOptions) -> int:
-    from prefixgate.gateway.server import EXIT_WORK_CUT, make_server
+    from prefixgate.gateway.ops.server import EXIT_WORK_CUT, make_server
 
     t0 = time.perf_counter()
     nodes = start_nodes(opts)

@@ -3,7 +3,7 @@
 ``explain`` is read-only (it runs ``Pipeline.preview``); ``evict`` removes blocks from the
 node caches (node ``Evict``) and from the index; ``warm`` prefills a prompt on nodes without
 generating (node ``Prefill`` with ``skip_first_token``), optionally pinning it, and records
-the blocks in the index. The HTTP layer (``gateway.admin``) only parses and answers.
+the blocks in the index. The HTTP layer (``gateway.httpfront.admin``) only parses and answers.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import structlog
 
 from prefixgate.cachetier.index import StoreOp
 from prefixgate.cachetier.tokenizer import Tokenizer
-from prefixgate.gateway import keepwarm
+from prefixgate.gateway.cluster.nodes import ROLES, Node
+from prefixgate.gateway.core import keepwarm
+from prefixgate.gateway.core.pipeline import Prepared
+from prefixgate.gateway.core.service import GatewayService
 from prefixgate.gateway.nodeclient import NodeFailure, Prompt
-from prefixgate.gateway.nodes import ROLES, Node
-from prefixgate.gateway.pipeline import Prepared
 from prefixgate.gateway.routing import Decision, RouteInput, estimate_ttft
 from prefixgate.gateway.routing.base import Estimate
 from prefixgate.gateway.routing.planner import Plan
-from prefixgate.gateway.service import GatewayService
 from prefixgate.gateway.vocab import FailureKind, Mode
 from prefixgate.openai.exceptions import InvalidRequest, NotFound, Overloaded, Unavailable
 from prefixgate.openai.normalize import Layout
@@ -325,7 +325,7 @@ class WarmResult:
     method: str = "prefill"  # "prefill" (computed what was missing) or "pin" (all already there)
     # How the node was warmed or pinned: "prefill" / "pin" (the node's own Prefill and Pin),
     # "re-prefill" (a one-token request: the protocol has no Prefill), "keep-warm" (a pin on a
-    # node that cannot pin: re-prefilled before its LRU would drop it, ``gateway.keepwarm``).
+    # node that cannot pin: re-prefilled before its LRU would drop it, ``gateway.core.keepwarm``).
     action: str = "prefill"
     cached_tokens: int = 0
     computed_tokens: int = 0
@@ -423,7 +423,7 @@ async def _warm_node(
 async def _keep_warm_node(
     svc: GatewayService, prep: Prepared, node: Node, res: WarmResult, pin_seconds: float, held_blocks: int
 ) -> WarmResult:
-    """Warm with a one-token request; a pin keeps re-sending it (``gateway.keepwarm``). The
+    """Warm with a one-token request; a pin keeps re-sending it (``gateway.core.keepwarm``). The
     tenant is told of no more reuse than its own prefixes on the node account for
     (``held_blocks``, per the index) when the engine's cache is shared between tenants."""
     res.method = res.action = "keep-warm" if pin_seconds > 0 else "re-prefill"
@@ -470,7 +470,7 @@ async def warm(
     """Prefill ``prep`` on the target nodes (no generation), pinned for ``pin_seconds`` if > 0.
 
     With ``tenant_quota`` (a tenant's own pin, not an admin's) the pin is first reserved against
-    the tenant's pin quota (``gateway.quotas``), and given back on the nodes where it failed.
+    the tenant's pin quota (``gateway.state.quotas``), and given back on the nodes where it failed.
     Raises ``Overloaded`` when every node was full, ``Unavailable`` when none could take it.
     """
     if not 0 <= pin_seconds <= MAX_PIN_SECONDS:

@@ -11,7 +11,7 @@ The HTTP API, the gRPC API and the admin/prefill endpoints all serve a request t
 end maps them once.
 
 Preparing a large request is CPU work proportional to its size. A body of many JSON values
-is parsed in a worker process (``gateway.bodyparse``: the parser holds the interpreter lock,
+is parsed in a worker process (``gateway.httpfront.bodyparse``: the parser holds the interpreter lock,
 so a thread would not spare the event loop); above ``OFFLOAD_BYTES`` the rest (validate,
 render, tokenize, hash: bounded by the message, part and value limits) runs on a worker
 thread; at most ``HEAVY_CONCURRENCY`` requests at a time do either. Clients sending huge bodies
@@ -34,14 +34,14 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from prefixgate.gateway.auth import KeyRing, check_admin
-from prefixgate.gateway.bodyparse import BodyParser
 from prefixgate.gateway.config import KEYLESS_TENANT
+from prefixgate.gateway.core.auth import KeyRing, check_admin
+from prefixgate.gateway.httpfront.bodyparse import BodyParser
 from prefixgate.openai.exceptions import Draining, StreamBroken
 
 if TYPE_CHECKING:
-    from prefixgate.gateway.pipeline import Delta, Execution, Prepared
-    from prefixgate.gateway.service import GatewayService
+    from prefixgate.gateway.core.pipeline import Delta, Execution, Prepared
+    from prefixgate.gateway.core.service import GatewayService
     from prefixgate.openai.schema import ParsedRequest
 
 T = TypeVar("T")

@@ -1,7 +1,7 @@
 """The HTTP front end: OpenAI-compatible API on Starlette.
 
-Completions are served through the request runner (``gateway.runner``); the plumbing shared
-with the admin API (error mapping, body reading, request ids) is in ``gateway.httpcommon``.
+Completions are served through the request runner (``gateway.core.runner``); the plumbing shared
+with the admin API (error mapping, body reading, request ids) is in ``gateway.httpfront.common``.
 """
 
 from __future__ import annotations
@@ -17,11 +17,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from prefixgate.gateway import choices, responses
-from prefixgate.gateway.admin import admin_routes
 from prefixgate.gateway.config import KEYLESS_TENANT
-from prefixgate.gateway.grpc_front import GrpcFront
-from prefixgate.gateway.httpcommon import (
+from prefixgate.gateway.core import choices
+from prefixgate.gateway.core.pipeline import Prepared
+from prefixgate.gateway.core.runner import Identity
+from prefixgate.gateway.core.service import GatewayService
+from prefixgate.gateway.grpcfront.servicer import GrpcFront
+from prefixgate.gateway.httpfront import responses
+from prefixgate.gateway.httpfront.admin import admin_routes
+from prefixgate.gateway.httpfront.common import (
     DisconnectWatch,
     Endpoint,
     EventStream,
@@ -32,10 +36,7 @@ from prefixgate.gateway.httpcommon import (
     read_body,
     service_of,
 )
-from prefixgate.gateway.metrics_listener import MetricsListener, scrape
-from prefixgate.gateway.pipeline import Prepared
-from prefixgate.gateway.runner import Identity
-from prefixgate.gateway.service import GatewayService
+from prefixgate.gateway.httpfront.metrics_listener import MetricsListener, scrape
 from prefixgate.openai.errors import APIError, invalid
 from prefixgate.openai.exceptions import NotFound
 from prefixgate.openai.schema import ParsedRequest, document_id, parse_request
@@ -137,7 +138,7 @@ async def list_models(request: Request) -> Response:
 
 
 async def openapi(request: Request) -> Response:
-    from prefixgate.gateway.openapi import openapi_spec
+    from prefixgate.gateway.httpfront.openapi import openapi_spec
 
     return ORJSONResponse(openapi_spec(sorted(service_of(request).models)))
 
@@ -195,7 +196,7 @@ async def documents_delete(request: Request) -> Response:
     return ORJSONResponse({"id": doc_id, "object": "document", "deleted": True})
 
 
-#: The client API's completion endpoints, by path (POST); ``gateway.hotroutes`` dispatches them
+#: The client API's completion endpoints, by path (POST); ``gateway.httpfront.hotroutes`` dispatches them
 #: ahead of Starlette.
 COMPLETION_ENDPOINTS = {
     "/v1/chat/completions": Endpoint(chat_completions),

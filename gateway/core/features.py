@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from prefixgate.gateway.nodes import Node
+from prefixgate.gateway.cluster.nodes import Node
 from prefixgate.openai.exceptions import InvalidRequest
 from prefixgate.openai.features import Feature, refusal
 

@@ -14,15 +14,19 @@ from types import FrameType
 import structlog
 import uvicorn
 
-from prefixgate.gateway.app import COMPLETION_ENDPOINTS, create_app
+from prefixgate.gateway.cluster.workers import tenancy_refusal
 from prefixgate.gateway.config import Settings
-from prefixgate.gateway.connections import ConnectionLimits, fd_bounded_connections, limited_protocol
-from prefixgate.gateway.hotroutes import HotRoutes
-from prefixgate.gateway.http_guard import HttpGuard, Inflight
-from prefixgate.gateway.service import GatewayService
+from prefixgate.gateway.core.service import GatewayService
+from prefixgate.gateway.httpfront.app import COMPLETION_ENDPOINTS, create_app
+from prefixgate.gateway.httpfront.connections import (
+    ConnectionLimits,
+    fd_bounded_connections,
+    limited_protocol,
+)
+from prefixgate.gateway.httpfront.guard import HttpGuard, Inflight
+from prefixgate.gateway.httpfront.hotroutes import HotRoutes
 from prefixgate.gateway.tokens.engine import TokenizerLoadError
 from prefixgate.gateway.tokens.wiring import resolve_tokenizer
-from prefixgate.gateway.workers import tenancy_refusal
 
 log = structlog.get_logger("prefixgate.server")
 
