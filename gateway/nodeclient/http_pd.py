@@ -260,8 +260,8 @@ class HttpBootstrapPair:
 
 
 class HttpRelayPair:
-    """vLLM over HTTP, the NIXL proxy's way (docs/engines.md, vLLM NIXL HTTP proxy): the prefill
-    worker gets the body with ``kv_transfer_params: {"do_remote_decode": true, ...}``,
+    """vLLM over HTTP, the NIXL proxy's way (docs/engines.md, vLLM HTTP PD (NIXL proxy)): the
+    prefill worker gets the body with ``kv_transfer_params: {"do_remote_decode": true, ...}``,
     ``max_tokens: 1`` and ``stream: false``; the ``kv_transfer_params`` of its answer go into
     the decode request. An answer without them fails the prefill leg (not a kv_producer)."""
 

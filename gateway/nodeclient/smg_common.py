@@ -50,8 +50,8 @@ from prefixgate.openai.features import Feature
 
 log = structlog.get_logger("prefixgate.nodeclient.smg")
 
-# docs/engines.md, SMG gRPC ground rules: HTTP/2 keepalive 30 s / 10 s while idle; the SGLang
-# servicer takes messages up to 256 MiB and pings no closer than 10 s apart.
+# docs/engines.md, Channel: keepalive and message sizes. HTTP/2 keepalive 30 s / 10 s while
+# idle; the SGLang servicer takes messages up to 256 MiB and pings no closer than 10 s apart.
 CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
@@ -260,7 +260,7 @@ class Runtime(Protocol):
 
 
 def stop_token_ids(codec: Codec, stops: Sequence[str]) -> list[int]:
-    """Stop strings that are exactly one token, as ids (docs/engines.md, SGLang stop
+    """Stop strings that are exactly one token, as ids (docs/engines.md, Stop
     strings); all stop strings are
     still matched by the gateway's own stop decoder."""
     out: list[int] = []
@@ -836,7 +836,7 @@ class GenerateStream:
         return TokenDelta(text, reason, self._completion, lps)
 
     async def aclose(self) -> None:
-        """Cancel the engine's work if it is still running (docs/engines.md, abort on disconnect):
+        """Cancel the engine's work if it is still running (docs/engines.md, Aborts):
         ``Abort``, then the call (and the task reading it) cancelled."""
         self._closed = True
         self._pending.clear()

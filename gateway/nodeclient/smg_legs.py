@@ -1,7 +1,7 @@
 """The SMG gRPC transport of split serving (``handoff``): the legs of a (prefill, decode) pair of
 ``grpc://`` workers. Each leg is one Generate call whose request the runtime built
 (``smg_sglang``, ``smg_vllm``); ending one early is ``Abort`` and then the call cancelled
-(docs/engines.md, abort on disconnect).
+(docs/engines.md, Aborts).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """SGLang over the SMG engine protocol (``sglang.grpc.scheduler.SglangScheduler``; docs/engines.md,
-SGLang over SMG gRPC).
+SGLang requests).
 
 Requests carry token ids only, every numeric sampling field set explicitly (proto3 zero is not
 the engine's default), string stops never (single-token stops become ``stop_token_ids``; every
@@ -172,7 +172,7 @@ SGLANG = SglangRuntime()
 
 def with_bootstrap(request: Any, host: str, port: int, room: int) -> None:
     """Where the decode leg meets the prefill leg: the prefill node's host and bootstrap port,
-    the request's room (docs/engines.md, SGLang bootstrap)."""
+    the request's room (docs/engines.md, SGLang PD: bootstrap host, port and room)."""
     request.disaggregated_params.CopyFrom(
         pb.DisaggregatedParams(bootstrap_host=host, bootstrap_port=port, bootstrap_room=room)
     )

@@ -1,5 +1,5 @@
-"""vLLM over the SMG engine protocol (``vllm.grpc.engine.VllmEngine``; docs/engines.md, vLLM over
-SMG gRPC).
+"""vLLM over the SMG engine protocol (``vllm.grpc.engine.VllmEngine``; docs/engines.md, vLLM
+requests).
 
 Differences from SGLang: sampling fields are vLLM's (``temperature`` optional, ``top_k`` 0 =
 off, ``max_tokens``), string stops are kept (the engine matches them too; the gateway's stop

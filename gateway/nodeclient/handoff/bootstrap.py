@@ -1,4 +1,5 @@
-"""SGLang's simultaneous bootstrap (docs/engines.md, SGLang bootstrap), for every transport.
+"""SGLang's simultaneous bootstrap, for every transport (docs/engines.md, SGLang PD: bootstrap
+host, port and room).
 
 The same request (one request id; the prefill node's host, its bootstrap port and a fresh random
 room) goes to both legs at once; they meet at the room, the prefill leg ends once the KV is

@@ -5,7 +5,7 @@ answers what the decode leg needs (``PrefillAnswer``); the decode leg streams th
 transport (SMG gRPC, HTTP) supplies legs that send what an engine dialect built; it decides
 nothing about the order of the legs, their blame, or when they are ended.
 
-The abort rule (docs/engines.md, abort on disconnect): a prefill leg is aborted at once; a
+The abort rule (docs/engines.md, Aborts): a prefill leg is aborted at once; a
 decode leg that has not yet produced its first item while a KV transfer to it may be in flight
 is aborted only once that first item comes (or the leg ends), at most
 ``DEFERRED_ABORT_MAX_WAIT_S`` later: aborting an engine in the middle of a transfer can wedge

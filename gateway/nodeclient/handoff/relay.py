@@ -1,4 +1,5 @@
-"""vLLM's sequential relay (docs/engines.md, vLLM relay), for every transport.
+"""vLLM's sequential relay, for every transport (docs/engines.md, vLLM PD: kv_transfer_params
+relay).
 
 The prefill leg runs first, to its end (one length-capped token, not streamed, asked to keep the
 KV for a remote decode); the transfer parameters of its answer go with the decode leg, sent
