@@ -26,7 +26,9 @@ import pytest
 from openai import OpenAI
 
 from prefixgate.bench.launch import default_peers_dir
-from tests.helpers import REPO, Proc, free_port, spawn
+from prefixgate.gateway.ops import processes
+from prefixgate.gateway.ops.processes import Child
+from tests.helpers import REPO, free_port, spawn
 
 NODE_BLOCK = 16
 MOCK_SCRIPT = Path(
@@ -39,7 +41,7 @@ MOCK_PYTHON = default_peers_dir() / "venv-tools" / "bin" / "python"
 class Worker:
     model: str
     url: str
-    proc: Proc | None = None
+    proc: Child | None = None
 
     @property
     def node_id(self) -> str:
@@ -52,10 +54,10 @@ class Worker:
 @dataclass
 class Cluster:
     base: str
-    gateway: Proc
+    gateway: Child
     workers: list[Worker]
     mock: Worker | None = None
-    procs: list[Proc] = field(default_factory=list)
+    procs: list[Child] = field(default_factory=list)
     grpc_port: int = 0
 
     def client(self) -> OpenAI:
@@ -120,8 +122,8 @@ def ensure_mock_python() -> None:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def start_mock(model: str) -> tuple[Worker | None, subprocess.Popen[bytes] | None]:
-    """The peers' mock worker, or (None, None) with the reason printed when it cannot run here."""
+def start_mock(model: str) -> Worker | None:
+    """The peers' mock worker, or None with the reason printed when it cannot run here."""
     ensure_mock_python()
     missing = [str(p) for p in (MOCK_SCRIPT, MOCK_PYTHON) if not p.exists()]
     if missing:
@@ -129,38 +131,25 @@ def start_mock(model: str) -> tuple[Worker | None, subprocess.Popen[bytes] | Non
         if os.environ.get("CI"):
             pytest.fail(reason)
         print(reason, file=sys.stderr)
-        return None, None
+        return None
     port = free_port()
-    proc = subprocess.Popen(
-        [
-            str(MOCK_PYTHON),
-            str(MOCK_SCRIPT),
-            "--ports",
-            str(port),
-            "--model",
-            model,
-            "--tokens",
-            "6",
-            "--quiet",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1, trust_env=False).status_code == 200:
-                return Worker(model, url), proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            break
-        time.sleep(0.1)
-    proc.kill()
-    proc.wait()
-    pytest.fail(f"the mock worker did not start on {url}")
+    argv = [
+        str(MOCK_PYTHON),
+        str(MOCK_SCRIPT),
+        "--ports",
+        str(port),
+        "--model",
+        model,
+        "--tokens",
+        "6",
+        "--quiet",
+    ]
+    try:
+        proc = processes.start("mock worker", argv, ready=processes.answers_http(url + "/health"), timeout=30)
+    except processes.StartFailed as e:
+        pytest.fail(f"the mock worker did not start on {url}: {e}")
+    return Worker(model, url, proc)
 
 
 def wait_models(base: str, want: set[str], timeout: float = 30.0) -> None:
@@ -181,8 +170,7 @@ def wait_models(base: str, want: set[str], timeout: float = 30.0) -> None:
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[Cluster]:
-    procs: list[Proc] = []
-    mock_proc: subprocess.Popen[bytes] | None = None
+    procs: list[Child] = []
     try:
         workers = []
         for model in ("m-a", "m-a", "m-b"):
@@ -190,7 +178,9 @@ def cluster() -> Iterator[Cluster]:
             assert w.proc is not None
             procs.append(w.proc)
             workers.append(w)
-        mock, mock_proc = start_mock("m-c")
+        mock = start_mock("m-c")
+        if mock is not None and mock.proc is not None:
+            procs.append(mock.proc)
         port, grpc_port = free_port(), free_port()
         urls = [w.url for w in workers] + ([mock.url] if mock else [])
         # Above the workers' own max_tokens limit (8192): a request they refuse is possible.
@@ -203,12 +193,4 @@ def cluster() -> Iterator[Cluster]:
         wait_models(base, {"m-a", "m-b"} | ({"m-c"} if mock else set()))
         yield Cluster(base, gateway, workers, mock, procs, grpc_port)
     finally:
-        for p in reversed(procs):
-            p.stop()
-        if mock_proc is not None:
-            mock_proc.terminate()
-            try:
-                mock_proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                mock_proc.kill()
-                mock_proc.wait()
+        processes.stop_all(reversed(procs))

@@ -32,7 +32,9 @@ import pytest
 from openai import OpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.helpers import REPO, Proc, free_port, spawn, wait_answered
+from prefixgate.gateway.ops import processes
+from prefixgate.gateway.ops.processes import Child
+from tests.helpers import REPO, free_port, spawn, wait_answered
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -85,24 +87,13 @@ def _venv(r: Router) -> Path:
     return venv
 
 
-def _start(argv: list[str]) -> Proc:
-    proc = subprocess.Popen(
-        argv,
-        cwd=REPO,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    p = Proc(proc)
-    p.start_reader()
-    return p
+def _start(argv: list[str]) -> Child:
+    return processes.start(Path(argv[0]).name, argv, cwd=REPO)
 
 
 @dataclass
 class NodeInfo:
-    proc: Proc
+    proc: Child
     url: str
     bootstrap_port: int = 0
 
@@ -155,7 +146,7 @@ def _router_argv(r: Router, venv: Path, c: Cluster, port: int, prom: int) -> lis
     return [*head, "--vllm-pd-disaggregation", "--prefill", c.prefill.url, "--decode", c.decode.url]
 
 
-def _wait_routed(base: str, proc: Proc, timeout: float = 60.0) -> None:
+def _wait_routed(base: str, proc: Child, timeout: float = 60.0) -> None:
     wait_answered(base, proc, MODEL, timeout=timeout)
 
 
@@ -163,7 +154,7 @@ def _wait_routed(base: str, proc: Proc, timeout: float = 60.0) -> None:
 def routers(cluster: Cluster) -> Iterator[Callable[[str], str]]:
     """``routers(name)``: the base URL of that router in front of the module's PD pair, started
     on first use and shared by the module's tests."""
-    started: dict[str, tuple[Proc, str]] = {}
+    started: dict[str, tuple[Child, str]] = {}
 
     def get(name: str) -> str:
         if name not in started:

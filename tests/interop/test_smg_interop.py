@@ -34,7 +34,9 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 from tokenizers import Tokenizer
 
 from prefixgate.backends.hftok import TOKENIZER_DIR
-from tests.helpers import REPO, Proc, free_port, wait_answered
+from prefixgate.gateway.ops import processes
+from prefixgate.gateway.ops.processes import Child
+from tests.helpers import REPO, free_port, wait_answered
 
 SMG_VERSION = "1.13.0"
 TINY = "tiny:preset=small"
@@ -80,22 +82,11 @@ def _smg_executable() -> str:
     return str(exe)
 
 
-def _start(argv: list[str], env: dict[str, str] | None = None) -> Proc:
-    proc = subprocess.Popen(
-        argv,
-        cwd=REPO,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    p = Proc(proc)
-    p.start_reader()
-    return p
+def _start(argv: list[str], env: dict[str, str] | None = None) -> Child:
+    return processes.start(Path(argv[0]).name, argv, env=env, cwd=REPO)
 
 
-def _node(*args: str) -> tuple[Proc, dict[str, object]]:
+def _node(*args: str) -> tuple[Child, dict[str, object]]:
     cmd = [
         sys.executable,
         "-m",
@@ -112,11 +103,11 @@ def _node(*args: str) -> tuple[Proc, dict[str, object]]:
     return p, json.loads(m.group(1))
 
 
-def _wait_routed(base: str, proc: Proc, timeout: float = 90.0) -> None:
+def _wait_routed(base: str, proc: Child, timeout: float = 90.0) -> None:
     wait_answered(base, proc, MODEL, timeout=timeout)
 
 
-def _smg(exe: str, *workers: str, env: dict[str, str] | None = None) -> tuple[Proc, str]:
+def _smg(exe: str, *workers: str, env: dict[str, str] | None = None) -> tuple[Child, str]:
     port, prom = free_port(), free_port()
     argv = [exe, "launch", "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1"]
     argv += ["--prometheus-port", str(prom), "--log-level", "warn", "--shutdown-grace-period-secs", "1"]
@@ -140,7 +131,7 @@ def smg_exe() -> str:
 
 @pytest.fixture(scope="module")
 def nodes() -> Iterator[dict[str, dict[str, object]]]:
-    procs: list[Proc] = []
+    procs: list[Child] = []
     try:
         mono_p, mono = _node("--role", "monolithic")
         procs.append(mono_p)
