@@ -3,8 +3,8 @@
 Workers: our own nodes' HTTP endpoint (``prefixgate node ... --http-port``), two serving model
 ``m-a`` and one ``m-b``; and, when it can run here, a third-party mock OpenAI-compatible worker
 (``mock_worker.py`` from the peer-router kit: ``$PREFIXGATE_MOCK_WORKER``, default
-``../shared/peers/mock_worker.py`` next to the checkout; run where it is with the aiohttp venv
-``$PREFIXGATE_PEERS/venv-tools``) serving ``m-c``. The gateway is
+``../shared/peers/mock_worker.py`` next to the checkout; run where it is under this interpreter,
+the dev extras carrying what it imports) serving ``m-c``. The gateway is
 ``prefixgate gateway --worker-urls ...`` with every worker, its ``--model`` left at the default
 (which no worker serves: the models come from the workers).
 """
@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -25,7 +23,6 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from prefixgate.bench.launch import default_peers_dir
 from prefixgate.gateway.ops import processes
 from prefixgate.gateway.ops.processes import Child
 from tests.helpers import REPO, free_port, spawn
@@ -34,7 +31,7 @@ NODE_BLOCK = 16
 MOCK_SCRIPT = Path(
     os.environ.get("PREFIXGATE_MOCK_WORKER", REPO.parent / "shared" / "peers" / "mock_worker.py")
 )
-MOCK_PYTHON = default_peers_dir() / "venv-tools" / "bin" / "python"
+MOCK_PYTHON = Path(sys.executable)  # aiohttp, orjson, uvloop, httpx: all in the dev extras
 
 
 @dataclass
@@ -98,36 +95,11 @@ def start_node(model: str, time_scale: float = 0.05) -> Worker:
     return Worker(model, f"http://{ready['http_address']}", proc)
 
 
-# What the mock worker imports, as the peer-router kit installs it.
-MOCK_PACKAGES = ("aiohttp==3.14.5", "orjson==3.13.0", "uvloop==0.23.0", "httpx==0.28.1")
-
-
-def ensure_mock_python() -> None:
-    """Make the mock worker's venv when it is missing (pip, about 10 s), built aside and moved in
-    whole, so a half-made one is never used; a failure leaves it missing (said by ``start_mock``)."""
-    if MOCK_PYTHON.exists() or not MOCK_SCRIPT.exists():
-        return
-    venv = MOCK_PYTHON.parent.parent
-    scratch = venv.with_name(f"{venv.name}.{os.getpid()}")
-    try:
-        subprocess.run(
-            [sys.executable, "-m", "venv", str(scratch)], check=True, capture_output=True, timeout=120
-        )
-        pip = [str(scratch / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-        subprocess.run([*pip, *MOCK_PACKAGES], check=True, capture_output=True, timeout=300)
-        scratch.rename(venv)
-    except (subprocess.SubprocessError, OSError) as e:
-        print(f"mock worker venv not made: {e}", file=sys.stderr)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
 def start_mock(model: str) -> Worker | None:
     """The peers' mock worker, or None with the reason printed when it cannot run here."""
-    ensure_mock_python()
     missing = [str(p) for p in (MOCK_SCRIPT, MOCK_PYTHON) if not p.exists()]
     if missing:
-        reason = f"mock worker not run: missing {', '.join(missing)} (a venv with aiohttp, orjson, uvloop)"
+        reason = f"mock worker not run: missing {', '.join(missing)}"
         if os.environ.get("CI"):
             pytest.fail(reason)
         print(reason, file=sys.stderr)

@@ -18,7 +18,6 @@ import json
 import math
 import os
 import secrets
-import subprocess
 import sys
 import tempfile
 import time
@@ -62,29 +61,20 @@ ROUTERS = {
 
 
 def _venv(r: Router) -> Path:
-    peers = Path(os.environ.get("PEERS") or Path(tempfile.gettempdir()) / "prefixgate-peers") / r.venv
-    if (peers / "bin" / r.argv[0]).exists():
-        return peers
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "prefixgate"
-    venv = cache / f"{r.package}-{r.version}"
-    if (venv / "bin" / r.argv[0]).exists() and (venv / ".installed").exists():
-        return venv
-    try:
-        subprocess.run(
-            [sys.executable, "-m", "venv", "--clear", str(venv)], check=True, capture_output=True, timeout=120
-        )
-        pip = [str(venv / "bin" / "pip"), "install", "-q", "--disable-pip-version-check"]
-        subprocess.run([*pip, f"{r.package}=={r.version}"], check=True, capture_output=True, timeout=300)
-        (venv / ".installed").touch()
-    except (subprocess.SubprocessError, OSError) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        reason = (
-            f"{r.package} {r.version} is not installed and pip could not install it: {e} {detail[-300:]!r}"
-        )
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
-    return venv
+    """The venv the router runs from: this one (the dev extras install the routers), else the
+    peers' scratch venv; never installed at test time (the test is skipped, failed on CI)."""
+    for venv in (
+        Path(sys.prefix),
+        Path(os.environ.get("PEERS") or Path(tempfile.gettempdir()) / "prefixgate-peers") / r.venv,
+    ):
+        if (venv / "bin" / r.argv[0]).exists() and (
+            r.name != "sglang" or any(venv.glob("lib/python*/site-packages/sglang_router"))
+        ):
+            return venv
+    reason = f"{r.package} {r.version} is not installed (pip install -e '.[dev]')"
+    if os.environ.get("CI"):
+        pytest.fail(reason)
+    pytest.skip(reason)
 
 
 def _start(argv: list[str]) -> Child:
