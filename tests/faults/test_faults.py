@@ -483,15 +483,18 @@ def test_two_gateways_share_the_index_and_route_as_one(
         args += ["--prefill", *n.worker_entry]
     for n in cluster.decode:
         args += ["--decode", n.address]
-    env = {k: v for k, v in cluster.gateway_env.items() if k == "PREFIXGATE_REDIS_PREFIX"}
+    url, prefix = cluster.gateway_args[1], cluster.gateway_env["PREFIXGATE_REDIS_PREFIX"]
+    env = {"PREFIXGATE_REDIS_PREFIX": prefix}
     second = spawn(args, env=env)
     b_url = f"http://127.0.0.1:{b_port}"
     try:
         assert _until(lambda: _ready(b_url, len(cluster.prefill)), 20.0), second.tail(20)
         for seed in range(3):  # several prefixes, so "same node" is not luck
+            held = _index_blocks(url, prefix)
             first = httpx.post(cluster.url + "/v1/chat/completions", json=body(7500 + seed, 1500), timeout=30)
             assert first.status_code == 200, first.text
-            time.sleep(0.3)  # the engine's events reach the index off the hot path
+            # the engine's events reach the index off the hot path: until they have all landed
+            assert _until(lambda h=held: _index_settled(url, prefix, h), 10.0), "no KV events indexed"
             again = httpx.post(
                 b_url + "/v1/chat/completions", json=body(7500 + seed, 1500, max_tokens=4), timeout=30
             )
@@ -519,6 +522,15 @@ def _index_blocks(url: str, prefix: str) -> int:
             await idx.close()
 
     return asyncio.run(read())
+
+
+def _index_settled(url: str, prefix: str, before: int) -> bool:
+    """The index holds more blocks than ``before`` and no more arrive for a moment."""
+    now = _index_blocks(url, prefix)
+    if now <= before:
+        return False
+    time.sleep(0.2)
+    return _index_blocks(url, prefix) == now
 
 
 def test_redis_restarted_empty_index_rebuilt_from_kv_events(
