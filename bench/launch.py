@@ -4,7 +4,7 @@ Every child is started by ``gateway.ops.processes`` (own process group, dies wit
 SIGTERM then SIGKILL on stop) on loopback, with its output in a log file under a run directory.
 
 Peer routers are not dependencies of prefixgate: they are looked up in a directory of venvs
-made by the commands in the README (``venv-smg``, ``venv-sglang``, ``venv-vllmr``, ``venv-litellm`` under
+made by the commands in bench/README.md (``venv-smg``, ``venv-sglang``, ``venv-vllmr``, ``venv-litellm`` under
 ``--peers-venv``, default ``$PREFIXGATE_PEERS`` or ``$TMPDIR/prefixgate-peers``). Launch flags
 follow their documented loopback-safe forms (explicit ``--host``/``--prometheus-host``
 127.0.0.1, a 1 s shutdown grace for smg and sglang-router, a master key and the local price map for
