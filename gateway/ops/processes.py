@@ -195,9 +195,9 @@ def start(
 ) -> Child:
     """Start ``cmd``; with ``ready``, return once it holds (else stop the child and raise).
 
-    ``env`` is laid over this process's environment (``inherit_env``) or is the whole of it; ``log`` also writes the output to a file;
-    ``echo`` copies it to this process's stderr; ``open_files`` > 0 lowers the child's
-    RLIMIT_NOFILE from its first instruction.
+    ``env`` is laid over this process's environment (``inherit_env``) or is the whole of it;
+    ``log`` also writes the output to a file; ``echo`` copies it to this process's stderr;
+    ``open_files`` > 0 lowers the child's RLIMIT_NOFILE from its first instruction.
     """
     proc = subprocess.Popen(
         list(cmd),

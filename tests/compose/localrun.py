@@ -48,7 +48,8 @@ class LocalCompose:
 
     def start(self, svc: LocalService) -> None:
         argv = processes.prefixgate(*svc.argv)
-        self.procs[svc.name] = processes.start(svc.name, argv, env=service_env(svc), inherit_env=False, cwd=REPO)
+        env = service_env(svc)
+        self.procs[svc.name] = processes.start(svc.name, argv, env=env, inherit_env=False, cwd=REPO)
 
     def check(self, name: str) -> bool:
         """One run of the service's healthcheck (or the external probe)."""
