@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import random
 import signal
 import time
@@ -490,11 +491,11 @@ def test_two_gateways_share_the_index_and_route_as_one(
     try:
         assert _until(lambda: _ready(b_url, len(cluster.prefill)), 20.0), second.tail(20)
         for seed in range(3):  # several prefixes, so "same node" is not luck
-            held = _index_blocks(url, prefix)
+            settled = functools.partial(_index_settled, url, prefix, _index_blocks(url, prefix))
             first = httpx.post(cluster.url + "/v1/chat/completions", json=body(7500 + seed, 1500), timeout=30)
             assert first.status_code == 200, first.text
             # the engine's events reach the index off the hot path: until they have all landed
-            assert _until(lambda h=held: _index_settled(url, prefix, h), 10.0), "no KV events indexed"
+            assert _until(settled, 10.0), "no KV events indexed"
             again = httpx.post(
                 b_url + "/v1/chat/completions", json=body(7500 + seed, 1500, max_tokens=4), timeout=30
             )
