@@ -13,8 +13,9 @@ same way:
 - it is ready when a check passes before a deadline while it is alive: one loop for every kind,
   the check being what that kind offers. Our node prints its ready line once its ports are bound
   (``printed``; with ``--port 0`` no port is chosen in advance, so none can be taken meanwhile);
-  a gateway answers ``/readyz`` (``answers_http``); a peer router answers only once it routes,
-  which its caller knows how to ask. A child that exits while awaited fails at once;
+  a gateway answers ``/readyz`` (``answers_http``); a peer router's health endpoint says only
+  that it is up, so it is ready once a chat through it is answered (``routes_chat``). A child
+  that exits while awaited fails at once;
 - it is stopped with SIGTERM to its group, a bounded wait, then SIGKILL (group and stragglers).
 """
 
