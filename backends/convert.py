@@ -8,6 +8,7 @@ from prefixgate.backends.engine import Sampling, TokenLogprob
 from prefixgate.backends.events import KVEventRecord
 from prefixgate.backends.generation import Chunk
 from prefixgate.backends.kvpages import KVFormat
+from prefixgate.backends.stats import KV_FORMAT_FIELDS, fields_of, format_message
 from prefixgate.backends.transfer import TransferHeader, WirePage
 from prefixgate.v1 import node_pb2
 
@@ -50,25 +51,15 @@ def logprob_to_proto(lp: TokenLogprob, token_text: Callable[[int], str]) -> node
     )
 
 
-def format_to_proto(f: KVFormat) -> node_pb2.KVFormat:
-    return node_pb2.KVFormat(
-        model_fingerprint=f.model_fingerprint,
-        block_size=f.block_size,
-        dtype=f.dtype,
-        layout=f.layout,
-        bytes_per_token=f.bytes_per_token,
-    )
-
-
 def format_from_proto(p: node_pb2.KVFormat) -> KVFormat:
-    return KVFormat(p.model_fingerprint, p.block_size, p.dtype, p.layout, p.bytes_per_token)
+    return KVFormat(**fields_of(p, KV_FORMAT_FIELDS))
 
 
 def header_to_proto(h: TransferHeader) -> node_pb2.KVTransferHeader:
     return node_pb2.KVTransferHeader(
         request_id=h.request_id,
         kv_handle=h.kv_handle,
-        format=format_to_proto(h.format),
+        format=format_message(h.format),
         tokens=h.tokens,
         num_pages=h.num_pages,
         first_token=h.first_token,

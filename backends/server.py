@@ -48,7 +48,6 @@ from prefixgate.backends.bootstrap import DEFAULT_BOOTSTRAP_TIMEOUT_S, Bootstrap
 from prefixgate.backends.convert import (
     chunk_to_proto,
     event_to_proto,
-    format_to_proto,
     header_from_proto,
     logprob_to_proto,
     page_from_proto,
@@ -66,6 +65,7 @@ from prefixgate.backends.node import (
     PrefillCall,
 )
 from prefixgate.backends.profiles import get_profile
+from prefixgate.backends.stats import stats_message
 from prefixgate.backends.transfer import WirePage
 from prefixgate.v1 import node_pb2, node_pb2_grpc
 
@@ -197,39 +197,10 @@ class NodeService(node_pb2_grpc.NodeServicer):
         )
 
     async def Stats(self, request: node_pb2.StatsRequest, context: Any) -> node_pb2.NodeStats:
-        s = self.node.snapshot()
-        p = s.profile
-        return node_pb2.NodeStats(
-            node_id=s.node_id,
-            role=s.role,
-            engine=s.engine,
-            kv_format=format_to_proto(s.kv_format),
-            capacity_blocks=s.capacity_blocks,
-            used_blocks=s.used_blocks,
-            pinned_blocks=s.pinned_blocks,
-            queued_requests=s.queued_requests,
-            queued_tokens=s.queued_tokens,
-            running_requests=s.running_requests,
-            max_queue=s.max_queue,
-            max_concurrency=s.max_concurrency,
-            profile=node_pb2.CostProfile(
-                name=p.name,
-                prefill_tokens_per_s=p.prefill_tokens_per_s,
-                attention_coeff_s=p.attention_coeff_s,
-                decode_base_s=p.decode_base_s,
-                decode_per_context_token_s=p.decode_per_context_token_s,
-                transfer_bytes_per_s=p.transfer_bytes_per_s,
-                time_scale=s.time_scale,
-            ),
-            kv_event_seq=s.kv_event_seq,
-            instance_id=s.instance_id,
-            prefix_hit_tokens=s.prefix_hit_tokens,
-            prompt_tokens=s.prompt_tokens,
-            # this protocol's SamplingParams carry no constraint: constrained decoding is served on
-            # the SMG and HTTP faces only
-            features=sorted(s.features - NATIVE_UNSERVED),
-            evictable_blocks=s.evictable_blocks,
-        )
+        # this protocol's SamplingParams carry no constraint: constrained decoding is served on
+        # the SMG and HTTP faces only
+        snapshot = self.node.snapshot()
+        return stats_message(snapshot, snapshot.features - NATIVE_UNSERVED)
 
     async def KVEvents(
         self, request: node_pb2.KVEventsRequest, context: Any
