@@ -54,7 +54,7 @@ from prefixgate.backends.convert import (
     sampling_from_proto,
 )
 from prefixgate.backends.engine import Engine
-from prefixgate.backends.errors import InvalidArgument, NodeError
+from prefixgate.backends.errors import InvalidArgument, NodeError, abort_rpc
 from prefixgate.backends.kvclient import CACHED_TOKENS_KEY, CHANNEL_OPTIONS, REQUEST_ID_KEY, GrpcKVSender
 from prefixgate.backends.kvpages import DEFAULT_KV_SCALE
 from prefixgate.backends.node import (
@@ -96,9 +96,7 @@ def _bind(context: Any, request_id: str, node_id: str) -> str:
 
 
 async def _abort(context: Any, e: NodeError) -> None:
-    log.warning("request failed", code=e.code.name, stage=e.stage, error=e.message)
-    context.set_trailing_metadata(((STAGE_KEY, e.stage),))
-    await context.abort(e.code, e.message)
+    await abort_rpc(context, e, ((STAGE_KEY, e.stage),))
 
 
 NATIVE_UNSERVED = frozenset({"response_format"})
