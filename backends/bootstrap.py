@@ -31,6 +31,7 @@ import grpc
 import structlog
 
 from prefixgate.backends.errors import (
+    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     NodeError,
@@ -112,10 +113,8 @@ class BootstrapServer:
         try:
             peer = await asyncio.wait_for(asyncio.shield(fut), max(0.001, limit))
         except TimeoutError:
-            raise NodeError(
-                f"no decode leg presented bootstrap room {room} within {limit:.1f}s",
-                stage="transfer",
-                code=grpc.StatusCode.DEADLINE_EXCEEDED,
+            raise DeadlineExceeded(
+                f"no decode leg presented bootstrap room {room} within {limit:.1f}s", stage="transfer"
             ) from None
         finally:
             self._forget(room, fut)
@@ -208,10 +207,9 @@ async def handshake(
             try:
                 line = await asyncio.wait_for(reader.readline(), limit)
             except TimeoutError:
-                raise NodeError(
+                raise DeadlineExceeded(
                     f"bootstrap {host}:{port} room {room}: no KV handoff within {limit:.1f}s",
                     stage="transfer",
-                    code=grpc.StatusCode.DEADLINE_EXCEEDED,
                 ) from None
             if not line:
                 raise Unavailable(

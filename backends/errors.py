@@ -67,6 +67,10 @@ class Unavailable(NodeError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class DeadlineExceeded(NodeError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 def http_status(e: NodeError) -> int:
     return HTTP_STATUS.get(e.code, 500)
 

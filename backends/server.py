@@ -49,8 +49,8 @@ from prefixgate.backends.convert import (
     chunk_to_proto,
     event_to_proto,
     header_from_proto,
-    logprob_to_proto,
     page_from_proto,
+    prefill_to_proto,
     sampling_from_proto,
 )
 from prefixgate.backends.engine import Engine
@@ -125,24 +125,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         except NodeError as e:
             await _abort(context, e)
             raise  # not reached: abort raises
-        return node_pb2.PrefillResponse(
-            request_id=r.request_id,
-            prompt_tokens=r.prompt_tokens,
-            cached_tokens=r.cached_tokens,
-            first_token=r.first_token,
-            first_text=r.first_text,
-            kv_handle=r.kv_handle,
-            queue_seconds=r.queue_seconds,
-            prefill_seconds=r.prefill_seconds,
-            transfer_seconds=r.transfer_seconds,
-            transfer_bytes=r.transfer_bytes,
-            state=r.state,
-            finished=r.finished,
-            finish_reason=r.finish_reason,
-            first_logprob=(
-                logprob_to_proto(r.first_logprob, self.node.engine.token_text) if r.first_logprob else None
-            ),
-        )
+        return prefill_to_proto(r, self.node.engine.token_text)
 
     async def Decode(
         self, request: node_pb2.DecodeRequest, context: Any
