@@ -1,13 +1,14 @@
 """``sglang.grpc.scheduler.SglangScheduler`` (the SMG engine protocol) over ``backends.node.Node``.
 
-What SGLang's gRPC servicer does, as far as a client can tell (see the protocol notes in the
-README): input is token ids only; ``stream=false`` answers one ``complete`` per index with all
-output ids; ``stream=true`` answers one ``chunk`` per group of new tokens (counters cumulative:
-prompt, completion and cached tokens so far), then a ``complete`` repeating the last chunk's ids.
-Generation ends on the end token (``matched_token_id``), on a ``stop_token_ids`` hit (the stop
-token is not output) or on ``max_new_tokens`` ("length"). A sampled request (temperature above
-0) is sampled at random, as SGLang samples: the protocol carries no seed. ``Abort`` ends a running request's
-streams with INTERNAL "Request aborted"; an unknown id is answered with success.
+What SGLang's gRPC servicer does, as far as a client can tell (``docs/engines.md``, SGLang's
+scheduler protocol, "Response stream semantics"): input is token ids only; ``stream=false``
+answers one ``complete`` per index with all output ids; ``stream=true`` answers one ``chunk`` per
+group of new tokens (counters cumulative: prompt, completion and cached tokens so far), then a
+``complete`` repeating the last chunk's ids. Generation ends on the end token
+(``matched_token_id``), on a ``stop_token_ids`` hit (the stop token is not output) or on
+``max_new_tokens`` ("length"). A sampled request (temperature above 0) is sampled at random, as
+SGLang samples: the protocol carries no seed. ``Abort`` ends a running request's streams with
+INTERNAL "Request aborted"; an unknown id is answered with success.
 
 PD (``disaggregated_params`` set): on a prefill node the request is prefilled, its KV pages
 pushed to the decode node that presented the same bootstrap room (``backends.bootstrap``), and
@@ -36,7 +37,7 @@ from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2, sglang_sc
 
 from prefixgate.backends import grammar
 from prefixgate.backends.bootstrap import DEFAULT_BOOTSTRAP_TIMEOUT_S, BootstrapServer
-from prefixgate.backends.engine import MAX_TOP_LOGPROBS, Sampling, TokenLogprob
+from prefixgate.backends.engine import Sampling, TokenLogprob, bias_within, top_logprobs_within
 from prefixgate.backends.errors import FailedPrecondition, InvalidArgument, NodeError, abort_rpc
 from prefixgate.backends.events import EventKind
 from prefixgate.backends.generation import Chunk
@@ -244,8 +245,9 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
         if request.return_logprob:
             if "logprobs" not in engine.features:
                 raise InvalidArgument(f"return_logprob is not supported by the {engine.name} engine")
-            top = min(max(request.top_logprobs_num, 0), MAX_TOP_LOGPROBS)
-            sampling = replace(sampling, logprobs=True, top_logprobs=top)
+            sampling = replace(
+                sampling, logprobs=True, top_logprobs=top_logprobs_within(request.top_logprobs_num)
+            )
         bias = request.sampling_params.logit_bias
         if not bias:
             return sampling
@@ -255,7 +257,7 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
             pairs = [(self.tokens.engine(int(k)), float(v)) for k, v in bias.items()]
         except ValueError:
             raise InvalidArgument("logit_bias keys must be token ids") from None
-        return replace(sampling, logit_bias=tuple(sorted((t, min(max(b, -100.0), 100.0)) for t, b in pairs)))
+        return replace(sampling, logit_bias=bias_within(pairs))
 
     def _logprobs(self, lps: list[TokenLogprob]) -> Any:
         """SGLang's ``OutputLogProbs`` (wire ids) for ``lps``."""
