@@ -2,8 +2,8 @@
 
 SGLang's disaggregation hands the same ``GenerateRequest`` to a prefill and a decode engine at
 once, with ``disaggregated_params{bootstrap_host, bootstrap_port, bootstrap_room}`` naming the
-prefill engine's bootstrap listener (``docs/engines.md``, "PD: DisaggregatedParams and parallel
-dispatch"). Here that listener is a small TCP server on the prefill node (``--bootstrap-port``)
+prefill engine's bootstrap listener (``docs/engines.md``, "SGLang PD: bootstrap host, port
+and room"). Here that listener is a small TCP server on the prefill node (``--bootstrap-port``)
 speaking one JSON line each way:
 
 - decode -> prefill: ``{"room": R, "request_id": ID, "kv_address": "host:port"}`` (where the

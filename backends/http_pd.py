@@ -1,7 +1,7 @@
 """This node's leg of a PD pair over HTTP, both engines' ways (the legs' work is
 ``backends.pd``'s; here: which leg a body is, and each leg's answer as the HTTP face streams it).
-The engines' own ways are in ``docs/engines.md``, sections "SGLang HTTP PD" and "vLLM NIXL HTTP
-proxy".
+The engines' own ways are in ``docs/engines.md``, sections "SGLang HTTP PD" and "vLLM HTTP PD
+(NIXL proxy)"; ours, "The HTTP endpoint of our nodes".
 
 - SGLang (sglang-router / smg ``--pd-disaggregation``): the router sends the same body, with
   ``bootstrap_host``, ``bootstrap_port`` and ``bootstrap_room``, to a prefill and a decode node

@@ -1,10 +1,10 @@
 """``sglang.grpc.scheduler.SglangScheduler`` (the SMG engine protocol) over ``backends.node.Node``.
 
-What SGLang's gRPC servicer does, as far as a client can tell (``docs/engines.md``, SGLang's
-scheduler protocol, "Response stream semantics"): input is token ids only; ``stream=false``
-answers one ``complete`` per index with all output ids; ``stream=true`` answers one ``chunk`` per
-group of new tokens (counters cumulative: prompt, completion and cached tokens so far), then a
-``complete`` repeating the last chunk's ids. Generation ends on the end token
+What SGLang's gRPC servicer does, as far as a client can tell (``docs/engines.md``, "The SMG
+face of our nodes"): input is token ids only; ``stream=false`` answers one ``complete`` per
+index with all output ids; ``stream=true`` answers one ``chunk`` per group of new tokens
+(counters cumulative: prompt, completion and cached tokens so far), then a ``complete``
+repeating the last chunk's ids. Generation ends on the end token
 (``matched_token_id``), on a ``stop_token_ids`` hit (the stop token is not output) or on
 ``max_new_tokens`` ("length"). A sampled request (temperature above 0) is sampled at random, as
 SGLang samples: the protocol carries no seed. ``Abort`` ends a running request's streams with
