@@ -8,7 +8,7 @@ from collections.abc import AsyncGenerator, Awaitable, Sequence
 from typing import TypeVar
 
 from prefixgate.backends.generation import Chunk
-from prefixgate.gateway.streams import tagged_merge
+from prefixgate.gateway.core.streams import tagged_merge
 
 Gen = AsyncGenerator[Chunk, None]
 Started = tuple[Gen, Chunk]  # a started choice: its chunks, and the first one already read

@@ -4,7 +4,7 @@
 documents), uploads documents over HTTP with a quota high enough for all of them, and prints the
 growth of the gateway's resident memory (VmRSS), after the uploads and after reading each document
 back once, next to the bytes the registry counts for them
-(``gateway.documents.stored_cost``, the figure the quotas use) and their UTF-8 bytes (what an
+(``gateway.state.documents.stored_cost``, the figure the quotas use) and their UTF-8 bytes (what an
 earlier registry counted). Takes about a minute.
 """
 
@@ -19,8 +19,8 @@ import time
 import httpx
 import orjson
 
-from prefixgate.gateway.documents import TENANT_OVERHEAD, stored_cost
-from prefixgate.gateway.stack import free_port as _free_port
+from prefixgate.gateway.ops.stack import free_port as _free_port
+from prefixgate.gateway.state.documents import TENANT_OVERHEAD, stored_cost
 from prefixgate.openai.normalize import Document
 
 # name: (documents, characters each, character)

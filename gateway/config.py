@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from prefixgate.gateway import workers
+from prefixgate.gateway.cluster import workers
+from prefixgate.gateway.core.tenancy import TENANT_CACHE_MODES, Tenancy
 from prefixgate.gateway.routing import parse_policy
-from prefixgate.gateway.tenancy import TENANT_CACHE_MODES, Tenancy
 
 ENV_PREFIX = "PREFIXGATE_"
 # The model name of nodes that name none (our own protocol's nodes), unless ``model`` is set.
@@ -36,7 +36,7 @@ class Settings:
     # Engine KV events over ZMQ, per worker: "WORKER_ADDR=tcp://H:P[?replay=tcp://H:Q&topic=T]"
     # (gateway.nodeclient.zmq_events); those workers' index entries come from their publisher.
     kv_events: list[str] = field(default_factory=list)
-    # smg-style workers (gateway/workers.py): ``worker_urls`` joins the monolithic pool; a prefill
+    # smg-style workers (gateway/cluster/workers.py): ``worker_urls`` joins the monolithic pool; a prefill
     # entry may be "URL BOOTSTRAP_PORT"; ``backend`` fixes the grpc:// runtime (else detected).
     worker_urls: list[str] = field(default_factory=list)
     bootstrap_ports: list[str] = field(default_factory=list)  # "URL=PORT"
@@ -159,7 +159,7 @@ class Settings:
     # Workers whose protocol cannot keep tenants apart in the engine's prefix cache (``grpc://``):
     # "isolated" refuses them while the keys name several tenants; "shared" serves them with one
     # engine cache for all (a tenant's timing can tell what another sent before), never
-    # reporting a tenant another's reuse (``gateway.tenancy``).
+    # reporting a tenant another's reuse (``gateway.core.tenancy``).
     tenant_cache: str = "isolated"
     # HTTP server limits (per connection, before any request reaches the app).
     header_timeout_s: float = 10.0  # from accept (or the previous response) to the end of the headers
@@ -185,7 +185,7 @@ class Settings:
         return self.model or DEFAULT_MODEL
 
     def tenancy(self) -> Tenancy:
-        """The tenants' cache namespaces and what may share an engine's cache (``gateway.tenancy``)."""
+        """The tenants' cache namespaces and what may share an engine's cache (``gateway.core.tenancy``)."""
         return Tenancy.of(self.api_key_map().values(), self.shared_namespaces, self.tenant_cache)
 
     def api_key_map(self) -> dict[str, str]:

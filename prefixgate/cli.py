@@ -14,10 +14,10 @@ from typing import Any
 
 from prefixgate.backends.cli import add_node_arguments, run_node
 from prefixgate.bench.cli import add_bench_parser
-from prefixgate.gateway import workers
-from prefixgate.gateway.admin_cli import add_admin_parser
+from prefixgate.gateway.cluster import workers
 from prefixgate.gateway.config import Settings, load_settings
-from prefixgate.gateway.smg_flags import SmgFlagRefused, add_smg_arguments, check_pd, smg_overrides
+from prefixgate.gateway.ops.admin_cli import add_admin_parser
+from prefixgate.gateway.ops.smg_flags import SmgFlagRefused, add_smg_arguments, check_pd, smg_overrides
 
 
 def _gateway_args(p: argparse.ArgumentParser, *, stack: bool) -> None:
@@ -223,7 +223,7 @@ def _settings(args: argparse.Namespace, keys: Sequence[str]) -> Settings | None:
 
 def gateway_settings(args: argparse.Namespace) -> Settings:
     """``prefixgate gateway``'s settings from its parsed flags (smg launch's among them:
-    ``gateway.smg_flags``); ValueError says in one line what is wrong."""
+    ``gateway.ops.smg_flags``); ValueError says in one line what is wrong."""
     args.prefill = workers.flag_entries(args.prefill)
     args.worker_urls = workers.flat_urls(args.worker_urls)
     try:
@@ -244,7 +244,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         print(f"prefixgate gateway: {e}", file=sys.stderr)
         return 2
     from prefixgate.gateway.logging import configure_logging
-    from prefixgate.gateway.server import run
+    from prefixgate.gateway.ops.server import run
 
     configure_logging(settings.log_format, settings.log_level)
     if not (settings.decode or settings.monolithic or settings.worker_urls):
@@ -258,7 +258,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     from prefixgate.gateway.logging import configure_logging
-    from prefixgate.gateway.stack import StackOptions, run_stack
+    from prefixgate.gateway.ops.stack import StackOptions, run_stack
 
     stack_keys = [
         k for k in _GATEWAY_KEYS if k not in ("prefill", "decode", "monolithic", "worker_urls", "backend")

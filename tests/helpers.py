@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prefixgate.gateway.stack import free_port as free_port
+from prefixgate.gateway.ops.stack import free_port as free_port
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -12,11 +12,11 @@ from contextlib import asynccontextmanager
 from prefixgate.cachetier.hashing import block_hashes
 from prefixgate.cachetier.memory import MemoryIndex
 from prefixgate.cachetier.tokenizer import pack_ids
+from prefixgate.gateway.cluster.nodes import Node
 from prefixgate.gateway.config import Settings
+from prefixgate.gateway.core.pipeline import Pipeline, Prepared
+from prefixgate.gateway.core.service import GatewayService
 from prefixgate.gateway.nodeclient import CostProfile, KVFormat, NodeStatus
-from prefixgate.gateway.nodes import Node
-from prefixgate.gateway.pipeline import Pipeline, Prepared
-from prefixgate.gateway.service import GatewayService
 from prefixgate.openai.normalize import Layout
 from prefixgate.openai.schema import Sampling
 

@@ -117,7 +117,7 @@ class Capabilities:
     features: frozenset[str] | None = None
     openai_body: bool = False  # generates from the normalized OpenAI request (``Prompt.openai``)
     flush: bool = False  # drop the node's whole cache (the most an engine without evict offers)
-    # The protocol carries the tenant into the engine's prefix-cache key (``gateway.tenancy``).
+    # The protocol carries the tenant into the engine's prefix-cache key (``gateway.core.tenancy``).
     tenant_salt: bool = False
 
 
@@ -142,7 +142,7 @@ class Prompt:
     sampling: Sampling
     openai: OpenAIBody | None = None
     # What the engine salts its prefix cache with for this request's namespace ("": none;
-    # ``gateway.tenancy.engine_salt``), for protocols that carry one.
+    # ``gateway.core.tenancy.engine_salt``), for protocols that carry one.
     cache_salt: str = ""
 
     @property

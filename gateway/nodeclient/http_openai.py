@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP workers (vLLM, SGLang, TGI, ... ``http://HOST:PORT``) as nodes.
 
 A worker serves whole requests (a monolithic node): it gets the client's request after the
-gateway's normalization (``Prompt.openai``, built by ``gateway.openai_body``) on
+gateway's normalization (``Prompt.openai``, built by ``gateway.nodeclient.openai_body``) on
 ``/v1/chat/completions`` or ``/v1/completions``, always streamed with
 ``stream_options.include_usage``, and its SSE stream is relayed as token deltas. Usage comes
 from the engine: ``prompt_tokens``, ``completion_tokens`` and

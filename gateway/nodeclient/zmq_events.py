@@ -16,7 +16,7 @@ chained block hashes (``cachetier.hashing``) in the namespace a request of that 
 (``Namespace(model or lora_name, salt_of(cache_salt), block_size, tokenizer)``: the event's
 ``cache_salt`` is what the gateway gave the engine for a tenant's namespace, mapped back; blocks
 under none belong to the gateway's one namespace, or with several tenants to none,
-``gateway.tenancy``). Engine blocks whose token ids are missing
+``gateway.core.tenancy``). Engine blocks whose token ids are missing
 cannot be named in the gateway's hashes: they are counted (``unmapped``) and left out, and so
 are their descendants. The engine's block size need not equal the gateway's: tokens are carried
 across engine blocks until a gateway block is full; removing an engine block removes the

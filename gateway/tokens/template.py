@@ -18,7 +18,7 @@ render stops itself past ``RENDER_TIMEOUT_S`` or ``MAX_RENDER_CHARS`` of output 
 A thread cannot be stopped from outside, so the sandbox checks the deadline itself: every loop
 iterates through a guard, every call from the template goes through the environment's ``call``;
 ``*`` and ``**`` refuse results past the bounds before computing them (one such operation could
-otherwise outlast any deadline). Renders run off the event loop (``gateway.runner``), so even a
+otherwise outlast any deadline). Renders run off the event loop (``gateway.core.runner``), so even a
 render up to its bound never holds the gateway's other requests.
 """
 

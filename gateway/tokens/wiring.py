@@ -17,6 +17,7 @@ import dataclasses
 import structlog
 
 from prefixgate.cachetier.tokenizer import Tokenizer, load_tokenizer
+from prefixgate.gateway.cluster.workers import id_workers
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.tokens.engine import EngineTokenizer, TokenizerLoadError
 from prefixgate.gateway.tokens.loader import (
@@ -25,7 +26,6 @@ from prefixgate.gateway.tokens.loader import (
     wait_engine_tokenizer,
     worker_tokenizers,
 )
-from prefixgate.gateway.workers import id_workers
 
 log = structlog.get_logger("prefixgate.tokens")
 

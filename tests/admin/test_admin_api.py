@@ -8,9 +8,9 @@ from typing import Any
 import httpx
 from starlette.testclient import TestClient
 
-from prefixgate.gateway.app import create_app
 from prefixgate.gateway.config import Settings
-from prefixgate.gateway.service import GatewayService
+from prefixgate.gateway.core.service import GatewayService
+from prefixgate.gateway.httpfront.app import create_app
 from tests.admin.conftest import MODEL, AdminStack, chat, wait_until
 from tests.helpers import document, spawn
 

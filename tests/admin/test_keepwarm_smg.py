@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from prefixgate.gateway.keepwarm import MAX_PINS
+from prefixgate.gateway.core.keepwarm import MAX_PINS
 from tests.admin.conftest import MODEL, start_stack, stop_stack
 from tests.helpers import document
 

@@ -13,7 +13,7 @@ import uuid
 import pytest
 
 from prefixgate.bench.redis_cluster import RedisClusterHarness, wait_pong
-from prefixgate.gateway.stack import free_port as _free_port
+from prefixgate.gateway.ops.stack import free_port as _free_port
 
 __all__ = ["PrivateRedis", "RedisClusterHarness", "TcpProxy", "redis_url", "test_prefix", "wait_pong"]
 

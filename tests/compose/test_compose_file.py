@@ -231,7 +231,7 @@ def test_dockerfile_layers_user_and_healthcheck() -> None:
         "deploy/healthcheck.py",
         "prefixgate/cli.py",
         "prefixgate/gateway",
-        "gateway/app.py",
+        "gateway/httpfront/app.py",
         "proto/prefixgate/v1/node_pb2.py",
         "backends/profiles.py",
     ):

@@ -21,10 +21,10 @@ import pytest
 from openai import OpenAI
 
 from prefixgate.gateway.config import Settings
-from prefixgate.gateway.pipeline import Delta, Prepared
-from prefixgate.gateway.pipeline import StreamBroken as PipelineStreamBroken
-from prefixgate.gateway.server import make_server
-from prefixgate.gateway.service import GatewayService
+from prefixgate.gateway.core.pipeline import Delta, Prepared
+from prefixgate.gateway.core.pipeline import StreamBroken as PipelineStreamBroken
+from prefixgate.gateway.core.service import GatewayService
+from prefixgate.gateway.ops.server import make_server
 from prefixgate.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.helpers import free_port
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from prefixgate.gateway.grpc_front import request_body, status_of
+from prefixgate.gateway.grpcfront.servicer import request_body, status_of
 from prefixgate.openai.exceptions import (
     Conflict,
     DeadlineExceeded,

@@ -12,7 +12,7 @@ from prefixgate.gateway.nodeclient.http_openai import (
     parse_metrics,
     parse_models,
 )
-from prefixgate.gateway.openai_body import GATEWAY_FIELDS, engine_body, engine_messages
+from prefixgate.gateway.nodeclient.openai_body import GATEWAY_FIELDS, engine_body, engine_messages
 from prefixgate.openai.normalize import Document
 from prefixgate.openai.schema import parse_request
 

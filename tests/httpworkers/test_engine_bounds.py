@@ -22,11 +22,11 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from prefixgate.cachetier.tokenizer import pack_ids
-from prefixgate.gateway.app import create_app
 from prefixgate.gateway.config import Settings
+from prefixgate.gateway.core.service import GatewayService
+from prefixgate.gateway.httpfront.app import create_app
 from prefixgate.gateway.nodeclient import NodeFailure, OpenAIBody, Prompt, TokenDelta, connect
 from prefixgate.gateway.nodeclient.http_openai import MAX_JSON_BYTES, MAX_SSE_LINE_BYTES, HttpOpenAIClient
-from prefixgate.gateway.service import GatewayService
 from prefixgate.gateway.vocab import FailureKind, Stage
 from prefixgate.openai.schema import Sampling
 from tests.httpworkers.appserver import serving

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from prefixgate.gateway.tenancy import engine_salt
+from prefixgate.gateway.core.tenancy import engine_salt
 from tests.httpworkers.appserver import serving
 from tests.httpworkers.test_adapter import Engine
 from tests.smgwire.test_gateway_over_grpc import gateway

@@ -23,12 +23,12 @@ import zmq.asyncio
 from prefixgate.cachetier.hashing import Namespace, block_hashes
 from prefixgate.cachetier.memory import MemoryIndex
 from prefixgate.cachetier.tokenizer import pack_ids
-from prefixgate.gateway.events import EventSync
+from prefixgate.gateway.cluster.events import EventSync
+from prefixgate.gateway.cluster.nodes import NodePool
 from prefixgate.gateway.metrics import Metrics
 from prefixgate.gateway.nodeclient.fake import FakeNodeClient, fake_status
 from prefixgate.gateway.nodeclient.zmq_events import ZmqEventsClient, ZmqKVEvents, events_connector
 from prefixgate.gateway.nodeclient.zmq_flow import Inbox
-from prefixgate.gateway.nodes import NodePool
 from tests.interop.hostile_zmq import HostilePublisher, LagProbe, RssPeak
 
 pytestmark = pytest.mark.timeout(30)

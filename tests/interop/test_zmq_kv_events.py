@@ -33,7 +33,9 @@ import zmq
 from prefixgate.cachetier.hashing import Namespace, block_hashes
 from prefixgate.cachetier.memory import MemoryIndex
 from prefixgate.cachetier.tokenizer import pack_ids
-from prefixgate.gateway.events import EventSync
+from prefixgate.gateway.cluster.events import EventSync
+from prefixgate.gateway.cluster.nodes import NodePool
+from prefixgate.gateway.core.tenancy import HIDDEN_SALT, Tenancy, engine_salt
 from prefixgate.gateway.metrics import Metrics
 from prefixgate.gateway.nodeclient.fake import FakeNodeClient, fake_status
 from prefixgate.gateway.nodeclient.zmq_events import (
@@ -44,8 +46,6 @@ from prefixgate.gateway.nodeclient.zmq_events import (
     parse_kv_events,
 )
 from prefixgate.gateway.nodeclient.zmq_wire import Stored
-from prefixgate.gateway.nodes import NodePool
-from prefixgate.gateway.tenancy import HIDDEN_SALT, Tenancy, engine_salt
 from prefixgate.gateway.vocab import EventKind
 from tests.interop import engine_kv_structs as es
 
@@ -389,7 +389,7 @@ async def test_sglangs_own_publisher_drives_the_index(sglang_events: types.Modul
 
 async def test_the_gateway_setting_puts_a_workers_events_on_zmq() -> None:
     from prefixgate.gateway.config import load_settings
-    from prefixgate.gateway.service import GatewayService
+    from prefixgate.gateway.core.service import GatewayService
 
     spec = "127.0.0.1:1=tcp://127.0.0.1:5557?replay=tcp://127.0.0.1:5558"
     settings = load_settings(None, {"decode": ["127.0.0.1:1", "127.0.0.1:2"]}, {"PREFIXGATE_KV_EVENTS": spec})

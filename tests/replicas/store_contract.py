@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from prefixgate.gateway.documents import DocumentLimits
-from prefixgate.gateway.quotas import PinLimits
-from prefixgate.gateway.replicated import DocumentRegistry, PinRegistry
-from prefixgate.gateway.state import Member, StateStore, UsageCounts
+from prefixgate.gateway.state.documents import DocumentLimits
+from prefixgate.gateway.state.quotas import PinLimits
+from prefixgate.gateway.state.replicated import DocumentRegistry, PinRegistry
+from prefixgate.gateway.state.store import Member, StateStore, UsageCounts
 from prefixgate.openai.exceptions import InvalidRequest, NotFound, QuotaExceeded
 
 DOCS = DocumentLimits(per_tenant_count=3, per_tenant_bytes=20_000, total_bytes=30_000)

@@ -26,7 +26,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefixgate.gateway.state_redis import RedisState
+from prefixgate.gateway.state.redis_store import RedisState
 from tests.cachetier.support import RedisClusterHarness, test_prefix
 from tests.faults.cluster import NodeProc
 from tests.helpers import REPO, Proc, free_port, spawn

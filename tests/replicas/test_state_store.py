@@ -9,12 +9,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 from prometheus_client import CollectorRegistry
 
-from prefixgate.gateway.documents import DocumentLimits
-from prefixgate.gateway.replicated import DocumentRegistry
-from prefixgate.gateway.state import StateStore, UsageCounts
-from prefixgate.gateway.state_memory import MemoryState
-from prefixgate.gateway.state_redis import RedisState
-from prefixgate.gateway.usage import Prices, UsageLedger
+from prefixgate.gateway.core.usage import Prices, UsageLedger
+from prefixgate.gateway.state.documents import DocumentLimits
+from prefixgate.gateway.state.memory import MemoryState
+from prefixgate.gateway.state.redis_store import RedisState
+from prefixgate.gateway.state.replicated import DocumentRegistry
+from prefixgate.gateway.state.store import StateStore, UsageCounts
 from prefixgate.openai.exceptions import NotFound, Unavailable
 from tests.cachetier.support import redis_url, test_prefix
 from tests.replicas.store_contract import CONTRACT

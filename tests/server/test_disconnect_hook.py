@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from prefixgate.gateway.connections import DisconnectHook
+from prefixgate.gateway.httpfront.connections import DisconnectHook
 
 
 def test_fire_runs_the_registered_callbacks_once_and_not_the_unregistered() -> None:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from prefixgate.gateway.stack import StackOptions, node_command
+from prefixgate.gateway.ops.stack import StackOptions, node_command
 from tests.helpers import Proc, free_port, spawn
 
 NODE = "127.0.0.1:1"  # never answers: these checks happen before any node is involved
@@ -150,7 +150,7 @@ def test_metrics_token(proxied: str, plain: str) -> None:
 
 
 def test_loopback_host_names() -> None:
-    from prefixgate.gateway.http_guard import is_loopback_host
+    from prefixgate.gateway.httpfront.guard import is_loopback_host
 
     for host in ("localhost", "localhost:8000", "127.0.0.1:8000", "127.1.2.3", "[::1]:8000", "app.localhost"):
         assert is_loopback_host(host), host
@@ -166,7 +166,7 @@ def test_loopback_host_names() -> None:
 
 
 def test_proxy_policy_chains() -> None:
-    from prefixgate.gateway.http_guard import ProxyPolicy
+    from prefixgate.gateway.httpfront.guard import ProxyPolicy
 
     p = ProxyPolicy(["10.0.0.0/8"])
     assert p.client("192.0.2.1", {b"x-real-ip": b"127.0.0.1"}) == "192.0.2.1"  # untrusted peer

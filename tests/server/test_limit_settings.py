@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefixgate.cli import _GATEWAY_KEYS, _overrides, build_parser
 from prefixgate.gateway.config import load_settings
-from prefixgate.gateway.connections import fd_bounded_connections
+from prefixgate.gateway.httpfront.connections import fd_bounded_connections
 
 
 def test_flags_and_environment_set_the_server_limits() -> None:

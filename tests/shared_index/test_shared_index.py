@@ -16,7 +16,7 @@ from prefixgate.cachetier.hashing import Namespace, block_hashes
 from prefixgate.cachetier.index import IndexStats, StoreOp
 from prefixgate.cachetier.redis_index import RedisIndex, connect
 from prefixgate.cachetier.tokenizer import Bytes4Tokenizer
-from prefixgate.gateway.events import index_capacity
+from prefixgate.gateway.cluster.events import index_capacity
 from prefixgate.openai.normalize import Document, render_chat
 from tests.faults.cluster import Cluster, Outcome, Tally, drive, start_redis
 from tests.faults.conftest import REPORT

@@ -20,12 +20,12 @@ from prefixgate.backends.smg_service import SglangSchedulerService
 from prefixgate.cachetier.hashing import block_hashes
 from prefixgate.cachetier.memory import MemoryIndex
 from prefixgate.cachetier.tokenizer import pack_ids
-from prefixgate.gateway.events import EventSync
+from prefixgate.gateway.cluster.events import EventSync
+from prefixgate.gateway.cluster.nodes import NodePool
 from prefixgate.gateway.metrics import Metrics
 from prefixgate.gateway.nodeclient import NodeFailure, Prompt, TokenStream
 from prefixgate.gateway.nodeclient.smg_common import SmgNodeClient, SmgOptions
 from prefixgate.gateway.nodeclient.smg_sglang import BootstrapStream
-from prefixgate.gateway.nodes import NodePool
 from prefixgate.gateway.vocab import FailureKind, Stage
 from prefixgate.openai.schema import Sampling
 from tests.smgwire import doubles
@@ -271,7 +271,7 @@ async def test_kv_events_fill_the_index_with_the_gateways_hashes(nodes: StartNod
 async def test_a_token_holding_half_a_character_has_its_own_bytes() -> None:
     """Its text is U+FFFD (decoded alone), its bytes are its own, as OpenAI gives them (the tiny
     engine never outputs such a token: the engine's log probability is given here)."""
-    from prefixgate.gateway.responses import chat_logprobs
+    from prefixgate.gateway.httpfront.responses import chat_logprobs
 
     c = SmgNodeClient("grpc://127.0.0.1:9", "127.0.0.1:9", SmgOptions(codec=HF))  # never dialled
     half, rest = HF.encode("é", add_special_tokens=False).ids

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from prefixgate.cli import build_parser
-from prefixgate.gateway import workers
+from prefixgate.gateway.cluster import workers
 from prefixgate.gateway.config import load_settings
 from prefixgate.gateway.nodeclient import connect
 from prefixgate.gateway.nodeclient.prefixgate_grpc import GrpcNodeClient

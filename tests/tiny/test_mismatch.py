@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from prefixgate.backends.server import NodeServer
-from prefixgate.gateway.app import create_app
 from prefixgate.gateway.config import Settings
-from prefixgate.gateway.service import GatewayService
+from prefixgate.gateway.core.service import GatewayService
+from prefixgate.gateway.httpfront.app import create_app
 from prefixgate.v1 import node_pb2
 from tests.tiny.support import BS, SMALL, StartNode, make_prompt
 

@@ -14,9 +14,9 @@ from prefixgate.backends.hftok import TOKENIZER_DIR
 from prefixgate.backends.server import NodeServer, start_node
 from prefixgate.cachetier.hashing import block_hashes
 from prefixgate.cachetier.tokenizer import unpack_ids
-from prefixgate.gateway.app import create_app
 from prefixgate.gateway.config import Settings, load_settings
-from prefixgate.gateway.service import GatewayService
+from prefixgate.gateway.core.service import GatewayService
+from prefixgate.gateway.httpfront.app import create_app
 from prefixgate.gateway.tokens import EngineTokenizer
 from prefixgate.openai.schema import ParsedRequest, parse_request
 
@@ -66,7 +66,7 @@ def test_prepare_hashes_the_ids_the_engine_template_gives() -> None:
     assert prep.hashes == block_hashes(prep.tokens, BS, prep.namespace.root())
     assert len(prep.hashes) == len(expected) // BS
     assert prep.namespace.root() != svc.pipeline.namespace(svc.settings.default_model, "other-tenant").root()
-    from prefixgate.gateway.cache_ops import prompt_basis
+    from prefixgate.gateway.core.cache_ops import prompt_basis
 
     assert prompt_basis(svc, prep)["rendering"] == "model template"
     bare = GatewayService(Settings(block_size=BS))

@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from prefixgate.backends.hftok import TOKENIZER_DIR
-from prefixgate.gateway.app import create_app
 from prefixgate.gateway.config import Settings
-from prefixgate.gateway.service import GatewayService
+from prefixgate.gateway.core.service import GatewayService
+from prefixgate.gateway.httpfront.app import create_app
 from tests.helpers import Proc
 from tests.interop.test_smg_interop import BS, MODEL, _node, _smg, _smg_executable
 

@@ -24,7 +24,7 @@ from prefixgate.backends.hftok import TOKENIZER_DIR
 from prefixgate.backends.server import start_node
 from prefixgate.cachetier.tokenizer import unpack_ids
 from prefixgate.gateway.config import load_settings
-from prefixgate.gateway.service import GatewayService
+from prefixgate.gateway.core.service import GatewayService
 from prefixgate.gateway.tokens import TokenizerLoadError, open_tokenizer_dir
 from prefixgate.gateway.tokens.wiring import resolve_tokenizer
 from prefixgate.openai.schema import parse_request

@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from prefixgate.backends.hftok import TOKENIZER_DIR
-from prefixgate.gateway.app import create_app
 from prefixgate.gateway.config import Settings
-from prefixgate.gateway.service import GatewayService
+from prefixgate.gateway.core.service import GatewayService
+from prefixgate.gateway.httpfront.app import create_app
 from prefixgate.gateway.tokens import ChatTemplate, TemplateLimitError
 from prefixgate.gateway.tokens.template import MAX_INT_BITS, RENDER_TIMEOUT_S
 

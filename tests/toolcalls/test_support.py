@@ -11,9 +11,9 @@ import pytest
 
 from prefixgate.backends.hftok import TOKENIZER_DIR
 from prefixgate.cachetier.tokenizer import load_tokenizer
+from prefixgate.gateway.cluster.nodes import Node
 from prefixgate.gateway.config import load_settings
 from prefixgate.gateway.nodeclient import connect
-from prefixgate.gateway.nodes import Node
 from prefixgate.gateway.tokens import open_tokenizer_dir
 from prefixgate.gateway.toolcalls.support import gateway_parser, passing_through, plan_tools
 from prefixgate.openai.exceptions import InvalidRequest

@@ -14,8 +14,8 @@ from typing import Any, cast
 import orjson
 import pytest
 
-from prefixgate.gateway import responses
 from prefixgate.gateway import toolcalls as tc
+from prefixgate.gateway.httpfront import responses
 from prefixgate.gateway.nodeclient.base import TokenDelta
 from prefixgate.gateway.toolcalls import Call, Event, Text, calls_of, new_parser, parse_text
 from prefixgate.gateway.toolcalls.scan import MAX_CALL_CHARS, MAX_DEPTH

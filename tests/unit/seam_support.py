@@ -8,12 +8,12 @@ from typing import Any
 
 from prefixgate.cachetier.memory import MemoryIndex
 from prefixgate.cachetier.tokenizer import Bytes4Tokenizer
+from prefixgate.gateway.cluster.nodes import Node, NodePool
 from prefixgate.gateway.config import Settings
-from prefixgate.gateway.documents import DocumentStore
+from prefixgate.gateway.core.pipeline import Pipeline, Prepared
 from prefixgate.gateway.metrics import Metrics
 from prefixgate.gateway.nodeclient.fake import FakeNodeClient, fake_status
-from prefixgate.gateway.nodes import Node, NodePool
-from prefixgate.gateway.pipeline import Pipeline, Prepared
+from prefixgate.gateway.state.documents import DocumentStore
 from prefixgate.openai.schema import parse_request
 
 

@@ -6,7 +6,7 @@ import hmac
 
 import pytest
 
-from prefixgate.gateway.auth import KeyRing, check_admin, valid_request_id
+from prefixgate.gateway.core.auth import KeyRing, check_admin, valid_request_id
 from prefixgate.openai.exceptions import Forbidden, Unauthenticated
 
 KEYS = ["sk-a=alice", "sk-b=bob", "sk-c"]

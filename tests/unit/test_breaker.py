@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prefixgate.gateway.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from prefixgate.gateway.cluster.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 
 
 def test_opens_after_consecutive_failures_and_recovers_through_half_open() -> None:

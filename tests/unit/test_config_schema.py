@@ -7,8 +7,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from prefixgate.gateway.bodyparse import values_bound
 from prefixgate.gateway.config import load_settings
+from prefixgate.gateway.httpfront.bodyparse import values_bound
 from prefixgate.openai.errors import from_domain
 from prefixgate.openai.exceptions import GatewayError
 from prefixgate.openai.schema import count_values, parse_json, parse_request

@@ -9,7 +9,7 @@ import tracemalloc
 import orjson
 import pytest
 
-from prefixgate.gateway.documents import DocumentLimits, DocumentStore
+from prefixgate.gateway.state.documents import DocumentLimits, DocumentStore
 from prefixgate.openai.exceptions import QuotaExceeded, TooLarge
 
 

@@ -8,11 +8,11 @@ from collections.abc import Callable
 import pytest
 
 from prefixgate.cachetier.memory import MemoryIndex
-from prefixgate.gateway.events import EventSync
+from prefixgate.gateway.cluster.events import EventSync
+from prefixgate.gateway.cluster.nodes import NodePool
 from prefixgate.gateway.metrics import Metrics
 from prefixgate.gateway.nodeclient import KVEvent
 from prefixgate.gateway.nodeclient.fake import FakeNodeClient, fake_status
-from prefixgate.gateway.nodes import NodePool
 from prefixgate.gateway.vocab import EventKind
 
 pytestmark = pytest.mark.timeout(10)

@@ -10,10 +10,10 @@ import grpc
 import pytest
 
 from prefixgate.gateway import nodeclient
+from prefixgate.gateway.cluster.nodes import NodePool
 from prefixgate.gateway.nodeclient import NodeFailure
 from prefixgate.gateway.nodeclient.fake import Fail, FakeNodeClient, fake_status
 from prefixgate.gateway.nodeclient.prefixgate_grpc import GrpcNodeClient, failed_stage, failure
-from prefixgate.gateway.nodes import NodePool
 from prefixgate.gateway.vocab import FailureKind, Stage
 from tests.unit.seam_support import harness
 

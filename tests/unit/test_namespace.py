@@ -22,7 +22,7 @@ def test_only_prefixgate_is_importable_outside_the_checkout(tmp_path: Path) -> N
         r = _python(f"import {name}", tmp_path)
         assert r.returncode != 0 and "ModuleNotFoundError" in r.stderr, (name, r.stderr)
     r = _python(
-        "import prefixgate.cli, prefixgate.gateway.app, prefixgate.backends.node, "
+        "import prefixgate.cli, prefixgate.gateway.httpfront.app, prefixgate.backends.node, "
         "prefixgate.cachetier.index, prefixgate.bench.replay, prefixgate.v1.node_pb2",
         tmp_path,
     )

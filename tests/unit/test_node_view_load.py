@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
+from prefixgate.gateway.cluster.nodes import NodePool
 from prefixgate.gateway.nodeclient.fake import FakeNodeClient, fake_status
-from prefixgate.gateway.nodes import NodePool
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixgate.gateway.quotas import PinLedger, PinLimits
+from prefixgate.gateway.state.quotas import PinLedger, PinLimits
 from prefixgate.openai.exceptions import InvalidRequest, QuotaExceeded
 
 LIMITS = PinLimits(blocks_per_node=100, node_share=0.25, blocks=150, max_seconds=60)

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from prefixgate.gateway.nodes import Node
+from prefixgate.gateway.cluster.nodes import Node
 from prefixgate.gateway.routing import POLICIES
 from prefixgate.gateway.vocab import Mode
 from tests.planning import gateway, prepared, report

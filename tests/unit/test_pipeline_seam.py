@@ -9,10 +9,10 @@ from collections.abc import Callable
 
 import pytest
 
+from prefixgate.gateway.core.pipeline import Execution
 from prefixgate.gateway.nodeclient import Prompt
 from prefixgate.gateway.nodeclient.fake import FAKE_FORMAT, Fail, FakeNodeClient, Reply, Tokens, fake_status
 from prefixgate.gateway.nodeclient.prefixgate_grpc import PUSH_HANDOFF, PushHandoff
-from prefixgate.gateway.pipeline import Execution
 from prefixgate.gateway.vocab import FailureKind, Mode, Stage
 from prefixgate.openai.exceptions import Overloaded, StreamBroken, Unavailable
 from tests.unit.seam_support import harness

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from prefixgate.gateway.core.refusals import MAX_MESSAGE, refusal
 from prefixgate.gateway.nodeclient import NodeFailure
-from prefixgate.gateway.refusals import MAX_MESSAGE, refusal
 from prefixgate.gateway.vocab import FailureKind, Stage
 
 

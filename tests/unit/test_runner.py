@@ -8,9 +8,9 @@ import threading
 import pytest
 
 from prefixgate.gateway.config import Settings
-from prefixgate.gateway.pipeline import Prepared
-from prefixgate.gateway.runner import OFFLOAD_BYTES, Caller, Credentials, Identity, Prepare
-from prefixgate.gateway.service import GatewayService
+from prefixgate.gateway.core.pipeline import Prepared
+from prefixgate.gateway.core.runner import OFFLOAD_BYTES, Caller, Credentials, Identity, Prepare
+from prefixgate.gateway.core.service import GatewayService
 from prefixgate.openai.errors import APIError
 from prefixgate.openai.exceptions import Draining, GatewayError, Overloaded, Unauthenticated
 from prefixgate.openai.schema import parse_request

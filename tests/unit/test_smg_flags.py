@@ -13,10 +13,10 @@ from openai import OpenAI
 
 from prefixgate.backends.hftok import TOKENIZER_DIR
 from prefixgate.cli import build_parser, gateway_settings, main
-from prefixgate.gateway.auth import KeyRing
-from prefixgate.gateway.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from prefixgate.gateway.cluster.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from prefixgate.gateway.config import Settings
-from prefixgate.gateway.smg_flags import (
+from prefixgate.gateway.core.auth import KeyRing
+from prefixgate.gateway.ops.smg_flags import (
     POLICY_MAP,
     POLICY_REFUSED,
     REFUSED,

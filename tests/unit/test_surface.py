@@ -14,7 +14,7 @@ from prefixgate.backends.tiny import sampling as smp
 from prefixgate.backends.tiny.vocab import CLASS_OF, OUTPUT_CLASSES, OUTPUT_IDS
 from prefixgate.cachetier.hashing import block_hashes
 from prefixgate.cachetier.tokenizer import Bytes4Tokenizer
-from prefixgate.gateway import choices
+from prefixgate.gateway.core import choices
 from prefixgate.gateway.nodeclient.base import Capabilities
 from prefixgate.gateway.nodeclient.fake import Fail, FakeNodeClient, Tokens, fake_status
 from prefixgate.gateway.vocab import FailureKind, Mode

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from prefixgate.gateway.config import load_settings
-from prefixgate.gateway.tenancy import HIDDEN_SALT, Tenancy, engine_salt, namespace_salt
+from prefixgate.gateway.core.tenancy import HIDDEN_SALT, Tenancy, engine_salt, namespace_salt
 
 
 def test_blocks_stored_under_no_salt_are_the_one_tenants_or_nobodys() -> None:

@@ -6,11 +6,11 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from prefixgate.gateway import usage
 from prefixgate.gateway.config import load_settings
-from prefixgate.gateway.state import UsageCounts
-from prefixgate.gateway.state_memory import MemoryState
-from prefixgate.gateway.usage import Prices, UsageLedger
+from prefixgate.gateway.core import usage
+from prefixgate.gateway.core.usage import Prices, UsageLedger
+from prefixgate.gateway.state.memory import MemoryState
+from prefixgate.gateway.state.store import UsageCounts
 
 
 def test_prices_come_from_defaults_toml_env_and_flags(tmp_path: Path) -> None:
@@ -55,7 +55,7 @@ async def test_the_buffer_and_the_tenant_labels_are_bounded(monkeypatch: object)
 
 def test_the_admin_command_line_asks_for_one_tenant_and_renders_pins() -> None:
     from prefixgate.cli import build_parser
-    from prefixgate.gateway.admin_cli import plan_request, render_pins
+    from prefixgate.gateway.ops.admin_cli import plan_request, render_pins
 
     args = build_parser().parse_args(["admin", "usage", "--tenant", "acme corp"])
     method, path, body, _render = plan_request(args)

@@ -1,0 +1,112 @@
+"""Node membership changes made through the admin API, applied by every replica.
+
+The replica that takes ``POST /admin/nodes``, ``DELETE /admin/nodes/{id}`` or ``POST
+/admin/nodes/{id}/drain`` applies it at once and records it in the shared store; every replica
+reads the records every ``membership_interval_s`` and brings its own pool in line: a node added
+elsewhere is added (and probed, and its KV events followed), one removed elsewhere is removed
+(its blocks already left the index with the first removal), drained or undrained likewise. The
+last change of an address wins. Nodes given on the command line need no record; a record about
+them (drained, removed) overrides the flags, so a replica started later agrees too.
+
+With the embedded store there is one gateway and nothing to follow: no loop runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import structlog
+
+from prefixgate.gateway.state.store import Member, StateStore
+
+if TYPE_CHECKING:
+    from prefixgate.gateway.cluster.nodes import Node, NodePool
+
+log = structlog.get_logger("prefixgate.membership")
+
+
+class Membership:
+    def __init__(
+        self,
+        state: StateStore,
+        pool: NodePool,
+        add: Callable[[str, str], Awaitable[Node]],
+        forget: Callable[[Node], Awaitable[None]],
+        interval_s: float = 1.0,
+    ) -> None:
+        self.state = state
+        self.pool = pool
+        self._add = add
+        self._forget = forget
+        self.interval_s = interval_s
+        self._task: asyncio.Task[None] | None = None
+        self.applied = 0  # changes made elsewhere and applied here
+
+    @property
+    def shared(self) -> bool:
+        return self.state.backend != "memory"
+
+    async def record(self, node: Node, *, present: bool) -> None:
+        """Record what an admin call did to ``node`` here, for the other replicas."""
+        if not self.shared:
+            return
+        member = Member(node.address, node.role, present, node.draining and present, time.time())
+        try:
+            await self.state.member_put(member)
+        except Exception as e:  # the change holds here; the others learn it when Redis is back
+            log.warning("membership_record_failed", address=node.address, error=repr(e)[:200])
+
+    async def sync(self) -> int:
+        """Bring the pool in line with the records; returns how many changes were applied."""
+        changed = 0
+        for m in await self.state.members():
+            node = self.pool.nodes.get(m.address)
+            if m.present and node is None:
+                try:
+                    node = await self._add(m.role, m.address)
+                except ValueError as e:
+                    log.warning("membership_add_refused", address=m.address, error=str(e))
+                    continue
+                node.draining = m.draining
+                changed += 1
+            elif not m.present and node is not None:
+                await self._forget(node)
+                changed += 1
+            elif node is not None and node.draining != m.draining:
+                node.draining = m.draining
+                changed += 1
+        if changed:
+            self.applied += changed
+            log.info("membership_synced", changes=changed)
+        return changed
+
+    async def _loop(self) -> None:
+        failing = False  # said once per outage, not once per interval
+        while True:
+            try:
+                await self.sync()
+                if failing:
+                    failing = False
+                    log.info("membership_sync_recovered")
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # Redis away: the pool stays as it is until it is back
+                if not failing:
+                    failing = True
+                    log.warning("membership_sync_failed", error=repr(e)[:200])
+            await asyncio.sleep(self.interval_s)
+
+    def start(self) -> None:
+        if self.shared and self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="membership")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None

@@ -1,0 +1,324 @@
+"""The gateway's view of its nodes: clients, polled status, local load, health.
+
+Each node is polled for its status every ``stats_interval_s``; the poll is also the active
+health probe: bounded by ``probe_timeout_s``, so a node that accepts connections but answers no
+call (wedged, e.g. stopped) is noticed as surely as one that refuses them. Failed probes make the
+node unreachable at once and, ``failures_to_trip`` in a row (``PROBE_FAILURES_TO_TRIP``), open its
+circuit breaker; once ``successes_to_rejoin`` probes in a row pass again the node is reachable and
+a breaker the probes opened lets one trial request through (half-open), whose outcome closes or
+re-opens the breaker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import structlog
+
+from prefixgate.gateway import nodeclient
+from prefixgate.gateway.cluster.breaker import CircuitBreaker
+from prefixgate.gateway.config import DEFAULT_MODEL
+from prefixgate.gateway.nodeclient import NodeClient, NodeFailure, NodeStatus
+from prefixgate.gateway.routing import NodeView
+from prefixgate.gateway.routing.costmodel import prefill_seconds
+from prefixgate.gateway.vocab import Role
+
+log = structlog.get_logger("prefixgate.nodes")
+
+ROLES = tuple(r.value for r in Role)  # in the order admin lists them
+MIN_TIMED_PREFILL_S = 0.005
+SLOWNESS_DEADBAND = 1.5
+PROBE_TIMEOUT_S = 1.5
+PROBE_FAILURES_TO_TRIP = 2
+
+
+@dataclass(eq=False)
+class Node:
+    """One node as this gateway knows it."""
+
+    role: str
+    address: str
+    client: NodeClient
+    node_id: str = ""
+    status: NodeStatus | None = None
+    status_at: float = 0.0
+    reachable: bool = False
+    draining: bool = False
+    # This gateway's own in-flight work on the node.
+    local_requests: int = 0
+    local_tokens: int = 0
+    active_streams: int = 0
+    # Ours in the last status, as (requests, prefill tokens) when it arrived: the rest is other
+    # gateways' work. Our requests that finished since, or went on to decode, are not load.
+    own_at_status: tuple[int, int] = (0, 0)
+    mispredictions: int = 0
+    probe_failures: int = 0
+    probe_successes: int = 0  # in a row, since the last failed probe
+    last_error: str = ""
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    # Observed / estimated prefill time (EWMA): a node slower than it claims gets less traffic.
+    slowness: float = 1.0
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @property
+    def id(self) -> str:
+        return self.node_id or self.address
+
+    @property
+    def instance_id(self) -> str:
+        return self.status.instance_id if self.status is not None else ""
+
+    @property
+    def routable(self) -> bool:
+        return (
+            self.reachable
+            and not self.draining
+            and self.status is not None
+            and self.breaker.allows(time.monotonic())
+        )
+
+    @property
+    def healthy(self) -> bool:
+        return self.reachable and self.breaker.state == "closed"
+
+    def observe_prefill(self, estimated_s: float, observed_s: float, alpha: float = 0.3) -> None:
+        """Learn how much slower (or faster) the node is than its profile claims.
+
+        Prefills too short to time well (scheduler jitter dominates) teach nothing.
+        """
+        if estimated_s < MIN_TIMED_PREFILL_S or observed_s <= 0:
+            return
+        ratio = min(100.0, max(0.1, observed_s / estimated_s))
+        self.slowness = (1 - alpha) * self.slowness + alpha * ratio
+
+    @property
+    def speed_factor(self) -> float:
+        """The learned slowness, with a dead band so equal nodes with noisy timings stay equal."""
+        s = self.slowness
+        return s if s > SLOWNESS_DEADBAND or s < 1 / SLOWNESS_DEADBAND else 1.0
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The models the node says it serves (empty: it does not say)."""
+        return self.status.models if self.status is not None else ()
+
+    def serves(self, model: str, default: str = DEFAULT_MODEL) -> bool:
+        """Whether the node serves ``model``; one that names no model serves ``default``."""
+        models = self.models
+        return model in models if models else model == default
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.status.capacity_blocks if self.status is not None else 0
+
+    def profile_prefill_s(self, new_tokens: int, context_tokens: int) -> float:
+        """Prefill time the node's own profile predicts (before learned slowness)."""
+        prof = self.status.profile if self.status is not None else None
+        if prof is None or prof.prefill_tokens_per_s <= 0 or new_tokens <= 0:
+            return 0.0
+        return prefill_seconds(prof.prefill_tokens_per_s, prof.attention_coeff_s, new_tokens, context_tokens)
+
+    def view(self) -> NodeView:
+        st = self.status
+        remote_tokens = 0
+        remote_reqs = 0
+        streams = self.active_streams
+        if st is not None:
+            # Work queued on the node by other gateways (ours is counted locally, as it is now):
+            # the status less what was ours when it was taken. Less ours as it is now, our requests
+            # done (or decoding) since the poll would stay counted as someone else's until the
+            # next one, and a node that just served a burst would look loaded when it is idle.
+            own_reqs, own_tokens = self.own_at_status
+            remote_tokens = max(0, int(st.queued_tokens) - own_tokens)
+            queued = int(st.queued_requests + st.running_requests)
+            remote_reqs = max(0, queued - own_reqs)
+            streams += max(0, queued - self.active_streams)
+        prof = st.profile if st is not None else None
+        fmt = st.kv_format if st is not None else None
+        return NodeView(
+            node_id=self.id,
+            outstanding_requests=self.local_requests + remote_reqs,
+            outstanding_tokens=self.local_tokens + remote_tokens,
+            prefill_tokens_per_s=(
+                prof.prefill_tokens_per_s / self.speed_factor
+                if prof and prof.prefill_tokens_per_s > 0
+                else 1e9
+            ),
+            attention_coeff_s=(prof.attention_coeff_s * self.speed_factor) if prof else 0.0,
+            transfer_bytes_per_s=prof.transfer_bytes_per_s if prof else 0.0,
+            kv_bytes_per_token=fmt.bytes_per_token if fmt else 0,
+            capacity_blocks=self.capacity_blocks,
+            routable=self.routable,
+            role=Role(self.role),
+            kv_format=fmt,
+            streams=streams,
+            used_blocks=st.in_use_blocks if st is not None else 0,  # a warm idle cache is not busy
+        )
+
+
+class NodePool:
+    """Every node of every role; keeps their status fresh (the health probe) and tells who can
+    take work."""
+
+    def __init__(
+        self,
+        stats_interval_s: float = 0.5,
+        *,
+        connect: Callable[[str], NodeClient] = nodeclient.connect,
+        probe_timeout_s: float = PROBE_TIMEOUT_S,
+        poll: bool = True,
+        breaker: Callable[[], CircuitBreaker] = CircuitBreaker,
+        failures_to_trip: int = PROBE_FAILURES_TO_TRIP,
+        successes_to_rejoin: int = 1,
+    ) -> None:
+        self.nodes: dict[str, Node] = {}  # by address
+        self.stats_interval_s = stats_interval_s
+        self.probe_timeout_s = probe_timeout_s
+        self.failures_to_trip = failures_to_trip
+        self.successes_to_rejoin = successes_to_rejoin
+        self._breaker = breaker
+        self._connect = connect
+        self._poll_nodes = poll  # False: no background probe (the caller refreshes)
+        self._closed = False
+
+    def add(self, role: str, address: str) -> Node:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if address in self.nodes:
+            raise ValueError(f"node {address} is already registered")
+        client = self._connect(address)
+        if role != Role.MONOLITHIC and not client.capabilities.split:
+            raise ValueError(f"node {address} serves whole requests only: add it as a monolithic node")
+        node = Node(role=role, address=address, client=client, breaker=self._breaker())
+        self.nodes[address] = node
+        if self._poll_nodes and not self._closed:
+            node.tasks.append(asyncio.create_task(self._poll(node), name=f"stats:{address}"))
+        return node
+
+    def extend(self, role: str, addresses: Iterable[str]) -> None:
+        for a in addresses:
+            self.add(role, a)
+
+    async def remove(self, address: str) -> Node | None:
+        node = self.nodes.pop(address, None)
+        if node is not None:
+            await self._stop_node(node)
+        return node
+
+    def by_id(self, node_id: str) -> Node | None:
+        for n in self.nodes.values():
+            if n.id == node_id or n.address == node_id:
+                return n
+        return None
+
+    def role(self, role: str) -> list[Node]:
+        return [n for n in self.nodes.values() if n.role == role]
+
+    def routable(self, role: str) -> list[Node]:
+        return [n for n in self.nodes.values() if n.role == role and n.routable]
+
+    def _names(self) -> tuple[set[str], bool]:
+        """The model names the nodes give, and whether some node gives none."""
+        named: set[str] = set()
+        unnamed = False
+        for n in self.nodes.values():
+            if n.models:
+                named.update(n.models)
+            else:
+                unnamed = True
+        return named, unnamed
+
+    def canonical(self, model: str, alias: str) -> str:
+        """The name the nodes know ``model`` by: ``alias`` (the ``model`` setting) stands for the
+        one model every node names, when they all name the same one."""
+        if alias and model == alias:
+            named, unnamed = self._names()
+            if len(named) == 1 and not unnamed:
+                return next(iter(named))
+        return model
+
+    def serving(self, model: str, alias: str) -> list[Node]:
+        """Every node of every role serving ``model`` (see ``Node.serves``; ``alias`` is the
+        ``model`` setting); all of them when no node names a model (one model: requests were
+        checked against it when parsed)."""
+        nodes = list(self.nodes.values())
+        if not any(n.models for n in nodes):
+            return nodes
+        model = self.canonical(model, alias)
+        return [n for n in nodes if n.serves(model, alias or DEFAULT_MODEL)]
+
+    def models(self, alias: str) -> set[str]:
+        """The models served: those the nodes name; the ``model`` setting (``alias``, else
+        ``DEFAULT_MODEL``) for nodes that name none (or when no node names any); and ``alias``
+        as another name of the one model the nodes name."""
+        named, unnamed = self._names()
+        out = set(named)
+        if unnamed or not named:
+            out.add(alias or DEFAULT_MODEL)
+        elif alias and len(named) == 1:
+            out.add(alias)
+        return out
+
+    async def refresh(self, node: Node, timeout: float | None = None) -> bool:
+        """Ask the node for its status: the health probe. Feeds reachability and the breaker."""
+        try:
+            st = await node.client.status(timeout=self.probe_timeout_s if timeout is None else timeout)
+        except Exception as e:  # an answer the adapter cannot read is a failed probe, not a dead poll
+            error = str(e) if isinstance(e, NodeFailure) else f"unreadable status: {e!r}"
+            if node.reachable:
+                log.warning("node_unreachable", node=node.id, address=node.address, error=error[:200])
+            node.reachable = False
+            node.last_error = error[:500]
+            node.probe_failures += 1
+            node.probe_successes = 0
+            if node.probe_failures >= self.failures_to_trip:
+                node.breaker.trip(time.monotonic())
+            return False
+        node.probe_successes += 1
+        # A node that failed its probes rejoins after ``successes_to_rejoin`` passing ones in a
+        # row; one that never answered before joins on its first.
+        rejoins = node.status is None or node.probe_successes >= self.successes_to_rejoin
+        if not node.reachable and rejoins:
+            log.info("node_reachable", node=st.node_id or node.address, address=node.address, role=st.role)
+        node.status = st
+        node.status_at = time.monotonic()
+        node.own_at_status = (node.local_requests + node.active_streams, node.local_tokens)
+        node.node_id = st.node_id or node.address
+        node.probe_failures = 0
+        if not (node.reachable or rejoins):
+            return False
+        node.reachable = True
+        node.breaker.on_probe_ok(node.status_at)
+        return True
+
+    async def _poll(self, node: Node) -> None:
+        while not self._closed:
+            await self.refresh(node)
+            await asyncio.sleep(self.stats_interval_s)
+
+    async def wait_ready(self, timeout: float = 10.0) -> bool:
+        """Until every node answered once (or the timeout)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(n.status is not None for n in self.nodes.values()):
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    async def _stop_node(self, node: Node) -> None:
+        for t in node.tasks:
+            t.cancel()
+        for t in node.tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        node.tasks.clear()
+        await node.client.close()
+
+    async def close(self) -> None:
+        self._closed = True
+        for node in list(self.nodes.values()):
+            await self._stop_node(node)

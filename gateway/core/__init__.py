@@ -1,0 +1,1 @@
+"""The request path every front end shares: prepare, admit, plan, execute, account."""

@@ -1,0 +1,292 @@
+"""The gateway as one object: settings, nodes, index, pipeline, metrics. Front ends share it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Set
+from functools import partial
+
+import structlog
+
+from prefixgate import cachetier
+from prefixgate.cachetier.hashing import Namespace
+from prefixgate.cachetier.index import BlockIndex
+from prefixgate.cachetier.memory import MemoryIndex
+from prefixgate.cachetier.resilient import ResyncHook
+from prefixgate.cachetier.tokenizer import Tokenizer
+from prefixgate.gateway.cluster import workers
+from prefixgate.gateway.cluster.breaker import CircuitBreaker
+from prefixgate.gateway.cluster.events import EventSync
+from prefixgate.gateway.cluster.membership import Membership
+from prefixgate.gateway.cluster.nodes import Node, NodePool
+from prefixgate.gateway.config import Settings
+from prefixgate.gateway.core.pipeline import Execution, Pipeline
+from prefixgate.gateway.core.runner import RequestRunner
+from prefixgate.gateway.core.usage import Prices, UsageLedger
+from prefixgate.gateway.metrics import Metrics, NodeSample
+from prefixgate.gateway.nodeclient import NodeClient
+from prefixgate.gateway.nodeclient.zmq_events import events_connector
+from prefixgate.gateway.state.documents import DocumentLimits, DocumentStore
+from prefixgate.gateway.state.memory import MemoryState
+from prefixgate.gateway.state.quotas import PinLimits
+from prefixgate.gateway.state.replicated import DocumentRegistry, PinRegistry, open_state
+from prefixgate.gateway.tokens.wiring import gateway_tokenizer, model_tokenizers, worker_tokenizer
+
+log = structlog.get_logger("prefixgate.gateway")
+
+CLOSE_TIMEOUT_S = 5.0  # the most any one part may take to close on shutdown
+
+KEYLESS_NOTICE = (
+    "none: no API keys, so no tenant isolation; every client shares one tenant (documents, "
+    "cache, quotas) and 'user' selects nothing; set --api-key KEY=TENANT to isolate tenants"
+)
+
+
+def open_index(settings: Settings, on_resync: ResyncHook | None = None) -> BlockIndex:
+    """Embedded index, or the shared Redis one behind its degraded-mode wrapper."""
+    if not settings.redis:
+        return MemoryIndex()
+    return cachetier.open_index(
+        settings.redis, prefix=settings.redis_prefix, layout=settings.redis_layout, on_resync=on_resync
+    )
+
+
+class GatewayService:
+    def __init__(self, settings: Settings, index: BlockIndex | None = None) -> None:
+        self.settings = s = settings
+        self.metrics = Metrics()
+        self.index = index if index is not None else open_index(settings, self._index_recovered)
+        self.tokenizer = gateway_tokenizer(settings)
+        self.model_tokenizers = model_tokenizers(settings)  # models whose workers take another
+        self.pool = NodePool(
+            settings.stats_interval_s,
+            connect=self._connector(),
+            probe_timeout_s=s.health_check_timeout_s,
+            breaker=partial(
+                CircuitBreaker,
+                threshold=s.breaker_failure_threshold,
+                success_threshold=s.breaker_success_threshold,
+                base_cooldown_s=s.breaker_cooldown_s,
+                max_cooldown_s=s.breaker_max_cooldown_s,
+                cooldown_s=s.breaker_cooldown_s,
+            ),
+            failures_to_trip=s.health_failure_threshold,
+            successes_to_rejoin=s.health_success_threshold,
+        )
+        # Shared by every replica on the same Redis (embedded otherwise): documents, tenants'
+        # pins, membership changes, usage.
+        self.state = open_state(settings)
+        self.documents = DocumentRegistry(
+            self.state,
+            DocumentLimits(s.document_quota_count, s.document_quota_bytes, s.document_store_bytes),
+        )
+        self.pins = PinRegistry(
+            self.state,
+            PinLimits(
+                s.pin_quota_blocks_per_node, s.pin_quota_node_share, s.pin_quota_blocks, s.pin_max_seconds
+            ),
+        )
+        prices = Prices(s.price_input_miss, s.price_input_hit, s.price_output, s.price_currency)
+        self.usage = UsageLedger(self.state, prices, self.metrics.registry, s.usage_flush_s)
+        # Front ends resolve ``document_ids`` first (DocumentRegistry.resolve); the embedded
+        # store still answers the pipeline directly.
+        local_docs = self.state.documents if isinstance(self.state, MemoryState) else DocumentStore()
+        self.pipeline = Pipeline(
+            settings, self.pool, self.index, self.tokenizer, self.metrics, local_docs, self.model_tokenizers
+        )
+        self.pipeline.on_finished = self._count_usage
+        self.events = EventSync(self.pool, self.index, self.metrics)
+        self.pipeline.on_mispredict = self._resync_node
+        self.metrics.bind_nodes(self.node_samples)
+        self.runner = RequestRunner(self)  # every front end serves requests through it
+        self.membership = Membership(
+            self.state, self.pool, self._add_node, self._forget_node, s.membership_interval_s
+        )
+        self.draining = False
+        self._started = False
+
+    def _connector(self) -> Callable[[str], NodeClient]:
+        """``nodeclient.connect`` for smg-style workers (``workers.connector``: the engine's own
+        tokenizer detokenizes when the gateway has it), with KV events over ZMQ for the workers
+        ``kv_events`` names."""
+        s = self.settings
+        ns = Namespace(s.default_model, "", s.block_size, self.tokenizer.name)
+
+        def tokenizer_of(model: str) -> Tokenizer:  # read at connect time: ``start`` may load it
+            return self.model_tokenizers.get(model, self.tokenizer)
+
+        # an EngineTokenizer's ``hf`` (a ``tokenizers.Tokenizer``) detokenizes its model's ids
+        connect = workers.connector(
+            s,
+            lambda model: tokenizer_of(model).name,
+            codec_for=lambda model: getattr(tokenizer_of(model), "hf", None),
+        )
+        dropped = self.metrics.kv_events_dropped
+
+        def on_drop(what: str, n: int) -> None:
+            dropped.labels(what).inc(n)
+
+        return events_connector(s.kv_events, ns, connect, on_drop, s.tenancy().event_salt)
+
+    def _count_usage(self, ex: Execution) -> None:
+        """One request, its prompt counted once: a request's choices after the first (each its
+        own execution, ``gateway.core.choices``) add their output tokens only, as the response's
+        ``usage`` counts them."""
+        p = ex.prep
+        if p.sampling.choice:
+            self.usage.record(p.tenant, p.model, 0, 0, ex.completion_tokens, requests=0)
+            return
+        self.usage.record(p.tenant, p.model, ex.prompt_tokens, ex.cached_tokens, ex.completion_tokens)
+
+    def _resync_node(self, node: Node) -> None:
+        self.events.resync(node)
+
+    async def _index_recovered(self, node_ids: Set[str], reason: str) -> None:
+        """Redis missed writes (degraded, failed) or lost data (restart, failover): exactly those
+        nodes come back from fresh snapshots, which also set their capacity again."""
+        nodes = [n for n in list(self.pool.nodes.values()) if n.id in node_ids]
+        log.info("index_resyncing_nodes", reason=reason, nodes=[n.id for n in nodes])
+        label = "index_recovered" if reason == "recovered" else f"index_{reason}"
+        for node in nodes:
+            self.metrics.resyncs.labels(label).inc()
+            self.events.resync(node)
+
+    @property
+    def models(self) -> set[str]:
+        """The models served: those the nodes name (OpenAI-compatible workers list theirs), and
+        the configured ``model`` for nodes that name none."""
+        return self.pool.models(self.settings.model)
+
+    def _check_tenancy(self, address: str) -> None:
+        """A worker that would mix tenants' prefixes in its engine cache, refused unless the
+        operator agreed to a shared engine cache (``gateway.core.tenancy``)."""
+        if self.pipeline.tenancy.refused(isolates=workers.salted(address)):
+            raise ValueError(
+                f"{address}: its protocol carries no cache salt, so its engine would share one "
+                'prefix cache between this gateway\'s tenants (tenant_cache is "isolated")'
+            )
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        s = self.settings
+        refusal = workers.tenancy_refusal(s)
+        if refusal:
+            raise ValueError(refusal)
+        self.pool.extend("prefill", s.prefill)
+        self.pool.extend("decode", s.decode)
+        self.pool.extend("monolithic", s.monolithic)
+        self.pool.extend("monolithic", s.worker_urls)
+        engine_tok = await worker_tokenizer(s)  # ``tokenizer = "engine"`` without a local path
+        if engine_tok is not None:
+            self.tokenizer = self.pipeline.tokenizer = engine_tok
+            log.info("tokenizer_loaded", tokenizer=engine_tok.name, origin=engine_tok.origin)
+        for node in self.pool.nodes.values():
+            self.events.watch(node)
+        await self.pool.wait_ready(timeout=5.0)
+        if self.membership.shared:  # changes made through other replicas before this one started
+            try:
+                await self.membership.sync()
+            except Exception as e:
+                log.warning("membership_sync_failed", error=repr(e)[:200])
+        self.membership.start()
+        self.usage.start()
+        tenants = len(set(s.api_key_map().values()))
+        log.info(
+            "gateway_started",
+            prefill=len(s.prefill),
+            decode=len(s.decode),
+            monolithic=len(s.monolithic),
+            workers=len(s.worker_urls),
+            index=self.index.backend,
+            auth=f"api keys, {tenants} tenant(s)" if tenants else KEYLESS_NOTICE,
+        )
+        shared = [n.id for n in self.pool.nodes.values() if self.shares_tenant_cache(n)]
+        if shared:
+            log.warning(
+                "tenant_cache_shared",
+                nodes=shared,
+                detail="these engines keep one prefix cache for every tenant (tenant_cache = "
+                '"shared"): a tenant\'s latency can tell what another sent; cached_tokens report '
+                "only a tenant's own reuse",
+            )
+
+    def shares_tenant_cache(self, node: Node) -> bool:
+        """The node's engine holds several tenants' prefixes in one cache."""
+        return self.pipeline.tenancy.shares_cache(node.client.capabilities.tenant_salt)
+
+    def node_samples(self) -> list[NodeSample]:
+        """Every node's state for the scrape-time gauges (no I/O)."""
+        out: list[NodeSample] = []
+        for n in list(self.pool.nodes.values()):
+            st = n.status
+            out.append(
+                NodeSample(
+                    node=n.id,
+                    role=n.role,
+                    breaker=n.breaker.state,
+                    routable=n.routable,
+                    draining=n.draining,
+                    queued_requests=st.queued_requests if st else 0,
+                    queued_tokens=st.queued_tokens if st else 0,
+                    running_requests=st.running_requests if st else 0,
+                    capacity_blocks=st.capacity_blocks if st else 0,
+                    used_blocks=st.used_blocks if st else 0,
+                    pinned_blocks=st.pinned_blocks if st else 0,
+                )
+            )
+        return out
+
+    async def _add_node(self, role: str, address: str) -> Node:
+        self._check_tenancy(address)
+        node = self.pool.add(role, address)
+        self.events.watch(node)
+        await self.pool.refresh(node, timeout=2.0)
+        log.info("node_added", node=node.id, role=role, address=address, reachable=node.reachable)
+        return node
+
+    async def _forget_node(self, node: Node) -> None:
+        self.events.forget(node)
+        await self.pool.remove(node.address)
+        log.info("node_removed", node=node.id, role=node.role, address=node.address)
+
+    async def add_node(self, role: str, address: str) -> Node:
+        """Register a node at runtime: poll its stats and follow its KV events; every replica
+        sharing this one's Redis does the same.
+
+        Raises ValueError for an unknown role or an address already registered.
+        """
+        node = await self._add_node(role, address)
+        await self.membership.record(node, present=True)
+        return node
+
+    async def remove_node(self, node: Node) -> int:
+        """Forget a node: stop its watchers, close its channel (in-flight calls on it end) and
+        drop its blocks from the index; every replica forgets it. Returns how many blocks the
+        index forgot."""
+        await self._forget_node(node)
+        await self.membership.record(node, present=False)
+        forgotten = await self.index.clear_node(node.id)
+        log.info("node_index_cleared", node=node.id, index_blocks=forgotten)
+        return forgotten
+
+    async def drain_node(self, node: Node, drain: bool) -> None:
+        """No new work for the node (or again, ``drain=False``), on every replica."""
+        node.draining = drain
+        await self.membership.record(node, present=True)
+
+    async def stop(self) -> None:
+        self.runner.close()
+        # Each part gets a bounded time to close: a background task stuck in a call to a Redis
+        # node that does not answer must not keep the process from exiting.
+        for close in (self.membership.close, self.usage.close, self.pipeline.close, self.events.close):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(close(), CLOSE_TIMEOUT_S)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.pool.close(), CLOSE_TIMEOUT_S)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.index.close(), 2.0)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.state.close(), 2.0)

@@ -1,0 +1,216 @@
+"""Tenant accounting: tokens served per tenant and model, and what they are worth.
+
+Counted from what the engines report: a request's prompt tokens, the part its prefill node served
+from KV cache (``cached_tokens``), the rest computed, and the output tokens. Recording is a few
+additions in this process (no I/O on the request path); a background task adds the buffer to the
+shared store every ``usage_flush_s`` (Redis ``HINCRBY`` per tenant and model in one script, so
+the figures of every replica sum), keeping it when the store is away and retrying. The buffer
+holds at most ``MAX_PENDING`` tenant/model pairs; beyond, figures are dropped and counted.
+
+Value, at the prices of the gateway that answers (currency units per million tokens):
+computed prompt tokens at ``price_input_miss``, cached ones at ``price_input_hit``, output tokens
+at ``price_output``. The defaults are the reference deployment's revenue model: input 8 per
+million, a cache hit a quarter of that (2); that model prices input only, so output is 0 until
+set. Prometheus gets the same figures per replica (``prefixgate_tenant_*``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter
+
+from prefixgate.gateway.state.store import StateStore, UsageCounts, UsageKey
+
+log = structlog.get_logger("prefixgate.usage")
+
+MAX_PENDING = 10_000
+MAX_TENANT_LABELS = 1_000  # Prometheus series per tenant; beyond, "_other"
+OTHER = "_other"
+
+
+@dataclass(frozen=True, slots=True)
+class Prices:
+    input_miss: float = 8.0
+    input_hit: float = 2.0
+    output: float = 0.0
+    currency: str = "CNY"
+
+    def value(self, c: UsageCounts) -> dict[str, float]:
+        miss = c.computed_tokens * self.input_miss / 1e6
+        hit = c.cached_tokens * self.input_hit / 1e6
+        out = c.output_tokens * self.output / 1e6
+        return {
+            "input_miss": round(miss, 6),
+            "input_hit": round(hit, 6),
+            "output": round(out, 6),
+            "total": round(miss + hit + out, 6),
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "currency": self.currency,
+            "per_million_tokens": {
+                "input_miss": self.input_miss,
+                "input_hit": self.input_hit,
+                "output": self.output,
+            },
+        }
+
+
+class UsageLedger:
+    def __init__(
+        self,
+        state: StateStore,
+        prices: Prices,
+        registry: CollectorRegistry,
+        flush_s: float = 1.0,
+    ) -> None:
+        self.state = state
+        self.prices = prices
+        self.flush_s = flush_s
+        self._pending: dict[UsageKey, UsageCounts] = {}
+        self.dropped = 0
+        self.flush_failures = 0
+        self._failing = False
+        self._task: asyncio.Task[None] | None = None
+        self._flushing = asyncio.Lock()
+        self._labels: set[str] = set()
+        labels = ["tenant", "model"]
+        self.m_requests = Counter(
+            "prefixgate_tenant_requests", "Requests per tenant and model", labels, registry=registry
+        )
+        self.m_prompt = Counter(
+            "prefixgate_tenant_prompt_tokens", "Prompt tokens per tenant and model", labels, registry=registry
+        )
+        self.m_cached = Counter(
+            "prefixgate_tenant_cached_tokens",
+            "Prompt tokens served from KV cache (as the engines reported) per tenant and model",
+            labels,
+            registry=registry,
+        )
+        self.m_computed = Counter(
+            "prefixgate_tenant_computed_tokens",
+            "Prompt tokens the engines computed per tenant and model",
+            labels,
+            registry=registry,
+        )
+        self.m_output = Counter(
+            "prefixgate_tenant_output_tokens", "Output tokens per tenant and model", labels, registry=registry
+        )
+        self.m_value = Counter(
+            "prefixgate_tenant_value",
+            f"Value of the tokens served at the configured prices, in {prices.currency} "
+            "(part: input_miss, input_hit, output)",
+            [*labels, "part"],
+            registry=registry,
+        )
+
+    def _label(self, tenant: str) -> str:
+        if tenant in self._labels:
+            return tenant
+        if len(self._labels) < MAX_TENANT_LABELS:
+            self._labels.add(tenant)
+            return tenant
+        return OTHER
+
+    def record(
+        self, tenant: str, model: str, prompt: int, cached: int, output: int, requests: int = 1
+    ) -> None:
+        """Count one request's tokens (no I/O)."""
+        counts = UsageCounts(requests, max(0, prompt), max(0, min(cached, prompt)), max(0, output))
+        key = (tenant, model)
+        held = self._pending.get(key)
+        if held is None:
+            if len(self._pending) >= MAX_PENDING:
+                self.dropped += 1
+            else:
+                self._pending[key] = counts
+        else:
+            held.add(counts)
+        t = self._label(tenant)
+        self.m_requests.labels(t, model).inc(counts.requests)
+        self.m_prompt.labels(t, model).inc(counts.prompt_tokens)
+        self.m_cached.labels(t, model).inc(counts.cached_tokens)
+        self.m_computed.labels(t, model).inc(counts.computed_tokens)
+        self.m_output.labels(t, model).inc(counts.output_tokens)
+        for part, v in self.prices.value(counts).items():
+            if part != "total" and v:
+                self.m_value.labels(t, model, part).inc(v)
+
+    async def flush(self) -> None:
+        """Add what this replica counted to the shared figures; kept for the next try on failure."""
+        async with self._flushing:
+            batch, self._pending = self._pending, {}
+            if not batch:
+                return
+            try:
+                await self.state.usage_add(batch)
+            except Exception as e:
+                self.flush_failures += 1
+                if not self._failing:  # said once per outage
+                    self._failing = True
+                    log.warning("usage_flush_failed", pairs=len(batch), error=repr(e)[:200])
+                for key, counts in batch.items():  # merged back under the same bound
+                    held = self._pending.get(key)
+                    if held is not None:
+                        held.add(counts)
+                    elif len(self._pending) < MAX_PENDING:
+                        self._pending[key] = counts
+                    else:
+                        self.dropped += 1
+                raise
+            if self._failing:
+                self._failing = False
+                log.info("usage_flush_recovered", pairs=len(batch))
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.flush_s)
+            with contextlib.suppress(Exception):
+                await self.flush()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="usage-flush")
+
+    async def close(self, timeout: float = 2.0) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.flush(), timeout)
+
+    async def report(self, tenant: str | None = None) -> dict[str, Any]:
+        """Every replica's figures (this one's flushed first), per tenant and model, valued."""
+        with contextlib.suppress(Exception):
+            await self.flush()
+        figures = await self.state.usage(tenant)
+        rows = []
+        totals = UsageCounts()
+        for (t, model), c in sorted(figures.items()):
+            totals.add(c)
+            rows.append({"tenant": t, "model": model, **counts_json(c), "value": self.prices.value(c)})
+        return {
+            "object": "usage",
+            "tenant": tenant,
+            "prices": self.prices.to_json(),
+            "data": rows,
+            "totals": {**counts_json(totals), "value": self.prices.value(totals)},
+        }
+
+
+def counts_json(c: UsageCounts) -> dict[str, int]:
+    return {
+        "requests": c.requests,
+        "prompt_tokens": c.prompt_tokens,
+        "cached_tokens": c.cached_tokens,
+        "computed_tokens": c.computed_tokens,
+        "output_tokens": c.output_tokens,
+    }

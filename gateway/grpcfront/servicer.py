@@ -1,0 +1,267 @@
+"""The gRPC front end: ``prefixgate.v1.Gateway`` (Generate streams, Complete is unary).
+
+A request is turned into the same OpenAI-shaped body the HTTP API takes, validated by the same
+``parse_request`` and served by the same request runner (``gateway.core.runner``) with the same
+auth and limits (its largest message is the HTTP body limit); domain errors become gRPC status
+codes (``STATUS_CODES``) with the same messages and codes (trailer
+``x-prefixgate-error-code``). Standard health and
+reflection are served beside it. It runs in the gateway's event loop, started and stopped with
+the HTTP app's lifespan, so one process serves both. A client that cancels cancels the work
+(the handler task is cancelled and the node call with it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import orjson
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from prefixgate.gateway.core.auth import valid_request_id
+from prefixgate.gateway.core.pipeline import Execution, Prepared
+from prefixgate.gateway.core.runner import Caller, Identity, Prepare, deltas
+from prefixgate.gateway.core.service import GatewayService
+from prefixgate.gateway.logging import bind_request
+from prefixgate.openai.errors import invalid
+from prefixgate.openai.exceptions import (
+    Conflict,
+    DeadlineExceeded,
+    Forbidden,
+    GatewayError,
+    InvalidRequest,
+    NotFound,
+    Overloaded,
+    QuotaExceeded,
+    StreamBroken,
+    TooLarge,
+    Unauthenticated,
+    Unavailable,
+)
+from prefixgate.openai.schema import ParsedRequest, check_message_count, parse_request
+from prefixgate.v1 import gateway_pb2, gateway_pb2_grpc
+
+log = structlog.get_logger("prefixgate.grpc")
+
+GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+REQUEST_ID_KEYS = ("x-prefixgate-request-id", "x-request-id")
+_SEND_LIMIT = 64 * 1024 * 1024  # answers are bounded by max_tokens; requests by max_body_bytes
+
+# Domain errors to gRPC status codes: the one mapping of this front end (most specific first).
+STATUS_CODES: tuple[tuple[type[GatewayError], grpc.StatusCode], ...] = (
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (TooLarge, grpc.StatusCode.INVALID_ARGUMENT),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (Forbidden, grpc.StatusCode.PERMISSION_DENIED),
+    (NotFound, grpc.StatusCode.NOT_FOUND),
+    (Conflict, grpc.StatusCode.ALREADY_EXISTS),
+    (QuotaExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (StreamBroken, grpc.StatusCode.UNAVAILABLE),
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+)
+
+
+def status_of(e: GatewayError) -> grpc.StatusCode:
+    for cls, code in STATUS_CODES:
+        if isinstance(e, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def request_body(req: gateway_pb2.CompletionRequest) -> tuple[dict[str, Any], str]:
+    """The OpenAI-shaped body and kind ("chat" when messages are given) of a gRPC request."""
+    body: dict[str, Any] = {"model": req.model}
+    if req.max_tokens:
+        body["max_tokens"] = req.max_tokens
+    if req.HasField("temperature"):
+        body["temperature"] = round(req.temperature, 6)  # float32 on the wire
+    if req.HasField("top_p"):
+        body["top_p"] = round(req.top_p, 6)
+    if req.HasField("seed"):
+        body["seed"] = req.seed
+    if req.stop:
+        body["stop"] = list(req.stop)
+    if req.user:
+        body["user"] = req.user
+    if req.documents:
+        body["documents"] = [{"id": d.id or None, "text": d.text} for d in req.documents]
+    if req.document_ids:
+        body["document_ids"] = list(req.document_ids)
+    if req.tools_json:
+        try:
+            body["tools"] = orjson.loads(req.tools_json)
+        except orjson.JSONDecodeError as e:
+            raise invalid(f"'tools_json' is not valid JSON: {e}", "tools_json") from None
+    if req.messages:
+        body["messages"] = [
+            {"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
+            for m in req.messages
+        ]
+        return body, "chat"
+    body["prompt"] = req.prompt
+    return body, "completion"
+
+
+def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, value in context.invocation_metadata() or ():
+        if isinstance(value, str):
+            out.setdefault(key.lower(), value)
+    return out
+
+
+def _usage(ex: Execution) -> gateway_pb2.Usage:
+    return gateway_pb2.Usage(
+        prompt_tokens=ex.prompt_tokens, completion_tokens=ex.completion_tokens, cached_tokens=ex.cached_tokens
+    )
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    """Translates between ``prefixgate.v1.Gateway`` and the request runner."""
+
+    def __init__(self, svc: GatewayService) -> None:
+        self.svc = svc
+
+    def _parse(self, req: gateway_pb2.CompletionRequest) -> ParsedRequest:
+        s = self.svc.settings
+        check_message_count(len(req.messages), s.max_messages)  # before any per-message work
+        body, kind = request_body(req)
+        return parse_request(
+            body,
+            kind,
+            models=self.svc.models,
+            default_max_tokens=s.default_max_tokens,
+            max_tokens_limit=s.max_tokens_limit,
+            max_documents=s.max_documents,
+            max_messages=s.max_messages,
+            max_content_parts=s.max_content_parts,
+        )
+
+    def _caller(self, context: grpc.aio.ServicerContext, rpc: str) -> Caller:
+        md = _metadata(context)
+        rid = bind_request(valid_request_id(*(md.get(k) for k in REQUEST_ID_KEYS)), rpc=rpc)
+        return Caller(authorization=md.get("authorization", ""), request_id=rid)
+
+    def _preparer(self, req: gateway_pb2.CompletionRequest) -> Prepare:
+        async def prepare(identity: Identity) -> Prepared:
+            _parsed, prep = await self.svc.runner.prepare(
+                lambda: self._parse(req), identity.tenant(), identity.request_id, req.ByteSize()
+            )
+            if prep.tool_parser:  # parsed tool calls have no field in this API's answers
+                raise invalid("tool calls are served on the HTTP API (/v1/chat/completions)", "tools_json")
+            return prep
+
+        return prepare
+
+    async def _headers(self, context: grpc.aio.ServicerContext, ex: Execution) -> None:
+        if self.svc.settings.response_headers:
+            await context.send_initial_metadata(tuple(ex.headers().items()))
+
+    async def _fail(self, context: grpc.aio.ServicerContext, e: GatewayError) -> None:
+        log.info("request_failed", status=status_of(e).name, code=e.code, error=e.message[:200])
+        trailer: list[tuple[str, str]] = [("x-prefixgate-error-code", e.code)]
+        if e.retry_after is not None:
+            trailer.append(("retry-after", str(max(1, round(e.retry_after)))))
+        context.set_trailing_metadata(tuple(trailer))
+        message = f"{e.message} (param: {e.param})" if e.param else e.message
+        await context.abort(status_of(e), message)
+
+    async def Generate(
+        self, request: gateway_pb2.CompletionRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gateway_pb2.CompletionChunk]:
+        try:
+            async with self.svc.runner.run(self._caller(context, "Generate"), self._preparer(request)) as ex:
+                await self._headers(context, ex)
+                first = True
+                async for d in deltas(ex):
+                    if not (d.text or d.finish_reason or first):
+                        continue
+                    chunk = gateway_pb2.CompletionChunk(
+                        id=ex.request_id, text=d.text, finish_reason=d.finish_reason
+                    )
+                    if first or d.finish_reason:
+                        chunk.route = ex.route
+                        chunk.prefill_node = ex.prefill_node.id if ex.prefill_node else ""
+                        chunk.decode_node = ex.decode_node.id
+                    if d.finish_reason:
+                        chunk.usage.CopyFrom(_usage(ex))
+                    first = False
+                    yield chunk
+        except GatewayError as e:
+            await self._fail(context, e)
+
+    async def Complete(
+        self, request: gateway_pb2.CompletionRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.CompletionResponse:
+        try:
+            async with self.svc.runner.run(self._caller(context, "Complete"), self._preparer(request)) as ex:
+                await self._headers(context, ex)
+                text = "".join([d.text async for d in deltas(ex)])
+                return gateway_pb2.CompletionResponse(
+                    id=ex.request_id,
+                    text=text,
+                    finish_reason=ex.finish_reason,
+                    usage=_usage(ex),
+                    route=ex.route,
+                    prefill_node=ex.prefill_node.id if ex.prefill_node else "",
+                    decode_node=ex.decode_node.id,
+                )
+        except GatewayError as e:
+            await self._fail(context, e)
+            raise  # not reached: abort raises
+
+
+class GrpcFront:
+    """The gRPC server of one gateway: Gateway service, health and reflection."""
+
+    def __init__(self, svc: GatewayService, host: str, port: int) -> None:
+        self.svc = svc
+        self.max_message_bytes = svc.settings.max_body_bytes  # the HTTP body limit, for one limit
+        self.host = host
+        self.port = port
+        self.health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+        return f"{host}:{self.port}"
+
+    async def start(self) -> int:
+        """Bind and serve; returns the port (a free one when ``port`` is 0)."""
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_send_message_length", _SEND_LIMIT),
+                ("grpc.max_receive_message_length", self.max_message_bytes),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(self.svc), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (GATEWAY_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server
+        )
+        bound = int(server.add_insecure_port(self.address))
+        if not bound:
+            raise OSError(f"cannot bind the gRPC front end on {self.address}")
+        self.port = bound
+        await server.start()
+        self._server = server
+        for service in ("", GATEWAY_SERVICE):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        log.info("grpc_front_started", address=self.address)
+        return bound
+
+    async def stop(self, grace: float = 5.0) -> None:
+        if self._server is None:
+            return
+        server, self._server = self._server, None
+        await self.health.enter_graceful_shutdown()
+        await server.stop(grace)
+        log.info("grpc_front_stopped", address=self.address)

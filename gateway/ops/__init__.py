@@ -1,0 +1,1 @@
+"""The gateway as processes and commands: the server, the local stack, the admin CLI, smg flags."""

@@ -1,0 +1,128 @@
+"""State every gateway replica must agree on, behind one small storage protocol.
+
+What a client or an operator changes through one replica must hold on every other: registered
+documents, tenants' pins (with their expiry, for the pin quotas), node membership changes made
+through the admin API, and tenant usage. ``StateStore`` is that storage, with two
+implementations: ``MemoryState`` (one process, the embedded default, ``gateway.state.memory``)
+and ``RedisState`` (single Redis or Redis Cluster, ``gateway.state.redis_store``), which pass the same
+tests. The registries above it (documents, pins, membership, usage) hold the policy; the store
+holds the data and makes each change atomic.
+
+Times here are wall-clock seconds (``time.time()``): replicas compare them with each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from prefixgate.gateway.state.documents import DocumentLimits
+from prefixgate.gateway.state.quotas import PinLimits
+
+
+@dataclass(frozen=True, slots=True)
+class DocumentUsage:
+    documents: int
+    bytes: int
+
+
+@dataclass(slots=True)
+class PinHold:
+    """A tenant's pin as reserved: each node's entries before it, to give back a pin that failed."""
+
+    tenant: str
+    until: float = 0.0
+    before: dict[str, dict[int, float | None]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class PinRow:
+    """What one tenant holds pinned on one node now."""
+
+    tenant: str
+    node: str
+    blocks: int
+    until: float  # the last of its pins there ends then
+    first_expiry: float  # the first ends then
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """A membership change made through the admin API: the node at ``address`` is (or is no
+    longer) part of the deployment, drained or not."""
+
+    address: str
+    role: str
+    present: bool
+    draining: bool = False
+    at: float = 0.0
+
+
+USAGE_FIELDS = ("requests", "prompt_tokens", "cached_tokens", "output_tokens")
+
+
+@dataclass(slots=True)
+class UsageCounts:
+    """One tenant's figures for one model (tokens as the engines reported them)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+
+    @property
+    def computed_tokens(self) -> int:
+        return max(0, self.prompt_tokens - self.cached_tokens)
+
+    def add(self, other: UsageCounts) -> None:
+        self.requests += other.requests
+        self.prompt_tokens += other.prompt_tokens
+        self.cached_tokens += other.cached_tokens
+        self.output_tokens += other.output_tokens
+
+    def values(self) -> tuple[int, int, int, int]:
+        return (self.requests, self.prompt_tokens, self.cached_tokens, self.output_tokens)
+
+
+UsageKey = tuple[str, str]  # (tenant, model)
+
+
+class StateStore(Protocol):
+    """Shared state of a deployment. Every method is one atomic change or one consistent read.
+
+    Quota and bound violations raise the domain errors of ``prefixgate.openai.exceptions``.
+    """
+
+    backend: str
+
+    # Documents: per tenant, under ``DocumentLimits``; ``cost`` is ``documents.stored_cost``.
+    async def doc_put(
+        self, tenant: str, doc_id: str, text: str, cost: int, limits: DocumentLimits
+    ) -> None: ...
+    async def doc_get(self, tenant: str, doc_ids: Sequence[str]) -> list[str | None]: ...
+    async def doc_delete(self, tenant: str, doc_id: str) -> bool: ...
+    async def doc_usage(self, tenant: str) -> DocumentUsage: ...
+
+    # Tenants' pins: reserved against ``PinLimits`` (node id -> KV capacity in blocks, 0 unknown).
+    async def pin_reserve(
+        self,
+        tenant: str,
+        capacities: Mapping[str, int],
+        hashes: Sequence[int],
+        seconds: float,
+        now: float,
+        limits: PinLimits,
+    ) -> PinHold: ...
+    async def pin_cancel(self, hold: PinHold, node_id: str) -> None: ...
+    async def pins(self, tenant: str | None, now: float) -> list[PinRow]: ...
+
+    # Membership changes made through the admin API.
+    async def member_put(self, member: Member) -> None: ...
+    async def members(self) -> list[Member]: ...
+
+    # Usage: counters added (summed across replicas), read per tenant (None: every tenant).
+    async def usage_add(self, batch: Mapping[UsageKey, UsageCounts]) -> None: ...
+    async def usage(self, tenant: str | None) -> dict[UsageKey, UsageCounts]: ...
+
+    async def close(self) -> None: ...
