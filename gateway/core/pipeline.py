@@ -52,7 +52,6 @@ class Pipeline:
         self.tenancy = settings.tenancy()
         self.pool = pool
         self.index = index
-        self.metrics = metrics
         self.switches = Switches(settings.disaggregation, settings.prefix_routing, settings.normalization)
         self.preparer = Preparer(settings, pool, tokenizer, model_tokenizers or {}, documents, self.switches)
         self.admission = Admission(settings, metrics)
