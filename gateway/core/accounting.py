@@ -57,7 +57,7 @@ class Accounting:
         if ex.failure is not None:  # broke after the first token: the node's fault all the same
             ex.decode_node.breaker.on_failure(time.monotonic())
             ex.decode_node.last_error = str(ex.failure)[:500]
-        t = ex.timings
+        t, node_t = ex.timings, ex.timings.node
         ttft = (t.first_token_at - t.start) if t.first_token_at else 0.0
         m = self.metrics
         node = (ex.prefill_node or ex.decode_node).id
@@ -65,9 +65,9 @@ class Accounting:
             ex.route,
             ex.outcome,
             ttft=ttft,
-            queue_s=t.queue_s,
-            prefill_s=t.prefill_s,
-            transfer_s=t.transfer_s,
+            queue_s=node_t.queue_s,
+            prefill_s=node_t.prefill_s,
+            transfer_s=node_t.transfer_s,
             node=node,
             transfer_node=ex.prefill_node.id if ex.prefill_node is not None else None,
         )
@@ -91,10 +91,12 @@ class Accounting:
             outcome=ex.outcome,
             attempts=ex.attempts,
             ttft_ms=round(ttft * 1000, 2),
-            queue_ms=round(t.queue_s * 1000, 2),
-            prefill_ms=round(t.prefill_s * 1000, 2),
-            transfer_ms=round(t.transfer_s * 1000, 2),
-            first_token_ms=round(max(0.0, ttft - t.queue_s - t.prefill_s - t.transfer_s) * 1000, 2),
+            queue_ms=round(node_t.queue_s * 1000, 2),
+            prefill_ms=round(node_t.prefill_s * 1000, 2),
+            transfer_ms=round(node_t.transfer_s * 1000, 2),
+            first_token_ms=round(
+                max(0.0, ttft - node_t.queue_s - node_t.prefill_s - node_t.transfer_s) * 1000, 2
+            ),
             total_ms=round((time.perf_counter() - t.start) * 1000, 2),
             reason=ex.reason,
         )

@@ -28,7 +28,7 @@ from prefixgate.gateway.core.refusals import refusal
 from prefixgate.gateway.core.request import Failure, Prepared, Timings
 from prefixgate.gateway.core.tenancy import Tenancy
 from prefixgate.gateway.metrics import Metrics
-from prefixgate.gateway.nodeclient import NodeFailure, Prompt, TokenDelta, TokenStream
+from prefixgate.gateway.nodeclient import NodeFailure, Prompt, StageTimings, TokenDelta, TokenStream
 from prefixgate.gateway.nodeclient.openai_body import for_choice
 from prefixgate.gateway.routing import Decision
 from prefixgate.gateway.toolcalls.support import passing_through
@@ -314,9 +314,8 @@ class Executor:
         for n in nodes:
             n.breaker.on_success()
         st = stream.timings
-        timings.queue_s, timings.prefill_s = st.queue_s, st.prefill_s
+        timings.node = StageTimings(st.queue_s, st.prefill_s, st.transfer_s if pnode is not None else 0.0)
         if pnode is not None:
-            timings.transfer_s = st.transfer_s
             report = stream.prefill
             if report is not None:
                 pnode.observe_prefill(

@@ -128,7 +128,7 @@ class Pipeline:
         *,
         body: Mapping[str, Any] | None = None,
     ) -> Prepared:
-        """``body``: the client's JSON body, passed on (normalized) to OpenAI-compatible workers."""
+        """``Preparer.prepare``."""
         return self.preparer.prepare(req, tenant, request_id, body=body)
 
     async def lookup(self, prep: Prepared) -> dict[str, int]:

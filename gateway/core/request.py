@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from prefixgate.cachetier.hashing import Namespace
 from prefixgate.gateway.cluster.nodes import Node
-from prefixgate.gateway.nodeclient import NodeFailure, OpenAIBody, TokenDelta
+from prefixgate.gateway.nodeclient import NodeFailure, OpenAIBody, StageTimings, TokenDelta
 from prefixgate.openai.features import Feature
 from prefixgate.openai.normalize import Layout
 from prefixgate.openai.schema import Sampling
@@ -54,10 +54,11 @@ class Prepared:
 
 @dataclass(slots=True)
 class Timings:
+    """An attempt's clock, from its start to its first token, with the node's account of the
+    time in between."""
+
     start: float = field(default_factory=time.perf_counter)
-    queue_s: float = 0.0
-    prefill_s: float = 0.0
-    transfer_s: float = 0.0
+    node: StageTimings = field(default_factory=StageTimings)
     first_token_at: float = 0.0
 
 
