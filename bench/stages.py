@@ -101,7 +101,7 @@ GENERIC = (
     "selectors.py",
     "uvloop/",
     "copy.py",
-    "/re/",  # the regex package (not any folder ending in "re", such as gateway/core)
+    "/re/",
     "_weakrefset.py",
 )
 _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>.*?)(?::(?P<line>\d+))?\)$")

@@ -31,7 +31,7 @@ def test_innermost_meaningful_frame_names_the_stage() -> None:
 
 def test_function_rules_need_their_file() -> None:
     assert stages.classify(["_stream (/w/gateway/httpfront/app.py:180)"]) == "response framing"
-    assert stages.classify(["_stream (/w/gateway/httpfront/other.py:1)"]) == stages.NATIVE
+    assert stages.classify(["_stream (/w/gateway/other.py:1)"]) == stages.NATIVE
 
 
 def test_breakdown_shares_count_the_loop_thread_only(tmp_path: Path) -> None:
