@@ -34,7 +34,7 @@ from prefixgate.gateway.state.documents import DocumentStore
 from prefixgate.openai.exceptions import StreamBroken
 from prefixgate.openai.schema import ParsedRequest
 
-__all__ = ["Delta", "Execution", "Pipeline", "Plan", "Prepared", "StreamBroken", "Switches"]
+__all__ = ["Delta", "Execution", "Pipeline", "Prepared", "StreamBroken"]
 
 
 class Pipeline:
