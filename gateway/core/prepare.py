@@ -18,12 +18,20 @@ from prefixgate.gateway.cluster.nodes import Node, NodePool
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.core.request import Prepared, Switches
 from prefixgate.gateway.core.tenancy import engine_salt, namespace_salt
+from prefixgate.gateway.nodeclient import OpenAIBody
 from prefixgate.gateway.nodeclient.openai_body import engine_body
 from prefixgate.gateway.state.documents import DocumentStore
 from prefixgate.gateway.tokens import ChatEncoder, TemplateLimitError
 from prefixgate.gateway.toolcalls.support import ToolPlan, plan_tools
 from prefixgate.openai.exceptions import GatewayError, InvalidRequest
-from prefixgate.openai.normalize import Layout, NormalizationError, Segment, render_chat, render_completion
+from prefixgate.openai.normalize import (
+    Document,
+    Layout,
+    NormalizationError,
+    Segment,
+    render_chat,
+    render_completion,
+)
 from prefixgate.openai.schema import ParsedRequest, Sampling
 
 
@@ -133,18 +141,11 @@ class Preparer:
                 code="context_length_exceeded",
             )
         _check_logit_bias(req.sampling, tokenizer)
-        asked = req.sampling
-        sampling = replace(
-            asked,
-            keep_special_tokens=bool(tools.parser),  # tool-call markers may be special tokens
-            constraint=asked.constraint if tools.constraint is None else tools.constraint,  # forced calls
-            max_tokens=self._max_tokens(req, n),
-        )
+        sampling = _engine_sampling(req.sampling, tools, self._max_tokens(req, n))
         self._check_cache_salt(req, model)
         ns = self.namespace(model, tenant, req.cache_salt)
         hashes = block_hashes(tokens, s.block_size, ns.root())
         salt = engine_salt(ns.tenant)
-        engine_req = replace(req, sampling=sampling)  # what the engine body is built from
         return Prepared(
             request_id or uuid.uuid4().hex,
             tenant,
@@ -155,7 +156,7 @@ class Preparer:
             sampling,
             model,
             tools.needs,
-            partial(engine_body, engine_req, docs, normalize=normalize, raw=body, cache_salt=salt),
+            partial(_engine_body, req, sampling, docs, normalize, body, salt),
             tool_parser=tools.parser,
             engine_salt=salt,
         )
@@ -189,3 +190,28 @@ def _check_logit_bias(sampling: Sampling, tokenizer: Tokenizer) -> None:
             f"'logit_bias' token ids must be below the vocabulary size of {vocab}, got {outside[0]}",
             param="logit_bias",
         )
+
+
+def _engine_sampling(asked: Sampling, tools: ToolPlan, max_tokens: int) -> Sampling:
+    """The sampling the engines get: the client's, with the tool plan's (special tokens shown
+    for a parser whose markers may be special tokens; a constraint when ``tool_choice`` forces
+    calls) and ``max_tokens`` clamped; the client's own value when none of that changes it."""
+    special = bool(tools.parser)
+    constraint = asked.constraint if tools.constraint is None else tools.constraint
+    if (special, constraint, max_tokens) == (asked.keep_special_tokens, asked.constraint, asked.max_tokens):
+        return asked
+    return replace(asked, keep_special_tokens=special, constraint=constraint, max_tokens=max_tokens)
+
+
+def _engine_body(
+    req: ParsedRequest,
+    sampling: Sampling,
+    documents: list[Document],
+    normalize: bool,
+    raw: Mapping[str, Any] | None,
+    cache_salt: str,
+) -> OpenAIBody:
+    """``engine_body`` of ``req`` as the engines sample it (built only for a node that takes it)."""
+    if sampling is not req.sampling:
+        req = replace(req, sampling=sampling)
+    return engine_body(req, documents, normalize=normalize, raw=raw, cache_salt=cache_salt)
