@@ -12,7 +12,6 @@ without changing anything (the admin explain endpoint uses it). The result of ``
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from prefixgate.cachetier.hashing import Namespace
 from prefixgate.cachetier.index import BlockIndex
@@ -32,7 +31,6 @@ from prefixgate.gateway.routing.inflight import InflightPrefixes
 from prefixgate.gateway.routing.planner import Plan
 from prefixgate.gateway.state.documents import DocumentStore
 from prefixgate.openai.exceptions import StreamBroken
-from prefixgate.openai.schema import ParsedRequest
 
 __all__ = ["Delta", "Execution", "Pipeline", "Prepared", "StreamBroken"]
 
@@ -58,6 +56,7 @@ class Pipeline:
         self.planner = Planner(settings, pool, index, metrics, self.switches)
         self.accounting = Accounting(settings, index, metrics)
         self.executor = Executor(settings, pool, self.planner, self.accounting, metrics, self.tenancy)
+        self.prepare = self.preparer.prepare  # documents, template, tokens, tools, hashes
 
     # -- what the stages keep, as the rest of the gateway reads and sets it ----------------------
 
@@ -119,17 +118,6 @@ class Pipeline:
 
     def namespace(self, model: str, tenant: str, cache_salt: str = "") -> Namespace:
         return self.preparer.namespace(model, tenant, cache_salt)
-
-    def prepare(
-        self,
-        req: ParsedRequest,
-        tenant: str,
-        request_id: str | None = None,
-        *,
-        body: Mapping[str, Any] | None = None,
-    ) -> Prepared:
-        """``Preparer.prepare``."""
-        return self.preparer.prepare(req, tenant, request_id, body=body)
 
     async def lookup(self, prep: Prepared) -> dict[str, int]:
         """The hits routing follows for ``prep``'s blocks, node -> leading blocks."""
