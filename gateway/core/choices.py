@@ -60,9 +60,6 @@ class Choices:
     def completion_tokens(self) -> int:
         return sum(ex.completion_tokens for ex in self.executions)
 
-    def headers(self) -> dict[str, str]:
-        return self.first.headers()
-
     async def stream(self) -> AsyncIterator[tuple[int, Delta]]:
         """``(choice index, delta)`` as the choices produce them. A node failure after the first
         token is ``StreamBroken``, with the one message both front ends send (HTTP: an SSE error

@@ -43,6 +43,7 @@ from prefixgate.gateway.core.errors import (
 from prefixgate.gateway.core.pipeline import Execution, Prepared
 from prefixgate.gateway.core.runner import Caller
 from prefixgate.gateway.core.service import GatewayService
+from prefixgate.gateway.httpfront.headers import execution_headers
 from prefixgate.gateway.logging import bind_request
 from prefixgate.openai.schema import ParsedRequest, check_message_count, parse_request
 from prefixgate.v1 import gateway_pb2, gateway_pb2_grpc
@@ -169,7 +170,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def _headers(self, context: grpc.aio.ServicerContext, ch: Choices) -> None:
         if self.svc.settings.response_headers:
-            await context.send_initial_metadata(tuple(ch.headers().items()))
+            await context.send_initial_metadata(tuple(execution_headers(ch.first).items()))
 
     async def _fail(self, context: grpc.aio.ServicerContext, e: GatewayError) -> None:
         log.info("request_failed", status=status_of(e).name, code=e.code, error=e.message[:200])

@@ -34,6 +34,7 @@ from prefixgate.gateway.httpfront.common import (
     read_body,
     service_of,
 )
+from prefixgate.gateway.httpfront.headers import execution_headers
 from prefixgate.gateway.httpfront.metrics_listener import scrape
 from prefixgate.openai.errors import APIError
 from prefixgate.openai.schema import ParsedRequest, document_id, parse_request
@@ -89,7 +90,7 @@ async def completions(request: Request, respond: Respond, kind: str) -> None:
             body=body,
         )
         async with runner.run(prep, choices.Generate(svc.pipeline, parsed.n)) as ex:
-            headers = ex.headers() if svc.settings.response_headers else {}
+            headers = execution_headers(ex.first) if svc.settings.response_headers else {}
             if parsed.stream:  # the watch stays armed until the stream's last message
                 async with aclosing(responses.stream(ex, parsed, kind)) as events:
                     await respond(EventStream(events, {**headers, "cache-control": "no-cache"}, watch.disarm))
