@@ -5,7 +5,7 @@ file under a run directory, dies with the benchmark (``PR_SET_PDEATHSIG``), and 
 its process-group id: SIGTERM, then SIGKILL after a grace period.
 
 Peer routers are not dependencies of prefixgate: they are looked up in a directory of venvs
-made by the commands in the README (``venv-smg``, ``venv-sglang``, ``venv-vllmr``, ``venv-litellm`` under
+made by the commands in bench/README.md (``venv-smg``, ``venv-sglang``, ``venv-vllmr``, ``venv-litellm`` under
 ``--peers-venv``, default ``$PREFIXGATE_PEERS`` or ``$TMPDIR/prefixgate-peers``). Launch flags
 follow their documented loopback-safe forms (explicit ``--host``/``--prometheus-host``
 127.0.0.1, a 1 s shutdown grace for smg and sglang-router, a master key and the local price map for

@@ -19,7 +19,7 @@ everything stopped. Targets:
 (passed as ``PREFIXGATE_*`` variables), e.g. ``--variant index-only:inflight_prefixes=false`` for
 a before/after of one setting in one run.
 
-Peers come from a directory of venvs (``--peers-venv``; README, Benchmarks, has the install
+Peers come from a directory of venvs (``--peers-venv``; bench/README.md, "Peer routers", has the install
 commands); a peer that is not installed is skipped with a line saying so. Nodes render HTTP
 prompts as sent (no normalization), as a real engine would; prefixgate normalizes before it
 routes. Per target: hit rate (cached / prompt tokens from ``usage``), TTFT p50/p95/p99,
@@ -43,7 +43,7 @@ from rich.console import Console
 
 from prefixgate.bench import launch, live
 from prefixgate.bench.replay import build_workload, workload_format
-from prefixgate.bench.report import write_json
+from prefixgate.bench.report import print_error, write_json
 from prefixgate.bench.workloads import FORMATS, Workload
 from prefixgate.v1 import node_pb2, node_pb2_grpc
 
@@ -219,13 +219,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         workload = build_workload(args, True)
     except (OSError, ValueError) as e:
-        console.print(f"[red]error:[/] {e}")
+        print_error(console, e)
         return 2
     targets, skipped = targets_of(args)
     try:
         variants = dict(parse_variant(v) for v in args.variant)
     except ValueError as e:
-        console.print(f"[red]error:[/] {e}")
+        print_error(console, e)
         return 2
     for name, reason in skipped.items():
         console.print(f"[yellow]skipped[/] {name}: {reason}")

@@ -22,7 +22,7 @@ from typing import Any
 from rich.console import Console
 
 from prefixgate.bench.profile import PROFILES, get_profile
-from prefixgate.bench.report import PolicySummary, print_table, write_json
+from prefixgate.bench.report import PolicySummary, print_error, print_table, write_json
 from prefixgate.bench.simulator import SimConfig, global_lru_bound, simulate
 from prefixgate.bench.workloads import (
     FORMATS,
@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             report = run_sim(build_workload(args, args.normalize != "off"), args, console)
     except (OSError, ValueError) as e:
-        console.print(f"[red]error:[/] {e}")
+        print_error(console, e)
         return 2
     if args.json_out:
         write_json(args.json_out, report, console)

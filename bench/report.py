@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from prefixgate.gateway.vocab import Mode
@@ -170,6 +171,11 @@ def print_table(
     console: Console | None = None,
 ) -> None:
     (console or Console(width=max(160, Console().width))).print(render_table(title, policies, bound))
+
+
+def print_error(console: Console, err: BaseException) -> None:
+    """A benchmark that cannot start says why in one line (never wrapped: a script can grep it)."""
+    console.print(f"[red]error:[/] {escape(str(err))}", soft_wrap=True)
 
 
 def write_json(path: str, report: Any, console: Console) -> None:

@@ -94,7 +94,7 @@ GENERIC = (
     "selectors.py",
     "uvloop/",
     "copy.py",
-    "re/",
+    "/re/",
     "_weakrefset.py",
 )
 _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>.*?)(?::(?P<line>\d+))?\)$")

@@ -27,7 +27,8 @@ from prefixgate.bench.workload_types import (
 
 
 def traces_dir() -> Path:
-    """``$PREFIXGATE_TRACES``, else ``<repo>/../shared/traces`` (where CI puts them)."""
+    """``$PREFIXGATE_TRACES``, else ``<repo>/../shared/traces`` (where CI puts them; bench/README.md,
+    "Traces")."""
     env = os.environ.get("PREFIXGATE_TRACES")
     if env:
         return Path(env)
@@ -38,13 +39,35 @@ DEFAULT_TRACES = {
     "mooncake": "mooncake/conversation_trace.jsonl",
     "azure": "azure_llm_2023/AzureLLMInferenceTrace_conv.csv",
 }
+TRACE_NAMES = {"mooncake": "Mooncake conversation", "azure": "Azure LLM inference 2023"}
+
+
+class TraceMissing(FileNotFoundError):
+    """A trace file that is not there; its message is one line saying where traces come from, so a
+    benchmark run without the public traces ends with a hint, not a traceback."""
+
+
+def trace_path(fmt: str, path: str | Path | None = None) -> Path:
+    """The trace file of ``fmt``: ``path``, else the public trace under ``traces_dir()``."""
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise TraceMissing(f"no trace file at {p} (--trace)")
+        return p
+    p = traces_dir() / DEFAULT_TRACES[fmt]
+    if not p.is_file():
+        raise TraceMissing(
+            f"no {TRACE_NAMES[fmt]} trace at {p}: set PREFIXGATE_TRACES to the directory holding "
+            f'{DEFAULT_TRACES[fmt]}, or pass --trace FILE (bench/README.md, "Traces")'
+        )
+    return p
 
 
 def load_workload(fmt: str, path: str | Path | None = None, opts: WorkloadOptions | None = None) -> Workload:
     """Read a trace or generate a workload. ``path`` defaults to the shared trace of the format."""
     opts = opts or WorkloadOptions()
     if fmt in TRACE_FORMATS:
-        p = Path(path) if path else traces_dir() / DEFAULT_TRACES[fmt]
+        p = trace_path(fmt, path)
         if fmt == "mooncake":
             return traces.load_mooncake(p, opts)
         return traces.load_azure(p, opts)
@@ -68,10 +91,12 @@ __all__ = [
     "GENERATED_FORMATS",
     "TRACE_FORMATS",
     "Request",
+    "TraceMissing",
     "Workload",
     "WorkloadOptions",
     "guess_format",
     "load_workload",
     "sample",
+    "trace_path",
     "traces_dir",
 ]

@@ -10,7 +10,7 @@ A user replaces ``smg launch`` with ``prefixgate gateway`` and keeps the flags. 
 - one refused (``REFUSED``): its first appearance ends the parse with one line naming it and
   saying why or what to use instead (``SmgFlagRefused``), exit status 2. Nothing is ignored.
 
-README.md's "smg launch flags" table says the same for users.
+The "smg launch flags" table of docs/settings.md says the same for users.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ POLICY_REFUSED: dict[str, str] = {
 # The decode node is always the least busy one that takes the prefill node's KV format.
 DECODE_BY_LOAD = ("power_of_two", "least_load")
 
-# smg flags `prefixgate gateway` has itself, with the same meaning (see README for the details).
+# smg flags `prefixgate gateway` has itself, with the same meaning (docs/settings.md, "smg launch flags").
 SHARED: tuple[str, ...] = (
     "--host",
     "--port",

@@ -30,6 +30,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
+from prefixgate.gateway.state import lua as state_lua
 from prefixgate.gateway.state.documents import (
     TENANT_OVERHEAD,
     DocumentLimits,
@@ -47,7 +48,6 @@ from prefixgate.gateway.state.store import (
     UsageCounts,
     UsageKey,
 )
-from prefixgate.gateway.state import lua as state_lua
 from prefixgate.openai.exceptions import Unavailable
 
 Client = aioredis.Redis | RedisCluster

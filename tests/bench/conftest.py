@@ -1,4 +1,5 @@
-"""Where the public traces are: ``$PREFIXGATE_TRACES`` or ``<repo>/../shared/traces``."""
+"""Where the public traces are: ``$PREFIXGATE_TRACES`` or ``<repo>/../shared/traces``
+(bench/README.md, "Traces")."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ def test_innermost_meaningful_frame_names_the_stage() -> None:
     stack = [
         "Runner.run (/v/lib/python3.11/asyncio/runners.py:118)",
         "run_asgi (/v/site-packages/uvicorn/protocols/http/httptools_impl.py:401)",
-        "finished (/w/gateway/pipeline.py:700)",
+        "finished (/w/gateway/core/pipeline.py:700)",
         "inc (/v/site-packages/prometheus_client/metrics.py:300)",
         "__enter__ (/v/lib/python3.11/contextlib.py:137)",
     ]
@@ -30,7 +30,7 @@ def test_innermost_meaningful_frame_names_the_stage() -> None:
 
 
 def test_function_rules_need_their_file() -> None:
-    assert stages.classify(["_stream (/w/gateway/app.py:180)"]) == "response framing"
+    assert stages.classify(["_stream (/w/gateway/httpfront/app.py:180)"]) == "response framing"
     assert stages.classify(["_stream (/w/gateway/other.py:1)"]) == stages.NATIVE
 
 
@@ -38,7 +38,7 @@ def test_breakdown_shares_count_the_loop_thread_only(tmp_path: Path) -> None:
     raw = _raw(
         tmp_path,
         [
-            f"{LOOP};_sse (/w/gateway/app.py:70) 3",
+            f"{LOOP};_sse (/w/gateway/httpfront/app.py:70) 3",
             f"{LOOP} 1",
             "_bootstrap (/v/threading.py:1002);Thread.run (/v/threading.py:982) 5",
         ],
