@@ -10,6 +10,12 @@
 - ``backends.engine.Engine``: the compute contract; ``backends.sim.engine.SimEngine`` and
   ``backends.tiny.engine.TinyEngine`` implement it.
 - ``backends.smg_service``: the SMG engine protocol over ``Node`` (``backends.smg_convert``: its
-  pure conversions; ``backends.bootstrap``: PD pairing by bootstrap room). ``backends.hftok``:
-  the Hugging Face tokenizer every node ships.
+  pure conversions). ``backends.http_api``: the OpenAI-compatible HTTP endpoint (requests in:
+  ``http_requests``; answers out: ``http_wire``; its PD legs: ``http_pd``).
+- ``backends.pd``: a node's PD roles for every face (the prefill leg's room meeting and push, the
+  decode leg's handshake, vLLM's relay), over ``backends.bootstrap`` (pairing by room).
+- ``backends.convert`` / ``backends.stats``: ``prefixgate.v1`` messages <-> the node's types
+  (``stats`` also gives the gateway's client its ``NodeStatus``); ``backends.errors``: node
+  errors and the status each face answers with. ``backends.hftok``: the Hugging Face tokenizer
+  every node ships.
 """

@@ -2,15 +2,18 @@
 
 SGLang's disaggregation hands the same ``GenerateRequest`` to a prefill and a decode engine at
 once, with ``disaggregated_params{bootstrap_host, bootstrap_port, bootstrap_room}`` naming the
-prefill engine's bootstrap listener. Here that listener is a small TCP server on the prefill
-node (``--bootstrap-port``) speaking one JSON line each way:
+prefill engine's bootstrap listener (``docs/engines.md``, "SGLang PD: bootstrap host, port
+and room"). Here that listener is a small TCP server on the prefill node (``--bootstrap-port``)
+speaking one JSON line each way:
 
 - decode -> prefill: ``{"room": R, "request_id": ID, "kv_address": "host:port"}`` (where the
   decode node takes KV pages: its gRPC port, ``prefixgate.v1.Node/TransferKV``);
 - prefill -> decode, when the prefill leg takes the room: ``{"status": "prefilling"}``; then,
-  once the pages are there: ``{"kv_handle": ..., "first_token": ..., "first_logprob": [token,
-  logprob, [[token, logprob], ...]] or null (when asked), "finished": ..., "finish_reason": ...,
-  "cached_tokens": ..., "transfer_seconds": ...}`` or ``{"error": MESSAGE, "code": GRPC_CODE_NAME}``.
+  once the pages are there, the handle and the first token (``backends.pd.HandedOff``:
+  ``{"kv_handle": ..., "first_token": ..., "first_text": ..., "first_logprob": [token, logprob,
+  [[token, logprob], ...]] or null (when asked), "finished": ..., "finish_reason": ...,
+  "cached_tokens": ..., "prompt_tokens": ..., "transfer_seconds": ..., "transfer_bytes": ...}``)
+  or ``{"error": MESSAGE, "code": GRPC_CODE_NAME}``.
 
 Whichever leg arrives first waits for the other, bounded by the bootstrap timeout; once paired,
 the decode leg waits for the handoff (prefill compute and transfer) up to ``HANDOFF_TIMEOUT_S``.
@@ -31,6 +34,7 @@ import grpc
 import structlog
 
 from prefixgate.backends.errors import (
+    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     NodeError,
@@ -112,10 +116,8 @@ class BootstrapServer:
         try:
             peer = await asyncio.wait_for(asyncio.shield(fut), max(0.001, limit))
         except TimeoutError:
-            raise NodeError(
-                f"no decode leg presented bootstrap room {room} within {limit:.1f}s",
-                stage="transfer",
-                code=grpc.StatusCode.DEADLINE_EXCEEDED,
+            raise DeadlineExceeded(
+                f"no decode leg presented bootstrap room {room} within {limit:.1f}s", stage="transfer"
             ) from None
         finally:
             self._forget(room, fut)
@@ -208,10 +210,9 @@ async def handshake(
             try:
                 line = await asyncio.wait_for(reader.readline(), limit)
             except TimeoutError:
-                raise NodeError(
+                raise DeadlineExceeded(
                     f"bootstrap {host}:{port} room {room}: no KV handoff within {limit:.1f}s",
                     stage="transfer",
-                    code=grpc.StatusCode.DEADLINE_EXCEEDED,
                 ) from None
             if not line:
                 raise Unavailable(

@@ -8,6 +8,8 @@ from prefixgate.backends.engine import Sampling, TokenLogprob
 from prefixgate.backends.events import KVEventRecord
 from prefixgate.backends.generation import Chunk
 from prefixgate.backends.kvpages import KVFormat
+from prefixgate.backends.node import PrefillResult
+from prefixgate.backends.stats import KV_FORMAT_FIELDS, fields_of, format_message
 from prefixgate.backends.transfer import TransferHeader, WirePage
 from prefixgate.v1 import node_pb2
 
@@ -50,54 +52,56 @@ def logprob_to_proto(lp: TokenLogprob, token_text: Callable[[int], str]) -> node
     )
 
 
-def format_to_proto(f: KVFormat) -> node_pb2.KVFormat:
-    return node_pb2.KVFormat(
-        model_fingerprint=f.model_fingerprint,
-        block_size=f.block_size,
-        dtype=f.dtype,
-        layout=f.layout,
-        bytes_per_token=f.bytes_per_token,
-    )
-
-
 def format_from_proto(p: node_pb2.KVFormat) -> KVFormat:
-    return KVFormat(p.model_fingerprint, p.block_size, p.dtype, p.layout, p.bytes_per_token)
+    return KVFormat(**fields_of(p, KV_FORMAT_FIELDS))
+
+
+# Carried one for one, under the same name in the message and the node's type.
+HEADER_FIELDS = ("request_id", "kv_handle", "tokens", "num_pages", "first_token", "state")
+PAGE_FIELDS = ("index", "block_hash", "num_tokens", "data", "checksum")
+PREFILL_FIELDS = (
+    "request_id",
+    "prompt_tokens",
+    "cached_tokens",
+    "first_token",
+    "first_text",
+    "kv_handle",
+    "queue_seconds",
+    "prefill_seconds",
+    "transfer_seconds",
+    "transfer_bytes",
+    "state",
+    "finished",
+    "finish_reason",
+)
 
 
 def header_to_proto(h: TransferHeader) -> node_pb2.KVTransferHeader:
     return node_pb2.KVTransferHeader(
-        request_id=h.request_id,
-        kv_handle=h.kv_handle,
-        format=format_to_proto(h.format),
-        tokens=h.tokens,
-        num_pages=h.num_pages,
-        first_token=h.first_token,
-        state=h.state,
-        sampling=sampling_to_proto(h.sampling),
+        **fields_of(h, HEADER_FIELDS), format=format_message(h.format), sampling=sampling_to_proto(h.sampling)
     )
 
 
 def header_from_proto(p: node_pb2.KVTransferHeader) -> TransferHeader:
     return TransferHeader(
-        request_id=p.request_id,
-        kv_handle=p.kv_handle,
+        **fields_of(p, HEADER_FIELDS),
         format=format_from_proto(p.format),
-        tokens=p.tokens,
-        num_pages=p.num_pages,
-        first_token=p.first_token,
-        state=p.state,
         sampling=sampling_from_proto(p.sampling),
     )
 
 
 def page_to_proto(p: WirePage) -> node_pb2.KVPage:
-    return node_pb2.KVPage(
-        index=p.index, block_hash=p.block_hash, num_tokens=p.num_tokens, data=p.data, checksum=p.checksum
-    )
+    return node_pb2.KVPage(**fields_of(p, PAGE_FIELDS))
 
 
 def page_from_proto(p: node_pb2.KVPage) -> WirePage:
-    return WirePage(p.index, p.block_hash, p.num_tokens, p.data, p.checksum)
+    return WirePage(**fields_of(p, PAGE_FIELDS))
+
+
+def prefill_to_proto(r: PrefillResult, token_text: Callable[[int], str]) -> node_pb2.PrefillResponse:
+    """``token_text`` names the first token's log probabilities (when there are any)."""
+    lp = logprob_to_proto(r.first_logprob, token_text) if r.first_logprob else None
+    return node_pb2.PrefillResponse(**fields_of(r, PREFILL_FIELDS), first_logprob=lp)
 
 
 def chunk_to_proto(c: Chunk, token_text: Callable[[int], str] | None = None) -> node_pb2.TokenChunk:

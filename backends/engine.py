@@ -12,7 +12,7 @@ monolithic run would.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -67,9 +67,20 @@ class Sampling:
         mt = DEFAULT_MAX_TOKENS if max_tokens <= 0 else min(max_tokens, MAX_TOKENS_LIMIT)
         tp = 1.0 if top_p <= 0 or top_p > 1 else top_p
         temp = min(max(temperature, 0.0), 2.0)
-        top = min(max(top_logprobs, 0), MAX_TOP_LOGPROBS) if logprobs else 0
-        bias = tuple(sorted((int(t), min(max(float(b), -100.0), 100.0)) for t, b in logit_bias))
-        return cls(mt, temp, tp, seed, tuple(s for s in stop if s), choice, logprobs, top, bias)
+        top = top_logprobs_within(top_logprobs) if logprobs else 0
+        return cls(
+            mt, temp, tp, seed, tuple(s for s in stop if s), choice, logprobs, top, bias_within(logit_bias)
+        )
+
+
+def top_logprobs_within(n: int) -> int:
+    """How many alternatives a request may ask for, whatever protocol it came in on."""
+    return min(max(n, 0), MAX_TOP_LOGPROBS)
+
+
+def bias_within(pairs: Iterable[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+    """A logit bias as the engine takes it: each bias within [-100, 100], by token id."""
+    return tuple(sorted((int(t), min(max(float(b), -100.0), 100.0)) for t, b in pairs))
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,14 +48,13 @@ from prefixgate.backends.bootstrap import DEFAULT_BOOTSTRAP_TIMEOUT_S, Bootstrap
 from prefixgate.backends.convert import (
     chunk_to_proto,
     event_to_proto,
-    format_to_proto,
     header_from_proto,
-    logprob_to_proto,
     page_from_proto,
+    prefill_to_proto,
     sampling_from_proto,
 )
 from prefixgate.backends.engine import Engine
-from prefixgate.backends.errors import InvalidArgument, NodeError
+from prefixgate.backends.errors import InvalidArgument, NodeError, abort_rpc
 from prefixgate.backends.kvclient import CACHED_TOKENS_KEY, CHANNEL_OPTIONS, REQUEST_ID_KEY, GrpcKVSender
 from prefixgate.backends.kvpages import DEFAULT_KV_SCALE
 from prefixgate.backends.node import (
@@ -66,6 +65,7 @@ from prefixgate.backends.node import (
     PrefillCall,
 )
 from prefixgate.backends.profiles import get_profile
+from prefixgate.backends.stats import stats_message
 from prefixgate.backends.transfer import WirePage
 from prefixgate.v1 import node_pb2, node_pb2_grpc
 
@@ -96,9 +96,7 @@ def _bind(context: Any, request_id: str, node_id: str) -> str:
 
 
 async def _abort(context: Any, e: NodeError) -> None:
-    log.warning("request failed", code=e.code.name, stage=e.stage, error=e.message)
-    context.set_trailing_metadata(((STAGE_KEY, e.stage),))
-    await context.abort(e.code, e.message)
+    await abort_rpc(context, e, ((STAGE_KEY, e.stage),))
 
 
 NATIVE_UNSERVED = frozenset({"response_format"})
@@ -127,24 +125,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         except NodeError as e:
             await _abort(context, e)
             raise  # not reached: abort raises
-        return node_pb2.PrefillResponse(
-            request_id=r.request_id,
-            prompt_tokens=r.prompt_tokens,
-            cached_tokens=r.cached_tokens,
-            first_token=r.first_token,
-            first_text=r.first_text,
-            kv_handle=r.kv_handle,
-            queue_seconds=r.queue_seconds,
-            prefill_seconds=r.prefill_seconds,
-            transfer_seconds=r.transfer_seconds,
-            transfer_bytes=r.transfer_bytes,
-            state=r.state,
-            finished=r.finished,
-            finish_reason=r.finish_reason,
-            first_logprob=(
-                logprob_to_proto(r.first_logprob, self.node.engine.token_text) if r.first_logprob else None
-            ),
-        )
+        return prefill_to_proto(r, self.node.engine.token_text)
 
     async def Decode(
         self, request: node_pb2.DecodeRequest, context: Any
@@ -197,39 +178,10 @@ class NodeService(node_pb2_grpc.NodeServicer):
         )
 
     async def Stats(self, request: node_pb2.StatsRequest, context: Any) -> node_pb2.NodeStats:
-        s = self.node.snapshot()
-        p = s.profile
-        return node_pb2.NodeStats(
-            node_id=s.node_id,
-            role=s.role,
-            engine=s.engine,
-            kv_format=format_to_proto(s.kv_format),
-            capacity_blocks=s.capacity_blocks,
-            used_blocks=s.used_blocks,
-            pinned_blocks=s.pinned_blocks,
-            queued_requests=s.queued_requests,
-            queued_tokens=s.queued_tokens,
-            running_requests=s.running_requests,
-            max_queue=s.max_queue,
-            max_concurrency=s.max_concurrency,
-            profile=node_pb2.CostProfile(
-                name=p.name,
-                prefill_tokens_per_s=p.prefill_tokens_per_s,
-                attention_coeff_s=p.attention_coeff_s,
-                decode_base_s=p.decode_base_s,
-                decode_per_context_token_s=p.decode_per_context_token_s,
-                transfer_bytes_per_s=p.transfer_bytes_per_s,
-                time_scale=s.time_scale,
-            ),
-            kv_event_seq=s.kv_event_seq,
-            instance_id=s.instance_id,
-            prefix_hit_tokens=s.prefix_hit_tokens,
-            prompt_tokens=s.prompt_tokens,
-            # this protocol's SamplingParams carry no constraint: constrained decoding is served on
-            # the SMG and HTTP faces only
-            features=sorted(s.features - NATIVE_UNSERVED),
-            evictable_blocks=s.evictable_blocks,
-        )
+        # this protocol's SamplingParams carry no constraint: constrained decoding is served on
+        # the SMG and HTTP faces only
+        snapshot = self.node.snapshot()
+        return stats_message(snapshot, snapshot.features - NATIVE_UNSERVED)
 
     async def KVEvents(
         self, request: node_pb2.KVEventsRequest, context: Any

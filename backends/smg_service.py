@@ -1,13 +1,14 @@
 """``sglang.grpc.scheduler.SglangScheduler`` (the SMG engine protocol) over ``backends.node.Node``.
 
-What SGLang's gRPC servicer does, as far as a client can tell (see the protocol notes in the
-README): input is token ids only; ``stream=false`` answers one ``complete`` per index with all
-output ids; ``stream=true`` answers one ``chunk`` per group of new tokens (counters cumulative:
-prompt, completion and cached tokens so far), then a ``complete`` repeating the last chunk's ids.
-Generation ends on the end token (``matched_token_id``), on a ``stop_token_ids`` hit (the stop
-token is not output) or on ``max_new_tokens`` ("length"). A sampled request (temperature above
-0) is sampled at random, as SGLang samples: the protocol carries no seed. ``Abort`` ends a running request's
-streams with INTERNAL "Request aborted"; an unknown id is answered with success.
+What SGLang's gRPC servicer does, as far as a client can tell (``docs/engines.md``, "The SMG
+face of our nodes"): input is token ids only; ``stream=false`` answers one ``complete`` per
+index with all output ids; ``stream=true`` answers one ``chunk`` per group of new tokens
+(counters cumulative: prompt, completion and cached tokens so far), then a ``complete``
+repeating the last chunk's ids. Generation ends on the end token
+(``matched_token_id``), on a ``stop_token_ids`` hit (the stop token is not output) or on
+``max_new_tokens`` ("length"). A sampled request (temperature above 0) is sampled at random, as
+SGLang samples: the protocol carries no seed. ``Abort`` ends a running request's streams with
+INTERNAL "Request aborted"; an unknown id is answered with success.
 
 PD (``disaggregated_params`` set): on a prefill node the request is prefilled, its KV pages
 pushed to the decode node that presented the same bootstrap room (``backends.bootstrap``), and
@@ -35,13 +36,14 @@ from google.protobuf import struct_pb2, timestamp_pb2
 from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2, sglang_scheduler_pb2_grpc
 
 from prefixgate.backends import grammar
-from prefixgate.backends.bootstrap import DEFAULT_BOOTSTRAP_TIMEOUT_S, BootstrapServer, handshake
-from prefixgate.backends.engine import MAX_TOP_LOGPROBS, Sampling, TokenLogprob
-from prefixgate.backends.errors import FailedPrecondition, InvalidArgument, NodeError
+from prefixgate.backends.bootstrap import DEFAULT_BOOTSTRAP_TIMEOUT_S, BootstrapServer
+from prefixgate.backends.engine import Sampling, TokenLogprob, bias_within, top_logprobs_within
+from prefixgate.backends.errors import FailedPrecondition, InvalidArgument, NodeError, abort_rpc
 from prefixgate.backends.events import EventKind
 from prefixgate.backends.generation import Chunk
 from prefixgate.backends.hftok import ShippedTokenizer, bundle
-from prefixgate.backends.node import Node, PrefillCall, PrefillResult
+from prefixgate.backends.node import Node, PrefillCall
+from prefixgate.backends.pd import Room, hand_off, meet_prefill
 from prefixgate.backends.smg_convert import (
     TokenMap,
     chain_hashes,
@@ -129,16 +131,6 @@ def _choice(sampling: Sampling, index: int) -> Sampling:
 
 # of the engine's features, those served here
 SMG_FEATURES = frozenset({"logit_bias", "logprobs", "response_format"})
-
-
-def _logprob_json(lp: TokenLogprob | None) -> list[Any] | None:
-    """A first token's log probability as the bootstrap reply carries it (engine ids)."""
-    return None if lp is None else [lp.token, lp.logprob, [[t, v] for t, v in lp.top]]
-
-
-def _logprob_from_json(raw: list[Any]) -> TokenLogprob:
-    token, value, top = raw
-    return TokenLogprob(int(token), float(value), tuple((int(t), float(v)) for t, v in top))
 
 
 class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):  # type: ignore[misc]
@@ -231,8 +223,7 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
                 async for msg in self._respond(rid, index, chunks, request.stream, abort):
                     yield msg
         except NodeError as e:
-            log.warning("request failed", code=e.code.name, stage=e.stage, error=e.message)
-            await context.abort(e.code, e.message, trailing_metadata=e.trailers)
+            await abort_rpc(context, e)
         except Aborted:
             log.info("request aborted")
             await context.abort(grpc.StatusCode.INTERNAL, "Request aborted")
@@ -254,8 +245,9 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
         if request.return_logprob:
             if "logprobs" not in engine.features:
                 raise InvalidArgument(f"return_logprob is not supported by the {engine.name} engine")
-            top = min(max(request.top_logprobs_num, 0), MAX_TOP_LOGPROBS)
-            sampling = replace(sampling, logprobs=True, top_logprobs=top)
+            sampling = replace(
+                sampling, logprobs=True, top_logprobs=top_logprobs_within(request.top_logprobs_num)
+            )
         bias = request.sampling_params.logit_bias
         if not bias:
             return sampling
@@ -265,7 +257,7 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
             pairs = [(self.tokens.engine(int(k)), float(v)) for k, v in bias.items()]
         except ValueError:
             raise InvalidArgument("logit_bias keys must be token ids") from None
-        return replace(sampling, logit_bias=tuple(sorted((t, min(max(b, -100.0), 100.0)) for t, b in pairs)))
+        return replace(sampling, logit_bias=bias_within(pairs))
 
     def _logprobs(self, lps: list[TokenLogprob]) -> Any:
         """SGLang's ``OutputLogProbs`` (wire ids) for ``lps``."""
@@ -293,20 +285,13 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
     async def _decode_leg(
         self, rid: str, sampling: Sampling, dp: Any, stop_ids: frozenset[int], prompt: int
     ) -> AsyncIterator[_Outcome]:
-        reply = await handshake(
-            dp.bootstrap_host,
-            dp.bootstrap_port,
-            dp.bootstrap_room,
-            rid,
-            self.kv_address(),
-            self.bootstrap_timeout_s,
-        )
-        first = int(reply["first_token"])
+        room = Room(dp.bootstrap_host, dp.bootstrap_port, dp.bootstrap_room)
+        handed = await meet_prefill(room, rid, self.kv_address(), self.bootstrap_timeout_s)
+        first = handed.first_token
         lead = [] if first == self.node.engine.eos_token else [first]
-        lead_lps = [_logprob_from_json(reply["first_logprob"])] if lead and reply.get("first_logprob") else []
-        async for out in self._translate(
-            self.node.decode(str(reply["kv_handle"]), sampling), stop_ids, prompt, lead, lead_lps
-        ):
+        lead_lps = [handed.first_logprob] if lead and handed.first_logprob is not None else []
+        chunks = self.node.decode(handed.kv_handle, sampling)
+        async for out in self._translate(chunks, stop_ids, prompt, lead, lead_lps):
             yield out
 
     async def _translate(
@@ -390,7 +375,8 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
     ) -> AsyncIterator[Any]:
         if self.bootstrap is None:
             raise FailedPrecondition("this prefill node has no bootstrap port (--bootstrap-port)")
-        work = asyncio.ensure_future(self._hand_off(rid, tokens, hashes, sampling, dp.bootstrap_room))
+        call = PrefillCall(rid, tokens, hashes, sampling)
+        work = asyncio.ensure_future(hand_off(self.node, self.bootstrap, dp.bootstrap_room, call, leg_id=rid))
         aborted = asyncio.ensure_future(abort.wait())
         try:
             await asyncio.wait({work, aborted}, return_when=asyncio.FIRST_COMPLETED)
@@ -409,37 +395,6 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
         }
         complete = pb.GenerateComplete(finish_reason="length", **counters)
         yield pb.GenerateResponse(request_id=rid, complete=complete)
-
-    async def _hand_off(
-        self, rid: str, tokens: bytes, hashes: list[int], sampling: Sampling, room: int
-    ) -> PrefillResult:
-        """Wait for the decode leg of ``room``, prefill, push the pages to it, tell it the handle."""
-        assert self.bootstrap is not None
-        peer = await self.bootstrap.wait_decode(room, rid)
-        call = PrefillCall(rid, tokens, hashes, sampling, decode_address=peer.kv_address)
-        try:
-            r = await self.node.prefill(call)
-        except NodeError as e:
-            peer.reply({"error": e.message, "code": e.code.name})
-            raise
-        except BaseException:
-            peer.reply({"error": "prefill leg aborted", "code": "ABORTED"})
-            raise
-        peer.reply(
-            {
-                "kv_handle": r.kv_handle,
-                "first_token": r.first_token,
-                "first_logprob": _logprob_json(r.first_logprob),
-                "finished": r.finished,
-                "finish_reason": r.finish_reason,
-                "cached_tokens": r.cached_tokens,
-                "prompt_tokens": r.prompt_tokens,
-                "transfer_seconds": r.transfer_seconds,
-                "transfer_bytes": r.transfer_bytes,
-            }
-        )
-        log.debug("prefill leg handed off", transfer_s=round(r.transfer_seconds, 6), bytes=r.transfer_bytes)
-        return r
 
     # -- control -----------------------------------------------------------------------------
 

@@ -1,8 +1,7 @@
 """Processes for the live benchmarks: simulated nodes, a gateway, peer routers; their CPU time.
 
-Every child runs in its own session (process group) on loopback, with its output in a log
-file under a run directory, dies with the benchmark (``PR_SET_PDEATHSIG``), and is stopped by
-its process-group id: SIGTERM, then SIGKILL after a grace period.
+Every child is started by ``gateway.ops.processes`` (own process group, dies with the benchmark,
+SIGTERM then SIGKILL on stop) on loopback, with its output in a log file under a run directory.
 
 Peer routers are not dependencies of prefixgate: they are looked up in a directory of venvs
 made by the commands in bench/README.md (``venv-smg``, ``venv-sglang``, ``venv-vllmr``, ``venv-litellm`` under
@@ -14,62 +13,24 @@ LiteLLM).
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import json
 import os
 import secrets
-import selectors
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
+from prefixgate.gateway.ops import processes
+from prefixgate.gateway.ops.processes import Child
 from prefixgate.gateway.ops.stack import free_port
 
-PR_SET_PDEATHSIG = 1
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 MODEL = "prefixgate-sim"
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def run_dir(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"prefixgate-{prefix}-"))
-
-
-@dataclass
-class Child:
-    """A started process (the leader of its own process group)."""
-
-    name: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-    url: str = ""  # HTTP base URL, when it serves one
-    address: str = ""  # gRPC host:port, for nodes
-    headers: dict[str, str] = field(default_factory=dict)  # what clients must send (auth)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
 
 
 def spawn(
@@ -79,41 +40,9 @@ def spawn(
     *,
     env: Mapping[str, str] | None = None,
     cwd: Path | None = None,
-    stdout_pipe: bool = False,
 ) -> Child:
-    log = logs / f"{name}.log"
-    with log.open("ab") as f:
-        proc = subprocess.Popen(
-            list(cmd),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE if stdout_pipe else f,
-            stderr=f,
-            env={**os.environ, **(env or {})},
-            cwd=cwd,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
-    return Child(name, proc, log)
-
-
-def stop(children: Sequence[Child], grace: float = 5.0) -> None:
-    """SIGTERM every process group, wait up to ``grace`` s, then SIGKILL what is left."""
-    for c in children:
-        if c.alive():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(c.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for c in children:
-        try:
-            c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(c.pid, signal.SIGKILL)
-            c.proc.wait(timeout=5)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(c.pid, signal.SIGKILL)  # stragglers of the group (worker processes)
-        if c.proc.stdout is not None:
-            c.proc.stdout.close()
+    """``cmd`` with its output in ``logs/NAME.log``."""
+    return processes.start(name, cmd, env=env, cwd=cwd, log=logs / f"{name}.log")
 
 
 # -- CPU time -------------------------------------------------------------------------------------
@@ -197,66 +126,19 @@ def node_command(node_id: str, o: NodeOptions) -> list[str]:
     return [*cmd, "--http-port", "0"] if o.http else cmd
 
 
-def _ready_line(child: Child, deadline: float) -> dict[str, str]:
-    assert child.proc.stdout is not None
-    sel = selectors.DefaultSelector()
-    sel.register(child.proc.stdout, selectors.EVENT_READ)
-    buf = b""
-    try:
-        while time.monotonic() < deadline:
-            if sel.select(timeout=0.2):
-                part = os.read(child.proc.stdout.fileno(), 4096)
-                if not part:
-                    break
-                buf += part
-                if b"\n" in buf:
-                    line: dict[str, str] = json.loads(buf.split(b"\n", 1)[0])
-                    return line
-            elif not child.alive():
-                break
-    finally:
-        sel.close()
-    raise RuntimeError(f"node {child.name} not ready (exit {child.proc.poll()}):\n{child.tail()}")
-
-
 def start_nodes(count: int, options: NodeOptions, logs: Path, timeout: float = 60.0) -> list[Child]:
     """``count`` nodes with gRPC and (``options.http``) HTTP on free loopback ports."""
-    children = [
-        spawn(f"node-{i + 1}", node_command(f"node-{i + 1}", options), logs, stdout_pipe=True)
-        for i in range(count)
-    ]
-    try:
-        deadline = time.monotonic() + timeout
-        for c in children:
-            line = _ready_line(c, deadline)
-            c.address = line["address"]
-            if "http_address" in line:
-                c.url = f"http://{line['http_address']}"
-    except BaseException:
-        stop(children)
-        raise
+    children = [spawn(f"node-{i + 1}", node_command(f"node-{i + 1}", options), logs) for i in range(count)]
+    processes.wait_all(children, processes.printed(processes.NODE_READY), timeout)
+    for c in children:
+        line = processes.node_ready_line(c)
+        c.address = line["address"]
+        if "http_address" in line:
+            c.url = f"http://{line['http_address']}"
     return children
 
 
 # -- gateway --------------------------------------------------------------------------------------
-
-
-def wait_http(url: str, timeout: float, child: Child | None = None, path: str = "/readyz") -> None:
-    deadline = time.monotonic() + timeout
-    last = ""
-    with httpx.Client(timeout=2.0) as client:
-        while time.monotonic() < deadline:
-            if child is not None and not child.alive():
-                raise RuntimeError(f"{child.name} exited ({child.proc.poll()}):\n{child.tail()}")
-            try:
-                r = client.get(url + path)
-                if r.status_code == 200:
-                    return
-                last = f"HTTP {r.status_code}"
-            except httpx.HTTPError as e:
-                last = repr(e)
-            time.sleep(0.1)
-    raise TimeoutError(f"{url}{path} not ready after {timeout:.0f} s ({last})")
 
 
 def start_gateway(
@@ -278,13 +160,16 @@ def start_gateway(
     for flag, addrs in (("--monolithic", monolithic), ("--prefill", prefill), ("--decode", decode)):
         for a in addrs:
             cmd += [flag, a]
-    child = spawn(name, cmd, logs, env={"PREFIXGATE_LOG_FORMAT": "json", **(env or {})})
-    child.url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(child.url, timeout, child)
-    except BaseException:
-        stop([child])
-        raise
+    url = f"http://127.0.0.1:{port}"
+    child = processes.start(
+        name,
+        cmd,
+        ready=processes.answers_http(url + "/readyz"),
+        timeout=timeout,
+        env={"PREFIXGATE_LOG_FORMAT": "json", **(env or {})},
+        log=logs / f"{name}.log",
+    )
+    child.url = url
     return child
 
 
@@ -423,32 +308,16 @@ def start_peer(name: str, venvs: Path, workers: Sequence[str], logs: Path, timeo
             "--num_workers",
             "1",
         ]
-    child = spawn(name, cmd, logs, env=env, cwd=cwd)
-    child.url = f"http://127.0.0.1:{port}"
-    child.headers = headers
-    try:
-        wait_routed(child, timeout)
-    except BaseException:
-        stop([child])
-        raise
+    url = f"http://127.0.0.1:{port}"
+    # up once a chat through it is answered: its workers are registered
+    child = processes.start(
+        name,
+        cmd,
+        ready=processes.routes_chat(url, MODEL, headers),
+        timeout=timeout,
+        env=env,
+        cwd=cwd,
+        log=logs / f"{name}.log",
+    )
+    child.url, child.headers = url, headers
     return child
-
-
-def wait_routed(child: Child, timeout: float) -> None:
-    """Until a chat request through ``child`` succeeds (its workers are registered)."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
-    deadline = time.monotonic() + timeout
-    last = ""
-    with httpx.Client(timeout=5.0, headers=child.headers) as client:
-        while time.monotonic() < deadline:
-            if not child.alive():
-                raise RuntimeError(f"{child.name} exited ({child.proc.poll()}):\n{child.tail()}")
-            try:
-                r = client.post(child.url + "/v1/chat/completions", json=body)
-                if r.status_code == 200:
-                    return
-                last = f"HTTP {r.status_code}: {r.text[:200]}"
-            except httpx.HTTPError as e:
-                last = repr(e)
-            time.sleep(0.2)
-    raise TimeoutError(f"{child.name} routed no request in {timeout:.0f} s ({last}):\n{child.tail()}")

@@ -40,6 +40,7 @@ from prefixgate.backends.hftok import TOKENIZER_DIR
 from prefixgate.bench import launch, stages
 from prefixgate.bench.report import percentile, write_json
 from prefixgate.bench.textgen import segment_text
+from prefixgate.gateway.ops import processes
 
 CLIENTS = (1, 32, 256)
 # prefixgate over grpc:// sends the node's token ids: it tokenizes with the tokenizer the node ships
@@ -366,7 +367,7 @@ def _slug(text: str) -> str:
 
 @contextlib.contextmanager
 def _profiled(
-    out: str | None, target: str, cell: Cell, router: launch.Child | None, rnd: int = 0
+    out: str | None, target: str, cell: Cell, router: processes.Child | None, rnd: int = 0
 ) -> Iterator[stages.Sampler | None]:
     """A py-spy sampler on a prefixgate gateway during one measured cell (``--profile-out``)."""
     if not out or target not in ("prefixgate", BASELINE) or router is None:
@@ -463,7 +464,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = Prompts()
     nodes = launch.start_nodes(1, node_opts, logs)
     node = nodes[0]
-    routers: dict[str, launch.Child | None] = {"direct": None}
+    routers: dict[str, processes.Child | None] = {"direct": None}
     try:
         for target in targets[1:]:
             try:
@@ -518,8 +519,8 @@ def run(args: argparse.Namespace) -> int:
                         f"{rows[-1]['req_per_s']:.0f} req/s, errors {sample.errors}"
                     )
     finally:
-        launch.stop([r for r in routers.values() if r is not None], grace=3.0)
-        launch.stop(nodes, grace=3.0)
+        processes.stop_all([r for r in routers.values() if r is not None], grace=3.0)
+        processes.stop_all(nodes, grace=3.0)
     add_deltas(rows)
     per_round = rows
     rows = medians(rows) if args.rounds > 1 else rows

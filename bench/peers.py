@@ -45,12 +45,13 @@ from prefixgate.bench import launch, live
 from prefixgate.bench.replay import build_workload, workload_format
 from prefixgate.bench.report import print_error, write_json
 from prefixgate.bench.workloads import FORMATS, Workload
+from prefixgate.gateway.ops import processes
 from prefixgate.v1 import node_pb2, node_pb2_grpc
 
 TARGETS = ("prefixgate", *launch.PEERS)
 
 
-def node_counters(nodes: Sequence[launch.Child]) -> dict[str, tuple[int, int]]:
+def node_counters(nodes: Sequence[processes.Child]) -> dict[str, tuple[int, int]]:
     """node id -> (prompt tokens, prefix-hit tokens) so far, from each node's Stats."""
     out: dict[str, tuple[int, int]] = {}
     for n in nodes:
@@ -72,11 +73,11 @@ def computed_tokens(
 def start_router(
     target: str,
     policy: str,
-    nodes: Sequence[launch.Child],
+    nodes: Sequence[processes.Child],
     venvs: Path,
     logs: Path,
     env: Mapping[str, str] | None = None,
-) -> launch.Child:
+) -> processes.Child:
     if target == "prefixgate":
         return launch.start_gateway(
             logs, monolithic=[n.address for n in nodes], policy=policy, env=env, name=_log_name(env)
@@ -114,7 +115,7 @@ def run_target(
     env: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     nodes = launch.start_nodes(args.nodes, node_opts, logs)
-    router: launch.Child | None = None
+    router: processes.Child | None = None
     try:
         router = start_router(target, args.policy, nodes, Path(args.peers_venv), logs, env)
         opts = live.LiveOptions(
@@ -137,7 +138,7 @@ def run_target(
         result["router_cpu_ms_per_req"] = round(cpu * 1000 / max(1, len(run.records)), 3)
         return result
     finally:
-        launch.stop([c for c in (router, *nodes) if c is not None], grace=3.0)
+        processes.stop_all([c for c in (router, *nodes) if c is not None], grace=3.0)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

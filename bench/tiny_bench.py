@@ -22,11 +22,9 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
-import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +35,8 @@ from rich.console import Console
 from rich.table import Table
 
 from prefixgate.cachetier.hashing import Namespace, block_hashes
+from prefixgate.gateway.ops import processes
+from prefixgate.gateway.ops.processes import Child
 from prefixgate.v1 import node_pb2, node_pb2_grpc
 
 SIZES = (1_024, 4_096, 16_384)
@@ -76,41 +76,13 @@ class Fit:
     transfer_bytes_per_s: float
 
 
-class NodeProcess:
-    """``python -m prefixgate.backends`` in a child process; its address comes from the ready line."""
-
-    def __init__(self, proc: asyncio.subprocess.Process, address: str) -> None:
-        self.proc = proc
-        self.address = address
-
-    @classmethod
-    async def start(cls, role: str, engine: str, block_size: int) -> NodeProcess:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "prefixgate.backends", "--role", role, "--engine", engine,
-            "--block-size", str(block_size), "--port", "0", "--log-level", "warning",
-            "--capacity-blocks", "16384",
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
-        assert proc.stdout is not None
-        try:
-            line = await asyncio.wait_for(proc.stdout.readline(), START_TIMEOUT_S)
-            address = str(json.loads(line)["address"])
-        except (TimeoutError, ValueError, KeyError) as e:
-            proc.kill()
-            await proc.wait()
-            raise RuntimeError(f"{role} node did not start: {e!r}") from None
-        return cls(proc, address)
-
-    async def stop(self) -> None:
-        if self.proc.returncode is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(self.proc.wait(), 10)
-            except TimeoutError:
-                self.proc.kill()
-                await self.proc.wait()
+def node_command(role: str, engine: str, block_size: int) -> list[str]:
+    """``python -m prefixgate.backends`` on a free port, printing its address in its ready line."""
+    return [
+        sys.executable, "-m", "prefixgate.backends", "--role", role, "--engine", engine,
+        "--block-size", str(block_size), "--port", "0", "--log-level", "warning",
+        "--capacity-blocks", "16384",
+    ]  # fmt: skip
 
 
 def make_prompt(n: int, seed: int, prefix: bytes = b"") -> bytes:
@@ -177,15 +149,16 @@ def fit_profile(runs: Sequence[Run]) -> Fit:
     return Fit(1.0 / inv_tps, coeff, max(float(base), 0.0), max(float(per_ctx), 0.0), rate)
 
 
-@contextlib.asynccontextmanager
-async def node_pair(engine: str, block_size: int) -> AsyncIterator[tuple[NodeProcess, NodeProcess]]:
-    pn, dn = await asyncio.gather(
-        NodeProcess.start("prefill", engine, block_size), NodeProcess.start("decode", engine, block_size)
-    )
+@contextlib.contextmanager
+def node_pair(engine: str, block_size: int) -> Iterator[tuple[Child, Child]]:
+    pair = [processes.start(f"{r} node", node_command(r, engine, block_size)) for r in ("prefill", "decode")]
     try:
-        yield pn, dn
+        processes.wait_all(pair, processes.printed(processes.NODE_READY), START_TIMEOUT_S)
+        for c in pair:
+            c.address = processes.node_ready_line(c)["address"]
+        yield pair[0], pair[1]
     finally:
-        await asyncio.gather(pn.stop(), dn.stop())
+        processes.stop_all(pair)
 
 
 async def measure(
@@ -193,7 +166,7 @@ async def measure(
 ) -> list[Run]:
     """Every run, ``repeat`` times per size and case (each cold run on a prompt never seen)."""
     runs: list[Run] = []
-    async with node_pair(engine, block_size) as (pn, dn):
+    with node_pair(engine, block_size) as (pn, dn):
         async with grpc.aio.insecure_channel(pn.address) as pch, grpc.aio.insecure_channel(dn.address) as dch:
             p, d = node_pb2_grpc.NodeStub(pch), node_pb2_grpc.NodeStub(dch)
             await run_split(p, d, dn.address, make_prompt(block_size, 1), block_size, 4, "warmup")

@@ -42,6 +42,7 @@ from rich.table import Table
 
 from prefixgate.bench import launch
 from prefixgate.bench.report import percentile, write_json
+from prefixgate.gateway.ops import processes
 
 TARGET_P99_MS = 50.0
 TARGET_RSS_GROWTH = 0.10
@@ -236,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
     conn, child_conn = spawn.Pipe()
     publisher = spawn.Process(target=_publisher, args=(child_conn, args.pairs), daemon=True)
     publisher.start()
-    children: list[launch.Child] = []
+    children: list[processes.Child] = []
     phases: list[Phase] = []
     report: dict[str, Any] = {}
     try:
@@ -310,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
         publisher.join(5)
         if publisher.is_alive():
             publisher.kill()
-        launch.stop(children, grace=3.0)
+        processes.stop_all(children, grace=3.0)
     render(report, console)
     if args.json_out:
         write_json(args.json_out, report, console)

@@ -2,8 +2,9 @@
 
 The Dockerfile copies only ``pyproject.toml`` and this script, runs it, and ``pip install``s the
 result: that installs every dependency the project declares in a layer that is rebuilt only when
-pyproject.toml changes, not on every source edit. The package list is read from
-``[tool.setuptools]`` so the skeleton follows the project without edits here.
+pyproject.toml changes, not on every source edit. The packages are read from
+``[tool.setuptools]`` (a ``packages`` list, or the roots ``packages.find`` includes) so the skeleton
+follows the project without edits here.
 """
 
 from __future__ import annotations
@@ -18,8 +19,12 @@ def package_dirs(pyproject: dict[str, Any]) -> list[Path]:
     """Where setuptools looks for each listed package, honouring ``package-dir``."""
     tool = pyproject.get("tool", {}).get("setuptools", {})
     mapping: dict[str, str] = tool.get("package-dir", {})
+    listed = tool.get("packages", [])
+    if isinstance(listed, dict):  # packages.find: the included roots are enough to install
+        patterns = listed.get("find", {}).get("include", [])
+        listed = sorted({p.split(".")[0].rstrip("*") for p in patterns} - {""})
     out: list[Path] = []
-    for package in tool.get("packages", []):
+    for package in listed:
         parts = package.split(".")
         # The longest mapped prefix wins; "" maps the root.
         for cut in range(len(parts), -1, -1):

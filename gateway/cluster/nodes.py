@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import structlog
@@ -67,6 +67,19 @@ class Node:
     @property
     def id(self) -> str:
         return self.node_id or self.address
+
+    @contextlib.contextmanager
+    def load(self, tokens: int) -> Iterator[None]:
+        """Count a request of ours on the node, with its ``tokens`` to prefill, until it is done
+        there (its prefill, for one that goes on to decode): between two stats polls the
+        policies see the work just sent only through this."""
+        self.local_requests += 1
+        self.local_tokens += tokens
+        try:
+            yield
+        finally:
+            self.local_requests -= 1
+            self.local_tokens -= tokens
 
     @property
     def instance_id(self) -> str:

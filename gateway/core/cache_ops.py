@@ -391,17 +391,12 @@ async def _warm_node(
                 res.computed_tokens = 0
         if res.method != "pin":
             uncached = max(0, prep.prompt_tokens - held_blocks * bs)
-            node.local_requests += 1
-            node.local_tokens += uncached
-            try:
+            with node.load(uncached):
                 report = await node.client.warm(
                     Prompt(f"{prep.request_id}-{node.id}", prep.tokens, prep.hashes, Sampling(max_tokens=1)),
                     pin_seconds=pin_seconds,
                     timeout=svc.settings.request_timeout_s,
                 )
-            finally:
-                node.local_requests -= 1
-                node.local_tokens -= uncached
             res.cached_tokens = report.cached_tokens
             res.computed_tokens = prep.prompt_tokens - report.cached_tokens
             res.queue_seconds = report.queue_s
@@ -427,13 +422,13 @@ async def _keep_warm_node(
     tenant is told of no more reuse than its own prefixes on the node account for
     (``held_blocks``, per the index) when the engine's cache is shared between tenants."""
     res.method = res.action = "keep-warm" if pin_seconds > 0 else "re-prefill"
-    node.local_requests += 1
     try:
         t0 = time.monotonic()
         pair = keepwarm.partner(svc, node)
-        r = await keepwarm.reprefill(
-            node, prep.tokens, tuple(prep.hashes), svc.settings.request_timeout_s, pair
-        )
+        with node.load(0):
+            r = await keepwarm.reprefill(
+                node, prep.tokens, tuple(prep.hashes), svc.settings.request_timeout_s, pair
+            )
         res.prefill_seconds = round(time.monotonic() - t0, 6)
         own = min(prep.prompt_tokens, held_blocks * svc.settings.block_size)
         isolates = node.client.capabilities.tenant_salt
@@ -451,8 +446,6 @@ async def _keep_warm_node(
             res.error, res.code = e.message, FailureKind.OVERLOADED.value
         svc.metrics.warm.labels(node.id, "failed").inc()
         return res
-    finally:
-        node.local_requests -= 1
     if prep.hashes:
         await svc.index.store([StoreOp(node.id, tuple(prep.hashes))])
     svc.metrics.warm.labels(node.id, "pinned" if pin_seconds > 0 else "warmed").inc()

@@ -59,9 +59,6 @@ class Choices:
     def completion_tokens(self) -> int:
         return sum(ex.completion_tokens for ex in self.executions)
 
-    def headers(self) -> dict[str, str]:
-        return self.first.headers()
-
     async def stream(self) -> AsyncIterator[tuple[int, Delta]]:
         """``(choice index, delta)`` as the choices produce them; ``StreamBroken`` if one breaks."""
         async for i, d in tagged_merge([deltas(ex) for ex in self.executions]):

@@ -25,6 +25,7 @@ from prefixgate.gateway.core.auth import valid_request_id
 from prefixgate.gateway.core.pipeline import Execution, Prepared
 from prefixgate.gateway.core.runner import Caller, Identity, Prepare, deltas
 from prefixgate.gateway.core.service import GatewayService
+from prefixgate.gateway.httpfront.headers import execution_headers
 from prefixgate.gateway.logging import bind_request
 from prefixgate.openai.errors import invalid
 from prefixgate.openai.exceptions import (
@@ -161,7 +162,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def _headers(self, context: grpc.aio.ServicerContext, ex: Execution) -> None:
         if self.svc.settings.response_headers:
-            await context.send_initial_metadata(tuple(ex.headers().items()))
+            await context.send_initial_metadata(tuple(execution_headers(ex).items()))
 
     async def _fail(self, context: grpc.aio.ServicerContext, e: GatewayError) -> None:
         log.info("request_failed", status=status_of(e).name, code=e.code, error=e.message[:200])

@@ -36,6 +36,7 @@ from prefixgate.gateway.httpfront.common import (
     read_body,
     service_of,
 )
+from prefixgate.gateway.httpfront.headers import execution_headers
 from prefixgate.gateway.httpfront.metrics_listener import MetricsListener, scrape
 from prefixgate.openai.errors import APIError, invalid
 from prefixgate.openai.exceptions import NotFound
@@ -102,7 +103,7 @@ async def completions(request: Request, respond: Respond, kind: str) -> None:
     try:
         async with choices.run(runner, caller_of(request), prepare, count) as ex:
             assert parsed is not None
-            headers = ex.headers() if svc.settings.response_headers else {}
+            headers = execution_headers(ex.first) if svc.settings.response_headers else {}
             if parsed.stream:  # the watch stays armed until the stream's last message
                 async with aclosing(responses.stream(ex, parsed, kind)) as body:
                     await respond(EventStream(body, {**headers, "cache-control": "no-cache"}, watch.disarm))

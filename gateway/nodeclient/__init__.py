@@ -1,9 +1,11 @@
 """The gateway's seam to its nodes: transport-neutral types (``base``), one adapter per node
-protocol (``prefixgate_grpc``; ``http_openai`` for OpenAI-compatible HTTP workers) and a
-scripted fake for tests (``fake``).
+protocol (``prefixgate_grpc``; ``smg_common`` for the SMG engine protocol; ``http_openai`` for
+OpenAI-compatible HTTP workers, ``http_pd`` when they serve split), the split-serving handoffs
+written once over every transport (``handoff``) and a scripted fake for tests (``fake``).
 
 ``connect`` picks the adapter from a node's address: bare ``HOST:PORT`` is our own protocol,
-``grpc://`` the SMG engine protocol (``smg_common``, ``smg_sglang``, ``smg_vllm``).
+``grpc://`` the SMG engine protocol (``smg_common``, ``smg_sglang``, ``smg_vllm``), ``http://``
+an HTTP worker.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """The node-client seam: what the gateway needs from a node, in the gateway's own words.
 
-Nothing here knows a wire. An adapter (``prefixgate_grpc``; later SGLang/vLLM over SMG's gRPC, or
-OpenAI HTTP workers) translates one engine protocol into these types, the way an httpx transport
-turns a request into bytes; ``fake`` scripts them for tests. The pipeline, the node pool, event
-sync and cache operations only ever see what is defined here.
+Nothing here knows a wire. An adapter (``prefixgate_grpc`` for our own nodes; ``smg_common`` with
+``smg_sglang`` and ``smg_vllm`` for SGLang and vLLM over SMG's gRPC; ``http_openai`` for
+OpenAI-compatible HTTP workers, ``http_pd`` for their SGLang/vLLM split serving) translates one
+engine protocol into these types, the way an httpx transport turns a request into bytes;
+``fake`` scripts them for tests. The pipeline, the node pool, event sync and cache operations
+only ever see what is defined here.
 
 Two contracts:
 
@@ -12,6 +14,7 @@ Two contracts:
   (ours: prefill pushes KV to the decode node, then decode streams; vLLM: prefill returns
   ``kv_transfer_params`` that are relayed to decode; SGLang: both legs start at once and meet at a
   bootstrap room), so the whole dance is the handoff's: the caller gets one token stream back.
+  The vLLM and SGLang ways are written once, in ``handoff``, for every transport.
 
 Failures are ``NodeFailure``: which node, at which stage, of which kind; never a status code.
 """

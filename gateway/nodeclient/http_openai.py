@@ -16,7 +16,7 @@ load where it reports one cheaply: SGLang's ``GET /get_load``, else the request 
 count on the worker.
 
 Capabilities are what the wire allows: no KV events (the index learns the worker's blocks from
-routing alone), no eviction, pinning or warming, no split serving.
+routing alone), no eviction, pinning or warming, no split serving (``http_pd`` workers take part in it).
 
 One ``httpx.AsyncClient`` per worker: pooled keep-alive connections (bounded), every call
 bounded in time, every answer in size (an SSE line or event, ``MAX_SSE_LINE_BYTES``; a whole JSON

@@ -15,12 +15,11 @@ from typing import Any
 
 import grpc
 
+from prefixgate.backends.stats import node_status
 from prefixgate.gateway.nodeclient.base import (
     Capabilities,
-    CostProfile,
     FailedStream,
     KVEvent,
-    KVFormat,
     NodeClient,
     NodeFailure,
     NodeStatus,
@@ -113,43 +112,6 @@ def token_logprob(msg: node_pb2.TokenLogprob) -> TokenLogprob:
 
 def chunk_logprobs(chunk: node_pb2.TokenChunk) -> tuple[TokenLogprob, ...]:
     return tuple(token_logprob(m) for m in chunk.logprobs) if chunk.logprobs else ()
-
-
-def kv_format(msg: node_pb2.KVFormat) -> KVFormat:
-    return KVFormat(msg.model_fingerprint, msg.block_size, msg.dtype, msg.layout, msg.bytes_per_token)
-
-
-def node_status(msg: node_pb2.NodeStats) -> NodeStatus:
-    p = msg.profile
-    return NodeStatus(
-        node_id=msg.node_id,
-        role=msg.role,
-        engine=msg.engine,
-        kv_format=kv_format(msg.kv_format),
-        capacity_blocks=msg.capacity_blocks,
-        used_blocks=msg.used_blocks,
-        pinned_blocks=msg.pinned_blocks,
-        evictable_blocks=msg.evictable_blocks,
-        queued_requests=msg.queued_requests,
-        queued_tokens=msg.queued_tokens,
-        running_requests=msg.running_requests,
-        max_queue=msg.max_queue,
-        max_concurrency=msg.max_concurrency,
-        profile=CostProfile(
-            p.name,
-            p.prefill_tokens_per_s,
-            p.attention_coeff_s,
-            p.decode_base_s,
-            p.decode_per_context_token_s,
-            p.transfer_bytes_per_s,
-            p.time_scale,
-        ),
-        kv_event_seq=msg.kv_event_seq,
-        instance_id=msg.instance_id,
-        prefix_hit_tokens=msg.prefix_hit_tokens,
-        prompt_tokens=msg.prompt_tokens,
-        features=frozenset(msg.features),
-    )
 
 
 def kv_event(msg: node_pb2.KVEvent) -> KVEvent:

@@ -3,7 +3,7 @@ failure mapping, runtime detection, status from GetServerInfo/GetModelInfo/GetLo
 stream (ids in, text out through ``gateway.tokens.detokenize``), abort on close, and the KV index
 from ``SubscribeKvEvents``.
 
-What differs per runtime (request and response messages, Abort, split serving) is a ``Runtime``:
+What differs per runtime (request messages, Abort, split serving) is a ``Runtime``:
 ``smg_sglang.SGLANG`` and ``smg_vllm.VLLM``. A ``grpc://`` worker is one ``SmgNodeClient``; its
 runtime is given (``--backend``) or detected on the first probe the way smg detects it: the
 first of the two services whose ``HealthCheck`` answers.
@@ -50,8 +50,8 @@ from prefixgate.openai.features import Feature
 
 log = structlog.get_logger("prefixgate.nodeclient.smg")
 
-# ENGINES.md §0: HTTP/2 keepalive 30 s / 10 s while idle; the SGLang servicer takes messages up to
-# 256 MiB and pings no closer than 10 s apart.
+# docs/engines.md, Channel: keepalive and message sizes. HTTP/2 keepalive 30 s / 10 s while
+# idle; the SGLang servicer takes messages up to 256 MiB and pings no closer than 10 s apart.
 CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
@@ -64,8 +64,6 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
-DEFAULT_BOOTSTRAP_PORT = 8998  # smg's DEFAULT_BOOTSTRAP_PORT
-DEFERRED_ABORT_MAX_WAIT_S = 30.0  # a decode leg is aborted only after its first item, at most this late
 ABORT_TIMEOUT_S = 2.0
 RESUBSCRIBE_LIMIT = 8  # clear+resubscribe rounds in a row without a data batch, then give up
 CONSTRAINT_TRAILER = "smg-constraint-failed"
@@ -180,6 +178,34 @@ class Output:
         self.cached_tokens = u.cached or 0
 
 
+def engine_output(msg: Any, completion_so_far: int, *, delta_counts: bool) -> Output:
+    """A Generate response of either runtime (their chunk and complete messages have one shape;
+    only vLLM's complete carries ``kv_transfer_params_json``). ``delta_counts``: a chunk's
+    ``completion_tokens`` is its own (vLLM), added to ``completion_so_far``; else the total."""
+    if msg.HasField("chunk"):
+        c = msg.chunk
+        completion = completion_so_far + c.completion_tokens if delta_counts else c.completion_tokens
+        lps = output_logprobs(c)
+        return Output(
+            False, list(c.token_ids), c.index, c.prompt_tokens, completion, c.cached_tokens, logprobs=lps
+        )
+    c = msg.complete
+    which = c.WhichOneof("matched_stop")
+    completion = max(completion_so_far, c.completion_tokens) if delta_counts else c.completion_tokens
+    return Output(
+        True,
+        list(c.output_ids),
+        c.index,
+        c.prompt_tokens,
+        completion,
+        c.cached_tokens,
+        c.finish_reason,
+        getattr(c, which) if which else None,
+        getattr(c, "kv_transfer_params_json", ""),
+        output_logprobs(c),
+    )
+
+
 @dataclass(slots=True)
 class EngineInfo:
     """What GetModelInfo and GetServerInfo said once (never polled again, as smg does)."""
@@ -234,7 +260,8 @@ class Runtime(Protocol):
 
 
 def stop_token_ids(codec: Codec, stops: Sequence[str]) -> list[int]:
-    """Stop strings that are exactly one token, as ids (ENGINES.md §1.2); all stop strings are
+    """Stop strings that are exactly one token, as ids (docs/engines.md, Stop
+    strings); all stop strings are
     still matched by the gateway's own stop decoder."""
     out: list[int] = []
     for s in stops:
@@ -632,7 +659,7 @@ class GenerateStream:
     The engine streams (``stream=true``): text comes from chunks only, the ``complete`` gives the
     finish and usage (its ids repeat the last chunk's); when the engine answers one ``complete``
     (``stream=false``) its ids are the output. A stop string the gateway matches ends the choice
-    at once ("stop"); closing before the finish aborts the engine's work (``abort_policy``).
+    at once ("stop"); closing before the finish aborts the engine's work (``aclose``).
     """
 
     def __init__(self, client: SmgNodeClient, prompt: Prompt, timeout: float, stage: Stage) -> None:
@@ -644,9 +671,9 @@ class GenerateStream:
         self.timings = StageTimings()
         self.prefill: PrefillReport | None = None
         self.rid = ""
-        self.defer_abort = False  # a PD decode leg: abort only once it produced something
         self.call: Any = None
-        self.inflight_read: asyncio.Future[Any] | None = None  # a read a cancelled caller left running
+        self._reader: asyncio.Future[Any] | None = None  # a task reading the call (a handoff leg's)
+        self._early: Output | None = None  # a response read before the first delta was asked for
         self._detok: Detokenizer | None = None
         self._completion = 0
         self._chunks = 0
@@ -665,7 +692,7 @@ class GenerateStream:
         return self.client.address
 
     async def _prepare(self) -> Any:
-        """Detect the runtime, build the request (overridden by handoff legs)."""
+        """Detect the runtime, build the request."""
         runtime = await self.client.detect(min(self.timeout, 5.0))
         codec = self.client.codec()
         self.rid = self.rid or new_request_id(self.prompt)
@@ -697,11 +724,6 @@ class GenerateStream:
         assert self.client.runtime is not None
         self.call = self.client.stub.Generate(request, timeout=self.timeout)
 
-    async def start(self) -> Output | None:
-        """Open the call(s); a handoff may read the first response while doing so."""
-        await self.open()
-        return None
-
     async def read(self) -> Output | None:
         """The next response (None: the engine ended the stream)."""
         assert self.client.runtime is not None
@@ -720,11 +742,10 @@ class GenerateStream:
             return self._pending.pop(0)
         if self._closed:
             raise StopAsyncIteration
-        early: Output | None = None
         if self.call is None:
-            early = await self.start()
+            await self.open()
         while True:
-            out, early = (early, None) if early is not None else (await self.read(), None)
+            out, self._early = (self._early, None) if self._early is not None else (await self.read(), None)
             if out is None:
                 await self.aclose()
                 what = "before any token" if self._chunks == 0 else "without finishing"
@@ -815,30 +836,15 @@ class GenerateStream:
         return TokenDelta(text, reason, self._completion, lps)
 
     async def aclose(self) -> None:
-        """Cancel the engine's work if it is still running (abort policy of ENGINES.md §1.5)."""
-        was_closed, self._closed = self._closed, True
+        """Cancel the engine's work if it is still running (docs/engines.md, Aborts):
+        ``Abort``, then the call (and the task reading it) cancelled."""
+        self._closed = True
         self._pending.clear()
         call = self.call
         if call is None or self._finished:
             return
         self._finished = True
-        if self.defer_abort and self._items == 0 and not was_closed:
-            self.client.spawn(self._deferred_abort(call))
-            return
-        self.client.spawn(self.client.abort_then_cancel(self.rid, call))
-
-    async def _deferred_abort(self, call: Any) -> None:
-        """A decode leg whose KV may still be arriving: wait for its first item (the handoff is
-        done), at most ``DEFERRED_ABORT_MAX_WAIT_S``, then abort it."""
-        with contextlib.suppress(Exception, asyncio.CancelledError):
-            async with asyncio.timeout(DEFERRED_ABORT_MAX_WAIT_S):
-                if self.inflight_read is not None:
-                    await asyncio.shield(self.inflight_read)
-                else:
-                    await call.read()
-        await self.client.abort(self.rid)
-        if not call.done():
-            call.cancel()
+        self.client.spawn(self.client.abort_then_cancel(self.rid, call, self._reader))
 
 
 def server_args_json(raw: str) -> dict[str, Any]:

@@ -1,22 +1,17 @@
-"""SGLang over the SMG engine protocol (``sglang.grpc.scheduler.SglangScheduler``), ENGINES.md §1.
+"""SGLang over the SMG engine protocol (``sglang.grpc.scheduler.SglangScheduler``; docs/engines.md,
+SGLang requests).
 
 Requests carry token ids only, every numeric sampling field set explicitly (proto3 zero is not
 the engine's default), string stops never (single-token stops become ``stop_token_ids``; every
 stop string is matched by the gateway). Chunk counters are cumulative.
 
-Split serving is SGLang's simultaneous bootstrap (``BootstrapHandoff``): the same request (same
-request id, ``disaggregated_params{prefill host, bootstrap port, fresh room}``) goes to both
-legs at once; they meet at the prefill node's bootstrap port, the prefill leg completes after
-the KV hand-off and the output is the decode leg's. The first delta goes out once both the
-decode leg produced its first item and the prefill leg completed (its ``cached_tokens`` is the
-prefix it reused). A leg failing is blamed on its node; closing aborts the prefill leg at once
-and the decode leg only after its first item (aborting mid-transfer can wedge an engine).
+Split serving is SGLang's simultaneous bootstrap (``handoff.bootstrap``) over the SMG legs
+(``smg_legs``): the same request (same request id, ``disaggregated_params{prefill host,
+bootstrap port, fresh int32 room}``) to both legs at once (``SmgBootstrapPair``).
 """
 
 from __future__ import annotations
 
-import asyncio
-import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,31 +20,23 @@ from google.protobuf import json_format
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as pb
 from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 
-from prefixgate.gateway.nodeclient.base import (
-    FailedStream,
-    KVFormat,
-    NodeClient,
-    NodeFailure,
-    PrefillReport,
-    Prompt,
-    TokenStream,
+from prefixgate.gateway.nodeclient.base import KVFormat, Prompt
+from prefixgate.gateway.nodeclient.handoff import (
+    DEFAULT_BOOTSTRAP_PORT,
+    GRPC_ROOM_LIMIT,
+    BootstrapHandoff,
 )
 from prefixgate.gateway.nodeclient.smg_common import (
-    DEFAULT_BOOTSTRAP_PORT,
     EngineInfo,
-    GenerateStream,
     Output,
     SmgNodeClient,
-    failure,
-    output_logprobs,
+    engine_output,
     packed_ids,
 )
-from prefixgate.gateway.vocab import FailureKind, Stage
+from prefixgate.gateway.nodeclient.smg_legs import SmgDecodeLeg, SmgPrefillLeg, prepared, smg_pairs
 from prefixgate.openai.constraint import Constraint
 from prefixgate.openai.features import Feature, parse_features
 
-ROOM_LIMIT = (1 << 31) - 1  # the gRPC room is int32
-BLAME_GRACE_S = 0.3  # a failed decode leg waits this long for its prefill leg's own verdict
 ROLES = {"prefill": "prefill", "decode": "decode"}
 
 
@@ -158,15 +145,7 @@ class SglangRuntime:
     async def loads(self, stub: Any, timeout: float) -> Any:
         return await stub.GetLoads(pb.GetLoadsRequest(include=["core", "memory"]), timeout=timeout)
 
-    def request(
-        self,
-        prompt: Prompt,
-        rid: str,
-        stop_token_ids: Sequence[int],
-        *,
-        stream: bool,
-        bootstrap: tuple[str, int, int] | None = None,
-    ) -> Any:
+    def request(self, prompt: Prompt, rid: str, stop_token_ids: Sequence[int], *, stream: bool) -> Any:
         req = pb.GenerateRequest(
             request_id=rid,
             tokenized=pb.TokenizedInput(input_ids=packed_ids(prompt)),
@@ -176,39 +155,10 @@ class SglangRuntime:
             stream=stream,
         )
         ask_logprobs(req, prompt)
-        if bootstrap is not None:
-            host, port, room = bootstrap
-            req.disaggregated_params.CopyFrom(
-                pb.DisaggregatedParams(bootstrap_host=host, bootstrap_port=port, bootstrap_room=room)
-            )
         return req
 
     def parse(self, msg: Any, completion_so_far: int) -> Output:
-        if msg.HasField("chunk"):
-            c = msg.chunk
-            return Output(
-                False,
-                list(c.token_ids),
-                c.index,
-                c.prompt_tokens,
-                c.completion_tokens,
-                c.cached_tokens,
-                logprobs=output_logprobs(c),
-            )
-        c = msg.complete
-        which = c.WhichOneof("matched_stop")
-        matched = getattr(c, which) if which else None
-        return Output(
-            True,
-            list(c.output_ids),
-            c.index,
-            c.prompt_tokens,
-            c.completion_tokens,
-            c.cached_tokens,
-            c.finish_reason,
-            matched,
-            logprobs=output_logprobs(c),
-        )
+        return engine_output(msg, completion_so_far, delta_counts=False)
 
     async def abort(self, stub: Any, rid: str) -> None:
         await stub.Abort(pb.AbortRequest(request_id=rid, reason="Stream dropped"))
@@ -220,133 +170,32 @@ class SglangRuntime:
 SGLANG = SglangRuntime()
 
 
-class BootstrapStream(GenerateStream):
-    """Both legs at once; this stream is the decode leg's, the prefill leg is drained aside."""
+def with_bootstrap(request: Any, host: str, port: int, room: int) -> None:
+    """Where the decode leg meets the prefill leg: the prefill node's host and bootstrap port,
+    the request's room (docs/engines.md, SGLang PD: bootstrap host, port and room)."""
+    request.disaggregated_params.CopyFrom(
+        pb.DisaggregatedParams(bootstrap_host=host, bootstrap_port=port, bootstrap_room=room)
+    )
+
+
+class SmgBootstrapPair:
+    """One request's two SGLang legs: the decode node's request, with the bootstrap room, to both."""
+
+    room_limit = GRPC_ROOM_LIMIT
 
     def __init__(self, prefill: SmgNodeClient, decode: SmgNodeClient, prompt: Prompt, timeout: float) -> None:
-        super().__init__(decode, prompt, timeout, Stage.DECODE)
-        self.defer_abort = True
-        self.p = prefill
-        self.prefill_call: Any = None
-        self._prefill_task: asyncio.Task[Output] | None = None
-        self._prefill_done = False
+        self.p, self.d, self.prompt, self.timeout = prefill, decode, prompt, timeout
 
-    async def _prepare(self) -> Any:
-        try:
-            await self.p.detect(min(self.timeout, 5.0))
-        except NodeFailure as e:
-            raise NodeFailure(self.p.address, Stage.PREFILL, e.kind, e.detail) from e
-        request = await super()._prepare()  # the decode node: detection, tokenizer, request id
-        pinfo = self.p.info
-        assert pinfo is not None
-        port = self.p.options.bootstrap_port or pinfo.bootstrap_port or DEFAULT_BOOTSTRAP_PORT
-        room = secrets.randbelow(ROOM_LIMIT)
-        request.disaggregated_params.CopyFrom(
-            pb.DisaggregatedParams(bootstrap_host=self.p.host, bootstrap_port=port, bootstrap_room=room)
-        )
-        return request
-
-    async def start(self) -> Output | None:
-        try:
-            request = await self._prepare()
-        except (grpc.aio.AioRpcError, TimeoutError) as e:
-            self._closed = True
-            raise failure(self.client.address, Stage.DECODE, e) from e
-        except NodeFailure:
-            self._closed = True
-            raise
-        if self.client.runtime is not SGLANG or self.p.runtime is not SGLANG:
-            self._closed = True
-            raise NodeFailure(
-                self.client.address, Stage.TRANSFER, FailureKind.FORMAT_REFUSED, "not an SGLang pair"
-            )
-        self.prefill_call = self.p.stub.Generate(request, timeout=self.timeout)
-        self.call = self.client.stub.Generate(request, timeout=self.timeout)
-        self._prefill_task = asyncio.ensure_future(self._drain_prefill())
-        self._prefill_task.add_done_callback(_retrieved)  # a failure after the request's end is no news
-        first: asyncio.Future[Any] = asyncio.ensure_future(self.call.read())
-        try:
-            await asyncio.wait({first, self._prefill_task}, return_when=asyncio.FIRST_COMPLETED)
-            if not first.done() and self._prefill_task.exception() is not None:
-                self.defer_abort = False  # no hand-off happened: nothing is in flight to the decode node
-                self._prefill_task.result()  # raises the prefill node's failure
-            try:
-                msg = await first
-            except (grpc.aio.AioRpcError, TimeoutError) as e:
-                await self._blame_prefill_first()
-                raise failure(self.client.address, Stage.DECODE, e) from e
-            if msg is grpc.aio.EOF:
-                await self._blame_prefill_first()
-                detail = "stream ended before any token"
-                raise NodeFailure(self.client.address, Stage.DECODE, FailureKind.INTERNAL, detail)
-            self._items += 1
-            out = SGLANG.parse(msg, 0)
-            report = await self._prefill_task
-        except BaseException:
-            if self.defer_abort and not first.done():
-                self.inflight_read = first  # the deferred abort waits for it (cancelling it aborts)
-            else:
-                first.cancel()
-            await self.aclose()
-            raise
-        cached = self.cached_of(report)
-        self.prefill = PrefillReport(cached, 0.0, 0.0, 0.0, 0)
-        self.cached_tokens = cached  # the prefill leg's count (decode's is ignored)
-        return out
-
-    async def _blame_prefill_first(self) -> None:
-        """The decode leg failed before its first item; a decode leg often fails because its
-        prefill leg did (no hand-off comes): when the prefill leg fails too, within a short
-        grace, that failure is the one raised."""
-        task = self._prefill_task
-        assert task is not None
-        await asyncio.wait({task}, timeout=BLAME_GRACE_S)
-        if task.done() and not task.cancelled() and task.exception() is not None:
-            self.defer_abort = False
-            task.result()
-
-    async def _drain_prefill(self) -> Output:
-        """The prefill leg to its end: its ``complete`` (finish "length" after the hand-off)."""
-        last: Output | None = None
-        try:
-            async for msg in self.prefill_call:
-                last = SGLANG.parse(msg, 0)
-        except (grpc.aio.AioRpcError, TimeoutError) as e:
-            self._prefill_done = True  # the engine ended it: nothing to abort
-            raise failure(self.p.address, Stage.PREFILL, e) from e
-        self._prefill_done = True
-        if last is None or not last.complete:
-            raise NodeFailure(
-                self.p.address, Stage.PREFILL, FailureKind.INTERNAL, "prefill leg ended without complete"
-            )
-        return last
-
-    async def aclose(self) -> None:
-        if self.prefill_call is not None and not self._prefill_done:
-            # Abort first, then the call and the task reading it go (a second close finds the
-            # leg taken care of: cancelling its reader now would cancel the call before the Abort)
-            self._prefill_done = True
-            self.p.spawn(self.p.abort_then_cancel(self.rid, self.prefill_call, self._prefill_task))
-        await super().aclose()
+    async def legs(self, room: int) -> tuple[SmgPrefillLeg, SmgDecodeLeg]:
+        request, decode = await prepared(self.p, self.d, self.prompt, self.timeout, SGLANG)
+        assert self.p.info is not None
+        port = self.p.options.bootstrap_port or self.p.info.bootstrap_port or DEFAULT_BOOTSTRAP_PORT
+        with_bootstrap(request, self.p.host, port, room)
+        decode.request = request
+        prefill = SmgPrefillLeg(self.p, request, decode.rid, self.timeout, self.prompt.token_count)
+        return prefill, decode
 
 
-def _retrieved(task: asyncio.Future[Output]) -> None:
-    if not task.cancelled():
-        task.exception()
-
-
-class BootstrapHandoff:
-    """SGLang split serving on a (prefill, decode) pair of SMG workers."""
-
-    def start(
-        self, prompt: Prompt, prefill: NodeClient, decode: NodeClient, *, timeout: float
-    ) -> TokenStream:
-        if not isinstance(prefill, SmgNodeClient) or not isinstance(decode, SmgNodeClient):
-            refused = "an SGLang prefill node hands KV only to an SGLang decode node"
-            return FailedStream(
-                NodeFailure(decode.address, Stage.TRANSFER, FailureKind.FORMAT_REFUSED, refused)
-            )
-        return BootstrapStream(prefill, decode, prompt, timeout)
-
-
-BOOTSTRAP_HANDOFF = BootstrapHandoff()
+BOOTSTRAP_HANDOFF = BootstrapHandoff(
+    smg_pairs(SmgBootstrapPair, "an SGLang prefill node hands KV only to an SGLang decode node")
+)

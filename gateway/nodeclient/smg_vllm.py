@@ -1,16 +1,17 @@
-"""vLLM over the SMG engine protocol (``vllm.grpc.engine.VllmEngine``), ENGINES.md §2.
+"""vLLM over the SMG engine protocol (``vllm.grpc.engine.VllmEngine``; docs/engines.md, vLLM
+requests).
 
 Differences from SGLang: sampling fields are vLLM's (``temperature`` optional, ``top_k`` 0 =
 off, ``max_tokens``), string stops are kept (the engine matches them too; the gateway's stop
 decoder still runs on the output), responses carry no request id and chunk ``completion_tokens``
 are deltas (added up here). Abort takes a list of ids.
 
-Split serving is the sequential ``kv_transfer_params_json`` relay (``RelayHandoff``, NIXL-style):
-the prefill leg runs sanitised (no stream, one token, no stops, ``ignore_eos``) with
-``{"do_remote_decode": true}``; its ``complete`` carries the transfer parameters, relayed verbatim
-to the decode leg under the same request id. No parameters back: the decode leg is still sent
-(it recomputes the prompt). The Mooncake push variant (a gateway-minted ``transfer_id``) is not
-spoken here.
+Split serving is the sequential ``kv_transfer_params_json`` relay (``handoff.relay`` over the
+SMG legs of ``smg_legs``, NIXL-style; ``SmgRelayPair``): the prefill leg runs sanitised (no
+stream, one token, no stops, ``ignore_eos``) with ``{"do_remote_decode": true}``; its
+``complete`` carries the transfer parameters, relayed verbatim to the decode leg under the same
+request id. No parameters back: the decode leg is still sent (it recomputes the prompt). The
+Mooncake push variant (a gateway-minted ``transfer_id``) is not spoken here.
 """
 
 from __future__ import annotations
@@ -24,24 +25,16 @@ import grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
-from prefixgate.gateway.nodeclient.base import (
-    FailedStream,
-    KVFormat,
-    NodeClient,
-    NodeFailure,
-    PrefillReport,
-    Prompt,
-    TokenStream,
-)
+from prefixgate.gateway.nodeclient.base import KVFormat, NodeFailure, Prompt
+from prefixgate.gateway.nodeclient.handoff import PrefillAnswer, RelayHandoff
 from prefixgate.gateway.nodeclient.smg_common import (
     EngineInfo,
-    GenerateStream,
     Output,
     SmgNodeClient,
-    failure,
-    output_logprobs,
+    engine_output,
     packed_ids,
 )
+from prefixgate.gateway.nodeclient.smg_legs import SmgDecodeLeg, SmgPrefillLeg, prepared, smg_pairs
 from prefixgate.gateway.vocab import FailureKind, Stage
 from prefixgate.openai.constraint import Constraint
 from prefixgate.openai.features import Feature
@@ -176,31 +169,7 @@ class VllmRuntime:
         return req
 
     def parse(self, msg: Any, completion_so_far: int) -> Output:
-        if msg.HasField("chunk"):
-            c = msg.chunk
-            return Output(
-                False,
-                list(c.token_ids),
-                c.index,
-                c.prompt_tokens,
-                completion_so_far + c.completion_tokens,  # a delta on this runtime
-                c.cached_tokens,
-                logprobs=output_logprobs(c),
-            )
-        c = msg.complete
-        which = c.WhichOneof("matched_stop")
-        return Output(
-            True,
-            list(c.output_ids),
-            c.index,
-            c.prompt_tokens,
-            max(completion_so_far, c.completion_tokens),
-            c.cached_tokens,
-            c.finish_reason,
-            getattr(c, which) if which else None,
-            c.kv_transfer_params_json if c.HasField("kv_transfer_params_json") else "",
-            output_logprobs(c),
-        )
+        return engine_output(msg, completion_so_far, delta_counts=True)
 
     async def abort(self, stub: Any, rid: str) -> None:
         await stub.Abort(pb.AbortRequest(request_ids=[rid]))
@@ -212,83 +181,39 @@ class VllmRuntime:
 VLLM = VllmRuntime()
 
 
-class RelayStream(GenerateStream):
-    """Prefill leg to completion, then the decode leg with its transfer parameters."""
+def prefill_request(request: pb.GenerateRequest, prompt: Prompt) -> pb.GenerateRequest:
+    """The prefill leg's request: the decode leg's, not streamed, sanitised (``prefill_params``),
+    asking for the KV to be kept for a remote decode."""
+    leg = pb.GenerateRequest()
+    leg.CopyFrom(request)
+    leg.stream = False
+    leg.sampling_params.CopyFrom(prefill_params(prompt))
+    leg.kv_transfer_params_json = PREFILL_PARAMS
+    return leg
+
+
+class SmgRelayPair:
+    """One request's vLLM legs: the sanitised prefill, then the decode request with the prefill
+    answer's transfer parameters verbatim (none back: sent without them)."""
 
     def __init__(self, prefill: SmgNodeClient, decode: SmgNodeClient, prompt: Prompt, timeout: float) -> None:
-        super().__init__(decode, prompt, timeout, Stage.DECODE)
-        self.defer_abort = True
-        self.p = prefill
-        self.prefill_call: Any = None
-        self.relayed = False
+        self.p, self.d, self.prompt, self.timeout = prefill, decode, prompt, timeout
+        self._request: Any = None
+        self._decode: SmgDecodeLeg | None = None
 
-    async def start(self) -> Output | None:
-        try:
-            await self.p.detect(min(self.timeout, 5.0))
-        except NodeFailure as e:
-            self._closed = True
-            raise NodeFailure(self.p.address, Stage.PREFILL, e.kind, e.detail) from e
-        try:
-            request = await self._prepare()
-        except (grpc.aio.AioRpcError, TimeoutError) as e:
-            self._closed = True
-            raise failure(self.client.address, Stage.DECODE, e) from e
-        except NodeFailure:
-            self._closed = True
-            raise
-        if self.p.runtime is not VLLM or self.client.runtime is not VLLM:
-            self._closed = True
-            raise NodeFailure(
-                self.client.address, Stage.TRANSFER, FailureKind.FORMAT_REFUSED, "not a vLLM pair"
-            )
-        leg = pb.GenerateRequest()
-        leg.CopyFrom(request)
-        leg.stream = False
-        leg.sampling_params.CopyFrom(prefill_params(self.prompt))
-        leg.kv_transfer_params_json = PREFILL_PARAMS
-        t0 = time.perf_counter()
-        complete: Output | None = None
-        self.prefill_call = self.p.stub.Generate(leg, timeout=self.timeout)
-        try:
-            async for msg in self.prefill_call:
-                out = VLLM.parse(msg, 0)
-                if out.complete:
-                    complete = out
-        except (grpc.aio.AioRpcError, TimeoutError) as e:
-            self._closed = True
-            raise failure(self.p.address, Stage.PREFILL, e) from e
-        except BaseException:
-            self._closed = True
-            self.p.spawn(self.p.abort(self.rid))
-            self.prefill_call.cancel()
-            raise
-        if complete is None:
-            self._closed = True
-            raise NodeFailure(
-                self.p.address, Stage.PREFILL, FailureKind.INTERNAL, "prefill leg ended without complete"
-            )
-        cached = self.cached_of(complete)
-        self.prefill = PrefillReport(cached, 0.0, time.perf_counter() - t0, 0.0, 0)
-        self.cached_tokens = cached
-        if complete.kv_transfer_params_json:
-            request.kv_transfer_params_json = complete.kv_transfer_params_json
-            self.relayed = True
-        self.call = self.client.stub.Generate(request, timeout=self.timeout)
-        return None
+    async def prefill_leg(self) -> SmgPrefillLeg:
+        self._request, self._decode = await prepared(self.p, self.d, self.prompt, self.timeout, VLLM)
+        leg = prefill_request(self._request, self.prompt)
+        return SmgPrefillLeg(self.p, leg, self._decode.rid, self.timeout, self.prompt.token_count)
+
+    def decode_leg(self, answer: PrefillAnswer) -> SmgDecodeLeg:
+        assert self._decode is not None
+        if answer.transfer_params is not None:
+            self._request.kv_transfer_params_json = answer.transfer_params
+        self._decode.request = self._request
+        return self._decode
 
 
-class RelayHandoff:
-    """vLLM split serving on a (prefill, decode) pair of SMG workers."""
-
-    def start(
-        self, prompt: Prompt, prefill: NodeClient, decode: NodeClient, *, timeout: float
-    ) -> TokenStream:
-        if not isinstance(prefill, SmgNodeClient) or not isinstance(decode, SmgNodeClient):
-            refused = "a vLLM prefill node relays KV only to a vLLM decode node"
-            return FailedStream(
-                NodeFailure(decode.address, Stage.TRANSFER, FailureKind.FORMAT_REFUSED, refused)
-            )
-        return RelayStream(prefill, decode, prompt, timeout)
-
-
-RELAY_HANDOFF = RelayHandoff()
+RELAY_HANDOFF = RelayHandoff(
+    smg_pairs(SmgRelayPair, "a vLLM prefill node relays KV only to a vLLM decode node")
+)

@@ -3,21 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
-import signal
 import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
-from prefixgate.gateway import nodeclient
 from prefixgate.gateway.config import Settings
-from prefixgate.gateway.nodeclient import NodeFailure
-
-PR_SET_PDEATHSIG = 1
-
+from prefixgate.gateway.ops import processes
+from prefixgate.gateway.ops.processes import Child
 
 _HANDED_OUT: set[int] = set()
 _HANDED_OUT_LIMIT = 4096
@@ -41,18 +34,12 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise OSError(f"no fresh free port on {host} after 64 tries")
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child
-    """Children get SIGTERM if the stack process dies, even by SIGKILL (Linux)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 @dataclass
 class NodeProcess:
     role: str
     node_id: str
     address: str
-    proc: subprocess.Popen[bytes]
+    child: Child
     bootstrap_port: int = 0  # a prefill node's SGLang bootstrap port (protocol "smg")
 
 
@@ -99,6 +86,7 @@ def node_command(role: str, node_id: str, port: int, opts: StackOptions) -> list
         str(opts.time_scale),
         "--block-size",
         str(opts.block_size),
+        "--ready-line",
     ]
     profile = opts.prefill_profile if role == "prefill" else opts.decode_profile
     if profile:
@@ -110,58 +98,33 @@ def node_command(role: str, node_id: str, port: int, opts: StackOptions) -> list
     return cmd + opts.extra_node_args
 
 
-def start_nodes(opts: StackOptions) -> list[NodeProcess]:
+def start_nodes(opts: StackOptions, timeout: float = 30.0) -> list[NodeProcess]:
+    """Every node started at once, then awaited (its ready line: its ports are bound); their
+    output goes on to this process's stderr, as it would with the nodes run by hand."""
     nodes: list[NodeProcess] = []
-    for role, count in (("prefill", opts.prefill), ("decode", opts.decode)):
-        for i in range(1, count + 1):
-            node_address = node_host(opts.host)
-            port = free_port(node_address)
-            node_id = f"{role}-{i}"
-            cmd = node_command(role, node_id, port, opts)
-            bootstrap = free_port(node_address) if opts.protocol == "smg" and role == "prefill" else 0
-            if bootstrap:
-                cmd += ["--bootstrap-port", str(bootstrap)]
-            proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
-            host = f"[{node_address}]" if ":" in node_address else node_address
-            scheme = "grpc://" if opts.protocol == "smg" else ""
-            nodes.append(NodeProcess(role, node_id, f"{scheme}{host}:{port}", proc, bootstrap))
+    try:
+        for role, count in (("prefill", opts.prefill), ("decode", opts.decode)):
+            for i in range(1, count + 1):
+                node_address = node_host(opts.host)
+                port = free_port(node_address)
+                node_id = f"{role}-{i}"
+                cmd = node_command(role, node_id, port, opts)
+                bootstrap = free_port(node_address) if opts.protocol == "smg" and role == "prefill" else 0
+                if bootstrap:
+                    cmd += ["--bootstrap-port", str(bootstrap)]
+                child = processes.start(node_id, cmd, echo=True)
+                host = f"[{node_address}]" if ":" in node_address else node_address
+                scheme = "grpc://" if opts.protocol == "smg" else ""
+                nodes.append(NodeProcess(role, node_id, f"{scheme}{host}:{port}", child, bootstrap))
+    except BaseException:
+        stop_nodes(nodes)
+        raise
+    processes.wait_all([n.child for n in nodes], processes.printed(processes.NODE_READY), timeout)
     return nodes
 
 
-async def wait_nodes(nodes: list[NodeProcess], timeout: float = 30.0) -> None:
-    """Until every node answers a status call; raises if one exits or the timeout passes."""
-    deadline = time.monotonic() + timeout
-    pending = list(nodes)
-    while pending:
-        for n in list(pending):
-            if n.proc.poll() is not None:
-                raise RuntimeError(f"node {n.node_id} exited with code {n.proc.returncode}")
-            client = nodeclient.connect(n.address)
-            try:
-                await client.status(timeout=0.5)
-                pending.remove(n)
-            except NodeFailure:
-                pass
-            finally:
-                await client.close()
-        if pending:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"nodes not ready after {timeout}s: {[n.node_id for n in pending]}")
-            await asyncio.sleep(0.1)
-
-
 def stop_nodes(nodes: list[NodeProcess], grace: float = 5.0) -> None:
-    for n in nodes:
-        if n.proc.poll() is None:
-            n.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for n in nodes:
-        remaining = max(0.0, deadline - time.monotonic())
-        try:
-            n.proc.wait(timeout=remaining)
-        except subprocess.TimeoutExpired:
-            n.proc.kill()
-            n.proc.wait()
+    processes.stop_all([n.child for n in nodes], grace=grace)
 
 
 def use_smg_workers(settings: Settings, nodes: list[NodeProcess]) -> None:
@@ -180,7 +143,6 @@ async def run_stack(settings: Settings, opts: StackOptions) -> int:
     t0 = time.perf_counter()
     nodes = start_nodes(opts)
     try:
-        await wait_nodes(nodes)
         settings.prefill = [n.address for n in nodes if n.role == "prefill"]
         settings.decode = [n.address for n in nodes if n.role == "decode"]
         if opts.protocol == "smg":

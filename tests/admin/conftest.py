@@ -12,7 +12,8 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.helpers import Proc, free_port, spawn
+from prefixgate.gateway.ops.processes import Child
+from tests.helpers import free_port, spawn
 
 MODEL = "prefixgate-sim"
 ADMIN_TOKEN = "admin-secret-for-tests"
@@ -21,7 +22,7 @@ ADMIN_TOKEN = "admin-secret-for-tests"
 @dataclass
 class AdminStack:
     base_url: str
-    proc: Proc
+    proc: Child
 
     @property
     def root(self) -> str:
@@ -49,7 +50,7 @@ class AdminStack:
         return out
 
 
-def start_stack(*args: str) -> tuple[str, Proc]:
+def start_stack(*args: str) -> tuple[str, Child]:
     proc = spawn(["up", "--port", str(free_port()), "--time-scale", "0.05", *args])
     try:
         m = proc.wait_for(r"prefixgate ready in [0-9.]+s: (http://\S+/v1)", timeout=60)
@@ -59,7 +60,7 @@ def start_stack(*args: str) -> tuple[str, Proc]:
     return m.group(1), proc
 
 
-def stop_stack(proc: Proc) -> None:
+def stop_stack(proc: Child) -> None:
     rc = proc.stop()
     assert rc == 0, f"prefixgate up exited with {rc}:\n" + "\n".join(list(proc.lines)[-30:])
 

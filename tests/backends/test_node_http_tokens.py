@@ -20,7 +20,8 @@ from smg_grpc_proto.generated import sglang_scheduler_pb2_grpc as pb_grpc
 from transformers import AutoTokenizer
 
 from prefixgate.backends.hftok import TOKENIZER_DIR
-from tests.helpers import Proc, spawn
+from prefixgate.gateway.ops.processes import Child
+from tests.helpers import spawn
 
 HF = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
 MODEL = "prefixgate-sim"
@@ -32,7 +33,7 @@ MESSAGES: list[dict[str, Any]] = [
 ]
 
 
-def start(*args: str) -> tuple[Proc, dict[str, Any]]:
+def start(*args: str) -> tuple[Child, dict[str, Any]]:
     p = spawn(
         ["node", "--role", "monolithic", "--port", "0", "--http-port", "0", "--log-level", "warning", *args]
     )

@@ -19,7 +19,7 @@ def test_innermost_meaningful_frame_names_the_stage() -> None:
     stack = [
         "Runner.run (/v/lib/python3.11/asyncio/runners.py:118)",
         "run_asgi (/v/site-packages/uvicorn/protocols/http/httptools_impl.py:401)",
-        "finished (/w/gateway/core/pipeline.py:700)",
+        "finished (/w/gateway/core/accounting.py:60)",
         "inc (/v/site-packages/prometheus_client/metrics.py:300)",
         "__enter__ (/v/lib/python3.11/contextlib.py:137)",
     ]

@@ -9,13 +9,16 @@ from pathlib import Path
 import pytest
 
 from prefixgate.bench import replay
-from tests.helpers import Proc, free_port, spawn
+from prefixgate.gateway.ops.processes import Child
+from tests.helpers import free_port, spawn
 
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[str]:
     port = free_port()
-    proc: Proc = spawn(["up", "--port", str(port), "--prefill", "2", "--decode", "2", "--time-scale", "0.05"])
+    proc: Child = spawn(
+        ["up", "--port", str(port), "--prefill", "2", "--decode", "2", "--time-scale", "0.05"]
+    )
     try:
         m = proc.wait_for(r"prefixgate ready in [0-9.]+s: (http://\S+/v1)", timeout=60)
         yield m.group(1)

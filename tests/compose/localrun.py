@@ -2,44 +2,35 @@
 
 Services start in dependency order; a ``service_healthy`` dependency is waited for by running
 that service's own healthcheck command until it passes, like Docker does. ``down`` stops them in
-reverse order (SIGTERM, then SIGKILL after a grace period) and reports leaked processes.
+reverse order (``gateway.ops.processes``: SIGTERM, then SIGKILL after a grace period) and reports
+leaked processes.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Mapping
 
+from prefixgate.gateway.ops import processes
+from prefixgate.gateway.ops.processes import Child
 from tests.compose.topology import REPO, LocalService
-from tests.helpers import Proc
 
-PR_SET_PDEATHSIG = 1
 HEALTH_INTERVAL_S = 0.25
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child
-    """If the test process dies, the services get SIGTERM instead of living on (Linux)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def service_env(service: LocalService) -> dict[str, str]:
     """The service's environment over this process's, minus any PREFIXGATE_* set here."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("PREFIXGATE_")}
-    return {**base, "PYTHONUNBUFFERED": "1", **service.env}
+    return {**base, **service.env}
 
 
 class LocalCompose:
     def __init__(self, plan: list[LocalService], external: Mapping[str, Callable[[], bool]]) -> None:
         self.plan = {s.name: s for s in plan}
         self.external = dict(external)  # services not run here (Redis): name -> health probe
-        self.procs: dict[str, Proc] = {}
+        self.procs: dict[str, Child] = {}
         self.healthy: set[str] = set()
         self.health_checks = 0
 
@@ -56,19 +47,9 @@ class LocalCompose:
             self.wait_healthy(name, deadline)
 
     def start(self, svc: LocalService) -> None:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "prefixgate.cli", *svc.argv],
-            cwd=REPO,
-            env=service_env(svc),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
-        p = Proc(proc)
-        p.start_reader()
-        self.procs[svc.name] = p
+        argv = processes.prefixgate(*svc.argv)
+        env = service_env(svc)
+        self.procs[svc.name] = processes.start(svc.name, argv, env=env, inherit_env=False, cwd=REPO)
 
     def check(self, name: str) -> bool:
         """One run of the service's healthcheck (or the external probe)."""
@@ -102,21 +83,9 @@ class LocalCompose:
 
     def down(self, grace: float = 15.0) -> dict[str, int]:
         """Stop every service, dependants first; returns the exit codes."""
-        codes: dict[str, int] = {}
         for name in reversed(list(self.procs)):
-            p = self.procs[name]
-            if p.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.proc.pid, signal.SIGTERM)
-            try:
-                p.proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.proc.pid, signal.SIGKILL)
-                p.proc.wait(timeout=5)
-            p.stop()  # joins the output reader
-            codes[name] = p.proc.returncode
-        return codes
+            processes.stop_all([self.procs[name]], grace=grace)
+        return {name: p.proc.returncode for name, p in self.procs.items()}
 
     def leaked(self) -> list[str]:
         """Services whose process group still has a live process after ``down``."""

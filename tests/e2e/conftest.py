@@ -10,7 +10,8 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.helpers import Proc, free_port, spawn
+from prefixgate.gateway.ops.processes import Child
+from tests.helpers import free_port, spawn
 
 MODEL = "prefixgate-sim"
 
@@ -18,7 +19,7 @@ MODEL = "prefixgate-sim"
 @dataclass
 class Stack:
     base_url: str
-    proc: Proc
+    proc: Child
     ready_s: float
 
     def client(self, **kw: object) -> OpenAI:

@@ -182,19 +182,23 @@ def test_grpc_takes_no_larger_message_than_http(down: Gateway) -> None:
     assert down.service.pipeline.inflight == 0
 
 
+@dataclass(frozen=True)
+class NodeName:
+    """What the response headers read of a node."""
+
+    id: str
+
+
 class ScriptedExecution:
     """An execution that streams one token every 10 ms for up to 30 s, or breaks after ``break_after``."""
 
     def __init__(self, request_id: str, break_after: int | None = None) -> None:
         self.request_id = request_id
         self.break_after = break_after
-        self.route, self.prefill_node, self.decode_node = "disaggregated", None, None
+        self.route, self.prefill_node, self.decode_node = "disaggregated", None, NodeName("decode-1")
         self.prompt_tokens, self.completion_tokens, self.cached_tokens = 3, 0, 0
         self.finish_reason = ""
         self.closed = threading.Event()
-
-    def headers(self) -> dict[str, str]:
-        return {"x-prefixgate-request-id": self.request_id}
 
     async def stream(self) -> AsyncIterator[Delta]:
         for i in range(3000):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,11 +14,9 @@ import httpx
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import Proc, free_port, spawn
-
-# Over grpc:// the gateway takes the engine's tokenizer from the workers by default (our nodes
-# report the directory of the one they ship), as ``prefixgate up --protocol smg`` does.
-SMG_GATEWAY_ENV: dict[str, str] = {}
+from prefixgate.gateway.ops import processes
+from prefixgate.gateway.ops.processes import Child
+from tests.helpers import free_port, spawn
 
 
 @dataclass
@@ -28,7 +25,7 @@ class NodeProc:
     node_id: str
     port: int
     args: list[str]
-    proc: Proc | None = None
+    proc: Child | None = None
     scheme: str = ""  # "grpc://": the gateway talks to the node over the SMG engine protocol
     bootstrap_port: int = 0  # a prefill node's SGLang bootstrap port (SMG protocol, PD)
 
@@ -47,7 +44,8 @@ class NodeProc:
         """The node as ``--prefill``/``--decode`` takes it (URL, then a bootstrap port)."""
         return [self.address, str(self.bootstrap_port)] if self.bootstrap_port else [self.address]
 
-    def start(self) -> None:
+    def launch(self) -> None:
+        """Start the node; ``start`` also waits for its ready line."""
         self.proc = spawn(
             [
                 "node",
@@ -64,7 +62,14 @@ class NodeProc:
                 *self.args,
             ]
         )
-        self.proc.wait_for('"node_ready"', timeout=30)
+
+    def wait_ready(self) -> None:
+        assert self.proc is not None
+        self.proc.wait_until(processes.printed(processes.NODE_READY), 30)
+
+    def start(self) -> None:
+        self.launch()
+        self.wait_ready()
 
     def kill(self) -> None:
         assert self.proc is not None
@@ -72,7 +77,7 @@ class NodeProc:
 
     def signal(self, sig: int) -> None:
         assert self.proc is not None
-        self.proc.proc.send_signal(sig)
+        self.proc.send_signal(sig)
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -87,7 +92,8 @@ class Cluster:
     gateway_env: dict[str, str] = field(default_factory=dict)
     gateway_open_files: int = 0  # > 0: the gateway's RLIMIT_NOFILE
     port: int = 0
-    gateway: Proc | None = None
+    gateway: Child | None = None
+    protocol: str = "prefixgate"
 
     @classmethod
     def create(
@@ -108,17 +114,30 @@ class Cluster:
             NodeProc("decode", f"decode-{i}", free_port(), node_args, None, scheme)
             for i in range(1, decode + 1)
         ]
-        if smg:
-            kw["gateway_env"] = {**SMG_GATEWAY_ENV, **kw.get("gateway_env", {})}
-        return cls(p, d, **kw)
+        return cls(p, d, protocol=protocol, **kw)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def nodes(self) -> list[NodeProc]:
+        return self.prefill + self.decode
+
     def start(self) -> None:
-        for n in self.prefill + self.decode:
-            n.start()
+        """Every node at once, then the gateway; all stopped again if one does not come up."""
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> None:
+        for n in self.nodes:
+            n.launch()
+        processes.wait_all(
+            [n.proc for n in self.nodes if n.proc], processes.printed(processes.NODE_READY), 30
+        )
         self.port = free_port()
         args = ["gateway", "--port", str(self.port)]
         for n in self.prefill:
@@ -127,23 +146,15 @@ class Cluster:
             args += ["--decode", n.address]
         env = {"PREFIXGATE_STATS_INTERVAL_S": "0.2", **self.gateway_env}
         self.gateway = spawn(args + self.gateway_args, env=env, open_files=self.gateway_open_files)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                r = httpx.get(self.url + "/readyz", timeout=1)
-                if r.status_code == 200 and r.json()["prefill"] == len(self.prefill):
-                    return
-            except httpx.HTTPError:
-                pass
-            if self.gateway.proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        raise RuntimeError("gateway not ready:\n" + "\n".join(list(self.gateway.lines)[-30:]))
+        all_prefill = processes.answers_http(
+            self.url + "/readyz", lambda r: r.json()["prefill"] == len(self.prefill)
+        )
+        self.gateway.wait_until(all_prefill, 30)
 
     def stop(self) -> int:
+        """The gateway first (its exit code), then every node at once."""
         rc = self.gateway.stop() if self.gateway else 0
-        for n in self.prefill + self.decode:
-            n.stop()
+        processes.stop_all([n.proc for n in self.nodes if n.proc is not None])
         return rc
 
     def gateway_rss_kb(self) -> int:
@@ -289,19 +300,15 @@ def env_flag(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true", "yes")
 
 
-def start_redis(port: int) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if (
-            subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True).stdout.strip()
-            == b"PONG"
-        ):
-            return proc
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("redis-server did not start")
+def start_redis(port: int) -> Child:
+    """A throwaway redis-server on ``port`` (no persistence), ready once it answers PING."""
+    import redis
+
+    def pong(_child: Child) -> bool:
+        try:
+            return bool(redis.Redis(port=port, socket_timeout=1).ping())
+        except redis.RedisError:
+            return False
+
+    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    return processes.start(f"redis-server :{port}", argv, ready=pong, timeout=10)

@@ -9,16 +9,16 @@ import grpc
 import httpx
 import pytest
 
+from prefixgate.gateway.ops.processes import Child
 from prefixgate.v1 import gateway_pb2_grpc
 from tests.admin.conftest import start_stack, stop_stack
-from tests.helpers import Proc
 
 
 @dataclass
 class GrpcStack:
     root: str
     grpc_address: str
-    proc: Proc
+    proc: Child
     channel: grpc.Channel
 
     def stub(self) -> gateway_pb2_grpc.GatewayStub:

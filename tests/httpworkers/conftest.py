@@ -3,8 +3,8 @@
 Workers: our own nodes' HTTP endpoint (``prefixgate node ... --http-port``), two serving model
 ``m-a`` and one ``m-b``; and, when it can run here, a third-party mock OpenAI-compatible worker
 (``mock_worker.py`` from the peer-router kit: ``$PREFIXGATE_MOCK_WORKER``, default
-``../shared/peers/mock_worker.py`` next to the checkout; run where it is with the aiohttp venv
-``$PREFIXGATE_PEERS/venv-tools``) serving ``m-c``. The gateway is
+``../shared/peers/mock_worker.py`` next to the checkout; run where it is under this interpreter,
+the dev extras carrying what it imports) serving ``m-c``. The gateway is
 ``prefixgate gateway --worker-urls ...`` with every worker, its ``--model`` left at the default
 (which no worker serves: the models come from the workers).
 """
@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -25,21 +23,22 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from prefixgate.bench.launch import default_peers_dir
-from tests.helpers import REPO, Proc, free_port, spawn
+from prefixgate.gateway.ops import processes
+from prefixgate.gateway.ops.processes import Child
+from tests.helpers import REPO, free_port, spawn
 
 NODE_BLOCK = 16
 MOCK_SCRIPT = Path(
     os.environ.get("PREFIXGATE_MOCK_WORKER", REPO.parent / "shared" / "peers" / "mock_worker.py")
 )
-MOCK_PYTHON = default_peers_dir() / "venv-tools" / "bin" / "python"
+MOCK_PYTHON = Path(sys.executable)  # aiohttp, orjson, uvloop, httpx: all in the dev extras
 
 
 @dataclass
 class Worker:
     model: str
     url: str
-    proc: Proc | None = None
+    proc: Child | None = None
 
     @property
     def node_id(self) -> str:
@@ -52,10 +51,10 @@ class Worker:
 @dataclass
 class Cluster:
     base: str
-    gateway: Proc
+    gateway: Child
     workers: list[Worker]
     mock: Worker | None = None
-    procs: list[Proc] = field(default_factory=list)
+    procs: list[Child] = field(default_factory=list)
     grpc_port: int = 0
 
     def client(self) -> OpenAI:
@@ -96,71 +95,33 @@ def start_node(model: str, time_scale: float = 0.05) -> Worker:
     return Worker(model, f"http://{ready['http_address']}", proc)
 
 
-# What the mock worker imports, as the peer-router kit installs it.
-MOCK_PACKAGES = ("aiohttp==3.14.5", "orjson==3.13.0", "uvloop==0.23.0", "httpx==0.28.1")
-
-
-def ensure_mock_python() -> None:
-    """Make the mock worker's venv when it is missing (pip, about 10 s), built aside and moved in
-    whole, so a half-made one is never used; a failure leaves it missing (said by ``start_mock``)."""
-    if MOCK_PYTHON.exists() or not MOCK_SCRIPT.exists():
-        return
-    venv = MOCK_PYTHON.parent.parent
-    scratch = venv.with_name(f"{venv.name}.{os.getpid()}")
-    try:
-        subprocess.run(
-            [sys.executable, "-m", "venv", str(scratch)], check=True, capture_output=True, timeout=120
-        )
-        pip = [str(scratch / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-        subprocess.run([*pip, *MOCK_PACKAGES], check=True, capture_output=True, timeout=300)
-        scratch.rename(venv)
-    except (subprocess.SubprocessError, OSError) as e:
-        print(f"mock worker venv not made: {e}", file=sys.stderr)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
-def start_mock(model: str) -> tuple[Worker | None, subprocess.Popen[bytes] | None]:
-    """The peers' mock worker, or (None, None) with the reason printed when it cannot run here."""
-    ensure_mock_python()
+def start_mock(model: str) -> Worker | None:
+    """The peers' mock worker, or None with the reason printed when it cannot run here."""
     missing = [str(p) for p in (MOCK_SCRIPT, MOCK_PYTHON) if not p.exists()]
     if missing:
-        reason = f"mock worker not run: missing {', '.join(missing)} (a venv with aiohttp, orjson, uvloop)"
+        reason = f"mock worker not run: missing {', '.join(missing)}"
         if os.environ.get("CI"):
             pytest.fail(reason)
         print(reason, file=sys.stderr)
-        return None, None
+        return None
     port = free_port()
-    proc = subprocess.Popen(
-        [
-            str(MOCK_PYTHON),
-            str(MOCK_SCRIPT),
-            "--ports",
-            str(port),
-            "--model",
-            model,
-            "--tokens",
-            "6",
-            "--quiet",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1, trust_env=False).status_code == 200:
-                return Worker(model, url), proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            break
-        time.sleep(0.1)
-    proc.kill()
-    proc.wait()
-    pytest.fail(f"the mock worker did not start on {url}")
+    argv = [
+        str(MOCK_PYTHON),
+        str(MOCK_SCRIPT),
+        "--ports",
+        str(port),
+        "--model",
+        model,
+        "--tokens",
+        "6",
+        "--quiet",
+    ]
+    try:
+        proc = processes.start("mock worker", argv, ready=processes.answers_http(url + "/health"), timeout=30)
+    except processes.StartFailed as e:
+        pytest.fail(f"the mock worker did not start on {url}: {e}")
+    return Worker(model, url, proc)
 
 
 def wait_models(base: str, want: set[str], timeout: float = 30.0) -> None:
@@ -181,8 +142,7 @@ def wait_models(base: str, want: set[str], timeout: float = 30.0) -> None:
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[Cluster]:
-    procs: list[Proc] = []
-    mock_proc: subprocess.Popen[bytes] | None = None
+    procs: list[Child] = []
     try:
         workers = []
         for model in ("m-a", "m-a", "m-b"):
@@ -190,7 +150,9 @@ def cluster() -> Iterator[Cluster]:
             assert w.proc is not None
             procs.append(w.proc)
             workers.append(w)
-        mock, mock_proc = start_mock("m-c")
+        mock = start_mock("m-c")
+        if mock is not None and mock.proc is not None:
+            procs.append(mock.proc)
         port, grpc_port = free_port(), free_port()
         urls = [w.url for w in workers] + ([mock.url] if mock else [])
         # Above the workers' own max_tokens limit (8192): a request they refuse is possible.
@@ -203,12 +165,4 @@ def cluster() -> Iterator[Cluster]:
         wait_models(base, {"m-a", "m-b"} | ({"m-c"} if mock else set()))
         yield Cluster(base, gateway, workers, mock, procs, grpc_port)
     finally:
-        for p in reversed(procs):
-            p.stop()
-        if mock_proc is not None:
-            mock_proc.terminate()
-            try:
-                mock_proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                mock_proc.kill()
-                mock_proc.wait()
+        processes.stop_all(reversed(procs))

@@ -9,8 +9,9 @@ Each server plays one role and answers per ``model``: ``ok``, or ``p503`` / ``d5
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -202,3 +203,66 @@ async def test_a_pair_across_backends_or_protocols_is_refused() -> None:
             await decode.close()
     with pytest.raises(ValueError, match="--backend"):
         HttpPDOptions("")
+
+
+class HeldDecode:
+    """A decode worker whose first token waits for ``transferred`` (the KV still arriving), as
+    an engine's does; it records the order in which it saw its first token out and the client
+    gone."""
+
+    def __init__(self) -> None:
+        self.transferred = asyncio.Event()
+        self.seen: list[str] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        self.seen.append("request")
+        headers = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        gone = asyncio.ensure_future(receive())  # http.disconnect, once the client closes
+        transferred = asyncio.ensure_future(self.transferred.wait())
+        await asyncio.wait({gone, transferred}, return_when=asyncio.FIRST_COMPLETED)
+        transferred.cancel()
+        if gone.done():
+            self.seen.append("closed mid-transfer")
+            return
+        first = sse({"choices": [{"index": 0, "delta": {"content": "Hel"}}]})
+        await send({"type": "http.response.body", "body": first, "more_body": True})
+        self.seen.append("first token")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(gone, 30)
+        self.seen.append("closed")
+
+
+async def _until(done: Callable[[], bool], seconds: float) -> None:
+    for _ in range(int(seconds / 0.02)):
+        if done():
+            return
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("backend", ["sglang", "vllm"])
+async def test_a_decode_leg_closed_mid_transfer_is_aborted_after_its_first_token(backend: str) -> None:
+    pe, de = Engine("prefill"), HeldDecode()
+    async with serving(pe.app()) as purl, serving(de) as durl:
+        p = connect(purl, http_pd=HttpPDOptions(backend, BOOTSTRAP))
+        d = connect(durl, http_pd=HttpPDOptions(backend))
+        assert isinstance(p, HttpPDClient) and p.handoff is not None
+        stream = p.handoff.start(prompt(), p, d, timeout=30)
+        first = asyncio.ensure_future(anext(stream))
+        await _until(lambda: bool(de.seen), 10)
+        assert de.seen == ["request"]
+        first.cancel()  # the client went away before the decode leg's first token
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        await stream.aclose()
+        # A leg closed now would be seen gone well within this (loopback, one event loop).
+        await _until(lambda: len(de.seen) > 1, 2)
+        de.transferred.set()
+        await _until(lambda: de.seen[-1].startswith("closed"), 10)
+        await p.close()
+        await d.close()
+    assert de.seen == ["request", "first token", "closed"]

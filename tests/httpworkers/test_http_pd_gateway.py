@@ -25,7 +25,8 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.helpers import REPO, Proc, free_port, spawn
+from prefixgate.gateway.ops.processes import Child
+from tests.helpers import REPO, free_port, spawn
 from tests.interop.test_http_pd_interop import (
     BS,
     LONG,
@@ -44,13 +45,13 @@ from tests.interop.test_http_pd_interop import (
 pytestmark = pytest.mark.timeout(300)
 
 
-def _spawn_node(role: str, *args: str) -> Proc:
+def _spawn_node(role: str, *args: str) -> Child:
     cmd = [sys.executable, "-m", "prefixgate.backends", "--role", role, "--port", "0", "--engine", TINY]
     cmd += ["--block-size", str(BS), "--http-port", "0", "--http-model", MODEL, "--ready-line"]
     return _start([*cmd, "--log-level", "warning", *args])
 
 
-def _ready(p: Proc) -> NodeInfo:
+def _ready(p: Child) -> NodeInfo:
     m = p.wait_for(r'^(\{"event": "node_ready".*\})$', timeout=120)
     ready = json.loads(m.group(1))
     return NodeInfo(p, f"http://{ready['http_address']}", int(ready.get("bootstrap_port") or 0))
@@ -77,7 +78,7 @@ def nodes() -> Iterator[Cluster]:
             n.proc.stop(timeout=10)
 
 
-def _gateway(args: list[str], env: dict[str, str] | None = None) -> tuple[Proc, str]:
+def _gateway(args: list[str], env: dict[str, str] | None = None) -> tuple[Child, str]:
     port = free_port()
     # The nodes render messages as sent (a real engine does): so does the gateway, for equal text.
     env = {"PREFIXGATE_NORMALIZATION": "false", **(env or {})}
@@ -118,7 +119,7 @@ def pair(request: pytest.FixtureRequest, nodes: Cluster) -> Iterator[Pair]:
     venv = _venv(r)
     port, prom = free_port(), free_port()
     router = _start(_router_argv(r, venv, nodes, port, prom))
-    gateway: Proc | None = None
+    gateway: Child | None = None
     try:
         _wait_routed(f"http://127.0.0.1:{port}", router)
         gateway, base = _gateway(_pd_args(nodes.prefill, nodes.decode, backend))
@@ -193,7 +194,7 @@ def _running(n: NodeInfo) -> int:
 @pytest.mark.parametrize("backend", sorted(ROUTERS))
 def test_a_killed_prefill_node_fails_no_request(backend: str, nodes: Cluster) -> None:
     (prefill,) = _nodes("prefill")
-    gateway: Proc | None = None
+    gateway: Child | None = None
     try:
         # Probes far apart: the first request after the kill meets the dead node itself.
         slow_probes = {"PREFIXGATE_STATS_INTERVAL_S": "30"}
@@ -225,7 +226,7 @@ def test_a_killed_prefill_node_fails_no_request(backend: str, nodes: Cluster) ->
 @pytest.mark.parametrize("backend", sorted(ROUTERS))
 def test_a_killed_decode_node_is_blamed_and_its_partner_serves(backend: str, nodes: Cluster) -> None:
     decodes = _nodes("decode", "decode")
-    gateway: Proc | None = None
+    gateway: Child | None = None
     try:
         slow_probes = {"PREFIXGATE_STATS_INTERVAL_S": "30"}
         args = [*_pd_args(nodes.prefill, decodes[0], backend), "--decode", decodes[1].url]

@@ -12,14 +12,15 @@ import pytest
 from openai import Stream
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.helpers import Proc, document, free_port, spawn
+from prefixgate.gateway.ops.processes import Child
+from tests.helpers import document, free_port, spawn
 from tests.httpworkers.conftest import Cluster, start_node, wait_models
 
 
 @pytest.fixture(scope="module")
 def slow() -> Iterator[Cluster]:
     """Two ``m-a`` workers at real simulated speed (12 ms a token) behind a gateway."""
-    procs: list[Proc] = []
+    procs: list[Child] = []
     try:
         workers = [start_node("m-a", time_scale=1.0) for _ in range(2)]
         procs += [w.proc for w in workers if w.proc is not None]

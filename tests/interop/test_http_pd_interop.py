@@ -18,7 +18,6 @@ import json
 import math
 import os
 import secrets
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +31,9 @@ import pytest
 from openai import OpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.helpers import REPO, Proc, free_port, spawn, wait_answered
+from prefixgate.gateway.ops import processes
+from prefixgate.gateway.ops.processes import Child
+from tests.helpers import REPO, free_port, spawn, wait_answered
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -60,49 +61,29 @@ ROUTERS = {
 
 
 def _venv(r: Router) -> Path:
-    peers = Path(os.environ.get("PEERS") or Path(tempfile.gettempdir()) / "prefixgate-peers") / r.venv
-    if (peers / "bin" / r.argv[0]).exists():
-        return peers
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "prefixgate"
-    venv = cache / f"{r.package}-{r.version}"
-    if (venv / "bin" / r.argv[0]).exists() and (venv / ".installed").exists():
-        return venv
-    try:
-        subprocess.run(
-            [sys.executable, "-m", "venv", "--clear", str(venv)], check=True, capture_output=True, timeout=120
-        )
-        pip = [str(venv / "bin" / "pip"), "install", "-q", "--disable-pip-version-check"]
-        subprocess.run([*pip, f"{r.package}=={r.version}"], check=True, capture_output=True, timeout=300)
-        (venv / ".installed").touch()
-    except (subprocess.SubprocessError, OSError) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        reason = (
-            f"{r.package} {r.version} is not installed and pip could not install it: {e} {detail[-300:]!r}"
-        )
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
-    return venv
+    """The venv the router runs from: this one (the dev extras install the routers), else the
+    peers' scratch venv; never installed at test time (the test is skipped, failed on CI)."""
+    for venv in (
+        Path(sys.prefix),
+        Path(os.environ.get("PEERS") or Path(tempfile.gettempdir()) / "prefixgate-peers") / r.venv,
+    ):
+        if (venv / "bin" / r.argv[0]).exists() and (
+            r.name != "sglang" or any(venv.glob("lib/python*/site-packages/sglang_router"))
+        ):
+            return venv
+    reason = f"{r.package} {r.version} is not installed (pip install -e '.[dev]')"
+    if os.environ.get("CI"):
+        pytest.fail(reason)
+    pytest.skip(reason)
 
 
-def _start(argv: list[str]) -> Proc:
-    proc = subprocess.Popen(
-        argv,
-        cwd=REPO,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    p = Proc(proc)
-    p.start_reader()
-    return p
+def _start(argv: list[str]) -> Child:
+    return processes.start(Path(argv[0]).name, argv, cwd=REPO)
 
 
 @dataclass
 class NodeInfo:
-    proc: Proc
+    proc: Child
     url: str
     bootstrap_port: int = 0
 
@@ -155,7 +136,7 @@ def _router_argv(r: Router, venv: Path, c: Cluster, port: int, prom: int) -> lis
     return [*head, "--vllm-pd-disaggregation", "--prefill", c.prefill.url, "--decode", c.decode.url]
 
 
-def _wait_routed(base: str, proc: Proc, timeout: float = 60.0) -> None:
+def _wait_routed(base: str, proc: Child, timeout: float = 60.0) -> None:
     wait_answered(base, proc, MODEL, timeout=timeout)
 
 
@@ -163,7 +144,7 @@ def _wait_routed(base: str, proc: Proc, timeout: float = 60.0) -> None:
 def routers(cluster: Cluster) -> Iterator[Callable[[str], str]]:
     """``routers(name)``: the base URL of that router in front of the module's PD pair, started
     on first use and shared by the module's tests."""
-    started: dict[str, tuple[Proc, str]] = {}
+    started: dict[str, tuple[Child, str]] = {}
 
     def get(name: str) -> str:
         if name not in started:

@@ -22,7 +22,8 @@ from openai import OpenAI
 from transformers import PreTrainedTokenizerFast
 
 from prefixgate.backends.hftok import TOKENIZER_DIR
-from tests.helpers import Proc, free_port, spawn
+from prefixgate.gateway.ops.processes import Child
+from tests.helpers import free_port, spawn
 from tests.interop.test_smg_interop import HF, LONG, MODEL, _smg, nodes, smg_exe
 
 __all__ = ["nodes", "smg_exe"]  # module fixtures shared with the smg interop test
@@ -35,7 +36,7 @@ PROMPT = f"<|im_start|>user\n{LONG}<|im_end|>\n<|im_start|>assistant\n"
 
 
 @contextmanager
-def _gateway(*flags: str) -> Iterator[tuple[Proc, str]]:
+def _gateway(*flags: str) -> Iterator[tuple[Child, str]]:
     """``prefixgate gateway`` with the peer's worker flags and nothing else but its port."""
     port = free_port()
     proc = spawn(["gateway", "--port", str(port), *flags])

@@ -26,10 +26,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from prefixgate.gateway.ops.processes import Child
 from prefixgate.gateway.state.redis_store import RedisState
 from tests.cachetier.support import RedisClusterHarness, test_prefix
 from tests.faults.cluster import NodeProc
-from tests.helpers import REPO, Proc, free_port, spawn
+from tests.helpers import REPO, free_port, spawn
 from tests.replicas.store_contract import CONTRACT
 from tests.shared_index.test_shared_index import MODEL, doc_body
 
@@ -47,7 +48,7 @@ class Deployment:
     prefix: str
     nodes: list[NodeProc]
     spare: NodeProc
-    gateways: list[Proc]
+    gateways: list[Child]
     urls: list[str]
 
 
@@ -70,7 +71,7 @@ def _ready(url: str) -> bool:
 
 def start_gateway(
     cluster: RedisClusterHarness, prefix: str, nodes: list[NodeProc], redis_port: int
-) -> tuple[Proc, str]:
+) -> tuple[Child, str]:
     """A replica: the same nodes, keys and prefix as the others, its own cluster node to ask."""
     port = free_port()
     cmd = ["gateway", "--port", str(port), "--redis", f"redis://127.0.0.1:{redis_port}"]
@@ -98,7 +99,7 @@ def deployment() -> Iterator[Deployment]:
     ]
     nodes.append(NodeProc("decode", "decode-1", free_port(), args))
     spare = NodeProc("decode", "decode-2", free_port(), args)
-    gateways: list[Proc] = []
+    gateways: list[Child] = []
     urls: list[str] = []
     try:
         for n in [*nodes, spare]:

@@ -9,15 +9,16 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from prefixgate.gateway.ops.processes import Child
 from prefixgate.gateway.ops.stack import StackOptions, node_command
-from tests.helpers import Proc, free_port, spawn
+from tests.helpers import free_port, spawn
 
 NODE = "127.0.0.1:1"  # never answers: these checks happen before any node is involved
 CLIENT_HEADERS = ("forwarded", "x-forwarded-for", "x-real-ip")
 METRICS_TOKEN = "metrics-secret-for-tests"
 
 
-def _gateway(env: dict[str, str]) -> tuple[str, Proc]:
+def _gateway(env: dict[str, str]) -> tuple[str, Child]:
     port = free_port()
     proc = spawn(["gateway", "--port", str(port), "--decode", NODE], env=env)
     url = f"http://127.0.0.1:{port}"

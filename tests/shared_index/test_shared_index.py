@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import subprocess
 import time
 import uuid
@@ -17,10 +18,11 @@ from prefixgate.cachetier.index import IndexStats, StoreOp
 from prefixgate.cachetier.redis_index import RedisIndex, connect
 from prefixgate.cachetier.tokenizer import Bytes4Tokenizer
 from prefixgate.gateway.cluster.events import index_capacity
+from prefixgate.gateway.ops.processes import Child
 from prefixgate.openai.normalize import Document, render_chat
 from tests.faults.cluster import Cluster, Outcome, Tally, drive, start_redis
 from tests.faults.conftest import REPORT
-from tests.helpers import Proc, free_port, spawn
+from tests.helpers import free_port, spawn
 
 MODEL = "prefixgate-sim"
 
@@ -37,14 +39,13 @@ def doc_body(seed: int, tokens: int = 3000, question: str = "Summarize.") -> dic
 
 
 @pytest.fixture
-def redis_server() -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
+def redis_server() -> Iterator[tuple[int, Child]]:
     port = free_port()
     proc = start_redis(port)
     try:
         yield port, proc
     finally:
-        proc.kill()
-        proc.wait()
+        proc.stop(signal.SIGKILL)
 
 
 def redis_cluster(port: int, prefix: str, node_args: list[str] | None = None) -> Cluster:
@@ -63,12 +64,12 @@ def post(url: str, body: dict[str, Any]) -> httpx.Response:
     return r
 
 
-def test_two_gateways_route_as_one(redis_server: tuple[int, subprocess.Popen[bytes]]) -> None:
+def test_two_gateways_route_as_one(redis_server: tuple[int, Child]) -> None:
     port, _ = redis_server
     prefix = f"prefixgate-test-{uuid.uuid4().hex[:8]}:"
     c = redis_cluster(port, prefix)
     c.start()
-    second: Proc | None = None
+    second: Child | None = None
     try:
         b_port = free_port()
         args = ["gateway", "--port", str(b_port), "--redis", f"redis://127.0.0.1:{port}/0"]
@@ -99,20 +100,19 @@ def test_two_gateways_route_as_one(redis_server: tuple[int, subprocess.Popen[byt
 
 
 def test_redis_outage_fails_no_request_and_routing_returns(
-    redis_server: tuple[int, subprocess.Popen[bytes]],
+    redis_server: tuple[int, Child],
 ) -> None:
     port, proc = redis_server
     prefix = f"prefixgate-test-{uuid.uuid4().hex[:8]}:"
     c = redis_cluster(port, prefix)
     c.start()
-    restarted: list[subprocess.Popen[bytes]] = []
+    restarted: list[Child] = []
     try:
         before = c.metric("prefixgate_retries_total")
 
         def during(done: int) -> None:
             if done == 30:
-                proc.kill()
-                proc.wait()
+                proc.stop(signal.SIGKILL)
             if done == 90:
                 restarted.append(start_redis(port))
 
@@ -143,12 +143,11 @@ def test_redis_outage_fails_no_request_and_routing_returns(
     finally:
         assert c.stop() == 0
         for p in restarted:
-            p.kill()
-            p.wait()
+            p.stop(signal.SIGKILL)
 
 
 def test_node_side_eviction_reaches_the_index_within_a_second(
-    redis_server: tuple[int, subprocess.Popen[bytes]],
+    redis_server: tuple[int, Child],
 ) -> None:
     port, _ = redis_server
     prefix = f"prefixgate-test-{uuid.uuid4().hex[:8]}:"
@@ -192,7 +191,7 @@ def test_node_side_eviction_reaches_the_index_within_a_second(
 
 
 def test_a_node_whose_hits_keep_missing_the_prediction_is_resynced(
-    redis_server: tuple[int, subprocess.Popen[bytes]],
+    redis_server: tuple[int, Child],
 ) -> None:
     """Entries the node does not hold (events lost, say) are caught by predicted vs reported."""
     port, _ = redis_server
@@ -271,22 +270,21 @@ def index_log_events(c: Cluster) -> dict[str, int]:
 
 
 def test_redis_restarted_empty_is_noticed_and_the_index_rebuilt(
-    redis_server: tuple[int, subprocess.Popen[bytes]],
+    redis_server: tuple[int, Child],
 ) -> None:
     """An idle restart used to leave the index empty (and capacities at the default) unnoticed."""
     port, proc = redis_server
     prefix = f"prefixgate-test-{uuid.uuid4().hex[:8]}:"
     c = redis_cluster(port, prefix, ["--time-scale", "0.05", "--capacity-blocks", "4096"])
     c.start()
-    restarted: list[subprocess.Popen[bytes]] = []
+    restarted: list[Child] = []
     try:
         results = asyncio.run(drive(c.url, [doc_body(700 + i, 1500, f"q{i}") for i in range(30)], 8))
         time.sleep(0.5)
         before = index_stats(port, prefix)
         assert before.total_blocks > 0
         assert {o.capacity for o in before.nodes.values()} == {index_capacity(4096)}
-        proc.kill()
-        proc.wait()
+        proc.stop(signal.SIGKILL)
         restarted.append(start_redis(port))  # idle: no request in flight
         t0 = time.monotonic()
         rebuilt = index_stats(port, prefix)
@@ -312,12 +310,11 @@ def test_redis_restarted_empty_is_noticed_and_the_index_rebuilt(
     finally:
         assert c.stop() == 0
         for p in restarted:
-            p.kill()
-            p.wait()
+            p.stop(signal.SIGKILL)
 
 
 def test_redis_out_of_memory_is_degraded_mode_and_fails_no_request(
-    redis_server: tuple[int, subprocess.Popen[bytes]],
+    redis_server: tuple[int, Child],
 ) -> None:
     """maxmemory + noeviction: reads work, every index write is refused; that used to look healthy."""
     port, _ = redis_server
@@ -358,7 +355,7 @@ def test_redis_out_of_memory_is_degraded_mode_and_fails_no_request(
 
 
 def test_a_gateway_on_the_packed_layout_routes_by_it(
-    redis_server: tuple[int, subprocess.Popen[bytes]],
+    redis_server: tuple[int, Child],
 ) -> None:
     """``PREFIXGATE_REDIS_LAYOUT=packed``: the index lives in the packed keys and still routes."""
     port, _ = redis_server

@@ -16,8 +16,8 @@ from smg_grpc_proto.generated import common_pb2
 from prefixgate.cachetier.hashing import block_hashes
 from prefixgate.cachetier.tokenizer import pack_ids
 from prefixgate.gateway.nodeclient import KVEvent, NodeFailure
+from prefixgate.gateway.nodeclient.handoff import RelayStream
 from prefixgate.gateway.nodeclient.smg_common import SmgNodeClient, SmgOptions
-from prefixgate.gateway.nodeclient.smg_vllm import RelayStream
 from prefixgate.gateway.vocab import EventKind, Stage
 from tests.smgwire import doubles
 from tests.smgwire.conftest import BS, HF, StartNode, root_of

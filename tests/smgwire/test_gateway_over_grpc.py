@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from prefixgate.backends.smg_service import SglangSchedulerService
-from tests.helpers import Proc, free_port, spawn
+from prefixgate.gateway.ops.processes import Child
+from tests.helpers import free_port, spawn
 from tests.smgwire import doubles
 from tests.smgwire.conftest import HF, MODEL, StartNode
 
@@ -31,7 +32,7 @@ PROMPT = (
 async def gateway(*workers: str, env: dict[str, str] | None = None) -> AsyncIterator[str]:
     """The gateway process; waits without blocking the loop our nodes run in."""
     port = free_port()
-    proc: Proc = spawn(["gateway", "--port", str(port), *workers], env=env)  # the worker flags alone
+    proc: Child = spawn(["gateway", "--port", str(port), *workers], env=env)  # the worker flags alone
     base = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient(timeout=2) as http:

@@ -24,8 +24,8 @@ from prefixgate.gateway.cluster.events import EventSync
 from prefixgate.gateway.cluster.nodes import NodePool
 from prefixgate.gateway.metrics import Metrics
 from prefixgate.gateway.nodeclient import NodeFailure, Prompt, TokenStream
+from prefixgate.gateway.nodeclient.handoff import BootstrapStream
 from prefixgate.gateway.nodeclient.smg_common import SmgNodeClient, SmgOptions
-from prefixgate.gateway.nodeclient.smg_sglang import BootstrapStream
 from prefixgate.gateway.vocab import FailureKind, Stage
 from prefixgate.openai.schema import Sampling
 from tests.smgwire import doubles

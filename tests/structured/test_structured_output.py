@@ -30,7 +30,8 @@ from hypothesis import strategies as st
 from openai import OpenAI
 
 from prefixgate.backends.hftok import TOKENIZER_DIR
-from tests.helpers import Proc, free_port, spawn, wait_answered
+from prefixgate.gateway.ops.processes import Child
+from tests.helpers import free_port, spawn, wait_answered
 
 MODEL = "prefixgate-tiny"
 TINY = "tiny:preset=small"
@@ -47,7 +48,7 @@ class Stack:
     sim: str  # gateway --worker-urls grpc://<simulated node>
 
 
-def _node(*args: str) -> tuple[Proc, dict[str, Any]]:
+def _node(*args: str) -> tuple[Child, dict[str, Any]]:
     p = spawn(
         ["node", "--port", "0", "--block-size", str(BS), "--ready-line", "--log-level", "warning", *args]
     )
@@ -55,16 +56,16 @@ def _node(*args: str) -> tuple[Proc, dict[str, Any]]:
     return p, json.loads(m.group(1))
 
 
-def _gateway(*args: str) -> tuple[Proc, str]:
+def _gateway(*args: str) -> tuple[Child, str]:
     port = free_port()
     p = spawn(["gateway", "--port", str(port), *args])
     return p, f"http://127.0.0.1:{port}"
 
 
-def _ready(base: str, proc: Proc, timeout: float = 60.0) -> None:
+def _ready(base: str, proc: Child, timeout: float = 60.0) -> None:
     """Until a plain request is answered: the gateway is up and has read its node's status
     (the features a node serves come with it)."""
-    wait_answered(base, proc, MODEL, timeout=timeout, interval=0.1)
+    wait_answered(base, proc, MODEL, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     config = json.loads((TOKENIZER_DIR / "tokenizer_config.json").read_text())
     config["chat_template"] = TEMPLATE.read_text()
     (tok / "tokenizer_config.json").write_text(json.dumps(config))
-    procs: list[Proc] = []
+    procs: list[Child] = []
     try:
         with ThreadPoolExecutor(4) as pool:
             mono_f = pool.submit(

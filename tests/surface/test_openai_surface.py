@@ -17,7 +17,8 @@ from openai import OpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
 from prefixgate.backends.tiny.vocab import OUTPUT_IDS, token_text
-from tests.helpers import Proc, free_port, spawn
+from prefixgate.gateway.ops.processes import Child
+from tests.helpers import free_port, spawn
 from tests.tiny.support import BS, SMALL
 
 MODEL = "prefixgate-sim"
@@ -30,7 +31,7 @@ MESSAGES: list[ChatCompletionMessageParam] = [
 def _stack(engine: str) -> Iterator[OpenAI]:
     port = free_port()
     args = ["up", "--port", str(port), "--prefill", "1", "--decode", "1", "--block-size", str(BS)]
-    proc: Proc = spawn([*args, "--engine", engine])
+    proc: Child = spawn([*args, "--engine", engine])
     try:
         m = proc.wait_for(r"prefixgate ready in [0-9.]+s: (http://\S+/v1)", timeout=60)
         yield OpenAI(base_url=m.group(1), api_key="unused", max_retries=0, timeout=60)

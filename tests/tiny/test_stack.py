@@ -11,7 +11,8 @@ from openai import OpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
 from prefixgate.backends.hftok import load
-from tests.helpers import Proc, free_port, spawn
+from prefixgate.gateway.ops.processes import Child
+from tests.helpers import free_port, spawn
 from tests.tiny.support import BS, SMALL
 
 TOKEN_TEXTS = {t for t in load().texts if t}
@@ -21,7 +22,7 @@ TOKEN_TEXTS = {t for t in load().texts if t}
 def base_url() -> Iterator[str]:
     port = free_port()
     args = ["up", "--port", str(port), "--prefill", "1", "--decode", "2", "--block-size", str(BS)]
-    proc: Proc = spawn([*args, "--engine", SMALL])
+    proc: Child = spawn([*args, "--engine", SMALL])
     try:
         m = proc.wait_for(r"prefixgate ready in [0-9.]+s: (http://\S+/v1)", timeout=60)
         yield m.group(1)

@@ -17,7 +17,7 @@ from prefixgate.backends.hftok import TOKENIZER_DIR
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.core.service import GatewayService
 from prefixgate.gateway.httpfront.app import create_app
-from tests.helpers import Proc
+from prefixgate.gateway.ops.processes import Child
 from tests.interop.test_smg_interop import BS, MODEL, _node, _smg, _smg_executable
 
 CHATS: list[list[dict[str, Any]]] = [
@@ -38,7 +38,7 @@ CHATS: list[list[dict[str, Any]]] = [
 @pytest.fixture(scope="module")
 def node_and_smg() -> Iterator[tuple[str, str]]:
     exe = _smg_executable()
-    procs: list[Proc] = []
+    procs: list[Child] = []
     try:
         node_p, node = _node("--role", "monolithic")
         procs.append(node_p)

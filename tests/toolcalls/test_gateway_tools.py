@@ -25,8 +25,9 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
 from prefixgate.backends.hftok import TOKENIZER_DIR
+from prefixgate.gateway.ops.processes import Child
 from prefixgate.v1 import gateway_pb2, gateway_pb2_grpc
-from tests.helpers import Proc, free_port, spawn
+from tests.helpers import free_port, spawn
 from tests.smgwire.doubles import ScriptedSglang, add_sglang, serve
 
 MODEL = "qwen-tools"
@@ -113,7 +114,7 @@ async def gateway(tokenizer_dir: Path, worker: str, *extra: str) -> AsyncIterato
     port = free_port()
     argv = ["gateway", "--port", str(port), "--model", MODEL, "--block-size", "16"]
     argv += ["--tokenizer-path", str(tokenizer_dir), "--worker-urls", worker, *extra]
-    proc: Proc = spawn(argv)
+    proc: Child = spawn(argv)
     base = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient(timeout=2) as http:

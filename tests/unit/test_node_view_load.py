@@ -39,3 +39,20 @@ async def test_our_requests_done_since_the_poll_are_not_load_and_others_work_is(
         assert (v.outstanding_requests, v.outstanding_tokens) == (3, 9700)
     finally:
         await pool.close()
+
+
+async def test_a_request_load_is_counted_while_it_runs_and_released_however_it_ends() -> None:
+    client = FakeNodeClient("m1", status=[fake_status("m1", "monolithic")])
+    pool = NodePool(connect={"m1": client}.__getitem__, probe_timeout_s=0.2, poll=False)
+    try:
+        node = pool.add("monolithic", "m1")
+        assert await pool.refresh(node)
+        with node.load(700), node.load(300):
+            v = node.view()
+            assert (v.outstanding_requests, v.outstanding_tokens) == (2, 1000)
+        with pytest.raises(RuntimeError), node.load(500):
+            raise RuntimeError("the attempt failed")
+        v = node.view()
+        assert (v.outstanding_requests, v.outstanding_tokens) == (0, 0)
+    finally:
+        await pool.close()

@@ -48,11 +48,11 @@ async def test_preview_changes_nothing_and_shows_the_next_decision() -> None:
         async with gateway(policy, SPLIT) as pipe:
             prep = prepared(pipe)
             pipe.decide(prep, {})
-            turn = pipe.turn
+            turn = pipe.turns[prep.model]
             previews = [pipe.preview(prep, {}) for _ in range(3)]
-            assert pipe.turn == turn and previews[0] == previews[1] == previews[2]
+            assert pipe.turns[prep.model] == turn and previews[0] == previews[1] == previews[2]
             assert pipe.decide(prep, {}) == previews[0]
-            assert pipe.turn == turn + 1
+            assert pipe.turns[prep.model] == turn + 1
 
 
 async def test_decode_nodes_are_paired_by_kv_format() -> None:

@@ -31,7 +31,7 @@ async def test_a_request_follows_its_prefix_while_it_is_computing(inflight: bool
         else:
             assert second.decode_node is not a.decode_node  # the index alone: the idle node
             assert second.predicted_tokens == 0
-        assert second.prep.route_notes["inflight_gain_tokens"] == 6 * 64  # noted either way
+        assert second.notes["inflight_gain_tokens"] == 6 * 64  # noted either way
         await a.close()
         await second.close()
         assert len(h.pipeline.inflight_prefixes) == 2  # both served: kept for the grace only

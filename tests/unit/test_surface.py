@@ -262,6 +262,19 @@ async def test_a_choice_that_cannot_start_fails_the_request_and_closes_the_start
         assert all(s.closed for s in node.streams)
 
 
+async def test_the_default_max_tokens_is_clamped_for_the_engines_and_the_request_left_as_it_was() -> None:
+    node = FakeNodeClient("m", status=fake_status("m", "monolithic"))
+    # a window 10 tokens past the 400-token prompt: less room than the default max_tokens (16)
+    async with harness(("monolithic", node), disaggregation=False, context_window=410) as h:
+        s = h.pipeline.settings
+        body = {"model": s.default_model, "prompt": "x" * 1600}
+        parsed = parse_request(body, "completion", **{**KW, "models": {s.default_model}})
+        prep = h.pipeline.prepare(parsed, "tenant")
+        assert (parsed.sampling.max_tokens, prep.sampling.max_tokens) == (16, 10)
+        assert prep.openai_body is not None and prep.openai_body().body["max_tokens"] == 10
+        assert h.pipeline.prepare(parsed, "tenant").sampling == prep.sampling  # prepared again alike
+
+
 async def test_context_overflow_names_the_field_that_set_the_limit() -> None:
     node = FakeNodeClient("m", status=fake_status("m", "monolithic"))
     async with harness(("monolithic", node), disaggregation=False, context_window=420) as h:

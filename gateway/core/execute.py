@@ -1,0 +1,383 @@
+"""Running a request: attempts on the planned nodes, retries elsewhere, the fallback to serving whole.
+
+The split path is tried on the best prefill/decode pair, then on the next best after each
+failure (the node at fault excluded); when it cannot serve, the request falls back to
+monolithic serving, itself tried on other nodes. Both are one attempt loop over their own
+choice of nodes: at most ``retry_max_attempts`` a path, with backoff between attempts, all
+within the request's deadline. Nothing is retried once the first token is out
+(``Execution.stream`` raises StreamBroken then).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+from prefixgate.gateway.cluster.nodes import Node, NodePool
+from prefixgate.gateway.config import Settings
+from prefixgate.gateway.core.accounting import Accounting
+from prefixgate.gateway.core.execution import Execution
+from prefixgate.gateway.core.features import unable
+from prefixgate.gateway.core.plan import Lookup, Planner, decision_notes
+from prefixgate.gateway.core.refusals import refusal
+from prefixgate.gateway.core.request import Failure, Prepared, Timings
+from prefixgate.gateway.core.tenancy import Tenancy
+from prefixgate.gateway.metrics import Metrics
+from prefixgate.gateway.nodeclient import NodeFailure, Prompt, StageTimings, TokenDelta, TokenStream
+from prefixgate.gateway.nodeclient.openai_body import for_choice
+from prefixgate.gateway.routing import Decision
+from prefixgate.gateway.toolcalls.support import passing_through
+from prefixgate.gateway.vocab import FailureKind, Mode, Stage
+from prefixgate.openai.exceptions import Overloaded, Unavailable
+from prefixgate.openai.features import Feature
+
+log = structlog.get_logger("prefixgate.pipeline")
+
+
+def backoff_s(attempt: int, s: Settings) -> float:
+    """The pause before attempt number ``attempt`` (0-based): none before the first, then
+    ``retry_backoff_initial_s`` times ``retry_backoff_multiplier`` per attempt, at most
+    ``retry_backoff_max_s``, scaled by a random factor within ``retry_jitter_factor`` of 1 and
+    plus up to ``retry_jitter_s``."""
+    if attempt == 0:
+        return 0.0
+    delay = s.retry_backoff_initial_s * s.retry_backoff_multiplier ** (attempt - 1)
+    delay = min(s.retry_backoff_max_s, delay)
+    if s.retry_jitter_factor:
+        delay *= 1.0 + random.uniform(-s.retry_jitter_factor, s.retry_jitter_factor)
+    return delay + (random.uniform(0, s.retry_jitter_s) if s.retry_jitter_s else 0.0)
+
+
+def _not_for_monolithic(e: NodeFailure) -> bool:
+    """A prefill node that failed may still serve whole requests; a node that failed to decode may
+    not, unless all it refused was pages in another format."""
+    decoding = e.stage in (Stage.DECODE, Stage.TRANSFER, Stage.GENERATE)
+    return decoding and e.kind != FailureKind.FORMAT_REFUSED
+
+
+async def _first_delta(stream: TokenStream) -> TokenDelta:
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        raise NodeFailure("", Stage.GENERATE, FailureKind.INTERNAL, "stream ended before any token") from None
+
+
+def _blamed(e: NodeFailure, nodes: tuple[Node, ...]) -> Node:
+    """The node a failure names (the last one given when it names none of them)."""
+    for n in nodes:
+        if e.node_id in (n.client.address, n.address, n.id):
+            return n
+    return nodes[-1]
+
+
+def _prompt(prep: Prepared, node: Node) -> Prompt:
+    """The prompt for ``node``; with the OpenAI request when the node generates from it."""
+    openai = None
+    if node.client.capabilities.openai_body and prep.openai_body is not None:
+        openai = for_choice(prep.openai_body(), prep.sampling.seed, prep.sampling.choice)
+    return Prompt(prep.request_id, prep.tokens, prep.hashes, prep.sampling, openai, prep.engine_salt)
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """The nodes one attempt tries (a prefill node on the split path) and the decision that
+    picked the node computing the prompt."""
+
+    prefill: Node | None
+    decode: Node
+    decision: Decision
+    route: str
+    reason: str
+
+    @property
+    def nodes(self) -> tuple[Node, ...]:
+        return (self.decode,) if self.prefill is None else (self.prefill, self.decode)
+
+
+@dataclass(slots=True)
+class Run:
+    """One request being executed: what its attempts share and what they leave behind."""
+
+    prep: Prepared
+    lookup: Lookup
+    deadline: float  # loop-independent monotonic time
+    failures: list[Failure] = field(default_factory=list)
+    attempts: int = 0
+    notes: dict[str, int] = field(default_factory=dict)  # the lookup's and the decisions' (request log)
+
+
+# What the next attempt would try, its nodes chosen once the backoff pause is over; None:
+# nothing left to try.
+NextTarget = Callable[[], Callable[[], Target | None] | None]
+
+
+class Executor:
+    def __init__(
+        self,
+        settings: Settings,
+        pool: NodePool,
+        planner: Planner,
+        accounting: Accounting,
+        metrics: Metrics,
+        tenancy: Tenancy,
+    ) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.planner = planner
+        self.accounting = accounting
+        self.metrics = metrics
+        self.tenancy = tenancy
+
+    async def execute(self, prep: Prepared) -> Execution:
+        """Route and start the request; raises Overloaded or Unavailable when no node can serve it."""
+        deadline = time.monotonic() + self.settings.request_timeout_s
+        unserved = unable(self.pool.nodes.values(), prep.needs)  # 400 when no node can serve it
+        if prep.tool_parser:  # the gateway parses the tool calls: not for pass-through workers
+            unserved |= passing_through(self.pool.nodes.values())
+        found = await self.planner.lookup(prep)
+        run = Run(prep, found, deadline, notes=dict(found.notes))
+        hits = found.hits
+        plan = self.planner.decide(prep, hits, set(unserved))
+
+        if plan.mode.mode == Mode.DISAGGREGATED:
+            excluded: set[str] = set(unserved)
+
+            def split() -> Callable[[], Target | None] | None:
+                pnode = self.pool.by_id(plan.prefill.node_id or "") if plan.prefill else None
+                dnode = self.pool.by_id(plan.decode_node or "")
+                if plan.mode.mode != Mode.DISAGGREGATED or pnode is None or dnode is None:
+                    return None
+                assert plan.prefill is not None
+                target = Target(pnode, dnode, plan.prefill, Mode.DISAGGREGATED, plan.mode.reason)
+                return lambda: target
+
+            def replan() -> None:
+                nonlocal plan
+                plan = self.planner.decide(prep, hits, excluded)
+
+            ex = await self._attempts(run, split, excluded, replan)
+            if ex is not None:
+                return ex
+
+        failures = run.failures
+        if failures:
+            route, reason = (
+                Mode.FALLBACK,
+                "split pipeline failed: " + "; ".join(str(f) for f in failures[-3:]),
+            )
+            self.metrics.fallbacks.labels("split_failed").inc()
+        elif plan.mode.mode == Mode.FALLBACK:
+            route, reason = Mode.FALLBACK, plan.mode.reason
+            self.metrics.fallbacks.labels("unavailable").inc()
+        else:
+            route, reason = Mode.MONOLITHIC, plan.mode.reason
+
+        if all(f.error.kind.retryable for f in failures):
+            excluded = {f.node.id for f in failures if _not_for_monolithic(f.error)} | unserved
+
+            def whole() -> Callable[[], Target | None] | None:
+                candidates = self.planner.monolithic_candidates(excluded, prep.model)
+                if not candidates:
+                    return None
+
+                def pick() -> Target | None:
+                    decision = self.planner.choose(prep, hits, candidates)
+                    node = self.pool.by_id(decision.node_id or "")
+                    return None if node is None else Target(None, node, decision, route, reason)
+
+                return pick
+
+            ex = await self._attempts(run, whole, excluded)
+            if ex is not None:
+                return ex
+
+        self.metrics.requests.labels(route, "failed").inc()
+        refused = refusal(failures[-1].error, prep.needs.get(Feature.RESPONSE_FORMAT)) if failures else None
+        if refused is not None:  # the engine judged the client's own request: its answer is a 400 (422)
+            raise refused
+        if failures and all(f.error.kind == FailureKind.OVERLOADED for f in failures):
+            raise Overloaded("every node is at capacity; retry shortly", retry_after=1)
+        detail = "; ".join(str(f) for f in failures[-3:]) or f"no node can serve it: {plan.mode.reason}"
+        raise Unavailable(f"no node could serve the request ({detail})", retry_after=2)
+
+    async def _attempts(
+        self,
+        run: Run,
+        next_target: NextTarget,
+        excluded: set[str],
+        after_failure: Callable[[], None] | None = None,
+    ) -> Execution | None:
+        """Attempts on the nodes ``next_target`` picks, the node at fault of each failure added to
+        ``excluded`` (then ``after_failure``), until one starts, a failure is not worth a retry,
+        nothing is left to try or the deadline is too close. None: nothing started."""
+        for attempt in range(self.settings.retry_max_attempts):
+            pending = next_target()
+            if pending is None or not await self._pause(attempt, run.deadline):
+                return None
+            target = pending()
+            if target is None:
+                return None
+            run.attempts += 1
+            run.notes.update(decision_notes(target.decision))
+            outcome = await self._attempt(run, target)
+            if isinstance(outcome, Execution):
+                return outcome
+            self._failed(outcome, run.failures)
+            if not outcome.error.kind.retryable:
+                return None
+            excluded.add(outcome.node.id)
+            if after_failure is not None:
+                after_failure()
+        return None
+
+    async def _pause(self, attempt: int, deadline: float) -> bool:
+        """Back off before a retry; False when the deadline leaves no time for another attempt."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        pause = backoff_s(attempt, self.settings)
+        if pause:
+            await asyncio.sleep(min(pause, left))
+        return time.monotonic() < deadline
+
+    def _failed(self, f: Failure, failures: list[Failure]) -> None:
+        failures.append(f)
+        self._note_failure(f)
+        self.metrics.retries.labels(f.error.stage.value).inc()
+
+    def _note_failure(self, f: Failure) -> None:
+        if f.error.kind not in (FailureKind.OVERLOADED, FailureKind.INVALID, FailureKind.CONSTRAINT):
+            f.node.breaker.on_failure(time.monotonic())
+        else:
+            f.node.breaker.on_release()
+        f.node.last_error = str(f)[:500]
+        log.warning(
+            "node_attempt_failed",
+            node=f.node.id,
+            stage=f.error.stage.value,
+            kind=f.error.kind.value,
+            detail=f.error.detail[:200],
+        )
+
+    async def _attempt(self, run: Run, t: Target) -> Execution | Failure:
+        """One attempt, up to its first token: split across ``t.prefill`` and ``t.decode``, or
+        served whole by ``t.decode``.
+
+        The node computing the prompt carries the request's load until its prefill is done,
+        on either path: between two stats polls the policy otherwise sees none of the requests
+        it just sent and piles them on one node.
+        """
+        prep, pnode, dnode = run.prep, t.prefill, t.decode
+        handoff = pnode.client.handoff if pnode is not None else None
+        if pnode is not None and handoff is None:
+            return Failure(pnode, NodeFailure(pnode.id, Stage.PREFILL, FailureKind.INVALID, "cannot split"))
+        computing = pnode or dnode
+        nodes = t.nodes
+        predicted = t.decision.cached_blocks * self.settings.block_size
+        uncached = max(0, prep.prompt_tokens - predicted)
+        timings = Timings()
+        for n in nodes:
+            n.breaker.on_dispatch()
+        with computing.load(uncached):
+            ticket, served = self.planner.hold_prefix(prep, computing), False
+            timeout = max(0.01, run.deadline - time.monotonic())
+            if pnode is not None and handoff is not None:
+                stream = handoff.start(_prompt(prep, pnode), pnode.client, dnode.client, timeout=timeout)
+            else:
+                stream = dnode.client.generate(_prompt(prep, dnode), timeout=timeout)
+            try:
+                first = await self._first(stream, run.deadline, pnode, dnode)
+                served = True
+            except NodeFailure as e:
+                await stream.aclose()
+                blamed = _blamed(e, nodes)
+                for n in nodes:
+                    if n is blamed:
+                        continue
+                    if n is pnode and stream.prefill is not None:
+                        n.breaker.on_success()  # the prefill node did its part; its partner failed
+                    else:
+                        n.breaker.on_release()  # no verdict on a node the failure was not at
+                return Failure(blamed, e)
+            except BaseException:
+                await stream.aclose()  # cancelled (client gone): nothing left running on the nodes
+                for n in nodes:
+                    n.breaker.on_release()
+                raise
+            finally:
+                self.planner.release_prefix(ticket, served)
+        for n in nodes:
+            n.breaker.on_success()
+        st = stream.timings
+        timings.node = StageTimings(st.queue_s, st.prefill_s, st.transfer_s if pnode is not None else 0.0)
+        if pnode is not None:
+            report = stream.prefill
+            if report is not None:
+                pnode.observe_prefill(
+                    pnode.profile_prefill_s(prep.prompt_tokens - report.cached_tokens, report.cached_tokens),
+                    report.prefill_s,
+                )
+                self.metrics.transfer_bytes.inc(report.transfer_bytes)
+        timings.first_token_at = time.perf_counter()
+        self.accounting.record(prep, *(n.id for n in nodes))
+        dnode.active_streams += 1
+        return Execution(
+            prep,
+            route=t.route,
+            reason=t.reason,
+            prefill_node=pnode,
+            decode_node=dnode,
+            stream=stream,
+            first=first,
+            predicted_tokens=predicted,
+            timings=timings,
+            attempts=run.attempts,
+            on_close=self.accounting.finished,
+            stall_timeout_s=self.settings.stall_timeout_s,
+            cache_shared=self.tenancy.shares_cache(computing.client.capabilities.tenant_salt),
+            notes=run.notes,
+            index_hits=run.lookup.index_hits,
+        )
+
+    async def _first(
+        self, stream: TokenStream, deadline: float, prefill_node: Node | None, node: Node
+    ) -> TokenDelta:
+        """The attempt's first delta, within ``first_token_timeout_s`` and the request deadline.
+
+        A silent attempt is charged to the node still computing: the prefill node while its leg
+        has not reported (a hung prefill is not the decode node's fault) unless the decode node
+        fails its health probes meanwhile, or has missed probe rounds the prefill node answered
+        (then the prefill is most likely waiting to push pages to it), else the node that should
+        be streaming. The caller closes the stream, which cancels the nodes' work.
+        """
+        limit = deadline - time.monotonic()
+        if self.settings.first_token_timeout_s > 0:
+            limit = min(limit, self.settings.first_token_timeout_s)
+        try:
+            async with asyncio.timeout(max(0.001, limit)):
+                return await _first_delta(stream)
+        except TimeoutError:
+            if (
+                prefill_node is not None
+                and stream.prefill is None
+                and node.reachable
+                and not self._quieter(node, prefill_node)
+            ):
+                at, stage = prefill_node, Stage.PREFILL
+            elif prefill_node is not None and stream.prefill is None:
+                at, stage = node, Stage.TRANSFER
+            else:
+                at, stage = node, (Stage.DECODE if prefill_node is not None else Stage.GENERATE)
+            raise NodeFailure(at.id, stage, FailureKind.TIMEOUT, f"no first token in {limit:.3g}s") from None
+
+    def _quieter(self, a: Node, b: Node) -> bool:
+        """``a`` last answered its probe more than two probe intervals before ``b`` did (two nodes
+        polled out of phase differ by less than one): it went silent first. A node whose probe
+        already failed is caught by ``reachable``."""
+        gap = 2 * self.pool.stats_interval_s
+        return bool(a.status_at and b.status_at) and a.status_at < b.status_at - gap

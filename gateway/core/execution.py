@@ -1,0 +1,211 @@
+"""A routed, started request: the first token is ready, the rest streams, watched for stalls.
+
+An ``Execution`` is values for the front ends (route, nodes, cached tokens, attempts, the
+request's notes) and the node's token stream; how the front ends show them (HTTP headers, gRPC
+metadata) is theirs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import structlog
+
+from prefixgate.gateway.cluster.nodes import Node
+from prefixgate.gateway.core.request import Prepared, Timings
+from prefixgate.gateway.nodeclient import NodeFailure, TokenDelta, TokenStream
+from prefixgate.gateway.vocab import FailureKind, Stage
+from prefixgate.openai.exceptions import StreamBroken
+
+log = structlog.get_logger("prefixgate.pipeline")
+
+
+class Execution:
+    """A routed, started request: the first token is ready, the rest streams.
+
+    It owns the node's token stream and nothing of the pipeline: when it is closed it reports
+    itself once through ``on_close`` (the pipeline's accounting).
+    """
+
+    def __init__(
+        self,
+        prep: Prepared,
+        *,
+        route: str,
+        reason: str,
+        prefill_node: Node | None,
+        decode_node: Node,
+        stream: TokenStream,
+        first: TokenDelta,
+        predicted_tokens: int,
+        timings: Timings,
+        attempts: int,
+        on_close: Callable[[Execution], None],
+        stall_timeout_s: float = 0.0,
+        cache_shared: bool = False,
+        notes: dict[str, int] | None = None,
+        index_hits: dict[str, int] | None = None,
+    ) -> None:
+        self.prep = prep
+        self.route = route
+        self.reason = reason
+        self.prefill_node = prefill_node
+        self.decode_node = decode_node
+        self._stream = stream
+        self._first: TokenDelta | None = first
+        self.predicted_tokens = predicted_tokens
+        self.timings = timings
+        self.attempts = attempts
+        # What routing knew (request log): the index's longest hit, how much further prefixes
+        # routed but not yet in the index reached (tokens), the longest hit passed over.
+        self.notes: dict[str, int] = notes or {}
+        self.index_hits: dict[str, int] = index_hits or {}  # node -> leading blocks, per the index
+        self.prompt_tokens = prep.prompt_tokens
+        self.completion_tokens = 0
+        self.finish_reason = ""
+        self.outcome = "incomplete"
+        self.failure: NodeFailure | None = None  # what broke the stream after the first token
+        self._on_close = on_close
+        self._stall_timeout_s = stall_timeout_s
+        # The node's engine cache holds other tenants' prefixes too (``gateway.core.tenancy``).
+        self._cache_shared = cache_shared
+        self._waiting_since = 0.0  # loop time at which ``_next`` began waiting; 0 when not waiting
+        self._waiter: asyncio.Task[object] | None = None
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._stalled = False
+        self._done = False
+
+    @property
+    def request_id(self) -> str:
+        return self.prep.request_id
+
+    @property
+    def engine_cached_tokens(self) -> int:
+        """What the node says it served from its cache (operators' figures)."""
+        return self._stream.cached_tokens
+
+    @property
+    def cached_tokens(self) -> int:
+        """The cached tokens the tenant is told of (body, headers, usage): on an engine whose
+        cache is shared between tenants, no more than the tenant's own prefixes account for."""
+        engine = max(0, self._stream.cached_tokens)
+        if self._cache_shared:
+            return min(engine, self.predicted_tokens)
+        return engine
+
+    async def stream(self) -> AsyncIterator[TokenDelta]:
+        """Every delta until the finish; raises StreamBroken if the node fails mid-stream."""
+        try:
+            if self._first is not None:
+                d, self._first = self._first, None
+                self._account(d)
+                yield d
+            while not self.finish_reason:
+                try:
+                    d = await self._next()
+                except StopAsyncIteration:
+                    break
+                if self._past_max_tokens(d):  # an engine that goes on past max_tokens is cut
+                    yield self._cut_at_max_tokens()
+                    break
+                self._account(d)
+                yield d
+            if not self.finish_reason:
+                self.outcome = "broken"
+                raise StreamBroken(f"decode node {self.decode_node.id} ended the stream without finishing")
+        except NodeFailure as e:
+            self.outcome = "broken"
+            self.failure = e
+            raise StreamBroken(f"decode node {self.decode_node.id} failed mid-stream: {e.kind}") from e
+        finally:
+            await self.close()
+
+    async def _next(self) -> TokenDelta:
+        """The next delta, or a TIMEOUT failure of the decode node when it stalls.
+
+        One timer watches the waits (``_watch``), re-armed once a stall period, instead of one
+        timer armed and cancelled for every token: that cost more than relaying the token.
+        """
+        if self._stall_timeout_s <= 0:
+            return await self._stream.__anext__()
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        self._waiter = task
+        self._waiting_since = loop.time()
+        if self._watchdog is None:
+            self._watchdog = loop.call_at(self._waiting_since + self._stall_timeout_s, self._watch)
+        cancelling = task.cancelling() if task is not None else 0
+        try:
+            return await self._stream.__anext__()
+        except asyncio.CancelledError:
+            if self._stalled and task is not None and task.uncancel() <= cancelling:
+                raise NodeFailure(
+                    self.decode_node.id,
+                    Stage.DECODE,
+                    FailureKind.TIMEOUT,
+                    f"no token for {self._stall_timeout_s:g}s",
+                ) from None
+            raise  # cancelled from outside (client gone, shutdown)
+        finally:
+            self._waiting_since = 0.0
+            self._waiter = None
+
+    def _watch(self) -> None:
+        """Cancel the wait in progress if it has lasted the stall timeout, else watch it on."""
+        self._watchdog = None
+        if not self._waiting_since or self._done:
+            return  # not waiting: the next wait re-arms
+        loop = asyncio.get_running_loop()
+        due = self._waiting_since + self._stall_timeout_s
+        if loop.time() >= due:
+            self._stalled = True
+            if self._waiter is not None:
+                self._waiter.cancel()
+        else:
+            self._watchdog = loop.call_at(due, self._watch)
+
+    def _past_max_tokens(self, d: TokenDelta) -> bool:
+        """``max_tokens`` were relayed and the engine sends more without finishing (its own finish
+        right at the limit, ``stop`` or ``length``, passes as it is)."""
+        limit = self.prep.sampling.max_tokens
+        more = d.completion_tokens > self.completion_tokens  # text held back and flushed is not more
+        return 0 < limit <= self.completion_tokens and more and not d.finish_reason
+
+    def _cut_at_max_tokens(self) -> TokenDelta:
+        """The finish the engine did not send: ``length`` at ``max_tokens`` (the node's work is
+        cancelled when the stream closes; usage counts no more than was asked for)."""
+        limit = self.prep.sampling.max_tokens
+        log.warning(
+            "engine_past_max_tokens",
+            request_id=self.request_id,
+            node=self.decode_node.id,
+            max_tokens=limit,
+            completion_tokens=self.completion_tokens,
+        )
+        self.completion_tokens = limit
+        self.finish_reason = "length"
+        self.outcome = "ok"
+        return TokenDelta(finish_reason="length", completion_tokens=limit)
+
+    def _account(self, d: TokenDelta) -> None:
+        if d.completion_tokens:
+            self.completion_tokens = d.completion_tokens
+        if d.prompt_tokens:  # the engine's own count (an HTTP worker tokenizes itself)
+            self.prompt_tokens = d.prompt_tokens
+        if d.finish_reason:
+            self.finish_reason = d.finish_reason
+            self.outcome = "ok"
+
+    async def close(self) -> None:
+        """End the request: cancels the node's work if it is still running. Idempotent."""
+        if self._done:
+            return
+        self._done = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        try:
+            await self._stream.aclose()
+        finally:
+            self._on_close(self)

@@ -1,0 +1,74 @@
+"""What the request path hands from stage to stage: the prepared request and its attempts' parts.
+
+``Prepared`` is built once (``gateway.core.prepare``) from what the front end knows (tenant,
+request id, the parsed request) and is never changed afterwards: what routing learns of a
+request is carried by the stages' own values (``gateway.core.plan.Lookup``, the execution's
+notes), so the ``n`` choices of one request can share it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from prefixgate.cachetier.hashing import Namespace
+from prefixgate.gateway.cluster.nodes import Node
+from prefixgate.gateway.nodeclient import NodeFailure, OpenAIBody, StageTimings, TokenDelta
+from prefixgate.openai.features import Feature
+from prefixgate.openai.normalize import Layout
+from prefixgate.openai.schema import Sampling
+
+Delta = TokenDelta  # what an execution streams to the front ends
+
+
+@dataclass(slots=True)
+class Switches:
+    disaggregation: bool = True
+    prefix_routing: bool = True
+    normalization: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    request_id: str
+    tenant: str
+    namespace: Namespace
+    layout: Layout
+    tokens: bytes
+    hashes: list[int]
+    sampling: Sampling
+    model: str
+    needs: dict[Feature, str] = field(default_factory=dict)  # engine features asked for, by field
+    # The request as an OpenAI-compatible HTTP worker takes it; built only for such a node.
+    openai_body: Callable[[], OpenAIBody] | None = None
+    # The tool-call format the gateway parses the answer with ("": none; ``gateway.toolcalls``).
+    tool_parser: str = ""
+    # What engines salt their prefix cache with for ``namespace`` (``gateway.core.tenancy.engine_salt``).
+    engine_salt: str = ""
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.tokens) // 4
+
+
+@dataclass(slots=True)
+class Timings:
+    """An attempt's clock, from its start to its first token, with the node's account of the
+    time in between."""
+
+    start: float = field(default_factory=time.perf_counter)
+    node: StageTimings = field(default_factory=StageTimings)
+    first_token_at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """One attempt's failure, charged to the node at fault."""
+
+    node: Node
+    error: NodeFailure
+
+    def __str__(self) -> str:
+        e = self.error
+        return f"{e.stage} on {self.node.id}: {e.kind}: {e.detail}"
