@@ -21,7 +21,7 @@ from prefixgate.gateway.cluster.events import index_capacity
 from prefixgate.gateway.ops.processes import Child
 from prefixgate.openai.normalize import Document, render_chat
 from tests.faults.cluster import Cluster, Outcome, Tally, drive, start_redis
-from tests.faults.conftest import REPORT
+from tests.faults.drills import REPORT
 from tests.helpers import free_port, spawn
 
 MODEL = "prefixgate-sim"
