@@ -30,7 +30,7 @@ from prefixgate.cachetier.resilient import ResilientIndex
 from tests.cachetier.support import RedisClusterHarness, test_prefix
 from tests.contract.test_index_contract import CAPACITY, IndexContract
 from tests.faults.cluster import Cluster, Tally, drive
-from tests.faults.conftest import REPORT
+from tests.faults.drills import REPORT
 from tests.shared_index.test_shared_index import doc_body, index_log_events, post
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")

@@ -1,12 +1,56 @@
-"""Fault drills print one table at the end of the run: sent / succeeded / retried / fell back / failed."""
+"""Fault drills print one table at the end of the run: sent / succeeded / retried / fell back / failed.
+
+The drill modules' clusters are here: module-scoped, one per protocol (see ``drills.py``)."""
 
 from __future__ import annotations
 
+import signal
+import uuid
+from collections.abc import Iterator
 from typing import Any
 
-from tests.faults.cluster import Tally
+import pytest
 
-REPORT: list[Tally] = []
+from prefixgate.gateway.ops.processes import Child
+from tests.faults.cluster import Cluster, start_redis
+from tests.faults.drills import FIRST_TOKEN_TIMEOUT_S, PROTOCOLS, REPORT, STALL_TIMEOUT_S
+from tests.helpers import free_port
+
+
+@pytest.fixture(scope="module")
+def redis_port() -> Iterator[tuple[int, list[Child]]]:
+    """A Redis of the module's own (a drill restarts it empty); the list holds its processes."""
+    port = free_port()
+    procs = [start_redis(port)]
+    try:
+        yield port, procs
+    finally:
+        for p in procs:
+            p.stop(signal.SIGKILL)
+
+
+@pytest.fixture(scope="module", params=PROTOCOLS)
+def cluster(request: pytest.FixtureRequest, redis_port: tuple[int, list[Child]]) -> Iterator[Cluster]:
+    port, _ = redis_port
+    protocol: str = request.param
+    c = Cluster.create(
+        2,
+        2,
+        ["--time-scale", "10", "--capacity-blocks", "4096"],
+        protocol=protocol,
+        # both clusters share the module's Redis: each its own DB and key prefix
+        gateway_args=["--redis", f"redis://127.0.0.1:{port}/{PROTOCOLS.index(protocol) + 1}"],
+        gateway_env={
+            "PREFIXGATE_REDIS_PREFIX": f"prefixgate-test-{uuid.uuid4().hex[:8]}:",
+            "PREFIXGATE_FIRST_TOKEN_TIMEOUT_S": str(FIRST_TOKEN_TIMEOUT_S),
+            "PREFIXGATE_STALL_TIMEOUT_S": str(STALL_TIMEOUT_S),
+        },
+    )
+    c.start()
+    try:
+        yield c
+    finally:
+        assert c.stop() == 0
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from tests.faults.cluster import Cluster, Outcome, Tally, drive
-from tests.faults.conftest import REPORT
+from tests.faults.drills import REPORT
 
 MODEL = "prefixgate-sim"
 FAST_TIMEOUTS = {

@@ -3,23 +3,20 @@ drives the gateway's subscriber, and what it applies reaches the real in-memory 
 
 Payloads are encoded with the engines' own struct layouts (``engine_kv_structs``: vLLM main's
 tagged maps, SGLang's array-like structs) and, for SGLang 0.5.23, with SGLang's own module and
-its own ``ZmqEventPublisher``, loaded from its wheel (``pip download sglang==0.5.23 --no-deps``
-into ``$XDG_CACHE_HOME/prefixgate/``; its package ``__init__``s pull in torch, so only the
-``kv_events`` module is loaded, with its two helper imports stood in for).
+its own ``ZmqEventPublisher``: the wheel's ``kv_events`` module, vendored unchanged in
+``vendor/`` (the package's ``__init__``s pull in torch, so only that module is loaded, with its
+two helper imports stood in for).
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
-import os
 import queue
-import subprocess
 import sys
 import threading
 import time
 import types
-import zipfile
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, replace
@@ -54,7 +51,6 @@ pytestmark = pytest.mark.timeout(60)
 GW_BS = 4
 NS = Namespace("prefixgate-sim", "", GW_BS, "bytes4")
 ENC = msgspec.msgpack.Encoder()
-SGLANG_VERSION = "0.5.23"
 
 
 # -- a publisher with the engines' socket protocol ------------------------------------------------
@@ -303,29 +299,8 @@ async def test_a_subscriber_learns_what_the_publisher_already_holds_from_its_his
 
 
 def _sglang_kv_events() -> types.ModuleType:
-    """``sglang.srt.disaggregation.kv_events`` of the SGLang wheel, alone."""
-    cache = (
-        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-        / "prefixgate"
-        / f"sglang-{SGLANG_VERSION}"
-    )
-    src = cache / "kv_events.py"
-    if not src.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        try:
-            subprocess.run(
-                [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--disable-pip-version-check",
-                 "-d", str(cache), f"sglang=={SGLANG_VERSION}"],
-                check=True, capture_output=True, timeout=300,
-            )  # fmt: skip
-            (wheel,) = cache.glob("sglang-*.whl")
-            with zipfile.ZipFile(wheel) as z:
-                src.write_bytes(z.read("sglang/srt/disaggregation/kv_events.py"))
-            wheel.unlink()
-        except (subprocess.SubprocessError, OSError, ValueError, KeyError) as e:
-            if os.environ.get("CI"):
-                raise
-            pytest.skip(f"sglang {SGLANG_VERSION} wheel not available: {e}")
+    """``sglang.srt.disaggregation.kv_events`` of the SGLang wheel, alone (vendored in ``vendor/``)."""
+    src = Path(__file__).parent / "vendor" / "sglang_0_5_23_kv_events.py"
     stubs = {
         "sglang": types.ModuleType("sglang"),
         "sglang.srt": types.ModuleType("sglang.srt"),

@@ -1,0 +1,121 @@
+"""Fault drills: nodes killed or all down, and a flood past capacity (see ``drills.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from tests.faults.cluster import Cluster, Outcome, drive
+from tests.faults.drills import (
+    REPORT,
+    all_routable,
+    body,
+    restart,
+    tally,
+)
+
+
+def test_prefill_node_killed_mid_run(cluster: Cluster) -> None:
+    all_routable(cluster)
+    before = cluster.metric("prefixgate_retries_total")
+    victim = cluster.prefill[0]
+
+    def during(done: int) -> None:
+        if done == 15:
+            victim.kill()
+
+    results = asyncio.run(drive(cluster.url, [body(i) for i in range(60)], 8, during=during))
+    t = tally("prefill node SIGKILL during 60 requests", results, cluster, before)
+    assert t.failed == 0 and t.succeeded == 60, [r.error for r in results if r.error][:5]
+    assert all(r.route == "disaggregated" for r in results), {r.route for r in results}
+    assert victim.proc is not None and victim.proc.proc.returncode == -9
+    restart(cluster, victim)
+
+
+def test_all_prefill_nodes_down_then_back(cluster: Cluster) -> None:
+    all_routable(cluster)
+    before = cluster.metric("prefixgate_retries_total")
+    for n in cluster.prefill:
+        n.kill()
+    results = asyncio.run(drive(cluster.url, [body(1000 + i) for i in range(30)], 6))
+    t = tally("all prefill nodes SIGKILL", results, cluster, before)
+    assert t.failed == 0 and t.succeeded == 30, [r.error for r in results if r.error][:5]
+    assert t.fell_back == 30  # every request served whole by a decode node
+    for n in cluster.prefill:
+        n.launch()
+    for n in cluster.prefill:
+        n.wait_ready()
+    deadline = time.monotonic() + 20
+    routes: list[str] = []
+    while time.monotonic() < deadline:
+        res = asyncio.run(drive(cluster.url, [body(2000 + len(routes))], 1))
+        assert res[0].status == 200, res[0].error
+        routes.append(res[0].route)
+        if res[0].route == "disaggregated":
+            break
+        time.sleep(0.2)
+    REPORT[-1].note = f"split path back after {len(routes)} probe requests"
+    assert routes[-1] == "disaggregated", routes
+    all_routable(cluster)  # both back, not only the one that took the probe
+
+
+def test_decode_node_killed_mid_stream(cluster: Cluster) -> None:
+    all_routable(cluster)
+    before = cluster.metric("prefixgate_retries_total")
+    victim = cluster.decode[0]
+
+    def during(done: int) -> None:
+        if done == 4:
+            victim.kill()
+
+    bodies = [body(3000 + i, max_tokens=40) for i in range(24)]
+    results = asyncio.run(drive(cluster.url, bodies, 12, stream=True, during=during))
+    t = tally(
+        "decode node SIGKILL mid-run (streaming)",
+        results,
+        cluster,
+        before,
+        note="streams cut by the kill end with an explicit error event",
+    )
+    assert t.failed == 0, [r.error for r in results if r.status != 200][:5]
+    assert t.silent_truncations == 0
+    assert all(r.done_marker for r in results if r.status == 200 and not r.error)
+    assert all(r.decode_node == victim.gateway_id for r in results if r.error), (
+        "only streams on the dead node break"
+    )
+    assert t.succeeded + t.stream_errors == 24
+    restart(cluster, victim)
+
+
+def test_flood_beyond_capacity_gets_429_with_retry_after() -> None:
+    """The gateway's admission limit, the same on every protocol: run on ours, with a cluster of
+    its own (a short queue on the nodes and a low in-flight limit, so a flood overflows them)."""
+    c = Cluster.create(
+        1,
+        1,
+        ["--time-scale", "1.0", "--max-queue", "4", "--max-decode-streams", "8"],
+        gateway_env={"PREFIXGATE_MAX_INFLIGHT": "24"},
+    )
+    c.start()
+    try:
+        rss0 = c.gateway_rss_kb()
+        before = c.metric("prefixgate_retries_total")
+        results: list[Outcome] = []
+        for wave in range(2):
+            bodies = [body(5000 + wave * 1000 + i, tokens=2000, max_tokens=16) for i in range(200)]
+            results += asyncio.run(drive(c.url, bodies, 200))
+        rss1 = c.gateway_rss_kb()
+        t = tally(
+            "flood: 400 requests at 200 concurrent",
+            results,
+            c,
+            before,
+            note=f"gateway RSS {rss0 // 1024} -> {rss1 // 1024} MiB",
+        )
+        statuses = {r.status for r in results}
+        assert statuses <= {200, 429}, statuses
+        assert t.rejected_429 > 0 and t.succeeded > 0
+        assert all(r.retry_after for r in results if r.status == 429)
+        assert rss1 - rss0 < 64 * 1024, (rss0, rss1)
+    finally:
+        assert c.stop() == 0
