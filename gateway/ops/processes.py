@@ -6,8 +6,10 @@ same way:
 - it runs in its own session (process group), so a stop reaches whatever it forked (a router's
   workers) and a Ctrl-C on the terminal goes to the parent, which then stops it in order;
 - it gets SIGTERM when the process that started it dies, even by SIGKILL (Linux
-  ``PR_SET_PDEATHSIG``): no node outlives a killed test run or benchmark. The signal follows the
-  *thread* that forked, so start children from a thread that lives as long as they should;
+  ``PR_SET_PDEATHSIG``): no node outlives a killed test run or benchmark. The kernel sends that
+  signal when the *thread* that forked exits, so every child is forked by one thread kept for
+  the life of the process (``_FORKER``): a child started from a short-lived thread (a pool
+  that starts several at once) lives as long as its parent process, not as long as that thread;
 - its stdout and stderr go, line by line, to a bounded buffer (and a log file when given), so a
   start that fails says why with the child's last lines, and tests can look for a log line;
 - it is ready when a check passes before a deadline while it is alive: one loop for every kind,
@@ -21,8 +23,10 @@ same way:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import re
@@ -38,6 +42,8 @@ from pathlib import Path
 from typing import IO, Any
 
 PR_SET_PDEATHSIG = 1
+#: The one thread that forks every child, idle between starts and alive as long as the process.
+_FORKER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="forker")
 LOG_LINES = 2000  # lines of output kept per child
 POLL_S = 0.05
 
@@ -200,7 +206,8 @@ def start(
     ``log`` also writes the output to a file; ``echo`` copies it to this process's stderr;
     ``open_files`` > 0 lowers the child's RLIMIT_NOFILE from its first instruction.
     """
-    proc = subprocess.Popen(
+    popen = functools.partial(
+        subprocess.Popen,
         list(cmd),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
@@ -212,6 +219,7 @@ def start(
         start_new_session=True,
         preexec_fn=_child_setup(open_files),
     )
+    proc: subprocess.Popen[str] = _FORKER.submit(popen).result()
     child = Child(name, proc, log, echo)
     if ready is not None:
         try:
