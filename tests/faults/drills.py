@@ -18,7 +18,6 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
-import pytest
 
 from tests.faults.cluster import Cluster, NodeProc, Outcome, Tally
 
@@ -62,11 +61,6 @@ def tally(
     t.note = note
     REPORT.append(t)
     return t
-
-
-def only_on(cluster: Cluster, protocol: str, why: str) -> None:
-    if cluster.protocol != protocol:
-        pytest.skip(f"{protocol} only: {why}")
 
 
 def node_state(cluster: Cluster, node: NodeProc) -> dict[str, Any]:

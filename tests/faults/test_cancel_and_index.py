@@ -9,6 +9,7 @@ import signal
 import time
 
 import httpx
+import pytest
 
 from prefixgate.cachetier.redis_index import RedisIndex, connect
 from prefixgate.gateway.ops.processes import Child
@@ -17,7 +18,6 @@ from tests.faults.drills import (
     REPORT,
     all_routable,
     body,
-    only_on,
     tally,
     until,
 )
@@ -105,13 +105,14 @@ def test_client_disconnect_during_prefill_cancels_node_work(cluster: Cluster) ->
     assert slowest < 5.0, "no orphaned prefills ahead of the follow-ups"
 
 
+# the index fed by the engines' KV events (ours: tests/shared_index): the drill runs on smg only.
+@pytest.mark.parametrize("cluster", ["smg"], indirect=True)
 def test_two_gateways_share_the_index_and_route_as_one(
     cluster: Cluster, redis_port: tuple[int, list[Child]]
 ) -> None:
     """A second gateway on the same Redis and the same ``grpc://`` workers: a prefix the first
     one routed (its blocks known from the engines' KV events) is sent by the second to the same
     prefill node, and hits there."""
-    only_on(cluster, "smg", "the index fed by the engines' KV events (ours: tests/shared_index)")
     all_routable(cluster)
     b_port = free_port()
     args = ["gateway", "--port", str(b_port), *cluster.gateway_args[:2]]
@@ -169,6 +170,8 @@ def _index_settled(url: str, prefix: str, before: int) -> bool:
     return _index_blocks(url, prefix) == now
 
 
+# the index rebuilt from SubscribeKvEvents: the drill runs on smg only.
+@pytest.mark.parametrize("cluster", ["smg"], indirect=True)
 def test_redis_restarted_empty_index_rebuilt_from_kv_events(
     cluster: Cluster, redis_port: tuple[int, list[Child]]
 ) -> None:
@@ -176,7 +179,6 @@ def test_redis_restarted_empty_index_rebuilt_from_kv_events(
     ``SubscribeKvEvents`` (the subscription opens with the blocks the engine holds) and the index
     holds again what it held; requests meanwhile all succeed. Last in the module: it empties the
     Redis the other protocol's cluster shares (run after it, by the fixture's order)."""
-    only_on(cluster, "smg", "the index rebuilt from SubscribeKvEvents")
     port, procs = redis_port
     url = cluster.gateway_args[1]
     prefix = cluster.gateway_env["PREFIXGATE_REDIS_PREFIX"]

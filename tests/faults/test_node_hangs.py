@@ -6,6 +6,8 @@ import asyncio
 import signal
 import time
 
+import pytest
+
 from tests.faults.cluster import Cluster, Outcome, drive
 from tests.faults.drills import (
     FIRST_TOKEN_TIMEOUT_S,
@@ -13,7 +15,6 @@ from tests.faults.drills import (
     all_routable,
     body,
     node_state,
-    only_on,
     tally,
     until,
 )
@@ -136,12 +137,13 @@ def test_hung_prefill_node_fails_over_before_first_token(cluster: Cluster) -> No
     all_routable(cluster)
 
 
+# grpc:// requests after a decode node hangs still fail: the drill runs on prefixgate only.
+@pytest.mark.parametrize("cluster", ["prefixgate"], indirect=True)
 def test_hung_decode_node_mid_stream_ends_streams_with_error(cluster: Cluster) -> None:
     """SIGSTOP on a decode node with streams open on it: each of those ends with the SSE error
     event within the stall timeout (no [DONE], never silent); other requests avoid the node."""
     # Over grpc:// the requests sent once the node is hung fail instead of going to the other
     # decode node: not yet held there, so the drill runs on our protocol only.
-    only_on(cluster, "prefixgate", "grpc:// requests after a decode node hangs still fail")
     all_routable(cluster)
     before = cluster.metric("prefixgate_retries_total")
     prefill_retries0 = cluster.metric("prefixgate_retries_total", stage="prefill")
