@@ -50,7 +50,7 @@ RULES: tuple[tuple[str, str], ...] = (
     ("routing", "gateway/cluster/nodes.py"),
     ("normalization", "openai/normalize.py"),
     ("validation", "openai/schema.py"),
-    ("validation", "gateway/httpfront/bodyparse.py"),
+    ("validation", "gateway/core/bodyparse.py"),
     ("validation", "pydantic"),
     ("validation", "msgspec"),
     ("engine client", "gateway/nodeclient/"),

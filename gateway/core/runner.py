@@ -16,7 +16,7 @@ warm a prefix (``gateway.core.cache_ops.Warm``). Errors are domain errors
 (``gateway.core.errors``); each front end maps them once.
 
 Preparing a large request is CPU work proportional to its size. A body of many JSON values
-is parsed in a worker process (``gateway.httpfront.bodyparse``: the parser holds the interpreter lock,
+is parsed in a worker process (``gateway.core.bodyparse``: the parser holds the interpreter lock,
 so a thread would not spare the event loop); above ``OFFLOAD_BYTES`` the rest (validate,
 render, tokenize, hash: bounded by the message, part and value limits) runs on a worker
 thread; at most ``HEAVY_CONCURRENCY`` requests at a time do either. Clients sending huge bodies
@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from prefixgate.gateway.config import KEYLESS_TENANT
 from prefixgate.gateway.core.auth import KeyRing, check_admin
+from prefixgate.gateway.core.bodyparse import BodyParser
 from prefixgate.gateway.core.errors import Draining
-from prefixgate.gateway.httpfront.bodyparse import BodyParser
 
 if TYPE_CHECKING:
     from prefixgate.gateway.core.pipeline import Pipeline, Prepared

@@ -8,8 +8,8 @@ import orjson
 import pytest
 
 from prefixgate.gateway.config import load_settings
+from prefixgate.gateway.core.bodyparse import values_bound
 from prefixgate.gateway.core.errors import GatewayError
-from prefixgate.gateway.httpfront.bodyparse import values_bound
 from prefixgate.openai.errors import from_domain
 from prefixgate.openai.schema import count_values, parse_json, parse_request
 
