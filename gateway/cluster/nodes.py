@@ -81,6 +81,16 @@ class Node:
             self.local_requests -= 1
             self.local_tokens -= tokens
 
+    @contextlib.contextmanager
+    def streaming(self) -> Iterator[None]:
+        """Count a stream of ours on the node from its first token until it is closed: the one
+        place ``active_streams`` is taken and given back, so no path leaks or releases it twice."""
+        self.active_streams += 1
+        try:
+            yield
+        finally:
+            self.active_streams -= 1
+
     @property
     def instance_id(self) -> str:
         return self.status.instance_id if self.status is not None else ""

@@ -1,5 +1,6 @@
-"""After the request: the blocks now on the nodes, the index's predictions checked, the node's
-stream released, metrics and the request's log line, then the tenant's usage (``on_finished``)."""
+"""After the request: the blocks now on the nodes, the index's predictions checked, a stream
+broken mid-way charged to its node, metrics and the request's log line, then the tenant's usage
+(``on_finished``)."""
 
 from __future__ import annotations
 
@@ -52,8 +53,7 @@ class Accounting:
             node.mispredictions = 0
 
     def finished(self, ex: Execution) -> None:
-        """A closed execution's accounting: node load, breaker, metrics, the request's log line."""
-        ex.decode_node.active_streams -= 1
+        """A closed execution's accounting: breaker, metrics, the request's log line."""
         if ex.failure is not None:  # broke after the first token: the node's fault all the same
             ex.decode_node.breaker.on_failure(time.monotonic())
             ex.decode_node.last_error = str(ex.failure)[:500]

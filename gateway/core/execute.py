@@ -325,7 +325,6 @@ class Executor:
                 self.metrics.transfer_bytes.inc(report.transfer_bytes)
         timings.first_token_at = time.perf_counter()
         self.accounting.record(prep, *(n.id for n in nodes))
-        dnode.active_streams += 1
         return Execution(
             prep,
             route=t.route,

@@ -8,6 +8,7 @@ metadata) is theirs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 
 import structlog
@@ -24,8 +25,9 @@ log = structlog.get_logger("prefixgate.pipeline")
 class Execution:
     """A routed, started request: the first token is ready, the rest streams.
 
-    It owns the node's token stream and nothing of the pipeline: when it is closed it reports
-    itself once through ``on_close`` (the pipeline's accounting).
+    It owns the node's token stream and its count of the decode node's streams (``Node.streaming``,
+    given back when it is closed, however it ends) and nothing of the pipeline: when it is closed
+    it reports itself once through ``on_close`` (the pipeline's accounting).
     """
 
     def __init__(
@@ -75,6 +77,8 @@ class Execution:
         self._watchdog: asyncio.TimerHandle | None = None
         self._stalled = False
         self._done = False
+        self._held = contextlib.ExitStack()  # what the execution holds on the nodes until closed
+        self._held.enter_context(decode_node.streaming())
 
     @property
     def request_id(self) -> str:
@@ -208,4 +212,5 @@ class Execution:
         try:
             await self._stream.aclose()
         finally:
+            self._held.close()
             self._on_close(self)

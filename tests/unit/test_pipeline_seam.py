@@ -163,6 +163,29 @@ async def test_a_client_gone_during_prefill_cancels_the_node_work_and_releases_t
         assert node.local_requests == 0 and node.local_tokens == 0 and not node.breaker.trial_in_flight
 
 
+async def test_a_client_gone_mid_stream_gives_the_decode_node_its_stream_back_once() -> None:
+    d1 = FakeNodeClient("d1", generate=Tokens(texts=("a", "b"), stall_s=30.0))
+    async with harness(("decode", d1)) as h:
+        node = h.node("d1")
+        ex = await h.pipeline.execute(h.prep())
+        assert node.active_streams == 1  # counted from the first token on
+        got_first = asyncio.Event()
+
+        async def client() -> None:
+            async for _ in ex.stream():
+                got_first.set()
+
+        task = asyncio.create_task(client())
+        await got_first.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert d1.streams[0].cancelled and ex.outcome == "incomplete"
+        assert node.active_streams == 0
+        await ex.close()  # closing again gives nothing back twice
+        assert node.active_streams == 0
+
+
 def first_call_hangs() -> Callable[[Prompt], Reply]:
     calls = {"n": 0}
 
