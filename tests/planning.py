@@ -15,6 +15,7 @@ from prefixgate.cachetier.tokenizer import pack_ids
 from prefixgate.gateway.cluster.nodes import Node
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.core.pipeline import Pipeline, Prepared
+from prefixgate.gateway.core.request import RequestContext
 from prefixgate.gateway.core.service import GatewayService
 from prefixgate.gateway.nodeclient import CostProfile, KVFormat, NodeStatus
 from prefixgate.openai.normalize import Layout
@@ -58,4 +59,13 @@ async def gateway(
 def prepared(pipe: Pipeline, tokens: int = 4096) -> Prepared:
     data = pack_ids(list(range(tokens)))
     ns = pipe.namespace("m", "t")
-    return Prepared("r1", "t", ns, Layout(""), data, block_hashes(data, BS, ns.root()), Sampling(16), "m")
+    return Prepared(
+        RequestContext("t", "r1"),
+        "r1",
+        ns,
+        Layout(""),
+        data,
+        block_hashes(data, BS, ns.root()),
+        Sampling(16),
+        "m",
+    )

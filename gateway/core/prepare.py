@@ -17,7 +17,7 @@ from prefixgate.cachetier.tokenizer import Tokenizer, pack_ids
 from prefixgate.gateway.cluster.nodes import Node, NodePool
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.core.errors import GatewayError, InvalidRequest
-from prefixgate.gateway.core.request import Prepared, Switches
+from prefixgate.gateway.core.request import Prepared, RequestContext, Switches
 from prefixgate.gateway.core.tenancy import engine_salt, namespace_salt
 from prefixgate.gateway.nodeclient import OpenAIBody
 from prefixgate.gateway.nodeclient.openai_body import engine_body
@@ -91,12 +91,12 @@ class Preparer:
     def prepare(
         self,
         req: ParsedRequest,
-        tenant: str,
-        request_id: str | None = None,
+        context: RequestContext,
         *,
         body: Mapping[str, Any] | None = None,
     ) -> Prepared:
         """``body``: the client's JSON body, passed on (normalized) to OpenAI-compatible workers."""
+        tenant = context.tenant
         docs = list(req.documents)
         for doc_id in req.document_ids:
             docs.append(self.documents.get(tenant, doc_id))
@@ -147,8 +147,8 @@ class Preparer:
         hashes = block_hashes(tokens, s.block_size, ns.root())
         salt = engine_salt(ns.tenant)
         return Prepared(
-            request_id or uuid.uuid4().hex,
-            tenant,
+            context,
+            context.request_id or uuid.uuid4().hex,
             ns,
             layout,
             tokens,

@@ -1,7 +1,10 @@
-"""What the request path hands from stage to stage: the prepared request and its attempts' parts.
+"""What the request path hands from stage to stage: the request's context, the prepared request
+and its attempts' parts.
 
-``Prepared`` is built once (``gateway.core.prepare``) from what the front end knows (tenant,
-request id, the parsed request) and is never changed afterwards: what routing learns of a
+``RequestContext`` is made once, by the runner's entry (``gateway.core.runner``), from what the
+front end read off its transport, and handed down: to preparing, in ``Prepared``, to the job and
+the execution. ``Prepared`` is built once (``gateway.core.prepare``) from the context and the
+parsed request and is never changed afterwards: what routing learns of a
 request is carried by the stages' own values (``gateway.core.plan.Lookup``, the execution's
 notes), so the ``n`` choices of one request can share it.
 """
@@ -10,7 +13,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
 
 from prefixgate.cachetier.hashing import Namespace
 from prefixgate.gateway.cluster.nodes import Node
@@ -22,6 +26,34 @@ from prefixgate.openai.schema import Sampling
 Delta = TokenDelta  # what an execution streams to the front ends
 
 
+class Credentials(StrEnum):
+    """What a request must present: a client API key, or the admin's token (or loopback)."""
+
+    CLIENT = "client"
+    ADMIN = "admin"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestContext:
+    """Who a request is and what its front end read of it, made once when it enters.
+
+    No deadline is carried: the request's deadline runs from the start of its execution
+    (``gateway.core.execute``), whatever the front end."""
+
+    tenant: str  # whom it runs as: the API key's; without keys the shared one; the admin's choice
+    request_id: str = ""  # the client's or a new one; "": one is made when it is prepared
+    credentials: Credentials = Credentials.CLIENT  # what the runner checked it presented
+    body_bytes: int = 0  # the size of the body the front end read: how heavy preparing it is
+
+    def with_body(self, size: int) -> RequestContext:
+        """Once the front end has read the body."""
+        return replace(self, body_bytes=size)
+
+    def acting_for(self, tenant: str) -> RequestContext:
+        """An admin's request run for the tenant it names."""
+        return replace(self, tenant=tenant)
+
+
 @dataclass(slots=True)
 class Switches:
     disaggregation: bool = True
@@ -31,8 +63,8 @@ class Switches:
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
-    request_id: str
-    tenant: str
+    context: RequestContext
+    request_id: str  # the context's, or a choice's own (``gateway.core.choices``)
     namespace: Namespace
     layout: Layout
     tokens: bytes
@@ -46,6 +78,10 @@ class Prepared:
     tool_parser: str = ""
     # What engines salt their prefix cache with for ``namespace`` (``gateway.core.tenancy.engine_salt``).
     engine_salt: str = ""
+
+    @property
+    def tenant(self) -> str:
+        return self.context.tenant
 
     @property
     def prompt_tokens(self) -> int:

@@ -4,16 +4,16 @@ The HTTP API, the gRPC API and the admin/prefill endpoints all serve a request w
 calls, in this order; ``run`` is the only way to an in-flight slot, and it releases the slot
 however its block is left::
 
-    identity = runner.enter(caller)                      # drain check, auth, request id
-    parsed, prepared = await runner.prepare(parse, identity.tenant(), identity.request_id, size)
+    context = runner.enter(caller)                       # drain check, auth, request id
+    parsed, prepared = await runner.prepare(parse, context.with_body(size))
     async with runner.run(prepared, Generate(pipeline, n)) as choices:
         ...  # stream or collect; the slot is held until this block is left, however it is left
 
-The front end reads its transport and prepares; it passes values down (the identity, the
-prepared request, the job) and the runner calls nothing of the front end. The job says what the
-admitted request does on the nodes: generate its choices (``gateway.core.choices.Generate``) or
-warm a prefix (``gateway.core.cache_ops.Warm``). Errors are domain errors
-(``gateway.core.errors``); each front end maps them once.
+The front end reads its transport and prepares; it passes values down (the request's context,
+which the prepared request carries on, the job) and the runner calls nothing of the front end.
+The job says what the admitted request does on the nodes: generate its choices
+(``gateway.core.choices.Generate``) or warm a prefix (``gateway.core.cache_ops.Warm``). Errors
+are domain errors (``gateway.core.errors``); each front end maps them once.
 
 Preparing a large request is CPU work proportional to its size. A body of many JSON values
 is parsed in a worker process (``gateway.core.bodyparse``: the parser holds the interpreter lock,
@@ -36,13 +36,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from prefixgate.gateway.config import KEYLESS_TENANT
 from prefixgate.gateway.core.auth import KeyRing, check_admin
 from prefixgate.gateway.core.bodyparse import BodyParser
 from prefixgate.gateway.core.errors import Draining
+from prefixgate.gateway.core.request import Credentials, RequestContext
 
 if TYPE_CHECKING:
     from prefixgate.gateway.core.pipeline import Pipeline, Prepared
@@ -55,13 +55,6 @@ HEAVY_CONCURRENCY = 2
 RENDER_THREADS = 4  # CPU work under one interpreter lock: more threads would not render faster
 
 
-class Credentials(StrEnum):
-    """What a request must present: a client API key, or the admin's token (or loopback)."""
-
-    CLIENT = "client"
-    ADMIN = "admin"
-
-
 @dataclass(frozen=True, slots=True)
 class Caller:
     """What a front end read off its transport about the request, before any parsing."""
@@ -69,19 +62,6 @@ class Caller:
     authorization: str = ""
     request_id: str | None = None  # validated by ``auth.valid_request_id``; None: a new one
     client_host: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Identity:
-    """Who the runner let in: the API key's tenant (None without keys) and the request id."""
-
-    key_tenant: str | None
-    request_id: str
-
-    def tenant(self) -> str:
-        """The tenant the request runs as: the key's; without keys the one shared tenant (a
-        ``user`` field anyone can type is OpenAI's end-user label, never an identity)."""
-        return KEYLESS_TENANT if self.key_tenant is None else self.key_tenant
 
 
 class Job(Protocol[Started]):
@@ -131,11 +111,20 @@ class RequestRunner:
             return None
         return self.keys.authenticate(caller.authorization)
 
-    def enter(self, caller: Caller, credentials: Credentials = Credentials.CLIENT) -> Identity:
-        """The first step of every request, before its body is read: drain check, auth, request id."""
+    def enter(self, caller: Caller, credentials: Credentials = Credentials.CLIENT) -> RequestContext:
+        """The first step of every request, before its body is read: drain check, auth, request id.
+
+        The request runs as the key's tenant; without keys (or for the admin, until it names
+        one) as the one shared tenant: a ``user`` field anyone can type is OpenAI's end-user
+        label, never an identity."""
         if self.draining:
             raise Draining("the gateway is shutting down", retry_after=1)
-        return Identity(self.authenticate(caller, credentials), caller.request_id or uuid.uuid4().hex)
+        key_tenant = self.authenticate(caller, credentials)
+        return RequestContext(
+            KEYLESS_TENANT if key_tenant is None else key_tenant,
+            caller.request_id or uuid.uuid4().hex,
+            credentials,
+        )
 
     async def parse_body(self, raw: bytes) -> dict[str, Any]:
         """A JSON object body within the value bound; parsed off this process when it may
@@ -159,28 +148,26 @@ class RequestRunner:
     async def prepare(
         self,
         parse: Callable[[], ParsedRequest],
-        tenant: str,
-        request_id: str,
-        size: int,
+        context: RequestContext,
         body: dict[str, Any] | None = None,
     ) -> tuple[ParsedRequest, Prepared]:
         """Parse, fetch the registered documents it names (shared store, one round trip), prepare.
 
-        CPU work runs as ``compute`` runs it; a request naming no registered document is parsed
-        and prepared in one go.
+        CPU work runs as ``compute`` runs it, sized by the context's body; a request naming no
+        registered document is parsed and prepared in one go.
         """
-        pipeline = self.pipeline
+        pipeline, size = self.pipeline, context.body_bytes
 
         def first() -> tuple[ParsedRequest, Prepared | None]:
             req = parse()
             if req.document_ids:
                 return req, None
-            return req, pipeline.prepare(req, tenant, request_id, body=body)
+            return req, pipeline.prepare(req, context, body=body)
 
         req, prep = await self.compute(first, size)
         if prep is None:
-            await self.documents.resolve(tenant, req)
-            prep = await self.compute(lambda: pipeline.prepare(req, tenant, request_id, body=body), size)
+            await self.documents.resolve(context.tenant, req)
+            prep = await self.compute(lambda: pipeline.prepare(req, context, body=body), size)
         return req, prep
 
     @asynccontextmanager

@@ -157,9 +157,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     ) -> Prepared:
         """The runner's entry check, then the request prepared as the HTTP API prepares it."""
         runner = self.svc.runner
-        identity = runner.enter(self._caller(context, rpc))
+        entered = runner.enter(self._caller(context, rpc))
         _parsed, prep = await runner.prepare(
-            lambda: self._parse(request), identity.tenant(), identity.request_id, request.ByteSize()
+            lambda: self._parse(request), entered.with_body(request.ByteSize())
         )
         if prep.tool_parser:  # parsed tool calls have no field in this API's answers
             raise invalid("tool calls are served on the HTTP API (/v1/chat/completions)", "tools_json")

@@ -23,7 +23,7 @@ from prefixgate.gateway.core import cache_ops
 from prefixgate.gateway.core.auth import check_admin
 from prefixgate.gateway.core.errors import Conflict, Forbidden, NotFound, invalid
 from prefixgate.gateway.core.pipeline import Prepared
-from prefixgate.gateway.core.runner import Credentials
+from prefixgate.gateway.core.request import Credentials, RequestContext
 from prefixgate.gateway.core.service import GatewayService
 from prefixgate.gateway.httpfront import cache_json
 from prefixgate.gateway.httpfront.common import (
@@ -98,17 +98,19 @@ def admin_tenant(body: Mapping[str, Any]) -> str:
     return KEYLESS_TENANT
 
 
-async def _prepare(svc: GatewayService, body: Mapping[str, Any], request_id: str) -> Prepared:
+async def _prepare(svc: GatewayService, body: Mapping[str, Any], context: RequestContext) -> Prepared:
     """The completion-shaped body prepared as the runner prepares a client's, for the tenant
     the admin names."""
     _parsed, prep = await svc.runner.prepare(
-        lambda: parse_completion(svc, body), admin_tenant(body), request_id, 0
+        lambda: parse_completion(svc, body), context.acting_for(admin_tenant(body))
     )
     return prep
 
 
-def _request_id(request: Request) -> str:
-    return current_request_id() or request_id_of(request) or ""
+def _admin_context(request: Request) -> RequestContext:
+    """An admin lookup's context: the route's guard checked the admin; the body names the tenant."""
+    request_id = current_request_id() or request_id_of(request) or ""
+    return RequestContext(KEYLESS_TENANT, request_id, Credentials.ADMIN)
 
 
 def _nodes_param(body: Mapping[str, Any]) -> list[str] | int | None:
@@ -329,7 +331,7 @@ async def cache_view(request: Request) -> Response:
 async def cache_lookup(request: Request) -> Response:
     svc = service_of(request)
     body = await _body(request, svc.settings.max_body_bytes)
-    prep = await _prepare(svc, body, _request_id(request))
+    prep = await _prepare(svc, body, _admin_context(request))
     return ORJSONResponse(cache_json.explanation_json(await cache_ops.explain(svc, prep)))
 
 
@@ -344,7 +346,7 @@ async def cache_evict(request: Request) -> Response:
         raise invalid("'all' must be true or false", "all")
     hashes: list[int] = []
     if "prompt" in body or "messages" in body:
-        hashes += (await _prepare(svc, body, _request_id(request))).hashes
+        hashes += (await _prepare(svc, body, _admin_context(request))).hashes
     raw = body.get("block_hashes")
     if raw is not None:
         if not isinstance(raw, list):
@@ -374,9 +376,9 @@ async def cache_evict(request: Request) -> Response:
 async def cache_pin(request: Request) -> Response:
     """``POST /admin/cache/pin``: warm and pin a prefix on nodes the admin may name."""
     svc = service_of(request)
-    identity = svc.runner.enter(caller_of(request), Credentials.ADMIN)
+    context = svc.runner.enter(caller_of(request), Credentials.ADMIN)
     body = await _body(request, svc.settings.max_body_bytes)
-    prep = await _prepare(svc, body, identity.request_id)
+    prep = await _prepare(svc, body, context)
     pin_seconds = _pin_seconds(body, required=True)
     job = cache_ops.Warm(svc, _nodes_param(body), pin_seconds)
     async with svc.runner.run(prep, job) as report:
@@ -388,7 +390,7 @@ async def prefill_service(request: Request) -> Response:
     svc = service_of(request)
     runner = svc.runner
     max_pin = min(svc.settings.pin_max_seconds, cache_ops.MAX_PIN_SECONDS)
-    identity = runner.enter(caller_of(request))
+    context = runner.enter(caller_of(request))
     body = await _body(request, svc.settings.max_body_bytes)
     if body.get("nodes") is not None:
         raise Forbidden(
@@ -403,7 +405,7 @@ async def prefill_service(request: Request) -> Response:
         parsed.pin_seconds = _pin_seconds(body, required=False, limit=max_pin, setting="pin_max_seconds")
         return parsed
 
-    _parsed, prep = await runner.prepare(parse, identity.tenant(), identity.request_id, 0)
+    _parsed, prep = await runner.prepare(parse, context)
     pin_seconds = _pin_seconds(body, required=False, limit=max_pin)  # validated in parse
     async with runner.run(prep, cache_ops.Warm(svc, None, pin_seconds, tenant_quota=True)) as report:
         return ORJSONResponse(cache_json.warm_json(report))

@@ -78,16 +78,12 @@ async def completions(request: Request, respond: Respond, kind: str) -> None:
     runner = svc.runner
     watch = DisconnectWatch(request)
     try:
-        identity = runner.enter(caller_of(request))
+        context = runner.enter(caller_of(request))
         raw = await read_body(request, svc.settings.max_body_bytes)
         watch.arm()
         body = await runner.parse_body(raw)
         parsed, prep = await runner.prepare(
-            lambda: parse_completion_body(svc, body, kind),
-            identity.tenant(),
-            identity.request_id,
-            len(raw),
-            body=body,
+            lambda: parse_completion_body(svc, body, kind), context.with_body(len(raw)), body=body
         )
         async with runner.run(prep, choices.Generate(svc.pipeline, parsed.n)) as ex:
             headers = execution_headers(ex.first) if svc.settings.response_headers else {}

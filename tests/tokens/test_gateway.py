@@ -15,6 +15,7 @@ from prefixgate.backends.server import NodeServer, start_node
 from prefixgate.cachetier.hashing import block_hashes
 from prefixgate.cachetier.tokenizer import unpack_ids
 from prefixgate.gateway.config import Settings, load_settings
+from prefixgate.gateway.core.request import RequestContext
 from prefixgate.gateway.core.service import GatewayService
 from prefixgate.gateway.httpfront.app import create_app
 from prefixgate.gateway.tokens import EngineTokenizer
@@ -59,7 +60,7 @@ def test_the_tokenizer_path_setting_from_flags_toml_and_environment(tmp_path: Pa
 def test_prepare_hashes_the_ids_the_engine_template_gives() -> None:
     svc = GatewayService(Settings(tokenizer_path=str(TOKENIZER_DIR), block_size=BS))
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a page?"}]
-    prep = svc.pipeline.prepare(chat(svc, messages), "")
+    prep = svc.pipeline.prepare(chat(svc, messages), RequestContext(""))
     rendered = HF.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     expected = HF.encode(rendered, add_special_tokens=False)
     assert unpack_ids(prep.tokens) == expected and prep.prompt_tokens == len(expected)
@@ -70,7 +71,10 @@ def test_prepare_hashes_the_ids_the_engine_template_gives() -> None:
 
     assert prompt_basis(svc, prep).rendering == "model template"
     bare = GatewayService(Settings(block_size=BS))
-    assert prompt_basis(bare, bare.pipeline.prepare(chat(bare, messages), "")).rendering == "gateway"
+    assert (
+        prompt_basis(bare, bare.pipeline.prepare(chat(bare, messages), RequestContext(""))).rendering
+        == "gateway"
+    )
 
 
 def test_a_template_refusal_is_a_400() -> None:
@@ -79,7 +83,8 @@ def test_a_template_refusal_is_a_400() -> None:
     svc = GatewayService(Settings(tokenizer_path=str(TOKENIZER_DIR)))
     with pytest.raises(InvalidRequest):
         svc.pipeline.prepare(
-            chat(svc, [{"role": "user", "content": "x"}], documents=[{"id": "a b", "text": "t"}]), ""
+            chat(svc, [{"role": "user", "content": "x"}], documents=[{"id": "a b", "text": "t"}]),
+            RequestContext(""),
         )
 
 

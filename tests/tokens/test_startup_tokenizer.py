@@ -24,6 +24,7 @@ from prefixgate.backends.hftok import TOKENIZER_DIR
 from prefixgate.backends.server import start_node
 from prefixgate.cachetier.tokenizer import unpack_ids
 from prefixgate.gateway.config import load_settings
+from prefixgate.gateway.core.request import RequestContext
 from prefixgate.gateway.core.service import GatewayService
 from prefixgate.gateway.tokens import TokenizerLoadError, open_tokenizer_dir
 from prefixgate.gateway.tokens.wiring import resolve_tokenizer
@@ -184,7 +185,7 @@ async def test_each_model_gets_its_own_workers_tokenizer(tmp_path: Path) -> None
             parsed = parse_request(
                 body, "chat", models=models, default_max_tokens=4, max_tokens_limit=8, max_documents=1
             )
-            prep = svc.pipeline.prepare(parsed, "")
+            prep = svc.pipeline.prepare(parsed, RequestContext(""))
             want = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR if model == "prefixgate-sim" else other))
             text = want.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
             assert unpack_ids(prep.tokens) == want(text, add_special_tokens=False)["input_ids"], model

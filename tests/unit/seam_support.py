@@ -11,6 +11,7 @@ from prefixgate.cachetier.tokenizer import Bytes4Tokenizer
 from prefixgate.gateway.cluster.nodes import Node, NodePool
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.core.pipeline import Pipeline, Prepared
+from prefixgate.gateway.core.request import RequestContext
 from prefixgate.gateway.metrics import Metrics
 from prefixgate.gateway.nodeclient.fake import FakeNodeClient, fake_status
 from prefixgate.gateway.state.documents import DocumentStore
@@ -39,7 +40,7 @@ class Harness:
             max_tokens_limit=64,
             max_documents=4,
         )
-        return self.pipeline.prepare(parsed, "tenant")
+        return self.pipeline.prepare(parsed, RequestContext("tenant"))
 
 
 @asynccontextmanager

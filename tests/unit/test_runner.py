@@ -8,11 +8,12 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from prefixgate.gateway.config import Settings
+from prefixgate.gateway.config import KEYLESS_TENANT, Settings
 from prefixgate.gateway.core import choices
 from prefixgate.gateway.core.errors import Draining, GatewayError, Overloaded, Unauthenticated
 from prefixgate.gateway.core.pipeline import Prepared
-from prefixgate.gateway.core.runner import OFFLOAD_BYTES, Caller, Credentials, Identity
+from prefixgate.gateway.core.request import Credentials, RequestContext
+from prefixgate.gateway.core.runner import OFFLOAD_BYTES, Caller
 from prefixgate.gateway.core.service import GatewayService
 from prefixgate.openai.errors import APIError
 from prefixgate.openai.schema import parse_request
@@ -24,7 +25,7 @@ def _service(**kw: object) -> GatewayService:
     return GatewayService(Settings(api_keys=["sk-a=alice"], max_inflight=2, **kw))  # type: ignore[arg-type]
 
 
-def _prepare(svc: GatewayService, identity: Identity) -> Prepared:
+def _prepare(svc: GatewayService, context: RequestContext) -> Prepared:
     parsed = parse_request(
         {"model": MODEL, "prompt": "hello there, general"},
         "completion",
@@ -33,7 +34,7 @@ def _prepare(svc: GatewayService, identity: Identity) -> Prepared:
         max_tokens_limit=16,
         max_documents=1,
     )
-    return svc.pipeline.prepare(parsed, identity.tenant(), identity.request_id)
+    return svc.pipeline.prepare(parsed, context)
 
 
 @dataclass
@@ -65,9 +66,9 @@ async def test_drain_check_comes_before_auth() -> None:
 
 async def test_entry_gives_the_key_tenant_and_the_request_id() -> None:
     svc = _service()
-    assert svc.runner.enter(KEYED) == Identity("alice", "rid-1")
+    assert svc.runner.enter(KEYED) == RequestContext("alice", "rid-1", Credentials.CLIENT, body_bytes=0)
     fresh = svc.runner.enter(Caller(authorization="Bearer sk-a"))
-    assert fresh.key_tenant == "alice" and len(fresh.request_id) == 32  # a new one
+    assert fresh.tenant == "alice" and len(fresh.request_id) == 32  # a new one
 
 
 async def test_a_failed_execute_releases_the_slot() -> None:
@@ -116,7 +117,8 @@ async def test_admin_credentials_use_the_admin_check() -> None:
         svc.runner.enter(KEYED, Credentials.ADMIN)
     assert e.value.code == "invalid_admin_token"
     admin = svc.runner.enter(Caller("Bearer root"), Credentials.ADMIN)
-    assert admin.key_tenant is None  # the admin names tenants itself; no key tenant
+    assert admin.credentials is Credentials.ADMIN
+    assert admin.tenant == KEYLESS_TENANT  # the admin names tenants itself; no key tenant
 
 
 async def test_large_work_runs_off_the_event_loop() -> None:

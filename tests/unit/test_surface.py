@@ -16,6 +16,7 @@ from prefixgate.cachetier.hashing import block_hashes
 from prefixgate.cachetier.tokenizer import Bytes4Tokenizer
 from prefixgate.gateway.core import choices
 from prefixgate.gateway.core.errors import InvalidRequest, StreamBroken
+from prefixgate.gateway.core.request import RequestContext
 from prefixgate.gateway.nodeclient.base import Capabilities
 from prefixgate.gateway.nodeclient.fake import Fail, FakeNodeClient, Tokens, fake_status
 from prefixgate.gateway.vocab import FailureKind, Mode
@@ -138,7 +139,7 @@ def prep_asking(h: Any, **fields: Any) -> Any:
     s = h.pipeline.settings
     body = {"model": s.default_model, "prompt": "x" * 1600, "max_tokens": 4, **fields}
     parsed = parse_request(body, "completion", **{**KW, "models": {s.default_model}})
-    return h.pipeline.prepare(parsed, "tenant")
+    return h.pipeline.prepare(parsed, RequestContext("tenant"))
 
 
 async def test_a_request_goes_only_to_nodes_serving_its_features() -> None:
@@ -269,10 +270,12 @@ async def test_the_default_max_tokens_is_clamped_for_the_engines_and_the_request
         s = h.pipeline.settings
         body = {"model": s.default_model, "prompt": "x" * 1600}
         parsed = parse_request(body, "completion", **{**KW, "models": {s.default_model}})
-        prep = h.pipeline.prepare(parsed, "tenant")
+        prep = h.pipeline.prepare(parsed, RequestContext("tenant"))
         assert (parsed.sampling.max_tokens, prep.sampling.max_tokens) == (16, 10)
         assert prep.openai_body is not None and prep.openai_body().body["max_tokens"] == 10
-        assert h.pipeline.prepare(parsed, "tenant").sampling == prep.sampling  # prepared again alike
+        assert (
+            h.pipeline.prepare(parsed, RequestContext("tenant")).sampling == prep.sampling
+        )  # prepared again alike
 
 
 async def test_context_overflow_names_the_field_that_set_the_limit() -> None:
