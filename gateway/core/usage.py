@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass
-from typing import Any
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter
@@ -34,32 +33,52 @@ OTHER = "_other"
 
 
 @dataclass(frozen=True, slots=True)
+class Value:
+    """What tokens are worth at the prices, by part (rounded to 6 places, as reported)."""
+
+    input_miss: float
+    input_hit: float
+    output: float
+    total: float
+
+    def parts(self) -> dict[str, float]:
+        """The parts the total is the sum of, by name (the metrics' ``part`` label)."""
+        return {"input_miss": self.input_miss, "input_hit": self.input_hit, "output": self.output}
+
+
+@dataclass(frozen=True, slots=True)
 class Prices:
     input_miss: float = 8.0
     input_hit: float = 2.0
     output: float = 0.0
     currency: str = "CNY"
 
-    def value(self, c: UsageCounts) -> dict[str, float]:
+    def value(self, c: UsageCounts) -> Value:
         miss = c.computed_tokens * self.input_miss / 1e6
         hit = c.cached_tokens * self.input_hit / 1e6
         out = c.output_tokens * self.output / 1e6
-        return {
-            "input_miss": round(miss, 6),
-            "input_hit": round(hit, 6),
-            "output": round(out, 6),
-            "total": round(miss + hit + out, 6),
-        }
+        return Value(round(miss, 6), round(hit, 6), round(out, 6), round(miss + hit + out, 6))
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "currency": self.currency,
-            "per_million_tokens": {
-                "input_miss": self.input_miss,
-                "input_hit": self.input_hit,
-                "output": self.output,
-            },
-        }
+
+@dataclass(frozen=True, slots=True)
+class UsageRow:
+    """One tenant's figures for one model, valued."""
+
+    tenant: str
+    model: str
+    counts: UsageCounts
+    value: Value
+
+
+@dataclass(frozen=True, slots=True)
+class UsageReport:
+    """Every replica's figures, per tenant and model (sorted), valued, and their totals."""
+
+    tenant: str | None  # the one tenant asked for; None: every tenant
+    prices: Prices
+    rows: tuple[UsageRow, ...]
+    totals: UsageCounts
+    value: Value
 
 
 class UsageLedger:
@@ -138,8 +157,8 @@ class UsageLedger:
         self.m_cached.labels(t, model).inc(counts.cached_tokens)
         self.m_computed.labels(t, model).inc(counts.computed_tokens)
         self.m_output.labels(t, model).inc(counts.output_tokens)
-        for part, v in self.prices.value(counts).items():
-            if part != "total" and v:
+        for part, v in self.prices.value(counts).parts().items():
+            if v:
                 self.m_value.labels(t, model, part).inc(v)
 
     async def flush(self) -> None:
@@ -187,7 +206,7 @@ class UsageLedger:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.flush(), timeout)
 
-    async def report(self, tenant: str | None = None) -> dict[str, Any]:
+    async def report(self, tenant: str | None = None) -> UsageReport:
         """Every replica's figures (this one's flushed first), per tenant and model, valued."""
         with contextlib.suppress(Exception):
             await self.flush()
@@ -196,21 +215,5 @@ class UsageLedger:
         totals = UsageCounts()
         for (t, model), c in sorted(figures.items()):
             totals.add(c)
-            rows.append({"tenant": t, "model": model, **counts_json(c), "value": self.prices.value(c)})
-        return {
-            "object": "usage",
-            "tenant": tenant,
-            "prices": self.prices.to_json(),
-            "data": rows,
-            "totals": {**counts_json(totals), "value": self.prices.value(totals)},
-        }
-
-
-def counts_json(c: UsageCounts) -> dict[str, int]:
-    return {
-        "requests": c.requests,
-        "prompt_tokens": c.prompt_tokens,
-        "cached_tokens": c.cached_tokens,
-        "computed_tokens": c.computed_tokens,
-        "output_tokens": c.output_tokens,
-    }
+            rows.append(UsageRow(t, model, c, self.prices.value(c)))
+        return UsageReport(tenant, self.prices, tuple(rows), totals, self.prices.value(totals))

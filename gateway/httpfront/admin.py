@@ -25,7 +25,7 @@ from prefixgate.gateway.core.errors import Conflict, Forbidden, NotFound, invali
 from prefixgate.gateway.core.pipeline import Prepared
 from prefixgate.gateway.core.request import Credentials, RequestContext
 from prefixgate.gateway.core.service import GatewayService
-from prefixgate.gateway.httpfront import cache_json
+from prefixgate.gateway.httpfront import cache_json, usage_json
 from prefixgate.gateway.httpfront.common import (
     Handler,
     ORJSONResponse,
@@ -458,14 +458,16 @@ async def usage_view(request: Request) -> Response:
     """``GET /admin/usage[?tenant=T]``: tokens and their value per tenant and model, summed over
     every replica."""
     svc = service_of(request)
-    return ORJSONResponse(await svc.usage.report(request.query_params.get("tenant")))
+    return ORJSONResponse(usage_json.report_json(await svc.usage.report(request.query_params.get("tenant"))))
 
 
 async def tenant_usage(request: Request) -> Response:
     """``GET /v1/usage``: the caller's own tenant's figures, never another's."""
     svc = service_of(request)
     tenant = svc.runner.authenticate(caller_of(request))
-    return ORJSONResponse(await svc.usage.report(KEYLESS_TENANT if tenant is None else tenant))
+    return ORJSONResponse(
+        usage_json.report_json(await svc.usage.report(KEYLESS_TENANT if tenant is None else tenant))
+    )
 
 
 def admin_routes() -> list[Route]:

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from prefixgate.gateway.core.errors import NotFound, Unavailable
-from prefixgate.gateway.core.usage import Prices, UsageLedger
+from prefixgate.gateway.core.usage import Prices, UsageLedger, Value
 from prefixgate.gateway.state.documents import DocumentLimits
 from prefixgate.gateway.state.memory import MemoryState
 from prefixgate.gateway.state.redis_store import RedisState
@@ -72,11 +72,12 @@ async def test_usage_ledgers_of_two_replicas_sum_in_the_store() -> None:
         two.record("tenant-b", "m", prompt=5, cached=0, output=1)
         await one.flush()
         report = await two.report("tenant-a")  # flushes its own first
-        (row,) = report["data"]
-        assert (row["requests"], row["prompt_tokens"], row["cached_tokens"]) == (2, 2_000_000, 1_000_000)
-        assert row["computed_tokens"] == 1_000_000 and row["output_tokens"] == 10
-        assert row["value"] == {"input_miss": 8.0, "input_hit": 2.0, "output": 0.00016, "total": 10.00016}
-        assert {r["tenant"] for r in (await one.report())["data"]} == {"tenant-a", "tenant-b"}
+        (row,) = report.rows
+        assert (
+            row.counts == UsageCounts(2, 2_000_000, 1_000_000, 10) and row.counts.computed_tokens == 1_000_000
+        )
+        assert row.value == Value(input_miss=8.0, input_hit=2.0, output=0.00016, total=10.00016)
+        assert {r.tenant for r in (await one.report()).rows} == {"tenant-a", "tenant-b"}
         assert await store.usage("tenant-b") == {("tenant-b", "m"): UsageCounts(1, 5, 0, 1)}
     finally:
         await one.close()

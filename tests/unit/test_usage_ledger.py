@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import orjson
 from prometheus_client import CollectorRegistry
 
 from prefixgate.gateway.config import load_settings
 from prefixgate.gateway.core import usage
-from prefixgate.gateway.core.usage import Prices, UsageLedger
+from prefixgate.gateway.core.usage import Prices, UsageLedger, Value
+from prefixgate.gateway.httpfront.usage_json import report_json
 from prefixgate.gateway.state.memory import MemoryState
 from prefixgate.gateway.state.store import UsageCounts
 
@@ -30,7 +32,7 @@ def test_prices_come_from_defaults_toml_env_and_flags(tmp_path: Path) -> None:
 def test_value_prices_computed_cached_and_output_tokens() -> None:
     c = UsageCounts(requests=3, prompt_tokens=4_000_000, cached_tokens=3_000_000, output_tokens=500_000)
     assert c.computed_tokens == 1_000_000
-    assert Prices(8, 2, 10).value(c) == {"input_miss": 8.0, "input_hit": 6.0, "output": 5.0, "total": 19.0}
+    assert Prices(8, 2, 10).value(c) == Value(input_miss=8.0, input_hit=6.0, output=5.0, total=19.0)
 
 
 async def test_the_buffer_and_the_tenant_labels_are_bounded(monkeypatch: object) -> None:
@@ -64,3 +66,19 @@ def test_the_admin_command_line_asks_for_one_tenant_and_renders_pins() -> None:
     assert plan_request(args)[:2] == ("GET", "/admin/cache/pins")
     (table,) = render_pins({"data": [{"tenant": "t", "node": "prefill-1", "blocks": 46, "until": 1e12}]})
     assert table.row_count == 1  # type: ignore[union-attr]
+
+
+async def test_the_usage_answer_is_the_report_in_the_api_shape_key_for_key() -> None:
+    ledger = UsageLedger(MemoryState(), Prices(8, 2, 16, "USD"), CollectorRegistry())
+    ledger.record("b", "m", prompt=1_000_000, cached=500_000, output=1_000)
+    answer = orjson.dumps(report_json(await ledger.report("b")))
+    value = '"value":{"input_miss":4.0,"input_hit":1.0,"output":0.016,"total":5.016}'
+    counts = (
+        '"requests":1,"prompt_tokens":1000000,"cached_tokens":500000,"computed_tokens":500000,'
+        '"output_tokens":1000'
+    )
+    assert answer.decode() == (
+        '{"object":"usage","tenant":"b","prices":{"currency":"USD","per_million_tokens":'
+        '{"input_miss":8,"input_hit":2,"output":16}},'
+        f'"data":[{{"tenant":"b","model":"m",{counts},{value}}}],"totals":{{{counts},{value}}}}}'
+    )
