@@ -16,7 +16,7 @@ from prefixgate.gateway.core.request import Credentials, RequestContext
 from prefixgate.gateway.core.runner import OFFLOAD_BYTES, Caller
 from prefixgate.gateway.core.service import GatewayService
 from prefixgate.openai.errors import APIError
-from prefixgate.openai.schema import parse_request
+from prefixgate.openai.schema import ParsedRequest, parse_request
 
 MODEL = "prefixgate-sim"
 
@@ -25,8 +25,8 @@ def _service(**kw: object) -> GatewayService:
     return GatewayService(Settings(api_keys=["sk-a=alice"], max_inflight=2, **kw))  # type: ignore[arg-type]
 
 
-def _prepare(svc: GatewayService, context: RequestContext) -> Prepared:
-    parsed = parse_request(
+def _parsed(svc: GatewayService) -> ParsedRequest:
+    return parse_request(
         {"model": MODEL, "prompt": "hello there, general"},
         "completion",
         models=svc.models,
@@ -34,7 +34,10 @@ def _prepare(svc: GatewayService, context: RequestContext) -> Prepared:
         max_tokens_limit=16,
         max_documents=1,
     )
-    return svc.pipeline.prepare(parsed, context)
+
+
+def _prepare(svc: GatewayService, context: RequestContext) -> Prepared:
+    return svc.pipeline.prepare(_parsed(svc), context)
 
 
 @dataclass
@@ -69,6 +72,14 @@ async def test_entry_gives_the_key_tenant_and_the_request_id() -> None:
     assert svc.runner.enter(KEYED) == RequestContext("alice", "rid-1", Credentials.CLIENT, body_bytes=0)
     fresh = svc.runner.enter(Caller(authorization="Bearer sk-a"))
     assert fresh.tenant == "alice" and len(fresh.request_id) == 32  # a new one
+
+
+async def test_the_prepared_request_carries_the_context_the_request_entered_with() -> None:
+    svc = _service()
+    context = svc.runner.enter(KEYED).with_body(OFFLOAD_BYTES)  # prepared on a worker thread
+    _parsed_req, prep = await svc.runner.prepare(lambda: _parsed(svc), context)
+    assert prep.context is context and prep.context.body_bytes == OFFLOAD_BYTES
+    assert (prep.tenant, prep.request_id) == ("alice", "rid-1")
 
 
 async def test_a_failed_execute_releases_the_slot() -> None:
