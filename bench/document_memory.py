@@ -11,14 +11,13 @@ earlier registry counted). Takes about a minute.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import time
 
 import httpx
 import orjson
 
+from prefixgate.gateway.ops import processes
 from prefixgate.gateway.ops.stack import free_port as _free_port
 from prefixgate.gateway.state.documents import TENANT_OVERHEAD, stored_cost
 from prefixgate.openai.normalize import Document
@@ -44,26 +43,18 @@ def measure(count: int, size: int, char: str) -> dict[str, int]:
     """Upload ``count`` documents to a fresh gateway; its RSS growth, the counted and UTF-8 bytes."""
     port = _free_port()
     env = {
-        **os.environ,
         "PREFIXGATE_DOCUMENT_QUOTA_COUNT": str(count + 1),
         "PREFIXGATE_DOCUMENT_QUOTA_BYTES": str(1 << 40),
         "PREFIXGATE_DOCUMENT_STORE_BYTES": str(1 << 40),
         "PREFIXGATE_LOG_LEVEL": "warning",
     }
-    cmd = [sys.executable, "-m", "prefixgate.cli", "gateway", "--port", str(port), "--decode", "127.0.0.1:1"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
+    cmd = processes.prefixgate("gateway", "--port", str(port), "--decode", "127.0.0.1:1")
+    proc = processes.start(
+        "gateway", cmd, env=env, ready=processes.answers_http(url + "/healthz"), timeout=30
+    )
     try:
         with httpx.Client(base_url=url, timeout=30) as client:
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    if client.get("/healthz").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    if time.monotonic() > deadline:
-                        raise
-                time.sleep(0.1)
             client.post("/v1/documents", json={"id": "warm-up", "text": "w" * size})
             client.delete("/v1/documents/warm-up")
             time.sleep(0.2)
@@ -84,8 +75,7 @@ def measure(count: int, size: int, char: str) -> dict[str, int]:
             fetched = _rss(proc.pid) - before
             return {"rss_growth": stored, "rss_after_get": fetched, "counted": counted, "utf8": utf8}
     finally:
-        proc.terminate()
-        proc.wait(timeout=20)
+        proc.stop(timeout=20)
 
 
 def main(argv: list[str] | None = None) -> int:

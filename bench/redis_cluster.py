@@ -11,10 +11,16 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
 import time
+
+import redis
+
+from prefixgate.gateway.ops import processes
+from prefixgate.gateway.ops.processes import Child
 
 
 def _free_cluster_port() -> int:
@@ -32,17 +38,18 @@ def _free_cluster_port() -> int:
     raise RuntimeError("no free port pair for a cluster node")
 
 
-def wait_pong(port: int, proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ping = subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True, timeout=5)
-        if ping.stdout.strip() == b"PONG":
-            return
-        if proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"redis-server on port {port} did not start")
+def start_redis(port: int, *args: str, timeout: float = 10.0) -> Child:
+    """A redis-server on 127.0.0.1:``port`` without persistence (``args`` add to its config),
+    through the one launcher; ready once it answers PING. Every test and benchmark Redis starts here."""
+
+    def pong(_child: Child) -> bool:
+        try:
+            return bool(redis.Redis(port=port, socket_timeout=1).ping())
+        except redis.RedisError:
+            return False
+
+    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    return processes.start(f"redis-server :{port}", [*argv, *args], ready=pong, timeout=timeout)
 
 
 class RedisClusterHarness:
@@ -59,7 +66,7 @@ class RedisClusterHarness:
             port = _free_cluster_port()
             if port not in self.ports:
                 self.ports.append(port)
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.procs: dict[int, Child] = {}
         self.dir = tempfile.mkdtemp(prefix="prefixgate-cluster-")
 
     @property
@@ -87,23 +94,13 @@ class RedisClusterHarness:
     def start_node(self, port: int) -> None:
         node_dir = os.path.join(self.dir, str(port))
         os.makedirs(node_dir, exist_ok=True)
-        proc = subprocess.Popen(
-            [
-                "redis-server",
-                "--port", str(port),
-                "--bind", "127.0.0.1",
-                "--dir", node_dir,
-                "--cluster-enabled", "yes",
-                "--cluster-config-file", "nodes.conf",
-                "--cluster-node-timeout", str(self.node_timeout_ms),
-                "--save", "",
-                "--appendonly", "no",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+        self.procs[port] = start_redis(
+            port,
+            "--dir", node_dir,
+            "--cluster-enabled", "yes",
+            "--cluster-config-file", "nodes.conf",
+            "--cluster-node-timeout", str(self.node_timeout_ms),
         )  # fmt: skip
-        self.procs[port] = proc
-        wait_pong(port, proc)
 
     def cli(self, port: int, *args: str) -> str:
         out = subprocess.run(["redis-cli", "-p", str(port), *args], capture_output=True, timeout=10)
@@ -113,7 +110,7 @@ class RedisClusterHarness:
         """Until every live node reports cluster_state:ok and sees as many masters as it should."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            live = [p for p, proc in self.procs.items() if proc.poll() is None]
+            live = [p for p, proc in self.procs.items() if proc.alive()]
             if all(self._ok(p) for p in live):
                 return
             time.sleep(0.1)
@@ -126,7 +123,7 @@ class RedisClusterHarness:
     def master_ports(self, seen_by: int = 0) -> list[int]:
         """Masters not marked failed, as the node on port ``seen_by`` (any live one) sees them."""
         if not seen_by:
-            seen_by = next(p for p, proc in self.procs.items() if proc.poll() is None)
+            seen_by = next(p for p, proc in self.procs.items() if proc.alive())
         out = []
         for line in self.cli(seen_by, "cluster", "nodes").splitlines():
             fields = line.split()
@@ -136,7 +133,7 @@ class RedisClusterHarness:
 
     def replicas_of(self, master_port: int) -> list[int]:
         """Ports of the replicas that follow the master on ``master_port``."""
-        seen_by = next(p for p, proc in self.procs.items() if proc.poll() is None)
+        seen_by = next(p for p, proc in self.procs.items() if proc.alive())
         rows = [line.split() for line in self.cli(seen_by, "cluster", "nodes").splitlines()]
 
         def port_of(fields: list[str]) -> int:
@@ -150,9 +147,7 @@ class RedisClusterHarness:
         self.start_node(port)
 
     def kill(self, port: int) -> None:
-        proc = self.procs.pop(port)
-        proc.kill()
-        proc.wait()
+        self.procs.pop(port).stop(signal.SIGKILL)
 
     def stop(self) -> None:
         for port in list(self.procs):

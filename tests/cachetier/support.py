@@ -6,16 +6,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import uuid
 
 import pytest
 
-from prefixgate.bench.redis_cluster import RedisClusterHarness, wait_pong
+from prefixgate.bench.redis_cluster import RedisClusterHarness, start_redis
+from prefixgate.gateway.ops.processes import Child
 from prefixgate.gateway.ops.stack import free_port as _free_port
 
-__all__ = ["PrivateRedis", "RedisClusterHarness", "TcpProxy", "redis_url", "test_prefix", "wait_pong"]
+__all__ = ["PrivateRedis", "RedisClusterHarness", "TcpProxy", "redis_url", "test_prefix"]
 
 REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
 REDIS_URL = f"redis://{REDIS_HOST}:{REDIS_PORT}/0"
@@ -114,23 +116,19 @@ class PrivateRedis:
     def __init__(self, *args: str, port: int = 0) -> None:
         self.args = list(args)
         self.port = port or _free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: Child | None = None
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> PrivateRedis:
-        cmd = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
-        cmd += ["--appendonly", "no", *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_pong(self.port, self.proc)
+        self.proc = start_redis(self.port, *self.args)
         return self
 
     def stop(self) -> None:
         if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
+            self.proc.stop(signal.SIGKILL)
             self.proc = None
 
     def restart(self) -> None:

@@ -298,17 +298,3 @@ async def drive(
 
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true", "yes")
-
-
-def start_redis(port: int) -> Child:
-    """A throwaway redis-server on ``port`` (no persistence), ready once it answers PING."""
-    import redis
-
-    def pong(_child: Child) -> bool:
-        try:
-            return bool(redis.Redis(port=port, socket_timeout=1).ping())
-        except redis.RedisError:
-            return False
-
-    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    return processes.start(f"redis-server :{port}", argv, ready=pong, timeout=10)

@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
+from prefixgate.bench.redis_cluster import start_redis
 from prefixgate.gateway.ops.processes import Child
-from tests.faults.cluster import Cluster, start_redis
+from tests.faults.cluster import Cluster
 from tests.faults.drills import FIRST_TOKEN_TIMEOUT_S, PROTOCOLS, REPORT, STALL_TIMEOUT_S
 from tests.helpers import free_port
 

@@ -11,9 +11,10 @@ import time
 import httpx
 import pytest
 
+from prefixgate.bench.redis_cluster import start_redis
 from prefixgate.cachetier.redis_index import RedisIndex, connect
 from prefixgate.gateway.ops.processes import Child
-from tests.faults.cluster import Cluster, NodeProc, Tally, drive, one, start_redis
+from tests.faults.cluster import Cluster, NodeProc, Tally, drive, one
 from tests.faults.drills import (
     REPORT,
     all_routable,

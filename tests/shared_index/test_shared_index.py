@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from prefixgate.bench.redis_cluster import start_redis
 from prefixgate.cachetier.hashing import Namespace, block_hashes
 from prefixgate.cachetier.index import IndexStats, StoreOp
 from prefixgate.cachetier.redis_index import RedisIndex, connect
@@ -20,7 +21,7 @@ from prefixgate.cachetier.tokenizer import Bytes4Tokenizer
 from prefixgate.gateway.cluster.events import index_capacity
 from prefixgate.gateway.ops.processes import Child
 from prefixgate.openai.normalize import Document, render_chat
-from tests.faults.cluster import Cluster, Outcome, Tally, drive, start_redis
+from tests.faults.cluster import Cluster, Outcome, Tally, drive
 from tests.faults.drills import REPORT
 from tests.helpers import free_port, spawn
 
