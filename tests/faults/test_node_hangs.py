@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import signal
 import time
+from collections.abc import Iterator
 
 import pytest
 
-from tests.faults.cluster import Cluster, Outcome, drive
+from tests.faults.cluster import Cluster, NodeProc, Outcome, drive
 from tests.faults.drills import (
     FIRST_TOKEN_TIMEOUT_S,
+    PROTOCOLS,
     STALL_TIMEOUT_S,
     all_routable,
     body,
@@ -202,3 +205,72 @@ def test_hung_decode_node_mid_stream_ends_streams_with_error(cluster: Cluster) -
     assert all(p["circuit_opens"] == prefill_opens0[p["id"]] for p in prefill_states), prefill_states
     assert until(lambda: node_state(cluster, victim)["routable"], 15.0)
     all_routable(cluster)
+
+
+@pytest.fixture(scope="module", params=PROTOCOLS)
+def default_cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """2 prefill nodes and 1 decode node behind a gateway as a new user runs it: every setting at
+    its default (the 60 s first-token timeout, the 0.5 s probe, the embedded index)."""
+    c = Cluster.create(
+        2,
+        1,
+        ["--time-scale", "10", "--capacity-blocks", "4096"],
+        protocol=request.param,
+        stats_interval_s=None,
+    )
+    c.start()
+    try:
+        yield c
+    finally:
+        assert c.stop() == 0
+
+
+def test_hung_prefill_node_costs_seconds_at_the_default_settings(default_cluster: Cluster) -> None:
+    """SIGSTOP on the prefill node holding requests, the first-token timeout at its 60 s default:
+    once the health probes declare the node gone, every attempt still waiting on it is aborted and
+    retried on the other prefill node (over ``grpc://`` the decode leg waiting for the hung node's
+    KV lets the request go too): every request succeeds, in seconds rather than after 60 s."""
+    cluster = default_cluster
+    all_routable(cluster)
+    before = cluster.metric("prefixgate_retries_total")
+    gone0 = cluster.metric("prefixgate_retries_total", reason="node_gone")
+    held: dict[str, int] = {}
+    first = 10_000 + random.randrange(10_000) * 16  # prompts no earlier run left in the nodes' caches
+
+    def prefill_load() -> dict[str, int]:
+        return {n.gateway_id: node_state(cluster, n)["load"]["local_requests"] for n in cluster.prefill}
+
+    async def scenario() -> tuple[NodeProc, list[Outcome]]:
+        nonlocal held
+        # 90 s: on a gateway that waits out the first-token timeout the requests still end
+        load = asyncio.create_task(drive(cluster.url, [body(first + i) for i in range(16)], 16, timeout=90))
+        for _ in range(100):  # until requests wait on a prefill node: that one is stopped
+            await asyncio.sleep(0.05)
+            held = await asyncio.to_thread(prefill_load)
+            if max(held.values()) >= 3:
+                break
+        victim = next(n for n in cluster.prefill if n.gateway_id == max(held, key=lambda k: held[k]))
+        victim.signal(signal.SIGSTOP)
+        return victim, await load
+
+    victim: NodeProc | None = None
+    try:
+        victim, results = asyncio.run(scenario())
+        gone = cluster.metric("prefixgate_retries_total", reason="node_gone") - gone0
+    finally:
+        if victim is not None:
+            victim.signal(signal.SIGCONT)
+    slowest = max(r.ended_at - r.started_at for r in results)
+    t = tally(
+        "prefill node SIGSTOP (hung) at the default settings",
+        results,
+        cluster,
+        before,
+        note=f"{held[victim.gateway_id]} requests on it; slowest request {slowest:.1f} s",
+    )
+    assert held[victim.gateway_id] >= 3, held
+    assert t.failed == 0 and t.succeeded == 16, [r.error for r in results if r.error][:5]
+    assert slowest < 20, slowest  # not the 60 s first-token timeout
+    split = [r for r in results if r.route == "disaggregated"]
+    assert gone >= 1 and all(r.prefill_node != victim.gateway_id for r in split), gone
+    assert until(lambda: node_state(cluster, victim)["routable"], 15.0)
