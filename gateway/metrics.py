@@ -180,7 +180,10 @@ class Metrics:
             "prefixgate_requests", "Requests by route and outcome", ["route", "outcome"], registry=r
         )
         self.retries = Counter(
-            "prefixgate_retries", "Attempts retried on another node", ["stage"], registry=r
+            "prefixgate_retries",
+            "Attempts retried on another node, by the stage and kind of their failure",
+            ["stage", "reason"],
+            registry=r,
         )
         self.fallbacks = Counter(
             "prefixgate_fallbacks", "Requests served monolithic as a fallback", ["reason"], registry=r

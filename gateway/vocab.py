@@ -69,6 +69,7 @@ class FailureKind(StrEnum):
     INVALID = "invalid"  # the request itself is wrong: retrying elsewhere cannot help
     CONSTRAINT = "constraint"  # the request's constraint (grammar) failed on the engine: likewise
     CANCELLED = "cancelled"  # the node or the client cancelled the call
+    GONE = "node_gone"  # declared gone (its breaker opened) while the attempt awaited its first token
     INTERNAL = "internal"  # the node failed in an unexpected way
 
     @property

@@ -7,6 +7,11 @@ node unreachable at once and, ``failures_to_trip`` in a row (``PROBE_FAILURES_TO
 circuit breaker; once ``successes_to_rejoin`` probes in a row pass again the node is reachable and
 a breaker the probes opened lets one trial request through (half-open), whose outcome closes or
 re-opens the breaker.
+
+A node whose breaker opens (probes or failed requests) is declared gone: ``Node.gone`` wakes every
+attempt still waiting on it for a first token, which is then retried elsewhere at once rather than
+after ``first_token_timeout_s``. One missed probe only takes a node out of routing: a node slow to
+answer its status once keeps the prefills it is computing.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from prefixgate.gateway import nodeclient
-from prefixgate.gateway.cluster.breaker import CircuitBreaker
+from prefixgate.gateway.cluster.breaker import OPEN, CircuitBreaker
 from prefixgate.gateway.config import DEFAULT_MODEL
 from prefixgate.gateway.nodeclient import NodeClient, NodeFailure, NodeStatus
 from prefixgate.gateway.routing import NodeView
@@ -34,6 +39,35 @@ MIN_TIMED_PREFILL_S = 0.005
 SLOWNESS_DEADBAND = 1.5
 PROBE_TIMEOUT_S = 1.5
 PROBE_FAILURES_TO_TRIP = 2
+
+
+def went_down(was_up: bool, up: bool) -> bool:
+    """Whether a node's change of state declares it gone (pure: the caller knows both states)."""
+    return was_up and not up
+
+
+class Departure:
+    """Wakes whoever waits on a node when it is declared gone: one ``asyncio.Event`` per spell the
+    node is up, set when the spell ends and replaced by a fresh one, so an attempt started after
+    the node came back waits on the new spell's."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+        self._up = True
+
+    @property
+    def event(self) -> asyncio.Event:
+        """The current spell's: set once the node goes down."""
+        return self._event
+
+    def observe(self, up: bool) -> bool:
+        """The node's state now; True when that declares it gone (its waiters are woken)."""
+        down = went_down(self._up, up)
+        self._up = up
+        if down:
+            self._event.set()
+            self._event = asyncio.Event()
+        return down
 
 
 @dataclass(eq=False)
@@ -63,10 +97,23 @@ class Node:
     # Observed / estimated prefill time (EWMA): a node slower than it claims gets less traffic.
     slowness: float = 1.0
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    departure: Departure = field(default_factory=Departure, repr=False)
 
     @property
     def id(self) -> str:
         return self.node_id or self.address
+
+    @property
+    def gone(self) -> asyncio.Event:
+        """Set when the node is next declared gone (its breaker opens): what an attempt waiting for
+        its first token here awaits beside it."""
+        return self.departure.event
+
+    def settle(self) -> None:
+        """After the breaker or the probe changed the node's state: a breaker that opened wakes
+        the attempts waiting on the node."""
+        if self.departure.observe(self.breaker.state != OPEN):
+            log.warning("node_gone", node=self.id, address=self.address, error=self.last_error[:200])
 
     @contextlib.contextmanager
     def load(self, tokens: int) -> Iterator[None]:
@@ -300,6 +347,7 @@ class NodePool:
             node.probe_successes = 0
             if node.probe_failures >= self.failures_to_trip:
                 node.breaker.trip(time.monotonic())
+                node.settle()
             return False
         node.probe_successes += 1
         # A node that failed its probes rejoins after ``successes_to_rejoin`` passing ones in a
@@ -316,6 +364,7 @@ class NodePool:
             return False
         node.reachable = True
         node.breaker.on_probe_ok(node.status_at)
+        node.settle()
         return True
 
     async def _poll(self, node: Node) -> None:

@@ -6,6 +6,11 @@ monolithic serving, itself tried on other nodes. Both are one attempt loop over 
 choice of nodes: at most ``retry_max_attempts`` a path, with backoff between attempts, all
 within the request's deadline. Nothing is retried once the first token is out
 (``Execution.stream`` raises StreamBroken then).
+
+An attempt waits for its first token beside the ``Node.gone`` events of its nodes: one declared
+gone (its breaker opened: failed probes, failed requests) while the attempt still needs it ends
+the attempt at once, retried like any failure (``FailureKind.GONE``), instead of after
+``first_token_timeout_s``.
 """
 
 from __future__ import annotations
@@ -13,11 +18,13 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
+from prefixgate.gateway.cluster.breaker import OPEN
 from prefixgate.gateway.cluster.nodes import Node, NodePool
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.core.accounting import Accounting
@@ -67,6 +74,31 @@ async def _first_delta(stream: TokenStream) -> TokenDelta:
         raise NodeFailure("", Stage.GENERATE, FailureKind.INTERNAL, "stream ended before any token") from None
 
 
+async def _first_unless_gone(stream: TokenStream, t: Target, events: dict[Node, asyncio.Event]) -> TokenDelta:
+    """The stream's first delta, raced against the nodes' ``gone`` events: the attempt fails
+    (``abandoned``) as soon as a node it still needs is declared gone, or already is (its breaker
+    opened while the attempt waited to start). The first delta's wait is cancelled then, which
+    ends the stream's legs by their abort rule."""
+    first = asyncio.ensure_future(_first_delta(stream))
+    waits: dict[asyncio.Future[Any], Node] = {asyncio.ensure_future(ev.wait()): n for n, ev in events.items()}
+    gone = {n for n in t.nodes if n.breaker.state == OPEN}
+    try:
+        while (failure := abandoned(t, gone, stream.prefill is not None)) is None:
+            done, _ = await asyncio.wait({first, *waits}, return_when=asyncio.FIRST_COMPLETED)
+            if first in done:
+                return first.result()
+            gone.update(waits.pop(w) for w in [w for w in waits if w in done])
+        raise failure
+    finally:
+        for w in waits:
+            w.cancel()
+        if not first.done():
+            first.cancel()
+            await asyncio.wait({first})
+        if not first.cancelled():
+            first.exception()  # retrieved: a failure after the node was given up on is no news
+
+
 def _blamed(e: NodeFailure, nodes: tuple[Node, ...]) -> Node:
     """The node a failure names (the last one given when it names none of them)."""
     for n in nodes:
@@ -81,6 +113,19 @@ def _prompt(prep: Prepared, node: Node) -> Prompt:
     if node.client.capabilities.openai_body and prep.openai_body is not None:
         openai = for_choice(prep.openai_body(), prep.sampling.seed, prep.sampling.choice)
     return Prompt(prep.request_id, prep.tokens, prep.hashes, prep.sampling, openai, prep.engine_salt)
+
+
+def abandoned(t: Target, gone: Collection[Node], prefill_reported: bool) -> NodeFailure | None:
+    """The failure of an attempt on ``t`` once ``gone`` are declared gone, if it still needs one of
+    them: the prefill node until its leg has reported, the node that streams until the first
+    token. None: it waits on (a prefill node gone after its part was done is no loss)."""
+    if t.prefill is not None and t.prefill in gone and not prefill_reported:
+        at, stage = t.prefill, Stage.PREFILL
+    elif t.decode in gone:
+        at, stage = t.decode, (Stage.DECODE if t.prefill is not None else Stage.GENERATE)
+    else:
+        return None
+    return NodeFailure(at.id, stage, FailureKind.GONE, "node declared gone before the first token")
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +153,8 @@ class Run:
     deadline: float  # loop-independent monotonic time
     failures: list[Failure] = field(default_factory=list)
     attempts: int = 0
-    notes: dict[str, int] = field(default_factory=dict)  # the lookup's and the decisions' (request log)
+    # The lookup's and the decisions', and the attempts ended by a node declared gone (request log).
+    notes: dict[str, int] = field(default_factory=dict)
 
 
 # What the next attempt would try, its nodes chosen once the backoff pause is over; None:
@@ -140,7 +186,7 @@ class Executor:
         if prep.tool_parser:  # the gateway parses the tool calls: not for pass-through workers
             unserved |= passing_through(self.pool.nodes.values())
         found = await self.planner.lookup(prep)
-        run = Run(prep, found, deadline, notes=dict(found.notes))
+        run = Run(prep, found, deadline, notes={**found.notes, "retries_node_gone": 0})
         hits = found.hits
         plan = self.planner.decide(prep, hits, set(unserved))
 
@@ -227,7 +273,7 @@ class Executor:
             outcome = await self._attempt(run, target)
             if isinstance(outcome, Execution):
                 return outcome
-            self._failed(outcome, run.failures)
+            self._failed(outcome, run)
             if not outcome.error.kind.retryable:
                 return None
             excluded.add(outcome.node.id)
@@ -245,14 +291,20 @@ class Executor:
             await asyncio.sleep(min(pause, left))
         return time.monotonic() < deadline
 
-    def _failed(self, f: Failure, failures: list[Failure]) -> None:
-        failures.append(f)
+    def _failed(self, f: Failure, run: Run) -> None:
+        run.failures.append(f)
         self._note_failure(f)
-        self.metrics.retries.labels(f.error.stage.value).inc()
+        kind = f.error.kind
+        if kind == FailureKind.GONE:
+            run.notes["retries_node_gone"] += 1
+        self.metrics.retries.labels(f.error.stage.value, kind.value).inc()
 
     def _note_failure(self, f: Failure) -> None:
-        if f.error.kind not in (FailureKind.OVERLOADED, FailureKind.INVALID, FailureKind.CONSTRAINT):
+        # a node declared gone has its verdict already: the attempts it ended are no more evidence
+        spared = (FailureKind.OVERLOADED, FailureKind.INVALID, FailureKind.CONSTRAINT, FailureKind.GONE)
+        if f.error.kind not in spared:
             f.node.breaker.on_failure(time.monotonic())
+            f.node.settle()
         else:
             f.node.breaker.on_release()
         f.node.last_error = str(f)[:500]
@@ -281,6 +333,7 @@ class Executor:
         predicted = t.decision.cached_blocks * self.settings.block_size
         uncached = max(0, prep.prompt_tokens - predicted)
         timings = Timings()
+        gone = {n: n.gone for n in nodes}  # taken before anything awaits: no departure is missed
         for n in nodes:
             n.breaker.on_dispatch()
         with computing.load(uncached):
@@ -291,7 +344,7 @@ class Executor:
             else:
                 stream = dnode.client.generate(_prompt(prep, dnode), timeout=timeout)
             try:
-                first = await self._first(stream, run.deadline, pnode, dnode)
+                first = await self._first(stream, run.deadline, t, gone)
                 served = True
             except NodeFailure as e:
                 await stream.aclose()
@@ -344,9 +397,11 @@ class Executor:
         )
 
     async def _first(
-        self, stream: TokenStream, deadline: float, prefill_node: Node | None, node: Node
+        self, stream: TokenStream, deadline: float, t: Target, gone: dict[Node, asyncio.Event]
     ) -> TokenDelta:
-        """The attempt's first delta, within ``first_token_timeout_s`` and the request deadline.
+        """The attempt's first delta, within ``first_token_timeout_s`` and the request deadline,
+        unless a node it still needs is declared gone first (``abandoned``; ``gone``: the nodes'
+        events, taken when the attempt began).
 
         A silent attempt is charged to the node still computing: the prefill node while its leg
         has not reported (a hung prefill is not the decode node's fault) unless the decode node
@@ -354,12 +409,13 @@ class Executor:
         (then the prefill is most likely waiting to push pages to it), else the node that should
         be streaming. The caller closes the stream, which cancels the nodes' work.
         """
+        prefill_node, node = t.prefill, t.decode
         limit = deadline - time.monotonic()
         if self.settings.first_token_timeout_s > 0:
             limit = min(limit, self.settings.first_token_timeout_s)
         try:
             async with asyncio.timeout(max(0.001, limit)):
-                return await _first_delta(stream)
+                return await _first_unless_gone(stream, t, gone)
         except TimeoutError:
             if (
                 prefill_node is not None
