@@ -56,8 +56,8 @@ class Accounting:
         """A closed execution's accounting: breaker, metrics, the request's log line."""
         if ex.failure is not None:  # broke after the first token: the node's fault all the same
             ex.decode_node.breaker.on_failure(time.monotonic())
-            ex.decode_node.settle()
             ex.decode_node.last_error = str(ex.failure)[:500]
+            ex.decode_node.settle()
         t, node_t = ex.timings, ex.timings.node
         ttft = (t.first_token_at - t.start) if t.first_token_at else 0.0
         m = self.metrics

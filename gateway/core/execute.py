@@ -304,10 +304,10 @@ class Executor:
         spared = (FailureKind.OVERLOADED, FailureKind.INVALID, FailureKind.CONSTRAINT, FailureKind.GONE)
         if f.error.kind not in spared:
             f.node.breaker.on_failure(time.monotonic())
-            f.node.settle()
         else:
             f.node.breaker.on_release()
         f.node.last_error = str(f)[:500]
+        f.node.settle()  # a breaker this failure opened lets go of the node's other attempts
         log.warning(
             "node_attempt_failed",
             node=f.node.id,
