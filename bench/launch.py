@@ -92,10 +92,7 @@ class NodeOptions:
 
 
 def node_command(node_id: str, o: NodeOptions) -> list[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "prefixgate.cli",
+    cmd = processes.prefixgate(
         "node",
         "--role",
         o.role,
@@ -122,7 +119,7 @@ def node_command(node_id: str, o: NodeOptions) -> list[str]:
         "--log-level",
         "warning",
         "--ready-line",
-    ]
+    )
     return [*cmd, "--http-port", "0"] if o.http else cmd
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -67,10 +66,7 @@ def node_host(gateway_host: str) -> str:
 
 
 def node_command(role: str, node_id: str, port: int, opts: StackOptions) -> list[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "prefixgate.cli",
+    cmd = processes.prefixgate(
         "node",
         "--role",
         role,
@@ -87,7 +83,7 @@ def node_command(role: str, node_id: str, port: int, opts: StackOptions) -> list
         "--block-size",
         str(opts.block_size),
         "--ready-line",
-    ]
+    )
     profile = opts.prefill_profile if role == "prefill" else opts.decode_profile
     if profile:
         cmd += ["--profile", profile]

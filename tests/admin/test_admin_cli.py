@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
+from prefixgate.gateway.ops import processes
 from tests.admin.conftest import ADMIN_TOKEN, MODEL, AdminStack, chat, wait_until
 from tests.helpers import REPO, document
 
@@ -13,7 +13,7 @@ from tests.helpers import REPO, document
 def admin_cli(
     stack: AdminStack, *args: str, token: str | None = ADMIN_TOKEN
 ) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "prefixgate.cli", "admin", "--url", stack.root]
+    cmd = processes.prefixgate("admin", "--url", stack.root)
     if token:
         cmd += ["--token", token]
     return subprocess.run(
@@ -69,7 +69,7 @@ def test_cli_json_lookup_switches_and_errors(stack: AdminStack) -> None:
     usage = admin_cli(stack, "lookup")
     assert usage.returncode == 2 and "--prompt" in usage.stderr
     unreachable = subprocess.run(
-        [sys.executable, "-m", "prefixgate.cli", "admin", "--url", "http://127.0.0.1:9", "cache"],
+        processes.prefixgate("admin", "--url", "http://127.0.0.1:9", "cache"),
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -25,6 +25,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from prefixgate.gateway.ops import processes
 from prefixgate.gateway.ops.processes import Child
 from tests.helpers import REPO, free_port, spawn
 from tests.interop.test_http_pd_interop import (
@@ -258,7 +259,7 @@ def _decoded_on(base: str, content: str) -> str:
 
 def _refused(*args: str) -> str:
     r = subprocess.run(
-        [sys.executable, "-m", "prefixgate.cli", "gateway", "--port", "0", *args],
+        processes.prefixgate("gateway", "--port", "0", *args),
         cwd=REPO,
         capture_output=True,
         text=True,

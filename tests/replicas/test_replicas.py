@@ -15,7 +15,6 @@ import json
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from prefixgate.gateway.ops import processes
 from prefixgate.gateway.ops.processes import Child
 from prefixgate.gateway.state.redis_store import RedisState
 from tests.cachetier.support import RedisClusterHarness, test_prefix
@@ -339,7 +339,7 @@ def test_usage_sums_across_replicas_per_tenant(deployment: Deployment) -> None:
         assert sum(_metric(u, metric, tenant="tenant-a") for u in urls) == final[key]
     # The command line shows the same.
     cli = subprocess.run(
-        [sys.executable, "-m", "prefixgate.cli", "admin", "usage", "--tenant", "tenant-a", "--json"],
+        processes.prefixgate("admin", "usage", "--tenant", "tenant-a", "--json"),
         env={"PREFIXGATE_ADMIN_URL": urls[2], "PREFIXGATE_ADMIN_TOKEN": "admin-secret", "PATH": ""},
         cwd=REPO,
         capture_output=True,
