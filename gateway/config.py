@@ -95,9 +95,13 @@ class Settings:
     # index shows it (gateway.routing.inflight): requests sharing it follow it there.
     inflight_prefixes: bool = True
     # Each attempt's first token must arrive within this (else the next node is tried), and once
-    # streaming, a node silent this long ends the stream with an error event (0: no limit).
+    # streaming, a node silent this long is given up on (the generation migrates, below).
     first_token_timeout_s: float = 60.0
     stall_timeout_s: float = 30.0
+    # A generation whose node fails after its first token continues on another node from the
+    # tokens already sent (gateway.core.migration), at most this many times (0: never; past it,
+    # the stream ends with an error event).
+    max_migrations: int = 2
     # Retries before the first token: attempts per path (split, then monolithic; 1: no retry),
     # within ``request_timeout_s``; the pause before attempt k+1 is initial * multiplier^(k-1), at
     # most max, scaled by a random factor within jitter_factor of 1, plus up to jitter_s.

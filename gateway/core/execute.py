@@ -27,6 +27,7 @@ import structlog
 from prefixgate.gateway.cluster.breaker import OPEN
 from prefixgate.gateway.cluster.nodes import Node, NodePool
 from prefixgate.gateway.config import Settings
+from prefixgate.gateway.core import migration
 from prefixgate.gateway.core.accounting import Accounting
 from prefixgate.gateway.core.errors import Overloaded, Unavailable
 from prefixgate.gateway.core.execution import Execution
@@ -112,7 +113,9 @@ def _prompt(prep: Prepared, node: Node) -> Prompt:
     openai = None
     if node.client.capabilities.openai_body and prep.openai_body is not None:
         openai = for_choice(prep.openai_body(), prep.sampling.seed, prep.sampling.choice)
-    return Prompt(prep.request_id, prep.tokens, prep.hashes, prep.sampling, openai, prep.engine_salt)
+    return Prompt(
+        prep.request_id, prep.tokens, prep.hashes, prep.sampling, openai, prep.engine_salt, prep.resumed
+    )
 
 
 def abandoned(t: Target, gone: Collection[Node], prefill_reported: bool) -> NodeFailure | None:
@@ -179,10 +182,14 @@ class Executor:
         self.metrics = metrics
         self.tenancy = tenancy
 
-    async def execute(self, prep: Prepared) -> Execution:
-        """Route and start the request; raises Overloaded or Unavailable when no node can serve it."""
-        deadline = time.monotonic() + self.settings.request_timeout_s
-        unserved = unable(self.pool.nodes.values(), prep.needs)  # 400 when no node can serve it
+    async def execute(
+        self, prep: Prepared, *, exclude: Collection[str] = (), deadline: float | None = None
+    ) -> Execution:
+        """Route and start the request; raises Overloaded or Unavailable when no node can serve it.
+        ``exclude``, ``deadline``: a migration's (``gateway.core.migration``)."""
+        if deadline is None:
+            deadline = time.monotonic() + self.settings.request_timeout_s
+        unserved = unable(self.pool.nodes.values(), prep.needs) | set(exclude)  # 400: no node can
         if prep.tool_parser:  # the gateway parses the tool calls: not for pass-through workers
             unserved |= passing_through(self.pool.nodes.values())
         found = await self.planner.lookup(prep)
@@ -394,6 +401,9 @@ class Executor:
             cache_shared=self.tenancy.shares_cache(computing.client.capabilities.tenant_salt),
             notes=run.notes,
             index_hits=run.lookup.index_hits,
+            migrate=migration.executor_hook(self, run.deadline) if self.settings.max_migrations > 0 else None,
+            max_migrations=self.settings.max_migrations,
+            block_size=self.settings.block_size,
         )
 
     async def _first(

@@ -78,6 +78,9 @@ class Prepared:
     tool_parser: str = ""
     # What engines salt their prefix cache with for ``namespace`` (``gateway.core.tenancy.engine_salt``).
     engine_salt: str = ""
+    # A migrated generation's continuation (``gateway.core.migration``): the last ``resumed`` of
+    # ``tokens`` are output already sent to the client.
+    resumed: int = 0
 
     @property
     def tenant(self) -> str:

@@ -58,8 +58,8 @@ def sampling_params(prompt: Prompt, stop_token_ids: Sequence[int]) -> pb.Samplin
         ignore_eos=False,
         no_stop_trim=False,
     )
-    if s.max_tokens > 0:
-        params.max_new_tokens = s.max_tokens
+    if s.max_tokens > 0:  # a migrated generation: what is left of it
+        params.max_new_tokens = max(1, s.max_tokens - prompt.resumed)
     constrain(params, s.constraint)
     return params
 

@@ -64,8 +64,8 @@ def sampling_params(prompt: Prompt, stop_token_ids: Sequence[int]) -> pb.Samplin
         ignore_eos=False,
         n=1,
     )
-    if s.max_tokens > 0:
-        params.max_tokens = s.max_tokens
+    if s.max_tokens > 0:  # a migrated generation: what is left of it
+        params.max_tokens = max(1, s.max_tokens - prompt.resumed)
     if s.seed is not None:  # each choice its own seed (none: the engine samples at random)
         params.seed = choice_seed(s.seed, s.choice) & _I32
     constrain(params, s.constraint)
