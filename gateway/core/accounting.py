@@ -91,6 +91,7 @@ class Accounting:
             completion_tokens=ex.completion_tokens,
             outcome=ex.outcome,
             attempts=ex.attempts,
+            migrations=ex.migrations,
             ttft_ms=round(ttft * 1000, 2),
             queue_ms=round(node_t.queue_s * 1000, 2),
             prefill_ms=round(node_t.prefill_s * 1000, 2),

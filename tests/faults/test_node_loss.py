@@ -60,30 +60,37 @@ def test_all_prefill_nodes_down_then_back(cluster: Cluster) -> None:
 
 
 def test_decode_node_killed_mid_stream(cluster: Cluster) -> None:
+    """20 streams at once, a decode node SIGKILLed while they stream: the generations on it
+    migrate to the other decode node (docs/faults.md, After the first token) and every stream
+    ends as an unbroken one does, with its finish and [DONE]."""
     all_routable(cluster)
     before = cluster.metric("prefixgate_retries_total")
+    migrated = cluster.metric("prefixgate_migrations_total")
     victim = cluster.decode[0]
 
-    def during(done: int) -> None:
-        if done == 4:
-            victim.kill()
+    async def run() -> list[Outcome]:
+        bodies = [body(3000 + i, max_tokens=60) for i in range(20)]
+        streams = asyncio.ensure_future(drive(cluster.url, bodies, 20, stream=True))
+        await asyncio.sleep(1.0)  # every stream past its first token (60 tokens take seconds)
+        victim.kill()
+        return await streams
 
-    bodies = [body(3000 + i, max_tokens=40) for i in range(24)]
-    results = asyncio.run(drive(cluster.url, bodies, 12, stream=True, during=during))
+    results = asyncio.run(run())
+    moved = cluster.metric("prefixgate_migrations_total") - migrated
     t = tally(
-        "decode node SIGKILL mid-run (streaming)",
+        "decode node SIGKILL mid-stream (20 streams)",
         results,
         cluster,
         before,
-        note="streams cut by the kill end with an explicit error event",
+        note=f"{moved:g} streams migrated to the other decode node, none broken",
     )
     assert t.failed == 0, [r.error for r in results if r.status != 200][:5]
+    assert t.stream_errors == 0, [r.error for r in results if r.error][:5]
     assert t.silent_truncations == 0
-    assert all(r.done_marker for r in results if r.status == 200 and not r.error)
-    assert all(r.decode_node == victim.gateway_id for r in results if r.error), (
-        "only streams on the dead node break"
-    )
-    assert t.succeeded + t.stream_errors == 24
+    assert all(r.done_marker and r.finish for r in results)
+    on_victim = sum(1 for r in results if r.decode_node == victim.gateway_id)
+    assert on_victim and moved >= 1, (on_victim, moved)
+    assert t.succeeded == 20
     restart(cluster, victim)
 
 
