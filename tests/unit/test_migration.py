@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 
 from prefixgate.cachetier.tokenizer import unpack_ids
+from prefixgate.gateway.core import choices
 from prefixgate.gateway.core.errors import StreamBroken
 from prefixgate.gateway.nodeclient.base import Prompt
 from prefixgate.gateway.nodeclient.fake import ALL_CAPABILITIES, FakeNodeClient, Tokens, fake_status
@@ -121,3 +122,16 @@ async def test_a_node_declared_gone_mid_stream_migrates_at_once() -> None:
         assert "".join(["a", *rest]) == "".join(TEXTS) and ex.migrations == 1
         assert h.pipeline.executor.metrics.migrations.labels("gone")._value.get() == 1
         assert node.breaker.failures == node.breaker.threshold  # gone: not charged again
+
+
+async def test_each_of_n_choices_migrates_on_its_own() -> None:
+    d1 = _node("d1", generate=_rest(break_after=2))
+    d2 = _node("d2", queued=5, generate=_rest())
+    async with harness(("decode", d1), ("decode", d2)) as h:
+        ch = await choices.start(h.pipeline, h.prep(), 2)
+        texts = ["", ""]
+        async for i, d in ch.stream():
+            texts[i] += d.text
+        assert texts == ["".join(TEXTS)] * 2
+        on_d1 = [ex for ex in ch.executions if ex.attempts > 1]  # started on d1, went on on d2
+        assert on_d1 and ch.migrations == len(on_d1) and ch.completion_tokens == 2 * len(TEXTS)
