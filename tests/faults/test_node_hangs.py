@@ -139,10 +139,11 @@ def test_hung_prefill_node_fails_over_before_first_token(cluster: Cluster) -> No
     all_routable(cluster)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def default_decode_pair() -> Iterator[Cluster]:
     """1 prefill node and 2 decode nodes behind a gateway at every default setting (the 30 s
-    stall timeout, the 0.5 s probe), our protocol: a generation has a decode node to migrate to."""
+    stall timeout, the 0.5 s probe), our protocol: a generation has a decode node to migrate to.
+    One drill's: gone before the next drills run."""
     c = Cluster.create(1, 2, ["--time-scale", "10", "--capacity-blocks", "4096"], stats_interval_s=None)
     c.start()
     try:
