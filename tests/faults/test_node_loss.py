@@ -10,6 +10,7 @@ from tests.faults.drills import (
     REPORT,
     all_routable,
     body,
+    node_state,
     restart,
     tally,
 )
@@ -60,22 +61,36 @@ def test_all_prefill_nodes_down_then_back(cluster: Cluster) -> None:
 
 
 def test_decode_node_killed_mid_stream(cluster: Cluster) -> None:
-    """20 streams at once, a decode node SIGKILLed while they stream: the generations on it
-    migrate to the other decode node (docs/faults.md, After the first token) and every stream
-    ends as an unbroken one does, with its finish and [DONE]."""
+    """20 streams at once, a decode node SIGKILLed while streams are open on it: the generations
+    on it migrate to the other decode node (docs/faults.md, After the first token) and every
+    stream ends as an unbroken one does, with its finish and [DONE]."""
     all_routable(cluster)
     before = cluster.metric("prefixgate_retries_total")
     migrated = cluster.metric("prefixgate_migrations_total")
     victim = cluster.decode[0]
 
+    def streaming() -> dict[str, int]:
+        return {n.gateway_id: node_state(cluster, n)["load"]["active_streams"] for n in cluster.decode}
+
     async def run() -> list[Outcome]:
-        bodies = [body(3000 + i, max_tokens=60) for i in range(20)]
+        nonlocal victim
+        # short prompts: the streams are all open within a moment (few still wait for a first
+        # token when the node dies, to be retried within the drills' 2 s first-token timeout)
+        bodies = [body(3000 + i, tokens=200, max_tokens=200) for i in range(20)]
         streams = asyncio.ensure_future(drive(cluster.url, bodies, 20, stream=True))
-        await asyncio.sleep(1.0)  # every stream past its first token (60 tokens take seconds)
+        for _ in range(100):  # until most streams are open: the node with the most is killed
+            await asyncio.sleep(0.05)
+            active = await asyncio.to_thread(streaming)
+            if sum(active.values()) >= 16:
+                break
+        victim = next(n for n in cluster.decode if n.gateway_id == max(active, key=lambda k: active[k]))
         victim.kill()
         return await streams
 
-    results = asyncio.run(run())
+    try:
+        results = asyncio.run(run())
+    finally:
+        restart(cluster, victim)
     moved = cluster.metric("prefixgate_migrations_total") - migrated
     t = tally(
         "decode node SIGKILL mid-stream (20 streams)",
@@ -88,10 +103,8 @@ def test_decode_node_killed_mid_stream(cluster: Cluster) -> None:
     assert t.stream_errors == 0, [r.error for r in results if r.error][:5]
     assert t.silent_truncations == 0
     assert all(r.done_marker and r.finish for r in results)
-    on_victim = sum(1 for r in results if r.decode_node == victim.gateway_id)
-    assert on_victim and moved >= 1, (on_victim, moved)
+    assert moved >= 1, moved
     assert t.succeeded == 20
-    restart(cluster, victim)
 
 
 def test_flood_beyond_capacity_gets_429_with_retry_after() -> None:
