@@ -145,6 +145,15 @@ class Execution:
         """Go on from another node after ``failure`` of the streaming node, or raise StreamBroken."""
         node = self.decode_node
         if not self._migratable():
+            reports_ids = self._migrate is not None and migration.resumable(node, self.prep)
+            if reports_ids and len(self.sent_ids) != self.completion_tokens:
+                log.warning(  # a protocol that reports ids should report one a token
+                    "stream_not_migrated",
+                    request_id=self.request_id,
+                    node=node.id,
+                    sent_ids=len(self.sent_ids),
+                    completion_tokens=self.completion_tokens,
+                )
             self.failure = failure  # charged to the node by the accounting
         elif await self._migrated(failure, reason):
             return

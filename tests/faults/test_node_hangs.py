@@ -144,7 +144,18 @@ def default_decode_pair() -> Iterator[Cluster]:
     """1 prefill node and 2 decode nodes behind a gateway at every default setting (the 30 s
     stall timeout, the 0.5 s probe), our protocol: a generation has a decode node to migrate to.
     One drill's: gone before the next drills run."""
-    c = Cluster.create(1, 2, ["--time-scale", "10", "--capacity-blocks", "4096"], stats_interval_s=None)
+    yield from _at_defaults(1, 2, "prefixgate")
+
+
+def _at_defaults(prefill: int, decode: int, protocol: str) -> Iterator[Cluster]:
+    """A cluster whose gateway runs at every default setting, stopped once the fixture ends."""
+    c = Cluster.create(
+        prefill,
+        decode,
+        ["--time-scale", "10", "--capacity-blocks", "4096"],
+        protocol=protocol,
+        stats_interval_s=None,
+    )
     c.start()
     try:
         yield c
@@ -224,18 +235,7 @@ def test_hung_decode_node_mid_stream_migrates_at_the_default_settings(default_de
 def default_cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     """2 prefill nodes and 1 decode node behind a gateway as a new user runs it: every setting at
     its default (the 60 s first-token timeout, the 0.5 s probe, the embedded index)."""
-    c = Cluster.create(
-        2,
-        1,
-        ["--time-scale", "10", "--capacity-blocks", "4096"],
-        protocol=request.param,
-        stats_interval_s=None,
-    )
-    c.start()
-    try:
-        yield c
-    finally:
-        assert c.stop() == 0
+    yield from _at_defaults(2, 1, request.param)
 
 
 def test_hung_prefill_node_costs_seconds_at_the_default_settings(default_cluster: Cluster) -> None:
