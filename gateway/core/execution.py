@@ -85,6 +85,10 @@ class Execution:
         self._done = False
         self._held = contextlib.ExitStack()  # what the execution holds on the nodes until closed
         self._held.enter_context(decode_node.streaming())
+        # The nodes of the first token (the request's timings and cache figures are theirs, after
+        # a migration too): the prefill node on the split path, and the node that computed the prompt.
+        self.first_prefill_node = prefill_node
+        self.prompt_node = prefill_node or decode_node
         self._migrate = migrate
         self._migrations_left = max_migrations
         self._block_size = block_size
