@@ -9,13 +9,18 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+import orjson
 import pytest
 
 from prefixgate.cachetier.tokenizer import unpack_ids
 from prefixgate.gateway.core import choices
 from prefixgate.gateway.core.errors import StreamBroken
+from prefixgate.gateway.core.request import RequestContext
+from prefixgate.gateway.httpfront import responses
+from prefixgate.gateway.httpfront.headers import execution_headers
 from prefixgate.gateway.nodeclient.base import Prompt
 from prefixgate.gateway.nodeclient.fake import ALL_CAPABILITIES, FakeNodeClient, Tokens, fake_status
+from prefixgate.openai.schema import parse_request
 from tests.unit.seam_support import harness
 
 RESUMING = replace(ALL_CAPABILITIES, resume=True)
@@ -135,3 +140,25 @@ async def test_each_of_n_choices_migrates_on_its_own() -> None:
         assert texts == ["".join(TEXTS)] * 2
         on_d1 = [ex for ex in ch.executions if ex.attempts > 1]  # started on d1, went on on d2
         assert on_d1 and ch.migrations == len(on_d1) and ch.completion_tokens == 2 * len(TEXTS)
+
+
+async def test_a_whole_answer_says_how_many_times_it_migrated() -> None:
+    d1 = _node("d1", generate=_rest(break_after=2))
+    d2 = _node("d2", queued=5, generate=_rest())
+    async with harness(("decode", d1), ("decode", d2)) as h:
+        s = h.pipeline.settings
+        body = {"model": s.default_model, "prompt": "x" * 1600, "max_tokens": 8}
+        parsed = parse_request(
+            body,
+            "completion",
+            models={s.default_model},
+            default_max_tokens=16,
+            max_tokens_limit=64,
+            max_documents=4,
+        )
+        ch = await choices.start(h.pipeline, h.pipeline.prepare(parsed, RequestContext("tenant")), 1)
+        answer = await responses.complete(ch, parsed, "completion", execution_headers(ch.first))
+    payload = orjson.loads(answer.body)
+    assert payload["choices"][0]["text"] == "".join(TEXTS)
+    assert payload["usage"]["completion_tokens"] == len(TEXTS) and payload["usage"]["prompt_tokens"] == 400
+    assert answer.headers["x-prefixgate-migrations"] == "1"
