@@ -30,12 +30,14 @@ from prefixgate.gateway.config import DEFAULT_MODEL
 from prefixgate.gateway.nodeclient import NodeClient, NodeFailure, NodeStatus
 from prefixgate.gateway.routing import NodeView
 from prefixgate.gateway.routing.costmodel import prefill_seconds
+from prefixgate.gateway.routing.deadline import Speed
 from prefixgate.gateway.vocab import Role
 
 log = structlog.get_logger("prefixgate.nodes")
 
 ROLES = tuple(r.value for r in Role)  # in the order admin lists them
 MIN_TIMED_PREFILL_S = 0.005
+MIN_TIMED_TOKENS = 64  # a prefill this short is mostly fixed overhead: its rate says little
 SLOWNESS_DEADBAND = 1.5
 PROBE_TIMEOUT_S = 1.5
 PROBE_FAILURES_TO_TRIP = 2
@@ -96,6 +98,9 @@ class Node:
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     # Observed / estimated prefill time (EWMA): a node slower than it claims gets less traffic.
     slowness: float = 1.0
+    # For a node that states no prefill speed: the rate (tokens/s) its prefills went at as the
+    # gateway timed them (EWMA; 0: none timed yet).
+    measured_tokens_per_s: float = 0.0
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     departure: Departure = field(default_factory=Departure, repr=False)
 
@@ -164,6 +169,29 @@ class Node:
             return
         ratio = min(100.0, max(0.1, observed_s / estimated_s))
         self.slowness = (1 - alpha) * self.slowness + alpha * ratio
+
+    def observe_rate(self, tokens: int, seconds: float, alpha: float = 0.3) -> None:
+        """Learn the speed of a node that states none from one prefill the gateway timed (from
+        dispatch to its end: the node's queue included, so the rate errs on the slow side, which
+        lengthens the first-token deadline rather than cutting a healthy prefill)."""
+        if tokens < MIN_TIMED_TOKENS or seconds < MIN_TIMED_PREFILL_S:
+            return
+        rate = tokens / seconds
+        m = self.measured_tokens_per_s
+        self.measured_tokens_per_s = rate if m <= 0 else (1 - alpha) * m + alpha * rate
+
+    @property
+    def prefill_speed(self) -> Speed | None:
+        """The prefill speed a first-token deadline is predicted with: the node's profile slowed by
+        what it was observed to lag behind it (never sped up: a deadline errs long), else the
+        rate the gateway measured; None: unknown."""
+        prof = self.status.profile if self.status is not None else None
+        if prof is not None and prof.prefill_tokens_per_s > 0:
+            slow = max(1.0, self.slowness)
+            return Speed(prof.prefill_tokens_per_s / slow, prof.attention_coeff_s * slow)
+        if self.measured_tokens_per_s > 0:
+            return Speed(self.measured_tokens_per_s)
+        return None
 
     @property
     def speed_factor(self) -> float:
