@@ -28,6 +28,7 @@ from prefixgate.gateway import nodeclient
 from prefixgate.gateway.cluster.breaker import OPEN, CircuitBreaker
 from prefixgate.gateway.config import DEFAULT_MODEL
 from prefixgate.gateway.nodeclient import NodeClient, NodeFailure, NodeStatus
+from prefixgate.gateway.nodeclient.http_openai import NOMINAL_PROFILE
 from prefixgate.gateway.routing import NodeView
 from prefixgate.gateway.routing.costmodel import prefill_seconds
 from prefixgate.gateway.routing.deadline import Speed
@@ -180,13 +181,21 @@ class Node:
         m = self.measured_tokens_per_s
         self.measured_tokens_per_s = rate if m <= 0 else (1 - alpha) * m + alpha * rate
 
+    def ran_past(self, new_tokens: int, context_tokens: int, waited_s: float) -> None:
+        """A prefill given up on after ``waited_s`` took at least that long: learned as if it had
+        (queue included), so a node slower than its profile, or than it was measured, gets longer
+        deadlines (and less traffic) instead of having every prefill cut before one can teach."""
+        self.observe_prefill(self.profile_prefill_s(new_tokens, context_tokens), waited_s)
+        self.observe_rate(new_tokens, waited_s)
+
     @property
     def prefill_speed(self) -> Speed | None:
         """The prefill speed a first-token deadline is predicted with: the node's profile slowed by
         what it was observed to lag behind it (never sped up: a deadline errs long), else the
         rate the gateway measured; None: unknown."""
         prof = self.status.profile if self.status is not None else None
-        if prof is not None and prof.prefill_tokens_per_s > 0:
+        # a figure declared for a worker that states none is no measure of it
+        if prof is not None and prof.prefill_tokens_per_s > 0 and prof != NOMINAL_PROFILE:
             slow = max(1.0, self.slowness)
             return Speed(prof.prefill_tokens_per_s / slow, prof.attention_coeff_s * slow)
         if self.measured_tokens_per_s > 0:

@@ -370,6 +370,8 @@ class Executor:
                 await stream.aclose()
                 blamed = _blamed(e, nodes)
                 prefilled = pnode if pnode is not None and stream.prefill is not None else None
+                if e.kind == FailureKind.TIMEOUT and blamed is computing and stream.prefill is None:
+                    computing.ran_past(uncached, predicted, time.perf_counter() - timings.start)
                 for n in nodes:
                     if n is blamed:
                         continue

@@ -13,6 +13,7 @@ from prefixgate.gateway.cluster.nodes import Node
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.nodeclient import CostProfile
 from prefixgate.gateway.nodeclient.fake import FakeNodeClient, Script, Tokens, fake_status
+from prefixgate.gateway.nodeclient.http_openai import NOMINAL_PROFILE
 from prefixgate.gateway.routing import costmodel
 from prefixgate.gateway.routing.deadline import Rule, Speed, Work, limit_s, predicted_s
 from prefixgate.gateway.vocab import Mode
@@ -65,6 +66,20 @@ def test_a_node_speed_is_its_profile_slowed_by_what_it_lags_else_the_rate_the_ga
     assert n.prefill_speed == Speed(10_000, 1e-9)
     n.slowness = 4.0
     assert n.prefill_speed == Speed(2_500, 4e-9)
+
+
+def test_a_prefill_cut_at_its_deadline_lengthens_the_next_ones_and_a_nominal_figure_is_no_speed() -> None:
+    n = Node("prefill", "p1", FakeNodeClient("p1"))
+    n.status = dataclasses.replace(
+        fake_status("p1", "prefill"), profile=CostProfile(prefill_tokens_per_s=10_000)
+    )
+    before = limit_s(n.prefill_speed, Work(0, 4000, 0), dataclasses.replace(DEFAULT, floor_s=0), 300)
+    n.ran_past(4000, 0, 2.0)  # 0.4 s predicted; cut after 2 s: it is at least 5x slower than it says
+    after = limit_s(n.prefill_speed, Work(0, 4000, 0), dataclasses.replace(DEFAULT, floor_s=0), 300)
+    assert after > 2 * before
+    n.status = dataclasses.replace(n.status, profile=NOMINAL_PROFILE)  # an HTTP worker states none
+    n.measured_tokens_per_s = 0.0
+    assert n.prefill_speed is None
 
 
 def _profiled(address: str, tokens_per_s: float, queued: int = 0, prefill: Script = OK) -> FakeNodeClient:
