@@ -371,7 +371,7 @@ class Executor:
                 blamed = _blamed(e, nodes)
                 prefilled = pnode if pnode is not None and stream.prefill is not None else None
                 if e.kind == FailureKind.TIMEOUT and blamed is computing and stream.prefill is None:
-                    computing.ran_past(uncached, predicted, time.perf_counter() - timings.start)
+                    computing.ran_past()
                 for n in nodes:
                     if n is blamed:
                         continue
@@ -390,7 +390,7 @@ class Executor:
         for n in nodes:
             n.breaker.on_success()
         # a node stating no speed is timed here: its first-token deadlines follow what it did
-        computing.observe_rate(prep.prompt_tokens - stream.cached_tokens, time.perf_counter() - timings.start)
+        computing.in_time(prep.prompt_tokens - stream.cached_tokens, time.perf_counter() - timings.start)
         st = stream.timings
         timings.node = StageTimings(st.queue_s, st.prefill_s, st.transfer_s if pnode is not None else 0.0)
         if pnode is not None:

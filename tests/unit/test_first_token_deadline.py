@@ -73,10 +73,14 @@ def test_a_prefill_cut_at_its_deadline_lengthens_the_next_ones_and_a_nominal_fig
     n.status = dataclasses.replace(
         fake_status("p1", "prefill"), profile=CostProfile(prefill_tokens_per_s=10_000)
     )
-    before = limit_s(n.prefill_speed, Work(0, 4000, 0), dataclasses.replace(DEFAULT, floor_s=0), 300)
-    n.ran_past(4000, 0, 2.0)  # 0.4 s predicted; cut after 2 s: it is at least 5x slower than it says
-    after = limit_s(n.prefill_speed, Work(0, 4000, 0), dataclasses.replace(DEFAULT, floor_s=0), 300)
-    assert after > 2 * before
+    rule = dataclasses.replace(DEFAULT, floor_s=0)
+    before = limit_s(n.prefill_speed, Work(0, 4000, 0), rule, 300)
+    n.ran_past()
+    n.ran_past()
+    assert limit_s(n.prefill_speed, Work(0, 4000, 0), rule, 300) == pytest.approx(4 * before)
+    assert n.speed_factor == 1.0  # routing does not see it
+    n.in_time(4000, 0.4)
+    assert limit_s(n.prefill_speed, Work(0, 4000, 0), rule, 300) == pytest.approx(2 * before)
     n.status = dataclasses.replace(n.status, profile=NOMINAL_PROFILE)  # an HTTP worker states none
     n.measured_tokens_per_s = 0.0
     assert n.prefill_speed is None
