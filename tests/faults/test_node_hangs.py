@@ -83,6 +83,22 @@ def test_wedged_decode_node_is_probed_out_and_rejoins(cluster: Cluster) -> None:
     assert t.failed == 0 and t.succeeded == 24
     assert all(r.decode_node != victim.gateway_id for r in results)
     assert until(lambda: node_state(cluster, victim)["routable"], 15.0)
+    # Back, its breaker is half-open: it takes a trial request once the other decode node is
+    # busier (equal idle nodes are taken in id order), and the trial closes it; else the next
+    # drill finds one decode node taking a single request at a time.
+    sent = iter(range(6100, 6300, 2))
+
+    async def trial(k: int) -> None:
+        busy = asyncio.create_task(drive(cluster.url, [body(k, max_tokens=30)], 1, stream=True))
+        await asyncio.sleep(0.5)  # streaming on the other node by now
+        await drive(cluster.url, [body(k + 1)], 1)
+        await busy
+
+    def closed() -> bool:
+        asyncio.run(trial(next(sent)))
+        return bool(node_state(cluster, victim)["circuit"] == "closed")
+
+    assert until(closed, 15.0), str({k: v for k, v in node_state(cluster, victim).items() if k != "load"})
     all_routable(cluster)
 
 
