@@ -182,6 +182,11 @@ class Node:
         return model in models if models else model == default
 
     @property
+    def max_context_tokens(self) -> int:
+        """The longest request the node says it serves (0: it does not say)."""
+        return self.status.max_context_tokens if self.status is not None else 0
+
+    @property
     def capacity_blocks(self) -> int:
         return self.status.capacity_blocks if self.status is not None else 0
 
@@ -227,6 +232,7 @@ class Node:
             kv_format=fmt,
             streams=streams,
             used_blocks=st.in_use_blocks if st is not None else 0,  # a warm idle cache is not busy
+            max_context_tokens=self.max_context_tokens,
         )
 
 

@@ -2,9 +2,11 @@
 
 When a node answers that the request itself is wrong (gRPC INVALID_ARGUMENT / OUT_OF_RANGE on the
 SMG and prefixgate.v1 protocols, HTTP 400/413/422 from an OpenAI-compatible worker), no other node
-can serve it either: the client gets OpenAI's ``invalid_request_error`` with the engine's own words,
-bounded and without internal addresses, and ``code`` ``context_length_exceeded`` when the engine
-says the prompt does not fit its context (the code OpenAI's clients look for). An engine that
+can serve it either, but for a refusal for length (``too_long``): a node with a larger context may,
+and is tried (``gateway.core.execute``). The client gets OpenAI's ``invalid_request_error`` with
+the engine's own words, bounded and without internal addresses, and ``code``
+``context_length_exceeded`` when the engine says the prompt does not fit its context (the code
+OpenAI's clients look for). An engine that
 says the request's constraint failed (FAILED_PRECONDITION with trailer ``smg-constraint-failed``)
 gives a 422 naming the field that asked for the constraint.
 """
@@ -37,6 +39,13 @@ _ADDRESS = re.compile(
     r"|\b(?:localhost|[a-z0-9-]+(?:\.[a-z0-9-]+)+):\d{2,5}\b",  # host:port
     re.IGNORECASE,
 )
+
+
+def too_long(error: NodeFailure) -> bool:
+    """A node's refusal of the request for its length (at any stage it judges the prompt,
+    receiving its KV pages included): a node with a larger context may still serve it."""
+    judged = error.stage in JUDGED or error.stage == Stage.TRANSFER
+    return error.kind == FailureKind.INVALID and judged and _CONTEXT.search(error.detail) is not None
 
 
 def refusal(error: NodeFailure, constraint_param: str | None = None) -> InvalidRequest | None:
