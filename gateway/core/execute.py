@@ -369,7 +369,7 @@ class Executor:
         gone = {n: n.gone for n in nodes}  # taken before anything awaits: no departure is missed
         for n in nodes:
             n.breaker.on_dispatch()
-        with computing.load(uncached):
+        with computing.load(uncached), dnode.dispatched():
             ticket, served = self.planner.hold_prefix(prep, computing), False
             timeout = max(0.01, run.deadline - time.monotonic())
             if pnode is not None and handoff is not None:

@@ -127,14 +127,15 @@ class Planner:
         monolithic: a prefill node only computes the prompt), 0 for one that does not say."""
         return [n.max_context_tokens for n in self.serving(model) if n.role != Role.PREFILL]
 
-    def _needed(self, prep: Prepared) -> int | None:
+    def needed(self, prep: Prepared) -> int | None:
+        """The context a node generating ``prep`` must hold; None: no node's holds it."""
         given = bool(prep.max_tokens_param)
         return context.needed(prep.prompt_tokens, prep.sampling.max_tokens, given, self.contexts(prep.model))
 
     def need(self, prep: Prepared) -> int:
         """The context a node generating ``prep`` must hold (``gateway.core.context.needed``);
         raises the client's 400 naming the largest context when no node's holds it."""
-        tokens = self._needed(prep)
+        tokens = self.needed(prep)
         if tokens is None:
             limit = context.largest(self.contexts(prep.model))
             raise context.exceeded(
@@ -162,7 +163,7 @@ class Planner:
     def _plan(self, prep: Prepared, hits: dict[str, int], exclude: set[str], turn: int) -> Plan:
         views = [n.view() for n in self.serving(prep.model)]
         # a request no context holds is planned onto none (``execute`` has answered it already)
-        tokens = self._needed(prep) or prep.prompt_tokens + prep.sampling.max_tokens
+        tokens = self.needed(prep) or prep.prompt_tokens + prep.sampling.max_tokens
         request = RequestView(
             prompt_tokens=prep.prompt_tokens,
             block_size=self.settings.block_size,
