@@ -57,14 +57,22 @@ def largest(contexts: Iterable[int]) -> int:
 
 
 def exceeded(
-    prompt_tokens: int, max_tokens: int, limit: int, *, prompt_param: str, max_tokens_param: str = ""
+    prompt_tokens: int,
+    max_tokens: int,
+    limit: int,
+    *,
+    prompt_param: str,
+    max_tokens_param: str = "",
+    engine_said: str = "",
 ) -> InvalidRequest:
     """The client's 400 for a request longer than the largest context available, ``limit``:
     ``max_tokens_param`` names the field that gave ``max_tokens`` when it is what does not fit
-    (the prompt alone would); else the prompt's field is named."""
+    (the prompt alone would); else the prompt's field is named. ``engine_said``: the words of
+    the engine that refused it (its own count of the prompt may be larger than the gateway's)."""
     what, param = f"the prompt ({prompt_tokens} tokens)", prompt_param
-    if max_tokens_param and prompt_tokens < limit:
+    if max_tokens_param and prompt_tokens < limit and not engine_said:
         what, param = f"{what} plus {max_tokens_param} ({max_tokens})", max_tokens_param
-    return InvalidRequest(
-        f"{what} exceeds the largest context available, {limit} tokens", param=param, code=CODE
-    )
+    message = f"{what} exceeds the largest context available, {limit} tokens"
+    if engine_said:
+        message += f" (the model server: {engine_said})"
+    return InvalidRequest(message, param=param, code=CODE)

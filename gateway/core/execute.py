@@ -33,7 +33,7 @@ from prefixgate.gateway.core.errors import Overloaded, Unavailable
 from prefixgate.gateway.core.execution import Execution
 from prefixgate.gateway.core.features import unable
 from prefixgate.gateway.core.plan import Lookup, Planner, decision_notes
-from prefixgate.gateway.core.refusals import refusal, too_long
+from prefixgate.gateway.core.refusals import engine_words, refusal, too_long
 from prefixgate.gateway.core.request import Failure, Prepared, Timings
 from prefixgate.gateway.core.tenancy import Tenancy
 from prefixgate.gateway.metrics import Metrics
@@ -275,6 +275,7 @@ class Executor:
                 largest,
                 prompt_param=prep.prompt_param,
                 max_tokens_param=prep.max_tokens_param,
+                engine_said=engine_words(failures[-1].error),
             )
         refused = refusal(failures[-1].error, prep.needs.get(Feature.RESPONSE_FORMAT)) if failures else None
         if refused is not None:  # the engine judged the client's own request: its answer is a 400 (422)

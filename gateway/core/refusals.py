@@ -41,6 +41,12 @@ _ADDRESS = re.compile(
 )
 
 
+def engine_words(error: NodeFailure) -> str:
+    """The engine's message, bounded and without internal addresses."""
+    message = _ADDRESS.sub("<node>", _STATUS_PREFIX.sub("", error.detail.strip()))
+    return message[:MAX_MESSAGE] or "the request is invalid"
+
+
 def too_long(error: NodeFailure) -> bool:
     """A node's refusal of the request for its length (at any stage it judges the prompt,
     receiving its KV pages included): a node with a larger context may still serve it."""
@@ -54,8 +60,7 @@ def refusal(error: NodeFailure, constraint_param: str | None = None) -> InvalidR
     when it is no such refusal."""
     if error.kind not in (FailureKind.INVALID, FailureKind.CONSTRAINT) or error.stage not in JUDGED:
         return None
-    message = _ADDRESS.sub("<node>", _STATUS_PREFIX.sub("", error.detail.strip()))
-    message = message[:MAX_MESSAGE] or "the request is invalid"
+    message = engine_words(error)
     if error.kind == FailureKind.CONSTRAINT:
         return Unprocessable(
             f"the model server could not follow the constraint: {message}", param=constraint_param
