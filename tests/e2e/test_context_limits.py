@@ -79,6 +79,12 @@ def test_a_prompt_goes_to_a_node_whose_context_holds_it(scheme: str) -> None:
         assert served == {large}
         short = client.completions.with_raw_response.create(model=MODEL, prompt="Hello", max_tokens=2)
         assert short.parse().choices[0].text
+        # Without max_tokens, a prompt that leaves the large node less room than the gateway's
+        # default (256) is served there, its answer no longer than the room left.
+        ids = [10 + i % 200 for i in range(LARGE - 100)]
+        near = client.completions.create(model=MODEL, prompt=ids)
+        assert near.usage is not None and near.usage.prompt_tokens == LARGE - 100
+        assert 0 < near.usage.completion_tokens <= 100
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=MODEL, prompt=mid * 4, max_tokens=4)
         err = info.value
