@@ -267,16 +267,9 @@ class Executor:
                 return ex
 
         self.metrics.requests.labels(route, "failed").inc()
-        largest = context.largest(self.planner.contexts(prep.model))
-        if failures and too_long(failures[-1].error) and largest:  # no node left whose context holds it
-            raise context.exceeded(
-                prep.prompt_tokens,
-                prep.sampling.max_tokens,
-                largest,
-                prompt_param=prep.prompt_param,
-                max_tokens_param=prep.max_tokens_param,
-                engine_said=engine_words(failures[-1].error),
-            )
+        last = failures[-1].error if failures else None
+        if last is not None and too_long(last) and context.largest(self.planner.contexts(prep.model)):
+            raise self.planner.exceeded(prep, engine_words(last))  # no node left whose context holds it
         refused = refusal(failures[-1].error, prep.needs.get(Feature.RESPONSE_FORMAT)) if failures else None
         if refused is not None:  # the engine judged the client's own request: its answer is a 400 (422)
             raise refused

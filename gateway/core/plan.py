@@ -16,6 +16,7 @@ from prefixgate.cachetier.index import BlockIndex
 from prefixgate.gateway.cluster.nodes import Node, NodePool
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.core import context
+from prefixgate.gateway.core.errors import InvalidRequest
 from prefixgate.gateway.core.request import Prepared, Switches
 from prefixgate.gateway.metrics import Metrics
 from prefixgate.gateway.routing import Decision, Policy, RouteInput, parse_policy, planner
@@ -137,15 +138,20 @@ class Planner:
         raises the client's 400 naming the largest context when no node's holds it."""
         tokens = self.needed(prep)
         if tokens is None:
-            limit = context.largest(self.contexts(prep.model))
-            raise context.exceeded(
-                prep.prompt_tokens,
-                prep.sampling.max_tokens,
-                limit,
-                prompt_param=prep.prompt_param,
-                max_tokens_param=prep.max_tokens_param,
-            )
+            raise self.exceeded(prep)
         return tokens
+
+    def exceeded(self, prep: Prepared, engine_said: str = "") -> InvalidRequest:
+        """The client's 400 for ``prep``, longer than the largest context of its model's nodes
+        (``context.exceeded``; ``engine_said``: the words of a node that refused it)."""
+        return context.exceeded(
+            prep.prompt_tokens,
+            prep.sampling.max_tokens,
+            context.largest(self.contexts(prep.model)),
+            prompt_param=prep.prompt_param,
+            max_tokens_param=prep.max_tokens_param,
+            engine_said=engine_said,
+        )
 
     def choose(self, prep: Prepared, hits: dict[str, int], nodes: list[Node]) -> Decision:
         """The policy's node among ``nodes`` for serving the whole request (no turn taken)."""

@@ -1,5 +1,6 @@
 """Which contexts hold a request (``gateway.core.context``), the planner's candidates under them,
-and a decode node's streams counted from dispatch (``Node.dispatched``)."""
+refusals for length retried over scripted nodes, and a decode node's streams counted from
+dispatch (``Node.dispatched``)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import pytest
 
 from prefixgate.gateway.cluster.nodes import Node
 from prefixgate.gateway.core import context
-from prefixgate.gateway.nodeclient.fake import FakeNodeClient, fake_status
+from prefixgate.gateway.core.errors import InvalidRequest
+from prefixgate.gateway.nodeclient.fake import Fail, FakeNodeClient, fake_status
 from prefixgate.gateway.routing import NodeView, parse_policy
 from prefixgate.gateway.routing.planner import RequestView, plan
-from prefixgate.gateway.vocab import Mode, Role
+from prefixgate.gateway.vocab import FailureKind, Mode, Role
+from tests.unit.seam_support import harness
 
 
 def test_a_given_max_tokens_counts_in_full_and_the_default_gives_way() -> None:
@@ -85,3 +88,37 @@ def test_a_decode_node_counts_an_attempt_from_its_dispatch_once() -> None:
     with pytest.raises(RuntimeError), node.dispatched():
         raise RuntimeError("the attempt failed")
     assert (node.pending_streams, node.active_streams, node.view().streams) == (0, 0, 0)
+
+
+TOO_LONG = "INVALID_ARGUMENT: prompt has 400 tokens, the context holds 256"
+
+
+async def test_a_decode_nodes_refusal_for_length_is_retried_on_another_and_not_blamed() -> None:
+    refuses = Fail(FailureKind.INVALID, detail=TOO_LONG)
+    d1 = FakeNodeClient("d1", decode=refuses)  # says no context: offered what it then refuses
+    d2 = FakeNodeClient("d2", status=replace(fake_status("d2", "decode"), max_context_tokens=8192))
+    async with harness(("prefill", FakeNodeClient("p1")), ("decode", d1), ("decode", d2)) as h:
+        ex = await h.pipeline.execute(h.prep())
+        assert ex.route == Mode.DISAGGREGATED and ex.decode_node is h.node("d2") and ex.attempts == 2
+        assert [d.text async for d in ex.stream()] == ["Hello", " world"]
+        d1_node = h.node("d1")
+        assert d1_node.breaker.failures == 0 and "the context holds 256" in d1_node.last_error
+        assert all(
+            (n.pending_streams, n.active_streams, n.local_requests) == (0, 0, 0)
+            for n in h.pool.nodes.values()
+        )
+
+
+async def test_refusals_for_length_everywhere_are_the_400_naming_the_largest_context() -> None:
+    refuses = Fail(FailureKind.INVALID, detail=TOO_LONG)
+    d1 = FakeNodeClient("d1", decode=refuses)
+    d2 = FakeNodeClient(
+        "d2", decode=refuses, status=replace(fake_status("d2", "decode"), max_context_tokens=8192)
+    )
+    async with harness(("prefill", FakeNodeClient("p1")), ("decode", d1), ("decode", d2)) as h:
+        with pytest.raises(InvalidRequest) as info:
+            await h.pipeline.execute(h.prep())
+        e = info.value
+        assert e.code == "context_length_exceeded" and e.param == "prompt"
+        assert "largest context available, 8192 tokens" in e.message and "context holds 256" in e.message
+        assert d1.calls.count("decode") == d2.calls.count("decode") == 1
