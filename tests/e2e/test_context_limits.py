@@ -77,6 +77,11 @@ def test_a_prompt_goes_to_a_node_whose_context_holds_it(scheme: str) -> None:
             assert r.parse().choices[0].text
             served.add(r.headers["x-prefixgate-decode-node"])
         assert served == {large}
+        explained = httpx.post(
+            base + "/admin/cache/lookup", json={"prompt": mid, "max_tokens": 4}, timeout=10
+        )
+        fits = {n["id"]: (n["max_context_tokens"], n["holds_request"]) for n in explained.json()["nodes"]}
+        assert fits == {small: (SMALL, False), large: (LARGE, True)}
         short = client.completions.with_raw_response.create(model=MODEL, prompt="Hello", max_tokens=2)
         assert short.parse().choices[0].text
         # Without max_tokens, a prompt that leaves the large node less room than the gateway's
