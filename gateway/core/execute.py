@@ -121,12 +121,12 @@ def _blamed(e: NodeFailure, nodes: tuple[Node, ...]) -> Node:
     return nodes[-1]
 
 
-def _prompt(prep: Prepared, node: Node, nodes: tuple[Node, ...] = ()) -> Prompt:
+def _prompt(prep: Prepared, node: Node, generating: Node | None = None) -> Prompt:
     """The prompt for ``node``; with the OpenAI request when the node generates from it. The
-    gateway's default ``max_tokens`` is lowered to the room the contexts of ``nodes`` (the
-    attempt's; default ``node``) leave (``gateway.core.context.room``)."""
+    gateway's default ``max_tokens`` is lowered to the room left in the context of the node that
+    generates (``generating``, default ``node``; ``gateway.core.context.room``)."""
     sampling = prep.sampling
-    contexts = (n.max_context_tokens for n in nodes or (node,))
+    contexts = [(generating or node).max_context_tokens]
     limit = context.room(prep.prompt_tokens, sampling.max_tokens, bool(prep.max_tokens_param), contexts)
     if limit != sampling.max_tokens:
         sampling = replace(sampling, max_tokens=limit)
@@ -367,7 +367,7 @@ class Executor:
             ticket, served = self.planner.hold_prefix(prep, computing), False
             timeout = max(0.01, run.deadline - time.monotonic())
             if pnode is not None and handoff is not None:
-                prompt = _prompt(prep, pnode, nodes)
+                prompt = _prompt(prep, pnode, dnode)
                 stream = handoff.start(prompt, pnode.client, dnode.client, timeout=timeout)
             else:
                 stream = dnode.client.generate(_prompt(prep, dnode), timeout=timeout)
