@@ -19,9 +19,9 @@ MODEL = "prefixgate-sim"
 
 
 def test_concurrent_split_requests_spread_over_the_decode_nodes() -> None:
-    # A prefill node computing one prompt at a time, a first token ~0.2 s away: the requests
+    # A prefill node computing one prompt at a time, a first token ~0.45 s away: the requests
     # wait their turn there, all dispatched before the first has a token.
-    cluster = Cluster.create(1, 2, ["--profile", "cpu", "--time-scale", "0.1", "--max-concurrency", "1"])
+    cluster = Cluster.create(1, 2, ["--profile", "cpu", "--time-scale", "0.2", "--max-concurrency", "1"])
     cluster.start()
     try:
         client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=60)
