@@ -90,6 +90,9 @@ class Node:
     local_requests: int = 0
     local_tokens: int = 0
     active_streams: int = 0
+    # Attempts whose stream is on the node, from their dispatch to their first token (then an
+    # active stream): the streams its views count before the node reports them.
+    pending_streams: int = 0
     # Ours in the last status, as (requests, prefill tokens) when it arrived: the rest is other
     # gateways' work. Our requests that finished since, or went on to decode, are not load.
     own_at_status: tuple[int, int] = (0, 0)
@@ -135,6 +138,18 @@ class Node:
         finally:
             self.local_requests -= 1
             self.local_tokens -= tokens
+
+    @contextlib.contextmanager
+    def dispatched(self) -> Iterator[None]:
+        """Count an attempt's stream on the node from its dispatch until the attempt ends (at its
+        first token the execution takes ``streaming`` instead, with no await in between): a
+        split request spends its prefill on another node, and a decode node chosen by streams
+        would otherwise look idle to every request dispatched meanwhile, and take them all."""
+        self.pending_streams += 1
+        try:
+            yield
+        finally:
+            self.pending_streams -= 1
 
     @contextlib.contextmanager
     def streaming(self) -> Iterator[None]:
@@ -226,6 +241,11 @@ class Node:
         return model in models if models else model == default
 
     @property
+    def max_context_tokens(self) -> int:
+        """The longest request the node says it serves (0: it does not say)."""
+        return self.status.max_context_tokens if self.status is not None else 0
+
+    @property
     def capacity_blocks(self) -> int:
         return self.status.capacity_blocks if self.status is not None else 0
 
@@ -240,7 +260,7 @@ class Node:
         st = self.status
         remote_tokens = 0
         remote_reqs = 0
-        streams = self.active_streams
+        streams = self.active_streams + self.pending_streams
         if st is not None:
             # Work queued on the node by other gateways (ours is counted locally, as it is now):
             # the status less what was ours when it was taken. Less ours as it is now, our requests
@@ -250,7 +270,9 @@ class Node:
             remote_tokens = max(0, int(st.queued_tokens) - own_tokens)
             queued = int(st.queued_requests + st.running_requests)
             remote_reqs = max(0, queued - own_reqs)
-            streams += max(0, queued - self.active_streams)
+            # The node's count holds ours, or some of them (a split request reaches its decode
+            # node once prefilled): never counted twice, at least what either count says.
+            streams += max(0, queued - streams)
         prof = st.profile if st is not None else None
         fmt = st.kv_format if st is not None else None
         return NodeView(
@@ -271,6 +293,7 @@ class Node:
             kv_format=fmt,
             streams=streams,
             used_blocks=st.in_use_blocks if st is not None else 0,  # a warm idle cache is not busy
+            max_context_tokens=self.max_context_tokens,
         )
 
 

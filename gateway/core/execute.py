@@ -25,7 +25,7 @@ import asyncio
 import random
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import structlog
@@ -33,16 +33,24 @@ import structlog
 from prefixgate.gateway.cluster.breaker import OPEN
 from prefixgate.gateway.cluster.nodes import Node, NodePool
 from prefixgate.gateway.config import Settings
+from prefixgate.gateway.core import context
 from prefixgate.gateway.core.accounting import Accounting
 from prefixgate.gateway.core.errors import Overloaded, Unavailable
 from prefixgate.gateway.core.execution import Execution
 from prefixgate.gateway.core.features import unable
 from prefixgate.gateway.core.plan import Lookup, Planner, decision_notes
-from prefixgate.gateway.core.refusals import refusal
+from prefixgate.gateway.core.refusals import engine_words, refusal, too_long
 from prefixgate.gateway.core.request import Failure, Prepared, Timings
 from prefixgate.gateway.core.tenancy import Tenancy
 from prefixgate.gateway.metrics import Metrics
-from prefixgate.gateway.nodeclient import NodeFailure, Prompt, StageTimings, TokenDelta, TokenStream
+from prefixgate.gateway.nodeclient import (
+    NodeFailure,
+    OpenAIBody,
+    Prompt,
+    StageTimings,
+    TokenDelta,
+    TokenStream,
+)
 from prefixgate.gateway.nodeclient.openai_body import for_choice
 from prefixgate.gateway.routing import Decision, costmodel, deadline
 from prefixgate.gateway.toolcalls.support import passing_through
@@ -71,6 +79,12 @@ def _not_for_monolithic(e: NodeFailure) -> bool:
     not, unless all it refused was pages in another format."""
     decoding = e.stage in (Stage.DECODE, Stage.TRANSFER, Stage.GENERATE)
     return decoding and e.kind != FailureKind.FORMAT_REFUSED
+
+
+def _worth_retrying(e: NodeFailure) -> bool:
+    """A failure another node may not repeat: a retryable kind, or a refusal for length (a
+    node with a larger context may serve the request)."""
+    return e.kind.retryable or too_long(e)
 
 
 async def _first_delta(stream: TokenStream) -> TokenDelta:
@@ -119,12 +133,21 @@ def _blamed(e: NodeFailure, nodes: tuple[Node, ...]) -> Node:
     return nodes[-1]
 
 
-def _prompt(prep: Prepared, node: Node) -> Prompt:
-    """The prompt for ``node``; with the OpenAI request when the node generates from it."""
+def _prompt(prep: Prepared, node: Node, generating: Node | None = None) -> Prompt:
+    """The prompt for ``node``; with the OpenAI request when the node generates from it. The
+    gateway's default ``max_tokens`` is lowered to the room left in the context of the node that
+    generates (``generating``, default ``node``; ``gateway.core.context.room``)."""
+    sampling = prep.sampling
+    contexts = [(generating or node).max_context_tokens]
+    limit = context.room(prep.prompt_tokens, sampling.max_tokens, bool(prep.max_tokens_param), contexts)
+    if limit != sampling.max_tokens:
+        sampling = replace(sampling, max_tokens=limit)
     openai = None
     if node.client.capabilities.openai_body and prep.openai_body is not None:
-        openai = for_choice(prep.openai_body(), prep.sampling.seed, prep.sampling.choice)
-    return Prompt(prep.request_id, prep.tokens, prep.hashes, prep.sampling, openai, prep.engine_salt)
+        openai = for_choice(prep.openai_body(), sampling.seed, sampling.choice)
+        if limit != prep.sampling.max_tokens:
+            openai = OpenAIBody(openai.kind, {**openai.body, "max_tokens": limit})
+    return Prompt(prep.request_id, prep.tokens, prep.hashes, sampling, openai, prep.engine_salt)
 
 
 def abandoned(t: Target, gone: Collection[Node], prefill_reported: bool) -> NodeFailure | None:
@@ -194,6 +217,7 @@ class Executor:
     async def execute(self, prep: Prepared) -> Execution:
         """Route and start the request; raises Overloaded or Unavailable when no node can serve it."""
         deadline = time.monotonic() + self.settings.request_timeout_s
+        need = self.planner.need(prep)  # 400 when no node's context holds it
         unserved = unable(self.pool.nodes.values(), prep.needs)  # 400 when no node can serve it
         if prep.tool_parser:  # the gateway parses the tool calls: not for pass-through workers
             unserved |= passing_through(self.pool.nodes.values())
@@ -242,11 +266,11 @@ class Executor:
         else:
             route, reason = Mode.MONOLITHIC, plan.mode.reason
 
-        if all(f.error.kind.retryable for f in failures):
+        if all(_worth_retrying(f.error) for f in failures):
             excluded = {f.node.id for f in failures if _not_for_monolithic(f.error)} | unserved
 
             def whole() -> Callable[[], Target | None] | None:
-                candidates = self.planner.monolithic_candidates(excluded, prep.model)
+                candidates = self.planner.monolithic_candidates(excluded, prep.model, need)
                 if not candidates:
                     return None
 
@@ -262,6 +286,9 @@ class Executor:
                 return ex
 
         self.metrics.requests.labels(route, "failed").inc()
+        last = failures[-1].error if failures else None
+        if last is not None and too_long(last) and context.largest(self.planner.contexts(prep.model)):
+            raise self.planner.exceeded(prep, engine_words(last))  # no node left whose context holds it
         refused = refusal(failures[-1].error, prep.needs.get(Feature.RESPONSE_FORMAT)) if failures else None
         if refused is not None:  # the engine judged the client's own request: its answer is a 400 (422)
             raise refused
@@ -293,7 +320,7 @@ class Executor:
             if isinstance(outcome, Execution):
                 return outcome
             self._failed(outcome, run)
-            if not outcome.error.kind.retryable:
+            if not _worth_retrying(outcome.error):
                 return None
             excluded.add(outcome.node.id)
             if after_failure is not None:
@@ -356,11 +383,12 @@ class Executor:
         gone = {n: n.gone for n in nodes}  # taken before anything awaits: no departure is missed
         for n in nodes:
             n.breaker.on_dispatch()
-        with computing.load(uncached):
+        with computing.load(uncached), dnode.dispatched():
             ticket, served = self.planner.hold_prefix(prep, computing), False
             timeout = max(0.01, run.deadline - time.monotonic())
             if pnode is not None and handoff is not None:
-                stream = handoff.start(_prompt(prep, pnode), pnode.client, dnode.client, timeout=timeout)
+                prompt = _prompt(prep, pnode, dnode)
+                stream = handoff.start(prompt, pnode.client, dnode.client, timeout=timeout)
             else:
                 stream = dnode.client.generate(_prompt(prep, dnode), timeout=timeout)
             try:

@@ -78,6 +78,10 @@ class Prepared:
     tool_parser: str = ""
     # What engines salt their prefix cache with for ``namespace`` (``gateway.core.tenancy.engine_salt``).
     engine_salt: str = ""
+    # The request's fields, for the client's 400 when no context holds it (``gateway.core.context``):
+    # the prompt's, and the one that gave ``max_tokens`` ("": the gateway chose it).
+    prompt_param: str = "prompt"
+    max_tokens_param: str = ""
 
     @property
     def tenant(self) -> str:
