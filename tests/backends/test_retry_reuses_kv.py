@@ -11,12 +11,11 @@ from prefixgate.cachetier.tokenizer import Bytes4Tokenizer
 from prefixgate.gateway.cluster.nodes import NodePool
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.core.pipeline import Pipeline
-from prefixgate.gateway.core.request import RequestContext
 from prefixgate.gateway.metrics import Metrics
 from prefixgate.gateway.state.documents import DocumentStore
 from prefixgate.gateway.vocab import Mode
-from prefixgate.openai.schema import parse_request
 from tests.backends.conftest import StartNode
+from tests.unit.seam_support import prepared
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -40,16 +39,7 @@ async def test_a_decode_failed_after_prefill_is_retried_on_the_prefill_node_hold
     pipeline = Pipeline(s, pool, MemoryIndex(), Bytes4Tokenizer(), Metrics(), DocumentStore())
     try:
         for i in range(3):  # each its own prompt: nothing cached before its first attempt
-            body = {"model": s.default_model, "prompt": f"{i} " + "y" * (4 * PROMPT_TOKENS), "max_tokens": 4}
-            parsed = parse_request(
-                body,
-                "completion",
-                models={s.default_model},
-                default_max_tokens=16,
-                max_tokens_limit=64,
-                max_documents=4,
-            )
-            prep = pipeline.prepare(parsed, RequestContext("tenant"))
+            prep = prepared(pipeline, f"{i} " + "y" * (4 * PROMPT_TOKENS), max_tokens=4)
             ex = await pipeline.execute(prep)
             try:
                 text = "".join([d.text async for d in ex.stream()])
