@@ -104,10 +104,12 @@ class Timings:
 
 @dataclass(frozen=True, slots=True)
 class Failure:
-    """One attempt's failure, charged to the node at fault."""
+    """One attempt's failure, charged to the node at fault; ``prefilled_on``: the prefill node
+    that had done its part before it (it holds the prompt's prefix now), if any."""
 
     node: Node
     error: NodeFailure
+    prefilled_on: Node | None = None
 
     def __str__(self) -> str:
         e = self.error
