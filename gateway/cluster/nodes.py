@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from prefixgate.gateway import nodeclient
-from prefixgate.gateway.cluster.breaker import OPEN, CircuitBreaker
+from prefixgate.gateway.cluster.breaker import HALF_OPEN, OPEN, CircuitBreaker
 from prefixgate.gateway.config import DEFAULT_MODEL
 from prefixgate.gateway.nodeclient import NodeClient, NodeFailure, NodeStatus
 from prefixgate.gateway.nodeclient.http_openai import NOMINAL_PROFILE
@@ -289,6 +289,7 @@ class Node:
             kv_bytes_per_token=fmt.bytes_per_token if fmt else 0,
             capacity_blocks=self.capacity_blocks,
             routable=self.routable,
+            trial=self.breaker.state == HALF_OPEN,  # after ``routable``: its check moves open to half-open
             role=Role(self.role),
             kv_format=fmt,
             streams=streams,

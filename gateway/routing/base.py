@@ -53,6 +53,8 @@ class NodeView:
     streams: int = 0  # decode/generate streams running or waiting on the node
     used_blocks: int = 0  # KV blocks in use: cached blocks nobody holds are left out
     max_context_tokens: int = 0  # the longest request the node serves (0: it does not say)
+    # Its breaker is half-open: one trial request decides whether it is back (``cluster.breaker``).
+    trial: bool = False
 
     def holds(self, tokens: int) -> bool:
         """Whether the node's context holds a request of ``tokens`` (one that does not say its

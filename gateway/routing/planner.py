@@ -111,10 +111,15 @@ def _candidates(
 def decode_candidates(
     nodes: Sequence[NodeView], exclude: Collection[str] = (), tokens: int = 0
 ) -> list[NodeView]:
-    """Routable decode nodes whose context holds ``tokens``, least busy first (streams, then KV
-    blocks in use, then id)."""
+    """Routable decode nodes whose context holds ``tokens``, least busy first (streams, then a node
+    awaiting its breaker's trial, then KV blocks in use, then id).
+
+    A half-open node among equally idle ones goes first: taken in id order it would get its one
+    trial only when its peers are busy, and under light traffic a node back from a restart would
+    stay out of rotation for good."""
     return sorted(
-        _candidates(nodes, Role.DECODE, exclude, tokens), key=lambda v: (v.streams, v.used_blocks, v.node_id)
+        _candidates(nodes, Role.DECODE, exclude, tokens),
+        key=lambda v: (v.streams, not v.trial, v.used_blocks, v.node_id),
     )
 
 
