@@ -69,6 +69,8 @@ class NodeConfig:
     event_buffer: int = DEFAULT_EVENT_BUFFER
     transfer_timeout_s: float = 60.0
     chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL  # 0: a prefill keeps its slot to the end
+    # The longest prompt served, in tokens; 0: the whole pool's (``capacity_blocks`` full blocks).
+    context_length: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +128,7 @@ class NodeSnapshot:
     features: frozenset[str] = frozenset()  # the engine's (``Engine.features``)
     evictable_blocks: int = 0  # of ``used_blocks``: cached, unreferenced, unpinned (reclaimable)
     reserved_blocks: int = 0  # room taken by running prefills for blocks they are computing
+    max_context_tokens: int = 0  # the longest prompt served (``Node.context_tokens``)
 
     @property
     def in_use_blocks(self) -> int:
@@ -242,12 +245,22 @@ class Node:
             raise InvalidArgument("block_hashes must be nonzero")
         if not 0 <= resumed < n:
             raise InvalidArgument(f"resumed {resumed} of a {n}-token sequence: the prompt must remain")
-        if full > self.pool.capacity:  # the client's prompt, over this node's context for good
-            raise InvalidArgument(
-                f"prompt has {n} tokens, the context holds {self.pool.capacity * self.block_size}",
-                stage="pool",
-            )
+        self._check_context(n, "pool")
         return n
+
+    @property
+    def context_tokens(self) -> int:
+        """The longest prompt this node serves: ``context_length``, never more than its whole
+        pool holds (the default)."""
+        pool = self.pool.capacity * self.block_size
+        return min(pool, self.config.context_length) if self.config.context_length > 0 else pool
+
+    def _check_context(self, n: int, stage: str) -> None:
+        """The client's prompt, over this node's context for good: refused in the words the
+        gateway recognises as a refusal for length."""
+        limit = self.context_tokens
+        if n > limit:
+            raise InvalidArgument(f"prompt has {n} tokens, the context holds {limit}", stage=stage)
 
     async def _prefill_run(
         self, tokens: bytes, hashes: Sequence[int], sampling: Sampling, first_token: bool, resumed: int = 0
@@ -422,6 +435,7 @@ class Node:
                 f" but {n} tokens make {expected} pages of {bs}",
                 stage="transfer",
             )
+        self._check_context(n, "transfer")
         if full > self.pool.capacity:
             raise ResourceExhausted(
                 f"prompt needs {full} KV blocks, this node holds {self.pool.capacity}", stage="pool"
@@ -578,9 +592,12 @@ class Node:
 
         ``resumed_generation``: a generation broken elsewhere continues here from its prompt and
         the tokens already shown. They are pushed as they were there (their text discarded: it was
-        shown), so the count against ``max_tokens``, the text held back for a stop string and what
-        is released next are exactly as on the node that broke; the text joins seamlessly.
+        shown), so the count of output tokens, the text held back for a stop string and what is
+        released next are exactly as on the node that broke; the text joins seamlessly. The
+        request's ``max_tokens`` is what is left to generate after them.
         """
+        if resumed:  # ``max_tokens`` is what is left after them
+            sampling = replace(sampling, max_tokens=sampling.max_tokens + resumed)
         gen = Generation(sampling, self.engine.eos_token, self.engine.token_text)
         if resumed:
             gen.push(unpack_ids(tokens[len(tokens) - 4 * resumed :]))
@@ -655,4 +672,5 @@ class Node:
             features=frozenset(getattr(e, "features", ())),
             evictable_blocks=counts.evictable,
             reserved_blocks=counts.reserved,
+            max_context_tokens=self.context_tokens,
         )

@@ -129,13 +129,13 @@ class Execution:
                 else:
                     try:
                         d = await self._next()
-                    except StopAsyncIteration:
-                        what = "ended the stream without finishing"
-                        ended = NodeFailure(self.decode_node.id, Stage.DECODE, FailureKind.INTERNAL, what)
-                        await self._continue(ended, migration.Reason.ENDED, what)
-                        continue
-                    except NodeFailure as e:
-                        await self._continue(e, migration.reason_of(e), f"failed mid-stream: {e.kind}")
+                    except (StopAsyncIteration, NodeFailure) as e:
+                        failure, reason, what = self._failure(e)
+                        limit = self.prep.sampling.max_tokens
+                        if 0 < limit <= self.completion_tokens and self._migratable():
+                            yield self._cut_at_max_tokens()  # all asked for is out: nothing to continue
+                            break
+                        await self._continue(failure, reason, what)
                         continue
                 if self._past_max_tokens(d):  # an engine that goes on past max_tokens is cut
                     yield self._cut_at_max_tokens()
@@ -144,6 +144,17 @@ class Execution:
                 yield d
         finally:
             await self.close()
+
+    def _failure(self, e: StopAsyncIteration | NodeFailure) -> tuple[NodeFailure, migration.Reason, str]:
+        """The streaming node's failure, why it would migrate, and what the error event says."""
+        if isinstance(e, NodeFailure):
+            return e, migration.reason_of(e), f"failed mid-stream: {e.kind}"
+        what = "ended the stream without finishing"
+        return (
+            NodeFailure(self.decode_node.id, Stage.DECODE, FailureKind.INTERNAL, what),
+            migration.Reason.ENDED,
+            what,
+        )
 
     async def _continue(self, failure: NodeFailure, reason: migration.Reason, what: str) -> None:
         """Go on from another node after ``failure`` of the streaming node, or raise StreamBroken."""

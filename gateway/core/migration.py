@@ -8,8 +8,9 @@ starts the generation again elsewhere from the prompt plus the output token ids 
 through the Executor's own attempt path (planning, retries, backoff, the request's deadline),
 the failed nodes excluded. The new node re-prefills the longer prompt (the prompt's blocks are
 mostly cached) and treats the relayed tokens as output already shown (``Prompt.resumed``): they
-count against ``max_tokens``, their text is not sent again, the text it holds back for a stop
-string or an incomplete character is what the broken node held, so the stream joins seamlessly.
+count as output (``max_tokens`` is what is left), their text is not sent again, the text it
+holds back for a stop string or an incomplete character is what the broken node held, so the
+stream joins seamlessly.
 
 Only a protocol that reports token ids and continues from them (``Capabilities.resume``) can
 take part: a pass-through HTTP worker generates from the OpenAI request, reports no ids, and its
@@ -77,12 +78,15 @@ def unable_to_resume(nodes: Iterable[Node], prep: Prepared) -> set[str]:
 def continuation(prep: Prepared, sent: Sequence[int], block_size: int) -> Prepared:
     """The request that continues ``prep``'s generation after the output tokens ``sent``: the
     prompt followed by them (their blocks hashed in the prompt's chain, so its cached blocks are
-    hits), ``resumed`` telling the node they are output."""
+    hits), ``resumed`` telling the node they are output, ``max_tokens`` what is left (so a context
+    holds the continuation when it held the request: ``gateway.core.context``)."""
     tokens = prep.tokens + pack_ids(list(sent))
+    left = max(1, prep.sampling.max_tokens - len(sent))
     return replace(
         prep,
         tokens=tokens,
         hashes=block_hashes(tokens, block_size, prep.namespace.root()),
+        sampling=replace(prep.sampling, max_tokens=left),
         resumed=len(sent),
         openai_body=None,
     )

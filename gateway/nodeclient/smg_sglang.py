@@ -58,8 +58,8 @@ def sampling_params(prompt: Prompt, stop_token_ids: Sequence[int]) -> pb.Samplin
         ignore_eos=False,
         no_stop_trim=False,
     )
-    if s.max_tokens > 0:  # a migrated generation: what is left of it
-        params.max_new_tokens = max(1, s.max_tokens - prompt.resumed)
+    if s.max_tokens > 0:
+        params.max_new_tokens = s.max_tokens
     constrain(params, s.constraint)
     return params
 
@@ -138,6 +138,7 @@ class SglangRuntime:
             max_running=int(args.get("max_running_requests") or 0),
             bootstrap_port=int(args.get("disaggregation_bootstrap_port") or 0),
             eos_token_ids=tuple(model.eos_token_ids),
+            max_context_tokens=EngineInfo.context_of(model),
             features=said,
             constrains=str(args.get("grammar_backend") or "xgrammar") != "none",
         )

@@ -64,8 +64,8 @@ def sampling_params(prompt: Prompt, stop_token_ids: Sequence[int]) -> pb.Samplin
         ignore_eos=False,
         n=1,
     )
-    if s.max_tokens > 0:  # a migrated generation: what is left of it
-        params.max_tokens = max(1, s.max_tokens - prompt.resumed)
+    if s.max_tokens > 0:
+        params.max_tokens = s.max_tokens
     if s.seed is not None:  # each choice its own seed (none: the engine samples at random)
         params.seed = choice_seed(s.seed, s.choice) & _I32
     constrain(params, s.constraint)
@@ -153,6 +153,7 @@ class VllmRuntime:
             max_running=server.max_num_seqs,
             kv_connector=server.kv_connector,
             eos_token_ids=tuple(model.eos_token_ids),
+            max_context_tokens=EngineInfo.context_of(model),
         )
 
     async def loads(self, stub: Any, timeout: float) -> Any:

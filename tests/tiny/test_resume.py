@@ -85,7 +85,10 @@ async def test_resumed_generation_is_the_unbroken_one(
             sent_ids = [t for c, _, _ in unbroken[:k] for t in c]
             sent_text = "".join(t for _, t, _ in unbroken[:k])
             cont = tokens + pack_ids(sent_ids)
-            rest = await _chunks(stub, m, p, d, whole, cont, sp, resumed=len(sent_ids))
+            left = node_pb2.SamplingParams()
+            left.CopyFrom(sp)
+            left.max_tokens = sp.max_tokens - len(sent_ids)  # what is left to generate
+            rest = await _chunks(stub, m, p, d, whole, cont, left, resumed=len(sent_ids))
             assert sent_ids + [t for c, _, _ in rest for t in c] == ids, (kind, stops, k)
             assert sent_text + "".join(t for _, t, _ in rest) == want, (kind, stops, k)
             assert rest[-1][2] == unbroken[-1][2]
