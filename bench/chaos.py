@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import re
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -648,3 +650,14 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         args.json.write_bytes(orjson.dumps([asdict(r) for r in results], option=orjson.OPT_INDENT_2))
     return 0 if all(r.passed for r in results) else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="prefixgate bench chaos", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())
