@@ -39,7 +39,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,46 +117,92 @@ class Ran:
     began_s: float  # seconds after the load started
     took_s: float
     error: str = ""
+    skipped: bool = False  # a fault with no other node of its role up, and its repair
 
     @property
     def late_s(self) -> float:
-        """Began this long after its time (the event before it took that long)."""
+        """Began this long after its time (the node's event before it took that long)."""
         return max(0.0, self.began_s - self.event.at_s)
 
 
-class Schedule:
-    """Runs the events on a thread of its own (a node start blocks until its ready line)."""
+#: How long a fault waits for another node of its role to be routable before it is skipped.
+SPARE_WAIT_S = 10.0
 
-    def __init__(self, events: list[Event], nodes: dict[str, NodeProc], redis: RestartableRedis) -> None:
-        self.events, self.nodes, self.redis = events, nodes, redis
+
+class Schedule:
+    """Runs the events: one thread per node (and one for Redis), so a node slow to start delays
+    its own events alone. A start takes as long as the node needs to print its ready line, which
+    on a loaded machine can exceed the planned down time; so before a fault, the node's role must
+    keep another node that the gateway routes to and that no fault holds, or the fault (and its
+    repair) is skipped after ``SPARE_WAIT_S``: a role is never left without a node."""
+
+    def __init__(
+        self,
+        events: list[Event],
+        nodes: dict[str, NodeProc],
+        redis: RestartableRedis,
+        routable: Callable[[str], int],
+    ) -> None:
+        self.events, self.nodes, self.redis, self.routable = events, nodes, redis, routable
         self.ran: list[Ran] = []
+        self.down: set[str] = set()  # nodes a fault holds
+        self._gate = threading.Lock()  # one fault decides at a time: two never take the last spare
         self._abort = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="chaos schedule", daemon=True)
+        by_target: dict[str, list[Event]] = {}
+        for ev in events:
+            by_target.setdefault(ev.target, []).append(ev)
+        self._threads = [
+            threading.Thread(target=self._run, args=(evs,), name=f"chaos {t}", daemon=True)
+            for t, evs in by_target.items()
+        ]
         self.t0 = 0.0
 
     def start(self, t0: float) -> None:
         self.t0 = t0
-        self._thread.start()
+        for t in self._threads:
+            t.start()
 
     def join(self, timeout: float) -> bool:
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)
 
     def abort(self) -> None:
         self._abort.set()
 
-    def _run(self) -> None:
-        for ev in self.events:
+    def _spare(self, victim: str) -> bool:
+        role = self.nodes[victim].role
+        others = [n for n, p in self.nodes.items() if p.role == role and n != victim and n not in self.down]
+        return bool(others) and self.routable(role) >= 2
+
+    def _run(self, events: list[Event]) -> None:
+        skip_repair = False
+        for ev in events:
             if self._abort.wait(max(0.0, self.t0 + ev.at_s - time.monotonic())):
                 return
             began = time.monotonic()
-            error = ""
+            error, skipped = "", False
             try:
-                self._do(ev)
+                if ev.action in FAULTS:
+                    with self._gate:
+                        deadline = began + SPARE_WAIT_S
+                        while not self._spare(ev.target) and time.monotonic() < deadline:
+                            if self._abort.wait(0.2):
+                                return
+                        skipped = skip_repair = not self._spare(ev.target)
+                        if not skipped:
+                            self.down.add(ev.target)
+                            self._do(ev)
+                elif skip_repair:
+                    skipped, skip_repair = True, False
+                else:
+                    self._do(ev)
+                    self.down.discard(ev.target)
             except Exception as e:  # recorded, the run goes on: the report says which event failed
                 error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             now = time.monotonic()
-            self.ran.append(Ran(ev, round(began - self.t0, 3), round(now - began, 3), error))
+            self.ran.append(Ran(ev, round(began - self.t0, 3), round(now - began, 3), error, skipped))
 
     def _do(self, ev: Event) -> None:
         if ev.action == "redis":
@@ -180,8 +226,9 @@ class Schedule:
         """The events that began while a request ran from ``start`` to ``end`` (monotonic), else the
         last one before it, as ``+12.3s kill decode-2``."""
         a, b = start - self.t0, end - self.t0
-        during = [r for r in self.ran if a <= r.began_s <= b]
-        before = [r for r in self.ran if r.began_s < a][-1:]
+        ran = sorted((r for r in self.ran if not r.skipped), key=lambda r: r.began_s)
+        during = [r for r in ran if a <= r.began_s <= b]
+        before = [r for r in ran if r.began_s < a][-1:]
         named = ", ".join(f"+{r.began_s:.1f}s {r.event.action} {r.event.target}" for r in during or before)
         return ("during: " if during else "before: ") + named if named else "no event"
 
@@ -289,6 +336,18 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
+def routable(url: str) -> Callable[[str], int]:
+    """How many nodes of a role the gateway routes to (0 while it does not answer)."""
+
+    def count(role: str) -> int:
+        try:
+            return int(httpx.get(url + "/readyz", timeout=2, trust_env=False).json()[role])
+        except (httpx.HTTPError, ValueError, KeyError):
+            return 0
+
+    return count
+
+
 def node_inflight(url: str) -> int:
     nodes = httpx.get(url + "/admin/nodes", timeout=5, trust_env=False).json()["data"]
     return sum(int(n.get("local_requests", 0)) + int(n.get("active_streams", 0)) for n in nodes)
@@ -305,25 +364,27 @@ class Footprint:
     kinds: dict[str, int] = field(default_factory=dict)
 
 
-def _tcp_sockets() -> dict[str, tuple[int, int, str]]:
-    """Socket inode -> (local port, remote port, state) of every loopback TCP socket."""
+def _sockets() -> dict[str, tuple[int, int, str]]:
+    """Socket inode -> (local port, remote port, TCP state) of every TCP socket in the kernel's
+    tables, and -> (0, 0, "unix") of every Unix socket."""
     out: dict[str, tuple[int, int, str]] = {}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                rows = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            cols = row.split()
-            local, remote, state, inode = cols[1], cols[2], cols[3], cols[9]
-            out[inode] = (int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16), state)
+        with contextlib.suppress(OSError), open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                cols = row.split()
+                local, remote, state, inode = cols[1], cols[2], cols[3], cols[9]
+                out[inode] = (int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16), state)
+    with contextlib.suppress(OSError), open("/proc/net/unix") as f:
+        for row in f.read().splitlines()[1:]:
+            out[row.split()[6]] = (0, 0, "unix")
     return out
 
 
 def open_files(pid: int, peers: dict[int, str]) -> dict[str, int]:
-    """What ``pid``'s open files are, counted; ``peers`` names ports (a node, redis)."""
-    tcp = _tcp_sockets()
+    """What ``pid``'s open files are, counted; ``peers`` names ports (a node, redis). A TCP socket
+    the kernel has dropped from its tables (closed, or reset by its peer) while the process still
+    holds it open counts as "socket in no table"."""
+    socks = _sockets()
     kinds: Counter[str] = Counter()
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
@@ -331,9 +392,11 @@ def open_files(pid: int, peers: dict[int, str]) -> dict[str, int]:
         except OSError:
             continue
         if target.startswith("socket:["):
-            sock = tcp.get(target[8:-1])
+            sock = socks.get(target[8:-1])
             if sock is None:
-                kinds["socket (not TCP)"] += 1
+                kinds["socket in no table"] += 1
+            elif sock[2] == "unix":
+                kinds["unix socket"] += 1
             elif sock[2] == "0A":
                 kinds["tcp listening"] += 1
             else:
@@ -379,6 +442,7 @@ class Result:
     counters: dict[str, float | None] = field(default_factory=dict)
     reasons: list[tuple[int, str]] = field(default_factory=list)
     first_failures: list[str] = field(default_factory=list)
+    failures: list[dict[str, Any]] = field(default_factory=list)  # every one, for --json
     schedule: list[dict[str, Any]] = field(default_factory=list)
     start: Footprint | None = None
     end: Footprint | None = None
@@ -467,7 +531,7 @@ def run_protocol(protocol: str, args: argparse.Namespace, logs: Path) -> Result:
         events = plan(
             args.seed, args.seconds, [n.node_id for n in cluster.prefill], [n.node_id for n in cluster.decode]
         )
-        schedule = Schedule(events, {n.node_id: n for n in cluster.nodes}, redis)
+        schedule = Schedule(events, {n.node_id: n for n in cluster.nodes}, redis, routable(cluster.url))
         t0 = time.monotonic()
         schedule.start(t0)
         records = asyncio.run(
@@ -483,6 +547,11 @@ def run_protocol(protocol: str, args: argparse.Namespace, logs: Path) -> Result:
         t = res.mark("load", t0)
         if not schedule.join(timeout=120.0):
             schedule.abort()
+        for n in cluster.nodes:  # every node back, whatever the schedule did (missing events fail the run)
+            if n.proc is not None and n.proc.alive():
+                n.signal(signal.SIGCONT)
+            else:
+                n.start()
         cluster.wait_routable("prefill", len(cluster.prefill), timeout=60)
         cluster.wait_routable("decode", len(cluster.decode), timeout=60)
         t = res.mark("recover", t)
@@ -494,9 +563,24 @@ def run_protocol(protocol: str, args: argparse.Namespace, logs: Path) -> Result:
             res.counters[key] = after[name] - before.get(name, 0.0) if name in after else None
         failed = [r for r in records if not r.ok]
         res.reasons = [(c, s) for s, c in Counter(shape(reason(r)) for r in failed).most_common()]
-        for r in sorted(failed, key=lambda r: r.out.started_at)[: args.show_failures]:
+        for k, r in enumerate(sorted(failed, key=lambda r: r.out.started_at)):
             o = r.out
             nodes = "/".join(x for x in (o.prefill_node, o.decode_node) if x) or "-"
+            res.failures.append(
+                {
+                    "kind": r.kind,
+                    "started_s": round(o.started_at - t0, 3),
+                    "ended_s": round(o.ended_at - t0, 3),
+                    "status": o.status,
+                    "request_id": o.request_id,
+                    "route": o.route,
+                    "nodes": nodes,
+                    "reason": reason(r),
+                    "events": schedule.around(o.started_at, o.ended_at),
+                }
+            )
+            if k >= args.show_failures:
+                continue
             res.first_failures.append(
                 f"+{o.started_at - t0:.1f}s..+{o.ended_at - t0:.1f}s {r.kind:<8} {o.route or '-'} {nodes}: "
                 f"{reason(r)} ({schedule.around(o.started_at, o.ended_at)})"
@@ -508,8 +592,9 @@ def run_protocol(protocol: str, args: argparse.Namespace, logs: Path) -> Result:
                 "late_s": r.late_s,
                 "took_s": r.took_s,
                 "error": r.error,
+                "skipped": r.skipped,
             }
-            for r in schedule.ran
+            for r in sorted(schedule.ran, key=lambda r: r.began_s)
         ]
         missing = len(events) - len(schedule.ran)
         res.schedule_errors = sum(1 for r in schedule.ran if r.error) + missing
@@ -567,12 +652,13 @@ def render(res: Result, args: argparse.Namespace) -> str:
         )
     counters = ", ".join(f"{k} {'n/a' if v is None else int(v)}" for k, v in res.counters.items())
     lines.append(f"gateway counters during the run: {counters}  (TTFT: streamed requests)")
-    kinds = Counter(r["action"] for r in res.schedule)
-    late = max((r["late_s"] for r in res.schedule), default=0.0)
+    done = [r for r in res.schedule if not r["skipped"]]
+    kinds = Counter(r["action"] for r in done)
+    late = max((r["late_s"] for r in done), default=0.0)
     ran = ", ".join(f"{k} {c}" for k, c in sorted(kinds.items()))
     lines.append(
-        f"schedule: {len(res.schedule)} events ran ({ran}), latest {late:.1f} s late, "
-        f"{res.schedule_errors} failed or not run"
+        f"schedule: {len(done)} events ran ({ran}), latest {late:.1f} s late, "
+        f"{len(res.schedule) - len(done)} skipped (no spare node), {res.schedule_errors} failed or not run"
     )
     for r in res.schedule:
         if r["error"]:

@@ -243,6 +243,7 @@ class Outcome:
     ended_at: float = 0.0  # and when its response (or stream) ended
     first_at: float = 0.0  # when the first token came (a stream's first content; else the response)
     finished: set[int] = field(default_factory=set)  # indexes of the choices that got a finish_reason
+    request_id: str = ""  # x-prefixgate-request-id: the gateway's log line of the request
 
 
 @dataclass
@@ -276,6 +277,7 @@ async def _one(http: httpx.AsyncClient, body: dict[str, Any], stream: bool) -> O
                 r.headers.get("x-prefixgate-prefill-node", ""),
                 r.headers.get("x-prefixgate-decode-node", ""),
                 retry_after=r.headers.get("retry-after"),
+                request_id=r.headers.get("x-prefixgate-request-id", ""),
             )
             data = r.json()
             out.first_at = time.monotonic()
@@ -294,6 +296,7 @@ async def _one(http: httpx.AsyncClient, body: dict[str, Any], stream: bool) -> O
                 r.headers.get("x-prefixgate-prefill-node", ""),
                 r.headers.get("x-prefixgate-decode-node", ""),
                 retry_after=r.headers.get("retry-after"),
+                request_id=r.headers.get("x-prefixgate-request-id", ""),
             )
             if r.status_code != 200:
                 out.error = (await r.aread()).decode()[:300]

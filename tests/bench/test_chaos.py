@@ -53,9 +53,11 @@ def test_short_run_prints_the_table_and_runs_the_schedule(
     assert rc == (0 if res["rows"]["all"]["failed"] == 0 and not res["leaks"] else 1)
     assert res["rows"]["all"]["requests"] > 20
     assert res["schedule_errors"] == 0, res["schedule"]
+    # every planned event ran, or was skipped with its repair (no other node of its role up)
     actions = sorted(e["action"] for e in res["schedule"])
     assert actions == sorted(e.action for e in chaos.plan(1, 5.0, PREFILL, DECODE)), actions
-    assert {"kill", "stop", "cont", "term", "start", "redis"} <= set(actions)
+    ran = {e["action"] for e in res["schedule"] if not e["skipped"]}
+    assert "redis" in ran and ran & set(chaos.FAULTS), res["schedule"]
     assert res["end"]["inflight"] == 0 and res["end"]["node_inflight"] == 0
     # every node came back on its address: the gateway holds a connection to each again
     assert all(res["end"]["kinds"].get(f"tcp to {n}", 0) >= 1 for n in PREFILL + DECODE), res["end"]
