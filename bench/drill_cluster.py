@@ -267,18 +267,23 @@ async def one(http: httpx.AsyncClient, body: dict[str, Any], stream: bool) -> Ou
     return out
 
 
+def _answered(r: httpx.Response) -> Outcome:
+    """What the response's status and headers say (the body is read by the caller)."""
+    return Outcome(
+        r.status_code,
+        r.headers.get("x-prefixgate-route", ""),
+        r.headers.get("x-prefixgate-prefill-node", ""),
+        r.headers.get("x-prefixgate-decode-node", ""),
+        retry_after=r.headers.get("retry-after"),
+        request_id=r.headers.get("x-prefixgate-request-id", ""),
+    )
+
+
 async def _one(http: httpx.AsyncClient, body: dict[str, Any], stream: bool) -> Outcome:
     try:
         if not stream:
             r = await http.post("/v1/chat/completions", json=body)
-            out = Outcome(
-                r.status_code,
-                r.headers.get("x-prefixgate-route", ""),
-                r.headers.get("x-prefixgate-prefill-node", ""),
-                r.headers.get("x-prefixgate-decode-node", ""),
-                retry_after=r.headers.get("retry-after"),
-                request_id=r.headers.get("x-prefixgate-request-id", ""),
-            )
+            out = _answered(r)
             data = r.json()
             out.first_at = time.monotonic()
             if r.status_code == 200:
@@ -290,14 +295,7 @@ async def _one(http: httpx.AsyncClient, body: dict[str, Any], stream: bool) -> O
                 out.error = data["error"]["message"]
             return out
         async with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
-            out = Outcome(
-                r.status_code,
-                r.headers.get("x-prefixgate-route", ""),
-                r.headers.get("x-prefixgate-prefill-node", ""),
-                r.headers.get("x-prefixgate-decode-node", ""),
-                retry_after=r.headers.get("retry-after"),
-                request_id=r.headers.get("x-prefixgate-request-id", ""),
-            )
+            out = _answered(r)
             if r.status_code != 200:
                 out.error = (await r.aread()).decode()[:300]
                 return out
