@@ -406,6 +406,37 @@ def open_files(pid: int, peers: dict[int, str]) -> dict[str, int]:
     return dict(sorted(kinds.items()))
 
 
+class FileWatch:
+    """Samples the gateway's open files during the load, noting when sockets in no table (held
+    open after the kernel let go of them) appear, so the report can name the event before."""
+
+    PERIOD_S = 1.0
+    KIND = "socket in no table"
+
+    def __init__(self, pid: int, peers: dict[int, str], t0: float) -> None:
+        self.pid, self.peers, self.t0 = pid, peers, t0
+        self.changes: list[tuple[float, str]] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos file watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        last = -1
+        while not self._done.wait(self.PERIOD_S):
+            with contextlib.suppress(OSError):
+                now = open_files(self.pid, self.peers).get(self.KIND, 0)
+                if last >= 0 and now > last:
+                    self.changes.append(
+                        (round(time.monotonic() - self.t0, 1), f"{self.KIND} {last} -> {now}")
+                    )
+                last = now
+
+    def stop(self) -> list[tuple[float, str]]:
+        self._done.set()
+        self._thread.join(timeout=5)
+        return self.changes
+
+
 def footprint(cluster: Cluster, peers: dict[int, str]) -> Footprint:
     assert cluster.gateway is not None
     pid = cluster.gateway.pid
@@ -449,6 +480,7 @@ class Result:
     leaks: list[str] = field(default_factory=list)
     schedule_errors: int = 0
     phases: dict[str, float] = field(default_factory=dict)  # wall seconds of each step
+    file_changes: list[str] = field(default_factory=list)  # sockets in no table appearing, when
 
     def mark(self, phase: str, since: float) -> float:
         now = time.monotonic()
@@ -534,6 +566,7 @@ def run_protocol(protocol: str, args: argparse.Namespace, logs: Path) -> Result:
         schedule = Schedule(events, {n.node_id: n for n in cluster.nodes}, redis, routable(cluster.url))
         t0 = time.monotonic()
         schedule.start(t0)
+        watch = FileWatch(cluster.gateway.pid if cluster.gateway else 0, peers, t0)
         records = asyncio.run(
             load(
                 cluster.url,
@@ -556,6 +589,10 @@ def run_protocol(protocol: str, args: argparse.Namespace, logs: Path) -> Result:
         cluster.wait_routable("decode", len(cluster.decode), timeout=60)
         t = res.mark("recover", t)
         res.end = settle(cluster, peers, args.settle)
+        res.file_changes = [  # during the load and after it, to the end figures
+            f"+{at:.1f}s {what} ({schedule.around(t0 + at - FileWatch.PERIOD_S, t0 + at)})"
+            for at, what in watch.stop()
+        ]
         t = res.mark("settle", t)
         after = scrape(cluster.url)
         res.rows = rows(records)
@@ -675,6 +712,9 @@ def render(res: Result, args: argparse.Namespace) -> str:
             f"{s.fds} -> {e.fds} ({_pct(s.fds, e.fds)}); RSS {s.rss_kb // 1024} -> "
             f"{e.rss_kb // 1024} MB ({_pct(s.rss_kb, e.rss_kb)})"
         )
+    if res.file_changes:
+        lines.append("open files held after the kernel dropped them, as they appeared:")
+        lines += [f"  {c}" for c in res.file_changes[:8]]
     lines.append("wall: " + ", ".join(f"{k} {v:g} s" for k, v in res.phases.items()))
     lines.append("result: " + ("PASS" if res.passed else "FAIL " + "; ".join(_why(res))))
     return "\n".join(lines)
