@@ -4,8 +4,8 @@ The split path is tried on the best prefill/decode pair, then on the next best a
 failure (the node at fault excluded); when it cannot serve, the request falls back to
 monolithic serving, itself tried on other nodes. Both are one attempt loop over their own
 choice of nodes: at most ``retry_max_attempts`` a path, with backoff between attempts, all
-within the request's deadline. Nothing is retried once the first token is out
-(``Execution.stream`` raises StreamBroken then).
+within the request's deadline. Once the first token is out, a failure is not retried: the
+generation migrates, a continuation executed here again (``gateway.core.migration``).
 
 An attempt's prefill (split; served whole, its first token) has the time the gateway predicts for
 it on its node, with a margin (``routing.deadline``): a hung node costs a short request seconds
