@@ -63,6 +63,16 @@ async def stage(name: str, close: Callable[[], Awaitable[object]], bound_s: floa
     return outcome
 
 
+def log_leftovers() -> list[str]:
+    """Name the tasks still running once everything is closed (the loop's teardown cancels
+    them): each is a part that did not stop its own work."""
+    current = asyncio.current_task()
+    names = sorted(t.get_name() for t in asyncio.all_tasks() if t is not current and not t.done())
+    if names:
+        log.warning("shutdown_tasks_left", count=len(names), tasks=names[:50])
+    return names
+
+
 class Tracked:
     """One request in flight: enough to end it cleanly at the end of a shutdown grace."""
 

@@ -211,13 +211,23 @@ async def serve(settings: Settings) -> int:
     server, _ = make_server(settings)
     server.install_signal_handlers()
     await server.serve()
+    shutdown.log_leftovers()
     return EXIT_WORK_CUT if server.work_cut else 0
 
 
 def run(settings: Settings) -> int:
+    """``serve`` on uvloop; the loop's own teardown (cancelling the tasks left, the executor)
+    is the last ``shutdown_stage``."""
     try:
         import uvloop
 
-        return uvloop.run(serve(settings))
+        factory = uvloop.new_event_loop
     except ImportError:  # pragma: no cover
-        return asyncio.run(serve(settings))
+        factory = asyncio.new_event_loop
+    runner = asyncio.Runner(loop_factory=factory)
+    try:
+        return runner.run(serve(settings))
+    finally:
+        t0 = time.monotonic()
+        runner.close()
+        log.info("shutdown_stage", stage="loop", seconds=round(time.monotonic() - t0, 3), outcome="ok")
