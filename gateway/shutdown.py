@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import structlog
 
@@ -44,6 +45,7 @@ async def stage(name: str, close: Callable[[], Awaitable[object]], bound_s: floa
     done, _ = await asyncio.wait({task}, timeout=bound_s)
     if not done:
         outcome = "timeout"
+        _log_stuck(name)
         task.cancel()
         await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
         if task.done() and not task.cancelled():
@@ -61,6 +63,34 @@ async def stage(name: str, close: Callable[[], Awaitable[object]], bound_s: floa
     else:
         log.warning("shutdown_stage", bound_s=bound_s, **fields)
     return outcome
+
+
+def await_chain(task: asyncio.Task[object], depth: int = 24) -> list[str]:
+    """Where a task waits: its coroutine's ``await`` chain, outermost first, as
+    ``function (file:line)``; what a stuck stage is stuck in."""
+    out: list[str] = []
+    obj: Any = task.get_coro()
+    while obj is not None and len(out) < depth:
+        frame = (
+            getattr(obj, "cr_frame", None) or getattr(obj, "ag_frame", None) or getattr(obj, "gi_frame", None)
+        )
+        if frame is not None:
+            out.append(
+                f"{frame.f_code.co_name} ({frame.f_code.co_filename.rsplit('/', 2)[-1]}:{frame.f_lineno})"
+            )
+        obj = (
+            getattr(obj, "cr_await", None)
+            or getattr(obj, "ag_await", None)
+            or getattr(obj, "gi_yieldfrom", None)
+        )
+    return out
+
+
+def _log_stuck(name: str) -> None:
+    current = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+    waits = {t.get_name(): " <- ".join(reversed(await_chain(t))) for t in tasks[:40]}
+    log.warning("shutdown_stage_stuck", stage=name, tasks=waits)
 
 
 def log_leftovers() -> list[str]:

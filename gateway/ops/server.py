@@ -15,7 +15,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator, Callable, Generator
 from functools import partial
 from types import FrameType
 
@@ -218,12 +218,11 @@ async def serve(settings: Settings) -> int:
 def run(settings: Settings) -> int:
     """``serve`` on uvloop; the loop's own teardown (cancelling the tasks left, the executor)
     is the last ``shutdown_stage``."""
-    try:
+    factory: Callable[[], asyncio.AbstractEventLoop] = asyncio.new_event_loop
+    with contextlib.suppress(ImportError):
         import uvloop
 
         factory = uvloop.new_event_loop
-    except ImportError:  # pragma: no cover
-        factory = asyncio.new_event_loop
     runner = asyncio.Runner(loop_factory=factory)
     try:
         return runner.run(serve(settings))
