@@ -26,6 +26,8 @@ from typing import Any
 
 import structlog
 
+from prefixgate.cachetier.tasks import stop_tasks
+
 log = structlog.get_logger("prefixgate.shutdown")
 
 #: What a request cut by shutdown is told (both front ends), and its error code.
@@ -93,13 +95,19 @@ def _log_stuck(name: str) -> None:
     log.warning("shutdown_stage_stuck", stage=name, tasks=waits)
 
 
-def log_leftovers() -> list[str]:
-    """Name the tasks still running once everything is closed (the loop's teardown cancels
-    them): each is a part that did not stop its own work."""
+async def end_leftovers(timeout: float = 2.0) -> list[str]:
+    """End the tasks still running once everything is closed, each a part that did not stop
+    its own work (named in ``shutdown_tasks_left``). The loop's own teardown would cancel them
+    once and wait for them without a bound; here they are cancelled until they end
+    (``stop_task``), within ``timeout``."""
     current = asyncio.current_task()
-    names = sorted(t.get_name() for t in asyncio.all_tasks() if t is not current and not t.done())
+    tasks: list[asyncio.Future[Any]] = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+    names = sorted(t.get_name() for t in tasks if isinstance(t, asyncio.Task))
     if names:
         log.warning("shutdown_tasks_left", count=len(names), tasks=names[:50])
+        stuck = await stop_tasks(tasks, timeout)
+        if stuck:
+            log.warning("shutdown_tasks_stuck", count=stuck)
     return names
 
 

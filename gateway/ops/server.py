@@ -211,7 +211,7 @@ async def serve(settings: Settings) -> int:
     server, _ = make_server(settings)
     server.install_signal_handlers()
     await server.serve()
-    shutdown.log_leftovers()
+    await shutdown.end_leftovers()
     return EXIT_WORK_CUT if server.work_cut else 0
 
 
