@@ -17,7 +17,7 @@ import asyncio
 from typing import Any
 
 #: After the first cancellation, how long the task is given to unwind before it is asked again.
-FIRST_WAIT_S = 0.25
+FIRST_WAIT_S = 0.1
 #: Then, how often it is asked again.
 RECANCEL_S = 0.05
 
