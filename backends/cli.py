@@ -50,6 +50,13 @@ def add_node_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--block-size", type=int, default=64, help="tokens per KV block (default 64)")
     parser.add_argument(
+        "--context-length",
+        type=int,
+        default=0,
+        help="the longest prompt served, in tokens, as SGLang's flag (default 0: the whole KV pool,"
+        " capacity-blocks x block-size); reported to the gateway, which routes by it",
+    )
+    parser.add_argument(
         "--kv-scale",
         type=_scale,
         default=DEFAULT_KV_SCALE,
@@ -126,6 +133,7 @@ def node_options(args: argparse.Namespace) -> dict[str, Any]:
         "profile": args.profile,
         "capacity_blocks": args.capacity_blocks,
         "block_size": args.block_size,
+        "context_length": max(0, getattr(args, "context_length", 0)),
         "time_scale": args.time_scale,
         "kv_scale": args.kv_scale,
         "node_id": args.node_id,

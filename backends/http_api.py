@@ -77,8 +77,6 @@ from prefixgate.openai.schema import ParsedRequest, parse_json, parse_request
 
 __all__ = ["HTTPOptions", "NodeAPI", "NodeHTTP", "PDLink", "create_app", "shipped_tokenizer"]
 
-MAX_MODEL_LEN = 139_264
-
 Handler = Callable[[Request], Awaitable[Response]]
 
 
@@ -319,7 +317,8 @@ class NodeAPI:
                 raise invalid("'prompt' must be a string", "prompt")
             tokens = self.renderer.text_tokens(prompt)
         ids = unpack_ids(tokens)
-        return JSON({"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids, "token_strs": None})
+        length = self.node.context_tokens
+        return JSON({"count": len(ids), "max_model_len": length, "tokens": ids, "token_strs": None})
 
     # -- probes
 
@@ -334,7 +333,7 @@ class NodeAPI:
                 "object": "model",
                 "created": 0,
                 "owned_by": "prefixgate",
-                "max_model_len": MAX_MODEL_LEN,
+                "max_model_len": self.node.context_tokens,
             }
         ]
         return JSON({"object": "list", "data": data})
@@ -350,7 +349,7 @@ class NodeAPI:
                 "tp_size": 1,
                 "disaggregation_mode": role if role in ("prefill", "decode") else "null",
                 "disaggregation_bootstrap_port": bootstrap.port if bootstrap is not None else None,
-                "context_length": MAX_MODEL_LEN,
+                "context_length": self.node.context_tokens,
                 "max_total_num_tokens": s.capacity_blocks * self.node.block_size,
                 "page_size": self.node.block_size,
                 "version": "prefixgate-node",

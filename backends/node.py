@@ -68,6 +68,8 @@ class NodeConfig:
     event_buffer: int = DEFAULT_EVENT_BUFFER
     transfer_timeout_s: float = 60.0
     chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL  # 0: a prefill keeps its slot to the end
+    # The longest prompt served, in tokens; 0: the whole pool's (``capacity_blocks`` full blocks).
+    context_length: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +126,7 @@ class NodeSnapshot:
     features: frozenset[str] = frozenset()  # the engine's (``Engine.features``)
     evictable_blocks: int = 0  # of ``used_blocks``: cached, unreferenced, unpinned (reclaimable)
     reserved_blocks: int = 0  # room taken by running prefills for blocks they are computing
+    max_context_tokens: int = 0  # the longest prompt served (``Node.context_tokens``)
 
     @property
     def in_use_blocks(self) -> int:
@@ -238,12 +241,22 @@ class Node:
             )
         if any(h == 0 for h in hashes):
             raise InvalidArgument("block_hashes must be nonzero")
-        if full > self.pool.capacity:  # the client's prompt, over this node's context for good
-            raise InvalidArgument(
-                f"prompt has {n} tokens, the context holds {self.pool.capacity * self.block_size}",
-                stage="pool",
-            )
+        self._check_context(n, "pool")
         return n
+
+    @property
+    def context_tokens(self) -> int:
+        """The longest prompt this node serves: ``context_length``, never more than its whole
+        pool holds (the default)."""
+        pool = self.pool.capacity * self.block_size
+        return min(pool, self.config.context_length) if self.config.context_length > 0 else pool
+
+    def _check_context(self, n: int, stage: str) -> None:
+        """The client's prompt, over this node's context for good: refused in the words the
+        gateway recognises as a refusal for length."""
+        limit = self.context_tokens
+        if n > limit:
+            raise InvalidArgument(f"prompt has {n} tokens, the context holds {limit}", stage=stage)
 
     async def _prefill_run(
         self, tokens: bytes, hashes: Sequence[int], sampling: Sampling, first_token: bool
@@ -416,6 +429,7 @@ class Node:
                 f" but {n} tokens make {expected} pages of {bs}",
                 stage="transfer",
             )
+        self._check_context(n, "transfer")
         if full > self.pool.capacity:
             raise ResourceExhausted(
                 f"prompt needs {full} KV blocks, this node holds {self.pool.capacity}", stage="pool"
@@ -628,4 +642,5 @@ class Node:
             features=frozenset(getattr(e, "features", ())),
             evictable_blocks=counts.evictable,
             reserved_blocks=counts.reserved,
+            max_context_tokens=self.context_tokens,
         )

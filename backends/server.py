@@ -350,6 +350,7 @@ async def start_node(
     bootstrap_port: int | None = None,
     bootstrap_timeout_s: float = DEFAULT_BOOTSTRAP_TIMEOUT_S,
     served_model_name: str | None = None,
+    context_length: int = 0,
 ) -> NodeServer:
     """Start a node in the running event loop; ``await server.stop()`` to stop it."""
     eng = make_engine(
@@ -364,6 +365,7 @@ async def start_node(
         max_decode_streams=max_decode_streams,
         handle_ttl_s=handle_ttl_s,
         chunked_prefill_size=chunked_prefill_size,
+        context_length=context_length,
     )
     ns = NodeServer(
         Node(eng, config, GrpcKVSender()),

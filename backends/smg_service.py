@@ -156,7 +156,7 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
         self.tokens: TokenMap = token_map(node.engine, tokenizer)
         bs = node.block_size
         self.root = chain_root(served_model_name, bs, tokenizer.path.name)
-        self.max_context = max_context_tokens or node.pool.capacity * bs
+        self.max_context = max_context_tokens or node.context_tokens
         # block hash -> its tokens, for KV events (clients rebuild their index from token ids)
         self._tokens_of: OrderedDict[int, bytes] = OrderedDict()
         self._tokens_cap = max(1024, 2 * node.pool.capacity)

@@ -35,6 +35,7 @@ STATS_FIELDS = (
     "instance_id",
     "prefix_hit_tokens",
     "prompt_tokens",
+    "max_context_tokens",
 )
 KV_FORMAT_FIELDS = ("model_fingerprint", "block_size", "dtype", "layout", "bytes_per_token")
 # ``time_scale`` rides in the message's profile; the node keeps it beside its profile.

@@ -14,7 +14,7 @@ def _tiny(args: argparse.Namespace) -> int:
 
 def add_bench_parser(sub: Any) -> None:
     """Add the ``bench`` subcommands (replay, hotpath, index, toolcalls, detok, zmq-flood, tiny, peers,
-    overhead)."""
+    overhead, chaos)."""
     from prefixgate.bench import hotpath, replay
 
     bench = sub.add_parser("bench", help="run a benchmark (prints a table; --json FILE writes the figures)")
@@ -73,3 +73,11 @@ def add_bench_parser(sub: Any) -> None:
     )
     zmq_flood.add_arguments(zf)
     zf.set_defaults(func=zmq_flood.run)
+
+    from prefixgate.bench import chaos
+
+    ch = inner.add_parser(
+        "chaos", help="mixed load while nodes and Redis are killed, stopped and restarted; leaks after"
+    )
+    chaos.add_arguments(ch)
+    ch.set_defaults(func=chaos.run)

@@ -94,8 +94,14 @@ class Settings:
     # Count a prefix as held by the node it was routed to while its prefill runs, before the
     # index shows it (gateway.routing.inflight): requests sharing it follow it there.
     inflight_prefixes: bool = True
-    # Each attempt's first token must arrive within this (else the next node is tried), and once
-    # streaming, a node silent this long ends the stream with an error event (0: no limit).
+    # An attempt's prefill (split) or first token (whole) must be done within what the gateway
+    # predicts for it on its node (queue, uncached prefill, transfer: gateway.routing.deadline)
+    # times the margin, at least the floor (margin 0: no prediction); every first token within
+    # first_token_timeout_s, the limit too when the node's speed is unknown (0: the request
+    # deadline only). Past its limit the next node is tried. Once streaming, a node silent
+    # stall_timeout_s ends the stream with an error event (0: no limit).
+    first_token_deadline_margin: float = 3.0
+    first_token_deadline_floor_s: float = 2.0
     first_token_timeout_s: float = 60.0
     stall_timeout_s: float = 30.0
     # Retries before the first token: attempts per path (split, then monolithic; 1: no retry),
@@ -290,6 +296,9 @@ _AT_LEAST: dict[str, float] = {
     "health_success_threshold": 1,
     "stats_interval_s": 0.001,
     "request_timeout_s": 0.001,
+    "first_token_deadline_margin": 0,
+    "first_token_deadline_floor_s": 0,
+    "first_token_timeout_s": 0,
     "max_inflight": 1,
     "prometheus_port": 0,
     "grpc_max_concurrent_streams": 1,

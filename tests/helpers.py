@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from prefixgate.bench import drill_cluster
 from prefixgate.gateway.ops import processes
 from prefixgate.gateway.ops.processes import Child
 from prefixgate.gateway.ops.stack import free_port as free_port
@@ -13,14 +14,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def spawn(args: list[str], env: dict[str, str] | None = None, open_files: int = 0) -> Child:
-    """``prefixgate ARGS`` as a child, logging JSON; ``open_files`` > 0: its RLIMIT_NOFILE."""
-    return processes.start(
-        f"prefixgate {args[0]}",
-        processes.prefixgate(*args),
-        env={"PREFIXGATE_LOG_FORMAT": "json", **(env or {})},
-        cwd=REPO,
-        open_files=open_files,
-    )
+    """``prefixgate ARGS`` as a child, logging JSON, run from the checkout; ``open_files`` > 0:
+    its RLIMIT_NOFILE."""
+    return drill_cluster.spawn(args, env, open_files, cwd=REPO)
 
 
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november".split()

@@ -10,7 +10,7 @@ re-opens the breaker.
 
 A node whose breaker opens (probes or failed requests) is declared gone: ``Node.gone`` wakes every
 attempt still waiting on it for a first token, which is then retried elsewhere at once rather than
-after ``first_token_timeout_s``. One missed probe only takes a node out of routing: a node slow to
+after its first-token deadline. One missed probe only takes a node out of routing: a node slow to
 answer its status once keeps the prefills it is computing.
 """
 
@@ -27,17 +27,21 @@ import structlog
 
 from prefixgate.cachetier.tasks import stop_tasks
 from prefixgate.gateway import nodeclient
-from prefixgate.gateway.cluster.breaker import OPEN, CircuitBreaker
+from prefixgate.gateway.cluster.breaker import HALF_OPEN, OPEN, CircuitBreaker
 from prefixgate.gateway.config import DEFAULT_MODEL
 from prefixgate.gateway.nodeclient import NodeClient, NodeFailure, NodeStatus
+from prefixgate.gateway.nodeclient.http_openai import NOMINAL_PROFILE
 from prefixgate.gateway.routing import NodeView
 from prefixgate.gateway.routing.costmodel import prefill_seconds
+from prefixgate.gateway.routing.deadline import Speed
 from prefixgate.gateway.vocab import Role
 
 log = structlog.get_logger("prefixgate.nodes")
 
 ROLES = tuple(r.value for r in Role)  # in the order admin lists them
 MIN_TIMED_PREFILL_S = 0.005
+MAX_OVERRUN = 64.0
+MIN_TIMED_TOKENS = 64  # a prefill this short is mostly fixed overhead: its rate says little
 SLOWNESS_DEADBAND = 1.5
 PROBE_TIMEOUT_S = 1.5
 PROBE_FAILURES_TO_TRIP = 2
@@ -88,6 +92,9 @@ class Node:
     local_requests: int = 0
     local_tokens: int = 0
     active_streams: int = 0
+    # Attempts whose stream is on the node, from their dispatch to their first token (then an
+    # active stream): the streams its views count before the node reports them.
+    pending_streams: int = 0
     # Ours in the last status, as (requests, prefill tokens) when it arrived: the rest is other
     # gateways' work. Our requests that finished since, or went on to decode, are not load.
     own_at_status: tuple[int, int] = (0, 0)
@@ -98,6 +105,10 @@ class Node:
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     # Observed / estimated prefill time (EWMA): a node slower than it claims gets less traffic.
     slowness: float = 1.0
+    # For a node that states no prefill speed: the rate (tokens/s) its prefills went at as the
+    # gateway timed them (EWMA; 0: none timed yet).
+    measured_tokens_per_s: float = 0.0
+    overrun: float = 1.0  # first-token deadlines here are this many times the prediction (ran_past)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     departure: Departure = field(default_factory=Departure, repr=False)
 
@@ -129,6 +140,18 @@ class Node:
         finally:
             self.local_requests -= 1
             self.local_tokens -= tokens
+
+    @contextlib.contextmanager
+    def dispatched(self) -> Iterator[None]:
+        """Count an attempt's stream on the node from its dispatch until the attempt ends (at its
+        first token the execution takes ``streaming`` instead, with no await in between): a
+        split request spends its prefill on another node, and a decode node chosen by streams
+        would otherwise look idle to every request dispatched meanwhile, and take them all."""
+        self.pending_streams += 1
+        try:
+            yield
+        finally:
+            self.pending_streams -= 1
 
     @contextlib.contextmanager
     def streaming(self) -> Iterator[None]:
@@ -167,6 +190,42 @@ class Node:
         ratio = min(100.0, max(0.1, observed_s / estimated_s))
         self.slowness = (1 - alpha) * self.slowness + alpha * ratio
 
+    def observe_rate(self, tokens: int, seconds: float, alpha: float = 0.3) -> None:
+        """Learn the speed of a node that states none from one prefill the gateway timed (from
+        dispatch to its end: the node's queue included, so the rate errs on the slow side, which
+        lengthens the first-token deadline rather than cutting a healthy prefill)."""
+        if tokens < MIN_TIMED_TOKENS or seconds < MIN_TIMED_PREFILL_S:
+            return
+        rate = tokens / seconds
+        m = self.measured_tokens_per_s
+        self.measured_tokens_per_s = rate if m <= 0 else (1 - alpha) * m + alpha * rate
+
+    def ran_past(self) -> None:
+        """A prefill was cut at its deadline: the next ones on the node get twice as long (up to
+        ``MAX_OVERRUN`` times the prediction), so a node slower than its profile, or than it was
+        measured, is not cut again and again before a prefill done in time can teach its speed.
+        Routing does not see it: a node that hung once is not shunned once it is back."""
+        self.overrun = min(MAX_OVERRUN, 2 * self.overrun)
+
+    def in_time(self, tokens: int, seconds: float) -> None:
+        """A prefill done in time: its rate learned (``observe_rate``), the overrun halved."""
+        self.observe_rate(tokens, seconds)
+        self.overrun = max(1.0, self.overrun / 2)
+
+    @property
+    def prefill_speed(self) -> Speed | None:
+        """The prefill speed a first-token deadline is predicted with: the node's profile slowed by
+        what it was observed to lag behind it (never sped up: a deadline errs long), else the
+        rate the gateway measured; either slowed by the ``overrun``; None: unknown."""
+        prof = self.status.profile if self.status is not None else None
+        # a figure declared for a worker that states none is no measure of it
+        if prof is not None and prof.prefill_tokens_per_s > 0 and prof != NOMINAL_PROFILE:
+            slow = max(1.0, self.slowness) * self.overrun
+            return Speed(prof.prefill_tokens_per_s / slow, prof.attention_coeff_s * slow)
+        if self.measured_tokens_per_s > 0:
+            return Speed(self.measured_tokens_per_s / self.overrun)
+        return None
+
     @property
     def speed_factor(self) -> float:
         """The learned slowness, with a dead band so equal nodes with noisy timings stay equal."""
@@ -184,6 +243,11 @@ class Node:
         return model in models if models else model == default
 
     @property
+    def max_context_tokens(self) -> int:
+        """The longest request the node says it serves (0: it does not say)."""
+        return self.status.max_context_tokens if self.status is not None else 0
+
+    @property
     def capacity_blocks(self) -> int:
         return self.status.capacity_blocks if self.status is not None else 0
 
@@ -198,7 +262,7 @@ class Node:
         st = self.status
         remote_tokens = 0
         remote_reqs = 0
-        streams = self.active_streams
+        streams = self.active_streams + self.pending_streams
         if st is not None:
             # Work queued on the node by other gateways (ours is counted locally, as it is now):
             # the status less what was ours when it was taken. Less ours as it is now, our requests
@@ -208,7 +272,9 @@ class Node:
             remote_tokens = max(0, int(st.queued_tokens) - own_tokens)
             queued = int(st.queued_requests + st.running_requests)
             remote_reqs = max(0, queued - own_reqs)
-            streams += max(0, queued - self.active_streams)
+            # The node's count holds ours, or some of them (a split request reaches its decode
+            # node once prefilled): never counted twice, at least what either count says.
+            streams += max(0, queued - streams)
         prof = st.profile if st is not None else None
         fmt = st.kv_format if st is not None else None
         return NodeView(
@@ -225,10 +291,12 @@ class Node:
             kv_bytes_per_token=fmt.bytes_per_token if fmt else 0,
             capacity_blocks=self.capacity_blocks,
             routable=self.routable,
+            trial=self.breaker.state == HALF_OPEN,  # after ``routable``: its check moves open to half-open
             role=Role(self.role),
             kv_format=fmt,
             streams=streams,
             used_blocks=st.in_use_blocks if st is not None else 0,  # a warm idle cache is not busy
+            max_context_tokens=self.max_context_tokens,
         )
 
 

@@ -136,6 +136,8 @@ class NodeMatch:
     active_streams: int
     estimate: Estimate | None
     chosen_for: list[str]  # "prefill", "decode", "monolithic"
+    max_context_tokens: int = 0  # the node's context (0: it does not say)
+    holds: bool = True  # its context holds the request (``gateway.core.context``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +187,8 @@ def _node_rows(svc: GatewayService, prep: Prepared, plan: Plan) -> list[NodeMatc
     target, split = routed(plan), plan.mode.mode == Mode.DISAGGREGATED
     rows: list[NodeMatch] = []
     serving = svc.pool.serving(prep.model, svc.settings.model)  # other models' nodes never serve it
+    need = svc.pipeline.planner.needed(prep)
+    prefill = prep.prompt_tokens + 1  # a prefill node's context holds the prompt and one token
     for node in sorted(serving, key=lambda n: (ROLES.index(n.role), n.id)):
         hit = plan.hits.get(node.id, 0)
         est = policy_estimates.get(node.id)
@@ -210,6 +214,8 @@ def _node_rows(svc: GatewayService, prep: Prepared, plan: Plan) -> list[NodeMatc
                 active_streams=node.active_streams,
                 estimate=est,
                 chosen_for=chosen,
+                max_context_tokens=node.max_context_tokens,
+                holds=need is not None and view.holds(min(need, prefill) if node.role == "prefill" else need),
             )
         )
     return rows

@@ -7,10 +7,16 @@ choice of nodes: at most ``retry_max_attempts`` a path, with backoff between att
 within the request's deadline. Nothing is retried once the first token is out
 (``Execution.stream`` raises StreamBroken then).
 
-An attempt waits for its first token beside the ``Node.gone`` events of its nodes: one declared
-gone (its breaker opened: failed probes, failed requests) while the attempt still needs it ends
-the attempt at once, retried like any failure (``FailureKind.GONE``), instead of after
-``first_token_timeout_s``.
+An attempt's prefill (split; served whole, its first token) has the time the gateway predicts for
+it on its node, with a margin (``routing.deadline``): a hung node costs a short request seconds
+while a long prefill keeps the time it needs; every first token within ``first_token_timeout_s``.
+It also waits beside the ``Node.gone`` events of its nodes: one declared gone (its breaker
+opened: failed probes, failed requests) while the attempt still needs it ends the attempt at
+once, retried like any failure (``FailureKind.GONE``).
+
+A decode that fails after its prefill was done is retried on the same prefill node when it can
+take it (with another decode node): that node now holds the prompt's prefix, so the retry's
+prefill is a cache hit instead of the whole prompt computed again elsewhere.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import asyncio
 import random
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import structlog
@@ -27,20 +33,28 @@ import structlog
 from prefixgate.gateway.cluster.breaker import OPEN
 from prefixgate.gateway.cluster.nodes import Node, NodePool
 from prefixgate.gateway.config import Settings
+from prefixgate.gateway.core import context
 from prefixgate.gateway.core.accounting import Accounting
 from prefixgate.gateway.core.errors import Overloaded, Unavailable
 from prefixgate.gateway.core.execution import Execution
 from prefixgate.gateway.core.features import unable
 from prefixgate.gateway.core.plan import Lookup, Planner, decision_notes
-from prefixgate.gateway.core.refusals import refusal
+from prefixgate.gateway.core.refusals import engine_words, refusal, too_long
 from prefixgate.gateway.core.request import Failure, Prepared, Timings
 from prefixgate.gateway.core.tenancy import Tenancy
 from prefixgate.gateway.metrics import Metrics
-from prefixgate.gateway.nodeclient import NodeFailure, Prompt, StageTimings, TokenDelta, TokenStream
+from prefixgate.gateway.nodeclient import (
+    NodeFailure,
+    OpenAIBody,
+    Prompt,
+    StageTimings,
+    TokenDelta,
+    TokenStream,
+)
 from prefixgate.gateway.nodeclient.openai_body import for_choice
-from prefixgate.gateway.routing import Decision
+from prefixgate.gateway.routing import Decision, costmodel, deadline
 from prefixgate.gateway.toolcalls.support import passing_through
-from prefixgate.gateway.vocab import FailureKind, Mode, Stage
+from prefixgate.gateway.vocab import FailureKind, Mode, Role, Stage
 from prefixgate.openai.features import Feature
 
 log = structlog.get_logger("prefixgate.pipeline")
@@ -67,6 +81,12 @@ def _not_for_monolithic(e: NodeFailure) -> bool:
     return decoding and e.kind != FailureKind.FORMAT_REFUSED
 
 
+def _worth_retrying(e: NodeFailure) -> bool:
+    """A failure another node may not repeat: a retryable kind, or a refusal for length (a
+    node with a larger context may serve the request)."""
+    return e.kind.retryable or too_long(e)
+
+
 async def _first_delta(stream: TokenStream) -> TokenDelta:
     try:
         return await stream.__anext__()
@@ -74,17 +94,23 @@ async def _first_delta(stream: TokenStream) -> TokenDelta:
         raise NodeFailure("", Stage.GENERATE, FailureKind.INTERNAL, "stream ended before any token") from None
 
 
-async def _first_unless_gone(stream: TokenStream, t: Target, events: dict[Node, asyncio.Event]) -> TokenDelta:
-    """The stream's first delta, raced against the nodes' ``gone`` events: the attempt fails
-    (``abandoned``) as soon as a node it still needs is declared gone, or already is (its breaker
-    opened while the attempt waited to start). The first delta's wait is cancelled then, which
-    ends the stream's legs by their abort rule."""
+async def _first_unless_gone(
+    stream: TokenStream, t: Target, events: dict[Node, asyncio.Event], until: Callable[[bool], float]
+) -> TokenDelta:
+    """The stream's first delta, raced against the nodes' ``gone`` events and ``until`` (the
+    monotonic time by which it must come, given whether the prefill has reported: TimeoutError
+    then): the attempt fails (``abandoned``) as soon as a node it still needs is declared gone,
+    or already is (its breaker opened while the attempt waited to start). The first delta's wait
+    is cancelled then, which ends the stream's legs by their abort rule."""
     first = asyncio.ensure_future(_first_delta(stream))
     waits: dict[asyncio.Future[Any], Node] = {asyncio.ensure_future(ev.wait()): n for n, ev in events.items()}
     gone = {n for n in t.nodes if n.breaker.state == OPEN}
     try:
         while (failure := abandoned(t, gone, stream.prefill is not None)) is None:
-            done, _ = await asyncio.wait({first, *waits}, return_when=asyncio.FIRST_COMPLETED)
+            left = until(stream.prefill is not None) - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            done, _ = await asyncio.wait({first, *waits}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
             if first in done:
                 return first.result()
             gone.update(waits.pop(w) for w in [w for w in waits if w in done])
@@ -107,12 +133,21 @@ def _blamed(e: NodeFailure, nodes: tuple[Node, ...]) -> Node:
     return nodes[-1]
 
 
-def _prompt(prep: Prepared, node: Node) -> Prompt:
-    """The prompt for ``node``; with the OpenAI request when the node generates from it."""
+def _prompt(prep: Prepared, node: Node, generating: Node | None = None) -> Prompt:
+    """The prompt for ``node``; with the OpenAI request when the node generates from it. The
+    gateway's default ``max_tokens`` is lowered to the room left in the context of the node that
+    generates (``generating``, default ``node``; ``gateway.core.context.room``)."""
+    sampling = prep.sampling
+    contexts = [(generating or node).max_context_tokens]
+    limit = context.room(prep.prompt_tokens, sampling.max_tokens, bool(prep.max_tokens_param), contexts)
+    if limit != sampling.max_tokens:
+        sampling = replace(sampling, max_tokens=limit)
     openai = None
     if node.client.capabilities.openai_body and prep.openai_body is not None:
-        openai = for_choice(prep.openai_body(), prep.sampling.seed, prep.sampling.choice)
-    return Prompt(prep.request_id, prep.tokens, prep.hashes, prep.sampling, openai, prep.engine_salt)
+        openai = for_choice(prep.openai_body(), sampling.seed, sampling.choice)
+        if limit != prep.sampling.max_tokens:
+            openai = OpenAIBody(openai.kind, {**openai.body, "max_tokens": limit})
+    return Prompt(prep.request_id, prep.tokens, prep.hashes, sampling, openai, prep.engine_salt)
 
 
 def abandoned(t: Target, gone: Collection[Node], prefill_reported: bool) -> NodeFailure | None:
@@ -182,6 +217,7 @@ class Executor:
     async def execute(self, prep: Prepared) -> Execution:
         """Route and start the request; raises Overloaded or Unavailable when no node can serve it."""
         deadline = time.monotonic() + self.settings.request_timeout_s
+        need = self.planner.need(prep)  # 400 when no node's context holds it
         unserved = unable(self.pool.nodes.values(), prep.needs)  # 400 when no node can serve it
         if prep.tool_parser:  # the gateway parses the tool calls: not for pass-through workers
             unserved |= passing_through(self.pool.nodes.values())
@@ -203,7 +239,14 @@ class Executor:
                 return lambda: target
 
             def replan() -> None:
-                nonlocal plan
+                nonlocal plan, hits
+                kept = run.failures[-1].prefilled_on
+                if kept is not None:  # its prefill was done: that node holds the prefix now
+                    hits = {**hits, kept.id: len(prep.hashes)}
+                    others = {n.id for n in self.pool.role(Role.PREFILL) if n is not kept}
+                    plan = self.planner.decide(prep, hits, excluded | others)
+                    if plan.mode.mode == Mode.DISAGGREGATED:
+                        return
                 plan = self.planner.decide(prep, hits, excluded)
 
             ex = await self._attempts(run, split, excluded, replan)
@@ -223,11 +266,11 @@ class Executor:
         else:
             route, reason = Mode.MONOLITHIC, plan.mode.reason
 
-        if all(f.error.kind.retryable for f in failures):
+        if all(_worth_retrying(f.error) for f in failures):
             excluded = {f.node.id for f in failures if _not_for_monolithic(f.error)} | unserved
 
             def whole() -> Callable[[], Target | None] | None:
-                candidates = self.planner.monolithic_candidates(excluded, prep.model)
+                candidates = self.planner.monolithic_candidates(excluded, prep.model, need)
                 if not candidates:
                     return None
 
@@ -243,6 +286,9 @@ class Executor:
                 return ex
 
         self.metrics.requests.labels(route, "failed").inc()
+        last = failures[-1].error if failures else None
+        if last is not None and too_long(last) and context.largest(self.planner.contexts(prep.model)):
+            raise self.planner.exceeded(prep, engine_words(last))  # no node left whose context holds it
         refused = refusal(failures[-1].error, prep.needs.get(Feature.RESPONSE_FORMAT)) if failures else None
         if refused is not None:  # the engine judged the client's own request: its answer is a 400 (422)
             raise refused
@@ -274,7 +320,7 @@ class Executor:
             if isinstance(outcome, Execution):
                 return outcome
             self._failed(outcome, run)
-            if not outcome.error.kind.retryable:
+            if not _worth_retrying(outcome.error):
                 return None
             excluded.add(outcome.node.id)
             if after_failure is not None:
@@ -333,30 +379,35 @@ class Executor:
         predicted = t.decision.cached_blocks * self.settings.block_size
         uncached = max(0, prep.prompt_tokens - predicted)
         timings = Timings()
+        prefill_limit = self._prefill_limit_s(run, t, uncached, prep.prompt_tokens - uncached)
         gone = {n: n.gone for n in nodes}  # taken before anything awaits: no departure is missed
         for n in nodes:
             n.breaker.on_dispatch()
-        with computing.load(uncached):
+        with computing.load(uncached), dnode.dispatched():
             ticket, served = self.planner.hold_prefix(prep, computing), False
             timeout = max(0.01, run.deadline - time.monotonic())
             if pnode is not None and handoff is not None:
-                stream = handoff.start(_prompt(prep, pnode), pnode.client, dnode.client, timeout=timeout)
+                prompt = _prompt(prep, pnode, dnode)
+                stream = handoff.start(prompt, pnode.client, dnode.client, timeout=timeout)
             else:
                 stream = dnode.client.generate(_prompt(prep, dnode), timeout=timeout)
             try:
-                first = await self._first(stream, run.deadline, t, gone)
+                first = await self._first(stream, run.deadline, t, gone, prefill_limit)
                 served = True
             except NodeFailure as e:
                 await stream.aclose()
                 blamed = _blamed(e, nodes)
+                prefilled = pnode if pnode is not None and stream.prefill is not None else None
+                if e.kind == FailureKind.TIMEOUT and blamed is computing and stream.prefill is None:
+                    computing.ran_past()
                 for n in nodes:
                     if n is blamed:
                         continue
-                    if n is pnode and stream.prefill is not None:
+                    if n is prefilled:
                         n.breaker.on_success()  # the prefill node did its part; its partner failed
                     else:
                         n.breaker.on_release()  # no verdict on a node the failure was not at
-                return Failure(blamed, e)
+                return Failure(blamed, e, prefilled if prefilled is not blamed else None)
             except BaseException:
                 await stream.aclose()  # cancelled (client gone): nothing left running on the nodes
                 for n in nodes:
@@ -366,6 +417,8 @@ class Executor:
                 self.planner.release_prefix(ticket, served)
         for n in nodes:
             n.breaker.on_success()
+        # a node stating no speed is timed here: its first-token deadlines follow what it did
+        computing.in_time(prep.prompt_tokens - stream.cached_tokens, time.perf_counter() - timings.start)
         st = stream.timings
         timings.node = StageTimings(st.queue_s, st.prefill_s, st.transfer_s if pnode is not None else 0.0)
         if pnode is not None:
@@ -396,12 +449,37 @@ class Executor:
             index_hits=run.lookup.index_hits,
         )
 
+    def _prefill_limit_s(self, run: Run, t: Target, uncached: int, cached: int) -> float:
+        """Seconds the attempt's prefill may take (``routing.deadline``): what is predicted for it
+        on the node computing it, from the load there before it is counted, plus the KV's trip
+        to the decode node on the split path."""
+        computing = t.prefill or t.decode
+        view = computing.view()
+        transfer = 0.0
+        if t.prefill is not None:
+            transfer = costmodel.transfer_seconds(
+                run.prep.prompt_tokens, view.kv_bytes_per_token, view.transfer_bytes_per_s
+            )
+        s = self.settings
+        rule = deadline.Rule(
+            s.first_token_deadline_margin, s.first_token_deadline_floor_s, s.first_token_timeout_s
+        )
+        work = deadline.Work(view.outstanding_tokens, uncached, cached, transfer)
+        return deadline.limit_s(computing.prefill_speed, work, rule, run.deadline - time.monotonic())
+
     async def _first(
-        self, stream: TokenStream, deadline: float, t: Target, gone: dict[Node, asyncio.Event]
+        self,
+        stream: TokenStream,
+        deadline: float,
+        t: Target,
+        gone: dict[Node, asyncio.Event],
+        prefill_limit: float,
     ) -> TokenDelta:
-        """The attempt's first delta, within ``first_token_timeout_s`` and the request deadline,
-        unless a node it still needs is declared gone first (``abandoned``; ``gone``: the nodes'
-        events, taken when the attempt began).
+        """The attempt's first delta: its prefill within ``prefill_limit`` seconds (the prediction,
+        ``_prefill_limit_s``), the first delta within ``first_token_timeout_s``, both within the
+        request deadline, unless a node it still needs is declared gone first (``abandoned``;
+        ``gone``: the nodes' events, taken when the attempt began). Served whole, the first
+        delta is the prefill's end.
 
         A silent attempt is charged to the node still computing: the prefill node while its leg
         has not reported (a hung prefill is not the decode node's fault) unless the decode node
@@ -410,13 +488,18 @@ class Executor:
         be streaming. The caller closes the stream, which cancels the nodes' work.
         """
         prefill_node, node = t.prefill, t.decode
-        limit = deadline - time.monotonic()
-        if self.settings.first_token_timeout_s > 0:
-            limit = min(limit, self.settings.first_token_timeout_s)
+        start = time.monotonic()
+        cap = self.settings.first_token_timeout_s
+        first_by = min(deadline, start + cap) if cap > 0 else deadline
+        prefill_by = min(first_by, start + prefill_limit)
+
+        def until(prefill_reported: bool) -> float:
+            return first_by if prefill_reported else prefill_by
+
         try:
-            async with asyncio.timeout(max(0.001, limit)):
-                return await _first_unless_gone(stream, t, gone)
+            return await _first_unless_gone(stream, t, gone, until)
         except TimeoutError:
+            limit = until(stream.prefill is not None) - start
             if (
                 prefill_node is not None
                 and stream.prefill is None

@@ -15,11 +15,14 @@ import structlog
 from prefixgate.cachetier.index import BlockIndex
 from prefixgate.gateway.cluster.nodes import Node, NodePool
 from prefixgate.gateway.config import Settings
+from prefixgate.gateway.core import context
+from prefixgate.gateway.core.errors import InvalidRequest
 from prefixgate.gateway.core.request import Prepared, Switches
 from prefixgate.gateway.metrics import Metrics
 from prefixgate.gateway.routing import Decision, Policy, RouteInput, parse_policy, planner
 from prefixgate.gateway.routing.inflight import InflightPrefixes, extension, follows_inflight, merge_hits
 from prefixgate.gateway.routing.planner import Plan, RequestView, Rules
+from prefixgate.gateway.vocab import Role
 
 log = structlog.get_logger("prefixgate.pipeline")
 
@@ -113,11 +116,42 @@ class Planner:
         """The nodes serving ``model``: a request is only ever routed within its model's pools."""
         return self.pool.serving(model, self.settings.model)
 
-    def monolithic_candidates(self, exclude: set[str], model: str) -> list[Node]:
-        """Nodes that may serve the whole request (``planner.monolithic_candidates``)."""
+    def monolithic_candidates(self, exclude: set[str], model: str, tokens: int = 0) -> list[Node]:
+        """Nodes that may serve the whole request, their context holding ``tokens``
+        (``planner.monolithic_candidates``)."""
         by_id = {n.id: n for n in self.serving(model)}
         views = [n.view() for n in by_id.values()]
-        return [by_id[v.node_id] for v in planner.monolithic_candidates(views, exclude)]
+        return [by_id[v.node_id] for v in planner.monolithic_candidates(views, exclude, tokens)]
+
+    def contexts(self, model: str) -> list[int]:
+        """The contexts of the nodes that may generate ``model``'s requests (decode and
+        monolithic: a prefill node only computes the prompt), 0 for one that does not say."""
+        return [n.max_context_tokens for n in self.serving(model) if n.role != Role.PREFILL]
+
+    def needed(self, prep: Prepared) -> int | None:
+        """The context a node generating ``prep`` must hold; None: no node's holds it."""
+        given = bool(prep.max_tokens_param)
+        return context.needed(prep.prompt_tokens, prep.sampling.max_tokens, given, self.contexts(prep.model))
+
+    def need(self, prep: Prepared) -> int:
+        """The context a node generating ``prep`` must hold (``gateway.core.context.needed``);
+        raises the client's 400 naming the largest context when no node's holds it."""
+        tokens = self.needed(prep)
+        if tokens is None:
+            raise self.exceeded(prep)
+        return tokens
+
+    def exceeded(self, prep: Prepared, engine_said: str = "") -> InvalidRequest:
+        """The client's 400 for ``prep``, longer than the largest context of its model's nodes
+        (``context.exceeded``; ``engine_said``: the words of a node that refused it)."""
+        return context.exceeded(
+            prep.prompt_tokens,
+            prep.sampling.max_tokens,
+            context.largest(self.contexts(prep.model)),
+            prompt_param=prep.prompt_param,
+            max_tokens_param=prep.max_tokens_param,
+            engine_said=engine_said,
+        )
 
     def choose(self, prep: Prepared, hits: dict[str, int], nodes: list[Node]) -> Decision:
         """The policy's node among ``nodes`` for serving the whole request (no turn taken)."""
@@ -134,11 +168,14 @@ class Planner:
 
     def _plan(self, prep: Prepared, hits: dict[str, int], exclude: set[str], turn: int) -> Plan:
         views = [n.view() for n in self.serving(prep.model)]
+        # a request no context holds is planned onto none (``execute`` has answered it already)
+        tokens = self.needed(prep) or prep.prompt_tokens + prep.sampling.max_tokens
         request = RequestView(
             prompt_tokens=prep.prompt_tokens,
             block_size=self.settings.block_size,
             hits=hits,
             first_block=prep.hashes[0] if prep.hashes else 0,
+            context_tokens=tokens,
         )
         return planner.plan(request, views, self.policy, self._rules(), exclude=exclude, turn=turn)
 

@@ -16,6 +16,7 @@ from prefixgate.cachetier.hashing import Namespace, block_hashes
 from prefixgate.cachetier.tokenizer import Tokenizer, pack_ids
 from prefixgate.gateway.cluster.nodes import Node, NodePool
 from prefixgate.gateway.config import Settings
+from prefixgate.gateway.core.context import exceeded
 from prefixgate.gateway.core.errors import GatewayError, InvalidRequest
 from prefixgate.gateway.core.request import Prepared, RequestContext, Switches
 from prefixgate.gateway.core.tenancy import engine_salt, namespace_salt
@@ -131,15 +132,12 @@ class Preparer:
             detail = f"{e}; the chat template of model {model!r} is at fault, not the request"
             raise GatewayError(detail, code="chat_template_limit") from None
         n = len(tokens) // 4
+        prompt_param = "messages" if req.kind == "chat" else "prompt"
         if n == 0:
-            raise InvalidRequest("the prompt is empty", param="messages" if req.kind == "chat" else "prompt")
+            raise InvalidRequest("the prompt is empty", param=prompt_param)
         s = self.settings
         if n > s.max_prompt_tokens:
-            raise InvalidRequest(
-                f"the prompt has {n} tokens; this model accepts at most {s.max_prompt_tokens}",
-                param="messages" if req.kind == "chat" else "prompt",
-                code="context_length_exceeded",
-            )
+            raise exceeded(n, 0, s.max_prompt_tokens, prompt_param=prompt_param)
         _check_logit_bias(req.sampling, tokenizer)
         sampling = _engine_sampling(req.sampling, tools, self._max_tokens(req, n))
         self._check_cache_salt(req, model)
@@ -159,6 +157,8 @@ class Preparer:
             partial(_engine_body, req, sampling, docs, normalize, body, salt),
             tool_parser=tools.parser,
             engine_salt=salt,
+            prompt_param=prompt_param,
+            max_tokens_param=req.max_tokens_param if req.max_tokens_given else "",
         )
 
     def _max_tokens(self, req: ParsedRequest, prompt_tokens: int) -> int:
@@ -169,11 +169,12 @@ class Preparer:
         if asked <= room:
             return asked
         if req.max_tokens_given or room < 1:
-            raise InvalidRequest(
-                f"prompt ({prompt_tokens} tokens) plus max_tokens ({asked}) exceeds the context window "
-                f"of {window} tokens",
-                param=req.max_tokens_param,
-                code="context_length_exceeded",
+            raise exceeded(
+                prompt_tokens,
+                asked,
+                window,
+                prompt_param="messages" if req.kind == "chat" else "prompt",
+                max_tokens_param=req.max_tokens_param if req.max_tokens_given else "",
             )
         return room
 

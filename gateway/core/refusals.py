@@ -2,9 +2,11 @@
 
 When a node answers that the request itself is wrong (gRPC INVALID_ARGUMENT / OUT_OF_RANGE on the
 SMG and prefixgate.v1 protocols, HTTP 400/413/422 from an OpenAI-compatible worker), no other node
-can serve it either: the client gets OpenAI's ``invalid_request_error`` with the engine's own words,
-bounded and without internal addresses, and ``code`` ``context_length_exceeded`` when the engine
-says the prompt does not fit its context (the code OpenAI's clients look for). An engine that
+can serve it either, but for a refusal for length (``too_long``): a node with a larger context may,
+and is tried (``gateway.core.execute``). The client gets OpenAI's ``invalid_request_error`` with
+the engine's own words, bounded and without internal addresses, and ``code``
+``context_length_exceeded`` when the engine says the prompt does not fit its context (the code
+OpenAI's clients look for). An engine that
 says the request's constraint failed (FAILED_PRECONDITION with trailer ``smg-constraint-failed``)
 gives a 422 naming the field that asked for the constraint.
 """
@@ -39,14 +41,26 @@ _ADDRESS = re.compile(
 )
 
 
+def engine_words(error: NodeFailure) -> str:
+    """The engine's message, bounded and without internal addresses."""
+    message = _ADDRESS.sub("<node>", _STATUS_PREFIX.sub("", error.detail.strip()))
+    return message[:MAX_MESSAGE] or "the request is invalid"
+
+
+def too_long(error: NodeFailure) -> bool:
+    """A node's refusal of the request for its length (at any stage it judges the prompt,
+    receiving its KV pages included): a node with a larger context may still serve it."""
+    judged = error.stage in JUDGED or error.stage == Stage.TRANSFER
+    return error.kind == FailureKind.INVALID and judged and _CONTEXT.search(error.detail) is not None
+
+
 def refusal(error: NodeFailure, constraint_param: str | None = None) -> InvalidRequest | None:
     """The client's 400 for a node's refusal of the request, its 422 when the engine could not
     follow the request's constraint (``constraint_param``: the field that asked for it); None
     when it is no such refusal."""
     if error.kind not in (FailureKind.INVALID, FailureKind.CONSTRAINT) or error.stage not in JUDGED:
         return None
-    message = _ADDRESS.sub("<node>", _STATUS_PREFIX.sub("", error.detail.strip()))
-    message = message[:MAX_MESSAGE] or "the request is invalid"
+    message = engine_words(error)
     if error.kind == FailureKind.CONSTRAINT:
         return Unprocessable(
             f"the model server could not follow the constraint: {message}", param=constraint_param

@@ -78,6 +78,10 @@ class Prepared:
     tool_parser: str = ""
     # What engines salt their prefix cache with for ``namespace`` (``gateway.core.tenancy.engine_salt``).
     engine_salt: str = ""
+    # The request's fields, for the client's 400 when no context holds it (``gateway.core.context``):
+    # the prompt's, and the one that gave ``max_tokens`` ("": the gateway chose it).
+    prompt_param: str = "prompt"
+    max_tokens_param: str = ""
 
     @property
     def tenant(self) -> str:
@@ -100,10 +104,12 @@ class Timings:
 
 @dataclass(frozen=True, slots=True)
 class Failure:
-    """One attempt's failure, charged to the node at fault."""
+    """One attempt's failure, charged to the node at fault; ``prefilled_on``: the prefill node
+    that had done its part before it (it holds the prompt's prefix now), if any."""
 
     node: Node
     error: NodeFailure
+    prefilled_on: Node | None = None
 
     def __str__(self) -> str:
         e = self.error

@@ -182,6 +182,7 @@ def node_json(node: Node, index_blocks: int | None = None, *, tenants: str = "sa
         "load": {
             "local_requests": node.local_requests,
             "active_streams": node.active_streams,
+            "pending_streams": node.pending_streams,
             "queued_requests": st.queued_requests if st else 0,
             "queued_tokens": st.queued_tokens if st else 0,
             "running_requests": st.running_requests if st else 0,
@@ -195,6 +196,7 @@ def node_json(node: Node, index_blocks: int | None = None, *, tenants: str = "sa
         },
         "engine": st.engine if st else None,
         "models": list(node.models),
+        "max_context_tokens": node.max_context_tokens or None,
         "cache": cache_ops.cache_view(node),
         "tenant_cache": tenants,
         "profile": st.profile.name if st else None,
@@ -254,7 +256,7 @@ async def add_node(request: Request) -> Response:
 async def remove_node(request: Request) -> Response:
     svc = service_of(request)
     node = _node(svc, request.path_params["node_id"])
-    in_flight = node.local_requests + node.active_streams
+    in_flight = node.active_streams + max(node.local_requests, node.pending_streams)  # one request, one count
     forgotten = await svc.remove_node(node)
     return ORJSONResponse(
         {

@@ -53,6 +53,8 @@ def _node_json(row: NodeMatch) -> dict[str, Any]:
         "cache": row.cache,
         "hit_blocks": row.hit_blocks,
         "cached_tokens": row.cached_tokens,
+        "max_context_tokens": row.max_context_tokens,
+        "holds_request": row.holds,
         "load": {
             "outstanding_requests": row.outstanding_requests,
             "outstanding_tokens": row.outstanding_tokens,

@@ -72,6 +72,9 @@ class NodeStatus:
     # Of used_blocks, the cached ones nobody holds (the node evicts them for new work); 0 when
     # the node does not say (an SGLang engine's used count already leaves them out).
     evictable_blocks: int = 0
+    # The longest request the node serves, in tokens (0: it does not say): our nodes' NodeStats,
+    # SMG's GetModelInfo ``max_context_length``, an HTTP worker's ``/v1/models`` ``max_model_len``.
+    max_context_tokens: int = 0
 
     @property
     def in_use_blocks(self) -> int:

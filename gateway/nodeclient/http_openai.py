@@ -9,9 +9,9 @@ from the engine: ``prompt_tokens``, ``completion_tokens`` and
 ``--enable-prompt-tokens-details``, SGLang with ``--enable-cache-report``). A client that goes
 away closes the connection, which is how these engines abort a request.
 
-Status: ``GET /health`` and ``GET /v1/models`` (the served models) each probe, and the engine's
-load where it reports one cheaply: SGLang's ``GET /get_load``, else the request gauges of
-``GET /metrics`` (vLLM ``vllm:num_requests_running``/``waiting``, SGLang
+Status: ``GET /health`` and ``GET /v1/models`` (the served models and their ``max_model_len``)
+each probe, and the engine's load where it reports one cheaply: SGLang's ``GET /get_load``, else
+the request gauges of ``GET /metrics`` (vLLM ``vllm:num_requests_running``/``waiting``, SGLang
 ``sglang:num_running_reqs``/``num_queue_reqs``); without either, the gateway's own in-flight
 count on the worker.
 
@@ -156,6 +156,19 @@ def parse_models(raw: bytes) -> tuple[str, ...]:
         raise ValueError("/v1/models: no 'data' list")
     ids = [m["id"] for m in data[:MAX_MODELS] if isinstance(m, Mapping) and isinstance(m.get("id"), str)]
     return tuple(dict.fromkeys(ids))
+
+
+def parse_context(raw: bytes) -> int:
+    """The context of a ``/v1/models`` answer: the largest ``max_model_len`` of its models (vLLM
+    and SGLang give one; 0 when none does)."""
+    obj = orjson.loads(raw)
+    data = obj.get("data") if isinstance(obj, Mapping) else None
+    lengths = [
+        m["max_model_len"]
+        for m in (data[:MAX_MODELS] if isinstance(data, list) else [])
+        if isinstance(m, Mapping) and type(m.get("max_model_len")) is int and m["max_model_len"] > 0
+    ]
+    return max(lengths, default=0)
 
 
 def parse_get_load(raw: bytes) -> tuple[int, int]:
@@ -308,6 +321,7 @@ class HttpOpenAIClient:
                         self._address, Stage.PROBE, _status_kind(code), f"/v1/models: HTTP {code}"
                     )
                 self.models = parse_models(raw)
+                context = parse_context(raw)
                 load = await self._engine_load(timeout)
         except NodeFailure:
             raise
@@ -324,6 +338,7 @@ class HttpOpenAIClient:
             instance_id=self._instance,
             profile=NOMINAL_PROFILE,
             models=self.models,
+            max_context_tokens=context,
         )
 
     def generate(self, prompt: Prompt, *, timeout: float) -> SSEStream:

@@ -227,6 +227,13 @@ class EngineInfo:
     # it does not say, the runtime's own stand.
     features: frozenset[str] | None = None
     constrains: bool = True  # grammar-constrained decoding on (SGLang: unless --grammar-backend none)
+    max_context_tokens: int = 0  # GetModelInfo's (``context_length``); 0: not given
+
+    @staticmethod
+    def context_of(model: Any) -> int:
+        """The engine's context from its GetModelInfo: ``max_context_length`` (the longest prompt
+        plus output), else ``max_req_input_len`` (the longest prompt); 0 when it gives neither."""
+        return int(getattr(model, "max_context_length", 0) or getattr(model, "max_req_input_len", 0) or 0)
 
     @property
     def model_name(self) -> str:
@@ -650,6 +657,7 @@ def _status(info: EngineInfo, loads: Any, features: frozenset[str]) -> NodeStatu
         instance_id=info.instance_id,
         models=(info.model_name,) if info.model_name else (),
         features=features,
+        max_context_tokens=info.max_context_tokens,
     )
 
 

@@ -138,6 +138,7 @@ class SglangRuntime:
             max_running=int(args.get("max_running_requests") or 0),
             bootstrap_port=int(args.get("disaggregation_bootstrap_port") or 0),
             eos_token_ids=tuple(model.eos_token_ids),
+            max_context_tokens=EngineInfo.context_of(model),
             features=said,
             constrains=str(args.get("grammar_backend") or "xgrammar") != "none",
         )

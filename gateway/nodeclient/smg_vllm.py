@@ -153,6 +153,7 @@ class VllmRuntime:
             max_running=server.max_num_seqs,
             kv_connector=server.kv_connector,
             eos_token_ids=tuple(model.eos_token_ids),
+            max_context_tokens=EngineInfo.context_of(model),
         )
 
     async def loads(self, stub: Any, timeout: float) -> Any:

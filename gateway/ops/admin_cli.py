@@ -93,6 +93,7 @@ def render_nodes(data: dict[str, Any]) -> list[RenderableType]:
             ("KV USED/CAP", "right"),
             ("PINNED", "right"),
             ("INDEX", "right"),
+            ("CONTEXT", "right"),
         ],
     )
     for n in data.get("data", []):
@@ -109,6 +110,7 @@ def render_nodes(data: dict[str, Any]) -> list[RenderableType]:
             f"{_num(kv.get('used_blocks'))}/{_num(kv.get('capacity_blocks'))}",
             _num(kv.get("pinned_blocks")),
             _num(kv.get("index_blocks")),
+            _num(n.get("max_context_tokens")),
         )
     return [t]
 

@@ -52,6 +52,14 @@ class NodeView:
     kv_format: KVFormat | None = None  # None: not reported yet
     streams: int = 0  # decode/generate streams running or waiting on the node
     used_blocks: int = 0  # KV blocks in use: cached blocks nobody holds are left out
+    max_context_tokens: int = 0  # the longest request the node serves (0: it does not say)
+    # Its breaker is half-open: one trial request decides whether it is back (``cluster.breaker``).
+    trial: bool = False
+
+    def holds(self, tokens: int) -> bool:
+        """Whether the node's context holds a request of ``tokens`` (one that does not say its
+        context is taken to hold any: it refuses what it cannot serve, and is retried around)."""
+        return self.max_context_tokens <= 0 or tokens <= self.max_context_tokens
 
 
 @dataclass(frozen=True, slots=True)

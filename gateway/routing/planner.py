@@ -37,6 +37,14 @@ class RequestView:
     block_size: int
     hits: Mapping[str, int]  # node -> leading blocks held
     first_block: int = 0  # hash of the first block (0 when the prompt is shorter than a block)
+    # The context a node generating the request must hold: the prompt and the room its max_tokens
+    # needs (``gateway.core.context.needed``); 0: routed whatever the nodes' contexts.
+    context_tokens: int = 0
+
+    @property
+    def prefill_tokens(self) -> int:
+        """The context a prefill node must hold: the prompt and its first token."""
+        return min(self.context_tokens, self.prompt_tokens + 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,14 +99,27 @@ def one_link(views: Sequence[NodeView]) -> list[NodeView]:
     return [v if v.transfer_bytes_per_s == link else replace(v, transfer_bytes_per_s=link) for v in views]
 
 
-def _candidates(nodes: Sequence[NodeView], role: Role, exclude: Collection[str]) -> list[NodeView]:
-    return [v for v in nodes if v.role == role and v.routable and v.node_id not in exclude]
+def _candidates(
+    nodes: Sequence[NodeView], role: Role, exclude: Collection[str], tokens: int = 0
+) -> list[NodeView]:
+    """Routable nodes of ``role`` whose context holds ``tokens`` (0: any), but ``exclude``."""
+    return [
+        v for v in nodes if v.role == role and v.routable and v.node_id not in exclude and v.holds(tokens)
+    ]
 
 
-def decode_candidates(nodes: Sequence[NodeView], exclude: Collection[str] = ()) -> list[NodeView]:
-    """Routable decode nodes, least busy first (streams, then KV blocks in use, then id)."""
+def decode_candidates(
+    nodes: Sequence[NodeView], exclude: Collection[str] = (), tokens: int = 0
+) -> list[NodeView]:
+    """Routable decode nodes whose context holds ``tokens``, least busy first (streams, then a node
+    awaiting its breaker's trial, then KV blocks in use, then id).
+
+    A half-open node among equally idle ones goes first: taken in id order it would get its one
+    trial only when its peers are busy, and under light traffic a node back from a restart would
+    stay out of rotation for good."""
     return sorted(
-        _candidates(nodes, Role.DECODE, exclude), key=lambda v: (v.streams, v.used_blocks, v.node_id)
+        _candidates(nodes, Role.DECODE, exclude, tokens),
+        key=lambda v: (v.streams, not v.trial, v.used_blocks, v.node_id),
     )
 
 
@@ -110,16 +131,19 @@ def serving_model(nodes: Sequence[NodeView]) -> str | None:
     return None
 
 
-def monolithic_candidates(nodes: Sequence[NodeView], exclude: Collection[str] = ()) -> list[NodeView]:
-    """Nodes that may serve the whole request: the monolithic pool, else the decode nodes,
-    never one running another model than the prefill pool (it would answer wrongly)."""
+def monolithic_candidates(
+    nodes: Sequence[NodeView], exclude: Collection[str] = (), tokens: int = 0
+) -> list[NodeView]:
+    """Nodes that may serve the whole request (their context holding ``tokens``): the monolithic
+    pool, else the decode nodes, never one running another model than the prefill pool (it would
+    answer wrongly)."""
     model = serving_model(nodes)
 
     def same_model(v: NodeView) -> bool:
         return model is None or v.kv_format is None or v.kv_format.model_fingerprint == model
 
-    mono = [v for v in _candidates(nodes, Role.MONOLITHIC, exclude) if same_model(v)]
-    return mono or [v for v in _candidates(nodes, Role.DECODE, exclude) if same_model(v)]
+    mono = [v for v in _candidates(nodes, Role.MONOLITHIC, exclude, tokens) if same_model(v)]
+    return mono or [v for v in _candidates(nodes, Role.DECODE, exclude, tokens) if same_model(v)]
 
 
 def choose(
@@ -168,10 +192,11 @@ def plan(
     turn: int = 0,
 ) -> Plan:
     """Which mode, which nodes, and why, for ``request`` over ``nodes`` (every node of every role,
-    routable or not; ``exclude`` names nodes that already failed this request)."""
-    prefill = one_link(_candidates(nodes, Role.PREFILL, exclude))
-    decode = decode_candidates(nodes, exclude)
-    mono_candidates = monolithic_candidates(nodes, exclude)
+    routable or not; ``exclude`` names nodes that already failed this request). Only nodes whose
+    context holds the request are candidates (``RequestView.context_tokens``)."""
+    prefill = one_link(_candidates(nodes, Role.PREFILL, exclude, request.prefill_tokens))
+    decode = decode_candidates(nodes, exclude, request.context_tokens)
+    mono_candidates = monolithic_candidates(nodes, exclude, request.context_tokens)
     decision: Decision | None = None
     chosen: NodeView | None = None
     if prefill:
@@ -187,7 +212,7 @@ def plan(
         disaggregation=rules.disaggregation,
         prefill_configured=any(v.role == Role.PREFILL for v in nodes),
         prefill_routable=len(prefill),
-        decode_routable=len(decode) + sum(1 for v in nodes if v.role == Role.MONOLITHIC and v.routable),
+        decode_routable=len(decode) + len(_candidates(nodes, Role.MONOLITHIC, (), request.context_tokens)),
         uncached_tokens=request.prompt_tokens - (mono.cached_blocks * request.block_size if mono else 0),
         min_disagg_tokens=rules.min_disagg_tokens,
         queue_wait_s=wait,

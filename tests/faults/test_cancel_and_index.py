@@ -52,7 +52,10 @@ def test_client_disconnect_during_prefill_cancels_node_work(cluster: Cluster) ->
     def load() -> tuple[int, int]:
         nodes = httpx.get(cluster.url + "/admin/nodes", timeout=5).json()["data"]
         busy = sum(n["load"]["queued_requests"] + n["load"]["running_requests"] for n in nodes)
-        return busy, sum(n["load"]["local_requests"] + n["load"]["active_streams"] for n in nodes)
+        return busy, sum(
+            n["load"]["local_requests"] + n["load"]["active_streams"] + n["load"]["pending_streams"]
+            for n in nodes
+        )
 
     def prefill_aborts() -> int:
         return sum(len(_aborts(n)) - aborts0[n.node_id] for n in cluster.prefill)

@@ -232,6 +232,7 @@ def test_a_node_whose_hits_keep_missing_the_prediction_is_resynced(
         for b in bodies[:3]:
             r = post(c.url, b)
             assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # predicted, not there
+
         def resynced() -> bool:
             return c.metric("prefixgate_index_resyncs_total", reason="mispredicted") >= before + 1
 

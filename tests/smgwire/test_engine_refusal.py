@@ -1,8 +1,9 @@
-"""A prompt longer than the engine's context, refused by our node over the SMG protocol (``grpc://``)
-and over prefixgate.v1 (bare ``HOST:PORT``); the gateway's own window is larger, so only the engine
-can judge it. The real ``openai`` client gets a 400 ``context_length_exceeded`` in OpenAI's format,
-the gateway's gRPC front INVALID_ARGUMENT, the node is not blamed for it (its circuit stays closed)
-and the next ordinary request is served."""
+"""A prompt longer than the engine's context, over the SMG protocol (``grpc://``) and over
+prefixgate.v1 (bare ``HOST:PORT``); the gateway's own window is larger, so only the engine's
+context (its GetModelInfo, its NodeStats) can judge it. The real ``openai`` client gets a 400
+``context_length_exceeded`` in OpenAI's format naming that context, the gateway's gRPC front
+INVALID_ARGUMENT, the node is not blamed for it (its circuit stays closed) and the next ordinary
+request is served."""
 
 from __future__ import annotations
 
@@ -42,14 +43,14 @@ async def test_a_prompt_over_the_engines_context_is_the_clients_400(
             err = info.value
             assert err.status_code == 400 and err.code == "context_length_exceeded"
             assert err.type == "invalid_request_error"
-            assert "context holds 128" in err.message and node.address not in err.message
+            assert "largest context available, 128 tokens" in err.message and node.address not in err.message
             assert "127.0.0.1" not in err.message and len(err.message) < 400
         async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
             req = gateway_pb2.CompletionRequest(model=MODEL, prompt=LONG, max_tokens=4)
             with pytest.raises(grpc.aio.AioRpcError) as rpc:
                 await gateway_pb2_grpc.GatewayStub(channel).Complete(req, timeout=30)
             assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "context holds 128" in (rpc.value.details() or "")
+            assert "largest context available, 128 tokens" in (rpc.value.details() or "")
         async with httpx.AsyncClient(base_url=base, timeout=10) as http:
             rows = {n["address"]: n for n in (await http.get("/admin/nodes")).json()["data"]}
         assert rows[address]["circuit"] == "closed"

@@ -14,7 +14,9 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from prefixgate.backends.errors import Unavailable
 from prefixgate.backends.smg_service import SglangSchedulerService
 from prefixgate.gateway.ops.processes import Child
 from tests.helpers import free_port, spawn
@@ -88,6 +90,48 @@ async def test_a_prefill_node_that_cannot_hand_off_is_retried_around(nodes: Star
             assert good.node.pool.snapshot() == []  # the node's cache really went
     failed = rows[f"grpc://{broken.address}"]
     assert failed["engine"] == "sglang" and "prefill" in (failed["last_error"] or "")  # tried, blamed
+
+
+async def test_a_decode_failed_after_its_prefill_is_retried_on_the_prefill_node_holding_the_prefix(
+    nodes: StartNode,
+) -> None:
+    """SGLang PD: the retry of a decode that failed once the prefill leg had handed its KV over
+    goes back to that prefill node, whose cache now holds the prompt (a hit), with the other
+    decode node."""
+    pre = [await nodes("prefill") for _ in range(2)]
+    dec = [await nodes("decode") for _ in range(2)]
+    # The decode node idle ties put first (the gateway names workers by address) loses its engine
+    # once handed the pages: its decode fails after the prefill was done.
+    bad = min(dec, key=lambda n: f"grpc://{n.address}")
+    good = next(n for n in dec if n is not bad)
+
+    async def lost(kv_handle: str, sampling: Any = None) -> AsyncIterator[Any]:
+        raise Unavailable("decode engine lost", stage="decode")
+        yield
+
+    bad.node.decode = lost  # type: ignore[method-assign]
+    flags = [f for p in pre for f in ("--prefill", f"grpc://{p.address}")]
+    flags += [f for d in dec for f in ("--decode", f"grpc://{d.address}")]
+    retried = 0
+    async with gateway(*flags) as base:
+        async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+            for i in range(3):
+                retries = await _metric(http, "prefixgate_retries_total")
+                prompt = f"<|im_start|>user\n{i}: " + "Tell me about KV pages. " * 30 + "<|im_end|>\n"
+                r = await http.post("/v1/completions", json=body(prompt=prompt))
+                assert r.status_code == 200, r.text
+                if await _metric(http, "prefixgate_retries_total") == retries:
+                    continue  # went to the good decode node first
+                retried += 1
+                usage = r.json()["usage"]
+                assert r.headers["x-prefixgate-decode-node"] == f"grpc://{good.address}"
+                assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 16, usage
+    assert retried >= 1
+
+
+async def _metric(http: httpx.AsyncClient, name: str) -> float:
+    text = (await http.get("/metrics")).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
 async def test_a_client_gone_mid_stream_aborts_the_request(

@@ -30,17 +30,22 @@ class Harness:
         return node
 
     def prep(self, prompt_tokens: int = 400, max_tokens: int = 8) -> Prepared:
-        s = self.pipeline.settings
-        body = {"model": s.default_model, "prompt": "x" * (4 * prompt_tokens), "max_tokens": max_tokens}
-        parsed = parse_request(
-            body,
-            "completion",
-            models={s.default_model},
-            default_max_tokens=16,
-            max_tokens_limit=64,
-            max_documents=4,
-        )
-        return self.pipeline.prepare(parsed, RequestContext("tenant"))
+        return prepared(self.pipeline, "x" * (4 * prompt_tokens), max_tokens)
+
+
+def prepared(pipeline: Pipeline, prompt: str, max_tokens: int = 8) -> Prepared:
+    """A completion request for ``prompt``, prepared by ``pipeline`` (parsed, tokenized, hashed)."""
+    s = pipeline.settings
+    body = {"model": s.default_model, "prompt": prompt, "max_tokens": max_tokens}
+    parsed = parse_request(
+        body,
+        "completion",
+        models={s.default_model},
+        default_max_tokens=16,
+        max_tokens_limit=64,
+        max_documents=4,
+    )
+    return pipeline.prepare(parsed, RequestContext("tenant"))
 
 
 @asynccontextmanager

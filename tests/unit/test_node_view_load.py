@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import pytest
 
 from prefixgate.gateway.cluster.nodes import NodePool
 from prefixgate.gateway.nodeclient.fake import FakeNodeClient, fake_status
+from prefixgate.gateway.routing.planner import decode_candidates
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -54,5 +56,31 @@ async def test_a_request_load_is_counted_while_it_runs_and_released_however_it_e
             raise RuntimeError("the attempt failed")
         v = node.view()
         assert (v.outstanding_requests, v.outstanding_tokens) == (0, 0)
+    finally:
+        await pool.close()
+
+
+async def test_a_decode_node_awaiting_its_breakers_trial_goes_first_among_idle_peers() -> None:
+    """Taken in id order, a node back from an open breaker would get its one trial only once its
+    peers are busy: under light traffic it would stay out of rotation."""
+    clients = {a: FakeNodeClient(a, status=[fake_status(a, "decode")]) for a in ("d1", "d2")}
+    pool = NodePool(connect=clients.__getitem__, probe_timeout_s=0.2, poll=False)
+    try:
+        d1, d2 = pool.add("decode", "d1"), pool.add("decode", "d2")
+        for n in (d1, d2):
+            assert await pool.refresh(n)
+        assert [v.node_id for v in decode_candidates([d1.view(), d2.view()])] == ["d1", "d2"]
+        d2.breaker.trip(time.monotonic() - 2 * d2.breaker.cooldown_s)  # opened, its cooldown over
+        views = [d1.view(), d2.view()]
+        assert [v.trial for v in views] == [False, True]
+        assert [v.node_id for v in decode_candidates(views)] == ["d2", "d1"]
+        d2.breaker.on_dispatch()  # the trial is out: d2 is not routable until it settles
+        assert [v.node_id for v in decode_candidates([d1.view(), d2.view()])] == ["d1"]
+        d2.breaker.on_success()
+        assert [v.trial for v in (d1.view(), d2.view())] == [False, False]
+        # A busier node awaiting its trial still comes after an idle one.
+        d1.breaker.trip(time.monotonic() - 2 * d1.breaker.cooldown_s)
+        d1.active_streams = 1
+        assert [v.node_id for v in decode_candidates([d1.view(), d2.view()])] == ["d2", "d1"]
     finally:
         await pool.close()

@@ -625,6 +625,7 @@ class NodeStats(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     FEATURES_FIELD_NUMBER: _builtins.int
     EVICTABLE_BLOCKS_FIELD_NUMBER: _builtins.int
+    MAX_CONTEXT_TOKENS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     role: _builtins.str
     """"prefill", "decode", "monolithic" """
@@ -647,6 +648,10 @@ class NodeStats(_message.Message):
     evictable_blocks: _builtins.int
     """Of used_blocks, those cached and unreferenced and unpinned: the next request may evict them.
     Blocks in use (what SGLang reports as num_used_tokens / page) = used_blocks - evictable_blocks.
+    """
+    max_context_tokens: _builtins.int
+    """The longest request the node serves, in tokens (prompt plus the tokens it generates); 0: the
+    node does not say. The gateway routes a request only to nodes whose context holds it.
     """
     @_builtins.property
     def kv_format(self) -> Global___KVFormat: ...
@@ -680,10 +685,11 @@ class NodeStats(_message.Message):
         prompt_tokens: _builtins.int = ...,
         features: _abc.Iterable[_builtins.str] | None = ...,
         evictable_blocks: _builtins.int = ...,
+        max_context_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv_format", b"kv_format", "profile", b"profile"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_blocks", b"capacity_blocks", "engine", b"engine", "evictable_blocks", b"evictable_blocks", "features", b"features", "instance_id", b"instance_id", "kv_event_seq", b"kv_event_seq", "kv_format", b"kv_format", "max_concurrency", b"max_concurrency", "max_queue", b"max_queue", "node_id", b"node_id", "pinned_blocks", b"pinned_blocks", "prefix_hit_tokens", b"prefix_hit_tokens", "profile", b"profile", "prompt_tokens", b"prompt_tokens", "queued_requests", b"queued_requests", "queued_tokens", b"queued_tokens", "role", b"role", "running_requests", b"running_requests", "used_blocks", b"used_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_blocks", b"capacity_blocks", "engine", b"engine", "evictable_blocks", b"evictable_blocks", "features", b"features", "instance_id", b"instance_id", "kv_event_seq", b"kv_event_seq", "kv_format", b"kv_format", "max_concurrency", b"max_concurrency", "max_context_tokens", b"max_context_tokens", "max_queue", b"max_queue", "node_id", b"node_id", "pinned_blocks", b"pinned_blocks", "prefix_hit_tokens", b"prefix_hit_tokens", "profile", b"profile", "prompt_tokens", b"prompt_tokens", "queued_requests", b"queued_requests", "queued_tokens", b"queued_tokens", "role", b"role", "running_requests", b"running_requests", "used_blocks", b"used_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
