@@ -32,6 +32,7 @@ import structlog
 
 from prefixgate.cachetier.index import DEFAULT_CAPACITY_BLOCKS, BlockIndex, IndexStats, StoreOp
 from prefixgate.cachetier.memory import IndexCore
+from prefixgate.cachetier.tasks import stop_tasks
 
 log = structlog.get_logger("prefixgate.cachetier.resilient")
 
@@ -185,13 +186,9 @@ class ResilientIndex:
 
     async def close(self) -> None:
         self._closed = True
-        if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
-            self._watch = None
-        for fut in list(self._background):
-            fut.cancel()
+        watch, self._watch = self._watch, None
+        # cancelled until they end (``stop_task``): a cancellation can be lost in a Redis call
+        await stop_tasks([*([watch] if watch is not None else []), *self._background])
         try:
             await self.primary.close()
         except Exception as exc:

@@ -18,6 +18,7 @@ from types import TracebackType
 import structlog
 
 from prefixgate.cachetier.index import BlockIndex, StoreOp
+from prefixgate.cachetier.tasks import stop_task
 
 log = structlog.get_logger("prefixgate.cachetier.writer")
 
@@ -109,11 +110,8 @@ class IndexWriter:
         self._closed = True
         with contextlib.suppress(TimeoutError):
             await self.flush(timeout)
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await stop_task(task)  # cancelled until it ends: one cancellation can be lost in a Redis call
         if self._queue:
             self.stats.dropped += len(self._queue)
             self._queue.clear()

@@ -178,6 +178,15 @@ class Settings:
     max_connections: int = 1024  # also held under the process's open-file limit
     max_header_bytes: int = 32 * 1024  # request line + headers; above: 431
     shutdown_grace_s: float = 10.0  # SIGTERM: streams still open after this end with an error event
+    # gRPC server limits (gateway.grpcfront). It shares the HTTP ones that mean the same:
+    # max_connections (accepted connections; beyond, refused at accept), keepalive_timeout_s
+    # (a connection without a call this long is closed), header_timeout_s (the HTTP/2
+    # handshake), max_header_bytes (metadata), max_body_bytes (a message), shutdown_grace_s.
+    grpc_max_concurrent_streams: int = 100  # calls at once per connection; more wait on the client
+    grpc_max_connection_age_s: float = 0.0  # 0: none; else a connection this old is told to go away
+    grpc_keepalive_time_s: float = 60.0  # a connection silent this long is pinged...
+    grpc_keepalive_timeout_s: float = 20.0  # ...and closed when the ping is not answered in this
+    grpc_min_ping_interval_s: float = 10.0  # a client pinging more often (without calls) is sent away
     # HTTP access policy.
     trusted_proxies: list[str] = field(default_factory=list)  # peers whose Forwarded/X-*-IP are believed
     admin_origins: list[str] = field(default_factory=list)  # extra Origins allowed to call /admin
@@ -296,6 +305,11 @@ _AT_LEAST: dict[str, float] = {
     "first_token_timeout_s": 0,
     "max_inflight": 1,
     "prometheus_port": 0,
+    "grpc_max_concurrent_streams": 1,
+    "grpc_max_connection_age_s": 0,
+    "grpc_keepalive_time_s": 0.001,
+    "grpc_keepalive_timeout_s": 0.001,
+    "grpc_min_ping_interval_s": 0,
 }
 
 

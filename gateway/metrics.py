@@ -7,7 +7,7 @@ refreshed by ``Metrics.refresh_index`` just before a scrape renders (the index m
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -247,6 +247,12 @@ class Metrics:
             "Blocks the index records in all (at the last scrape)",
             registry=r,
         )
+        self.tokenizer_cache_bytes = Gauge(
+            "prefixgate_tokenizer_cache_bytes",
+            "Bytes held by a tokenizer's segment cache (bounded by tokenizer_segment_cache_bytes)",
+            ["tokenizer"],
+            registry=r,
+        )
         self.per_node: dict[str, HitCounts] = {}
         self.totals = HitCounts()
         self._index_nodes: set[str] = set()
@@ -319,6 +325,12 @@ class Metrics:
         for node, occ in stats.nodes.items():
             self.index_blocks.labels(node).set(occ.blocks)
         self._index_nodes = set(stats.nodes)
+
+    def refresh_tokenizers(self, cache_bytes: Mapping[str, int]) -> None:
+        """Set the segment caches' sizes (tokenizer name -> bytes): what the gateway's memory
+        grows by, up to its bound, as new text passes; read at scrape time."""
+        for name, size in cache_bytes.items():
+            self.tokenizer_cache_bytes.labels(name).set(size)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

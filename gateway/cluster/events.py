@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Any
 
 import structlog
 
 from prefixgate.cachetier.index import BlockIndex, StoreOp
+from prefixgate.cachetier.tasks import stop_tasks
 from prefixgate.gateway.cluster.nodes import Node, NodePool
 from prefixgate.gateway.metrics import Metrics
 from prefixgate.gateway.nodeclient import KVEvent, NodeFailure
@@ -139,13 +141,9 @@ class EventSync:
         self.metrics.events_applied.labels(ev.kind.value).inc()
 
     async def close(self) -> None:
-        tasks = list(self._tasks.values())
+        tasks: list[asyncio.Future[Any]] = list(self._tasks.values())
         self._tasks.clear()
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await stop_tasks(tasks)  # cancelled until they end: one cancellation can be lost
 
 
 class _Resync(Exception):

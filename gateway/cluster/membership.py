@@ -14,13 +14,13 @@ With the embedded store there is one gateway and nothing to follow: no loop runs
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import structlog
 
+from prefixgate.cachetier.tasks import stop_task
 from prefixgate.gateway.state.store import Member, StateStore
 
 if TYPE_CHECKING:
@@ -105,8 +105,7 @@ class Membership:
             self._task = asyncio.create_task(self._loop(), name="membership")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
+        """Stop the loop: cancelled until it ends (``stop_task``), since a cancellation that
+        arrives while it talks to Redis can be lost."""
+        task, self._task = self._task, None
+        await stop_task(task)

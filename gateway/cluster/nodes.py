@@ -21,9 +21,11 @@ import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
+from prefixgate.cachetier.tasks import stop_tasks
 from prefixgate.gateway import nodeclient
 from prefixgate.gateway.cluster.breaker import HALF_OPEN, OPEN, CircuitBreaker
 from prefixgate.gateway.config import DEFAULT_MODEL
@@ -450,12 +452,9 @@ class NodePool:
         return False
 
     async def _stop_node(self, node: Node) -> None:
-        for t in node.tasks:
-            t.cancel()
-        for t in node.tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        tasks: list[asyncio.Future[Any]] = list(node.tasks)
         node.tasks.clear()
+        await stop_tasks(tasks)  # cancelled until they end: one cancellation can be lost
         await node.client.close()
 
     async def close(self) -> None:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import Callable, Set
+from collections.abc import Awaitable, Callable, Set
 from functools import partial
 
 import structlog
@@ -15,6 +13,7 @@ from prefixgate.cachetier.index import BlockIndex
 from prefixgate.cachetier.memory import MemoryIndex
 from prefixgate.cachetier.resilient import ResyncHook
 from prefixgate.cachetier.tokenizer import Tokenizer
+from prefixgate.gateway import shutdown
 from prefixgate.gateway.cluster import workers
 from prefixgate.gateway.cluster.breaker import CircuitBreaker
 from prefixgate.gateway.cluster.events import EventSync
@@ -169,6 +168,15 @@ class GatewayService:
         the configured ``model`` for nodes that name none."""
         return self.pool.models(self.settings.model)
 
+    def tokenizer_cache_bytes(self) -> dict[str, int]:
+        """Tokenizer name -> bytes its segment cache holds (tokenizers without one left out)."""
+        out: dict[str, int] = {}
+        for tok in (self.tokenizer, *self.model_tokenizers.values()):
+            stats = getattr(tok, "segment_stats", None)
+            if stats is not None:
+                out[tok.name] = int(stats.bytes)
+        return out
+
     def _check_tenancy(self, address: str) -> None:
         """A worker that would mix tenants' prefixes in its engine cache, refused unless the
         operator agreed to a shared engine cache (``gateway.core.tenancy``)."""
@@ -289,15 +297,18 @@ class GatewayService:
         await self.membership.record(node, present=True)
 
     async def stop(self) -> None:
+        """Close every part in turn, each bounded and logged as a ``shutdown_stage`` line
+        (``gateway.shutdown``): a background task stuck in a call to a Redis node that does not
+        answer must not keep the process from exiting, and the log names the part that was slow."""
         self.runner.close()
-        # Each part gets a bounded time to close: a background task stuck in a call to a Redis
-        # node that does not answer must not keep the process from exiting.
-        for close in (self.membership.close, self.usage.close, self.pipeline.close, self.events.close):
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(close(), CLOSE_TIMEOUT_S)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.pool.close(), CLOSE_TIMEOUT_S)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.index.close(), 2.0)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.state.close(), 2.0)
+        stages: tuple[tuple[str, Callable[[], Awaitable[None]], float], ...] = (
+            ("membership", self.membership.close, CLOSE_TIMEOUT_S),
+            ("usage", self.usage.close, CLOSE_TIMEOUT_S),
+            ("pipeline", self.pipeline.close, CLOSE_TIMEOUT_S),
+            ("kv_events", self.events.close, CLOSE_TIMEOUT_S),
+            ("nodes", self.pool.close, CLOSE_TIMEOUT_S),
+            ("index", self.index.close, 2.0),
+            ("state", self.state.close, 2.0),
+        )
+        for name, close, bound_s in stages:
+            await shutdown.stage(name, close, bound_s)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import structlog
 from prometheus_client import CollectorRegistry, Counter
 
+from prefixgate.cachetier.tasks import stop_task
 from prefixgate.gateway.state.store import StateStore, UsageCounts, UsageKey
 
 log = structlog.get_logger("prefixgate.usage")
@@ -198,11 +199,8 @@ class UsageLedger:
             self._task = asyncio.create_task(self._loop(), name="usage-flush")
 
     async def close(self, timeout: float = 2.0) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await stop_task(task)  # cancelled until it ends: one cancellation can be lost in a Redis call
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.flush(), timeout)
 

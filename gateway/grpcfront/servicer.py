@@ -8,10 +8,17 @@ codes (``STATUS_CODES``) with the same messages and codes (trailer
 the gateway's event loop, started and stopped by the process beside the HTTP front end
 (``gateway.ops.server``), so one process serves both. A client that cancels cancels the work
 (the handler task is cancelled and the node call with it).
+
+Its connections are bounded as the HTTP front end's are, with the same settings where they
+mean the same (``server_options``). On shutdown it stops accepting at once (``begin_stop``);
+every call is tracked in the process's ``Inflight`` (``gateway.shutdown``), so a call still
+running when the grace ends is cut with the HTTP front end's: it ends with UNAVAILABLE, the
+same message and the error code ``shutting_down`` in its trailer.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -22,12 +29,14 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from prefixgate.gateway.config import Settings
 from prefixgate.gateway.core import choices
 from prefixgate.gateway.core.auth import valid_request_id
 from prefixgate.gateway.core.choices import Choices
 from prefixgate.gateway.core.errors import (
     Conflict,
     DeadlineExceeded,
+    Draining,
     Forbidden,
     GatewayError,
     InvalidRequest,
@@ -43,8 +52,10 @@ from prefixgate.gateway.core.errors import (
 from prefixgate.gateway.core.pipeline import Execution, Prepared
 from prefixgate.gateway.core.runner import Caller
 from prefixgate.gateway.core.service import GatewayService
+from prefixgate.gateway.httpfront.connections import fd_bounded_connections
 from prefixgate.gateway.httpfront.headers import execution_headers
 from prefixgate.gateway.logging import bind_request
+from prefixgate.gateway.shutdown import CUT_CODE, CUT_MESSAGE, Inflight, Tracked
 from prefixgate.openai.schema import ParsedRequest, check_message_count, parse_request
 from prefixgate.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -69,6 +80,38 @@ STATUS_CODES: tuple[tuple[type[GatewayError], grpc.StatusCode], ...] = (
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
     (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
 )
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+def server_options(s: Settings) -> list[tuple[str, int]]:
+    """The gRPC server's channel arguments: the HTTP front end's limits where they mean the
+    same (docs/settings.md, gRPC server limits), and the gRPC ones."""
+    options = [
+        ("grpc.max_send_message_length", _SEND_LIMIT),
+        ("grpc.max_receive_message_length", s.max_body_bytes),
+        ("grpc.max_metadata_size", s.max_header_bytes),
+        ("grpc.max_allowed_incoming_connections", fd_bounded_connections(s.max_connections)),
+        ("grpc.max_connection_idle_ms", _ms(s.keepalive_timeout_s)),
+        ("grpc.server_handshake_timeout_ms", _ms(s.header_timeout_s)),
+        ("grpc.max_concurrent_streams", s.grpc_max_concurrent_streams),
+        ("grpc.keepalive_time_ms", _ms(s.grpc_keepalive_time_s)),
+        ("grpc.keepalive_timeout_ms", _ms(s.grpc_keepalive_timeout_s)),
+        ("grpc.http2.min_ping_interval_without_data_ms", round(s.grpc_min_ping_interval_s * 1000)),
+        ("grpc.http2.max_ping_strikes", 2),
+        ("grpc.so_reuseport", 0),
+    ]
+    if s.grpc_max_connection_age_s > 0:
+        options.append(("grpc.max_connection_age_ms", _ms(s.grpc_max_connection_age_s)))
+        options.append(("grpc.max_connection_age_grace_ms", _ms(s.shutdown_grace_s)))
+    return options
+
+
+def _cut() -> GatewayError:
+    """What a call cut by shutdown ends with: the HTTP front end's message and code."""
+    return Draining(CUT_MESSAGE, code=CUT_CODE, retry_after=1)
 
 
 def status_of(e: GatewayError) -> grpc.StatusCode:
@@ -129,8 +172,9 @@ def _usage(ex: Execution) -> gateway_pb2.Usage:
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     """Translates between ``prefixgate.v1.Gateway`` and the request runner."""
 
-    def __init__(self, svc: GatewayService) -> None:
+    def __init__(self, svc: GatewayService, inflight: Inflight) -> None:
         self.svc = svc
+        self.inflight = inflight
 
     def _parse(self, req: gateway_pb2.CompletionRequest) -> ParsedRequest:
         s = self.svc.settings
@@ -184,60 +228,76 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Generate(
         self, request: gateway_pb2.CompletionRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.CompletionChunk]:
-        try:
-            async with self._run(await self._prepare(request, context, "Generate")) as ch:
-                await self._headers(context, ch)
-                ex = ch.first
-                first = True
-                async for _, d in ch.stream():
-                    if not (d.text or d.finish_reason or first):
-                        continue
-                    chunk = gateway_pb2.CompletionChunk(
-                        id=ex.request_id, text=d.text, finish_reason=d.finish_reason
-                    )
-                    if first or d.finish_reason:
-                        chunk.route = ex.route
-                        chunk.prefill_node = ex.prefill_node.id if ex.prefill_node else ""
-                        chunk.decode_node = ex.decode_node.id
-                    if d.finish_reason:
-                        chunk.usage.CopyFrom(_usage(ex))
-                    first = False
-                    yield chunk
-        except GatewayError as e:
-            await self._fail(context, e)
+        with self.inflight.track("grpc") as call:
+            try:
+                async with self._run(await self._prepare(request, context, "Generate")) as ch:
+                    await self._headers(context, ch)
+                    ex = ch.first
+                    first = True
+                    async for _, d in ch.stream():
+                        if not (d.text or d.finish_reason or first):
+                            continue
+                        chunk = gateway_pb2.CompletionChunk(
+                            id=ex.request_id, text=d.text, finish_reason=d.finish_reason
+                        )
+                        if first or d.finish_reason:
+                            chunk.route = ex.route
+                            chunk.prefill_node = ex.prefill_node.id if ex.prefill_node else ""
+                            chunk.decode_node = ex.decode_node.id
+                        if d.finish_reason:
+                            chunk.usage.CopyFrom(_usage(ex))
+                            call.complete = True  # the last chunk: nothing left to cut
+                        first = False
+                        yield chunk
+            except GatewayError as e:
+                await self._fail(context, e)
+            except asyncio.CancelledError:
+                await self._cut_or_raise(context, call)
 
     async def Complete(
         self, request: gateway_pb2.CompletionRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.CompletionResponse:
-        try:
-            async with self._run(await self._prepare(request, context, "Complete")) as ch:
-                await self._headers(context, ch)
-                text = "".join([d.text async for _, d in ch.stream()])
-                ex = ch.first
-                return gateway_pb2.CompletionResponse(
-                    id=ex.request_id,
-                    text=text,
-                    finish_reason=ex.finish_reason,
-                    usage=_usage(ex),
-                    route=ex.route,
-                    prefill_node=ex.prefill_node.id if ex.prefill_node else "",
-                    decode_node=ex.decode_node.id,
-                )
-        except GatewayError as e:
-            await self._fail(context, e)
-            raise  # not reached: abort raises
+        with self.inflight.track("grpc") as call:
+            try:
+                async with self._run(await self._prepare(request, context, "Complete")) as ch:
+                    await self._headers(context, ch)
+                    text = "".join([d.text async for _, d in ch.stream()])
+                    ex = ch.first
+                    return gateway_pb2.CompletionResponse(
+                        id=ex.request_id,
+                        text=text,
+                        finish_reason=ex.finish_reason,
+                        usage=_usage(ex),
+                        route=ex.route,
+                        prefill_node=ex.prefill_node.id if ex.prefill_node else "",
+                        decode_node=ex.decode_node.id,
+                    )
+            except GatewayError as e:
+                await self._fail(context, e)
+                raise  # not reached: abort raises
+            except asyncio.CancelledError:
+                await self._cut_or_raise(context, call)
+                raise  # not reached: abort raises
+
+    async def _cut_or_raise(self, context: grpc.aio.ServicerContext, call: Tracked) -> None:
+        """A call cancelled by the shutdown's cut ends with its status; any other cancellation
+        (the client left, the server stopped) goes on."""
+        if not call.resume_if_cut():
+            raise asyncio.CancelledError
+        await self._fail(context, _cut())
 
 
 class GrpcFront:
     """The gRPC server of one gateway: Gateway service, health and reflection."""
 
-    def __init__(self, svc: GatewayService, host: str, port: int) -> None:
+    def __init__(self, svc: GatewayService, host: str, port: int, inflight: Inflight | None = None) -> None:
         self.svc = svc
-        self.max_message_bytes = svc.settings.max_body_bytes  # the HTTP body limit, for one limit
         self.host = host
         self.port = port
+        self.inflight = inflight if inflight is not None else Inflight()
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
+        self._stopping: asyncio.Task[None] | None = None
 
     @property
     def address(self) -> str:
@@ -246,14 +306,8 @@ class GrpcFront:
 
     async def start(self) -> int:
         """Bind and serve; returns the port (a free one when ``port`` is 0)."""
-        server = grpc.aio.server(
-            options=[
-                ("grpc.max_send_message_length", _SEND_LIMIT),
-                ("grpc.max_receive_message_length", self.max_message_bytes),
-                ("grpc.so_reuseport", 0),
-            ]
-        )
-        gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(self.svc), server)
+        server = grpc.aio.server(options=server_options(self.svc.settings))
+        gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(self.svc, self.inflight), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (GATEWAY_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server
@@ -269,10 +323,25 @@ class GrpcFront:
         log.info("grpc_front_started", address=self.address)
         return bound
 
+    def begin_stop(self, grace: float) -> None:
+        """Stop accepting now (the listener closes, connections get GOAWAY, health turns
+        NOT_SERVING); calls still running ``grace`` seconds later are cancelled by the server.
+        The shutdown's cut (``Inflight.end_all``) comes before that and ends them with their
+        status. Idempotent; ``stop`` waits for it."""
+        if self._server is None or self._stopping is not None:
+            return
+        server = self._server
+        self._stopping = asyncio.get_running_loop().create_task(self._stop(server, grace), name="grpc-stop")
+
+    async def _stop(self, server: grpc.aio.Server, grace: float) -> None:
+        await self.health.enter_graceful_shutdown()
+        await server.stop(grace)
+
     async def stop(self, grace: float = 5.0) -> None:
         if self._server is None:
             return
-        server, self._server = self._server, None
-        await self.health.enter_graceful_shutdown()
-        await server.stop(grace)
+        self.begin_stop(grace)
+        assert self._stopping is not None
+        await self._stopping
+        self._server = None
         log.info("grpc_front_stopped", address=self.address)

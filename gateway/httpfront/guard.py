@@ -12,7 +12,7 @@
   defeats DNS rebinding.
 - **Metrics**: ``/metrics`` needs ``Authorization: Bearer <metrics_token>`` when one is set.
 - **Shutdown**: every request in flight is tracked, so that the ones still running when the
-  shutdown grace ends are ended cleanly (:meth:`Inflight.end_all`).
+  shutdown grace ends are ended cleanly (``gateway.shutdown.Inflight.end_all``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any
 import orjson
 
 from prefixgate.gateway.config import Settings
+from prefixgate.gateway.shutdown import CUT_CODE, CUT_MESSAGE, Inflight, Tracked
 from prefixgate.openai.errors import APIError
 
 Scope = MutableMapping[str, Any]
@@ -133,43 +134,9 @@ class ProxyPolicy:
         return next((c for c in candidates if not is_loopback(c)), candidates[0])
 
 
-class _Request:
-    """One request in flight: enough to end it cleanly at the end of a shutdown grace."""
-
-    __slots__ = ("complete", "ending", "sse", "started", "task")
-
-    def __init__(self, task: asyncio.Task[Any] | None) -> None:
-        self.task = task
-        self.started = False
-        self.sse = False
-        self.complete = False
-        self.ending = False
-
-
-class Inflight:
-    """The HTTP requests in flight; :meth:`end_all` ends them (streams with an SSE error event)."""
-
-    def __init__(self) -> None:
-        self.requests: set[_Request] = set()
-        self.cut = 0
-
-    def __len__(self) -> int:
-        return len(self.requests)
-
-    def end_all(self) -> int:
-        """Cancel every request still running; returns how many were cut."""
-        n = 0
-        for req in list(self.requests):
-            if req.complete or req.ending or req.task is None:
-                continue
-            req.ending = True
-            req.task.cancel()
-            n += 1
-        self.cut += n
-        return n
-
-    async def run(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
-        req = _Request(asyncio.current_task())
+async def run_tracked(inflight: Inflight, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+    """Serve one request tracked in ``inflight``; if shutdown cuts it, end it as documented."""
+    with inflight.track("http") as req:
 
         async def tracked_send(message: Message) -> None:
             if req.started:
@@ -182,27 +149,21 @@ class Inflight:
                         req.sse = value.startswith(_SSE)
             await send(message)
 
-        self.requests.add(req)
         try:
             await app(scope, receive, tracked_send)
         except asyncio.CancelledError:
-            if not req.ending or req.task is None:
+            if not req.resume_if_cut():
                 raise
-            req.task.uncancel()
             # a client that does not read can hold this write until uvicorn's own deadline
             # cancels it: the connection is then closed with nothing more to say
             with contextlib.suppress(asyncio.CancelledError):
                 await _finish_cut(req, send)
-        finally:
-            self.requests.discard(req)
 
 
-_SHUTDOWN = APIError(
-    503, "the gateway shut down before this response was finished", code="shutting_down", retry_after=1
-)
+_SHUTDOWN = APIError(503, CUT_MESSAGE, code=CUT_CODE, retry_after=1)
 
 
-async def _finish_cut(req: _Request, send: Send) -> None:
+async def _finish_cut(req: Tracked, send: Send) -> None:
     """End a request cut by shutdown as the API documents a mid-stream failure."""
     if not req.started:
         await _send_error(send, _SHUTDOWN)
@@ -240,7 +201,7 @@ class HttpGuard:
             extra = [(b"www-authenticate", b"Bearer")] if refusal.status == 401 else None
             await _send_error(send, refusal, extra)
             return
-        await self.inflight.run(self.app, scope, receive, send)
+        await run_tracked(self.inflight, self.app, scope, receive, send)
 
     def check(self, scope: Scope) -> APIError | None:
         """The refusal for this request, or None; may rewrite ``scope["client"]``."""

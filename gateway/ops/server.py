@@ -1,6 +1,10 @@
 """Run the gateway: one service, and its front ends side by side around it in one process and
 loop: HTTP under uvicorn (uvloop + httptools, with connection limits, the HTTP access policy and
-a bounded shutdown), the gRPC front end and the metrics listener when their ports are set."""
+a bounded shutdown), the gRPC front end and the metrics listener when their ports are set.
+
+Shutdown (docs/faults.md): a signal stops both front ends accepting; requests still open on
+either after ``shutdown_grace_s`` are cut (``gateway.shutdown.Inflight``), which makes the exit
+status ``EXIT_WORK_CUT``; then every part closes as a logged, bounded ``shutdown_stage``."""
 
 from __future__ import annotations
 
@@ -10,12 +14,15 @@ import logging
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Generator
+import time
+from collections.abc import AsyncIterator, Callable, Generator
+from functools import partial
 from types import FrameType
 
 import structlog
 import uvicorn
 
+from prefixgate.gateway import shutdown
 from prefixgate.gateway.cluster.workers import tenancy_refusal
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.core.service import GatewayService
@@ -26,9 +33,10 @@ from prefixgate.gateway.httpfront.connections import (
     fd_bounded_connections,
     limited_protocol,
 )
-from prefixgate.gateway.httpfront.guard import HttpGuard, Inflight
+from prefixgate.gateway.httpfront.guard import HttpGuard
 from prefixgate.gateway.httpfront.hotroutes import HotRoutes
 from prefixgate.gateway.httpfront.metrics_listener import MetricsListener
+from prefixgate.gateway.shutdown import Inflight
 from prefixgate.gateway.tokens.engine import TokenizerLoadError
 from prefixgate.gateway.tokens.wiring import resolve_tokenizer
 
@@ -42,39 +50,50 @@ _CUT_MARGIN_S = 2.0
 
 
 @contextlib.asynccontextmanager
-async def side_fronts(service: GatewayService) -> AsyncIterator[None]:
-    """The service started, then the gRPC front end and the metrics listener beside the HTTP
-    one (which runs inside); on exit they stop, then the service."""
+async def side_fronts(
+    service: GatewayService, inflight: Inflight | None = None
+) -> AsyncIterator[GrpcFront | None]:
+    """The service started, then the gRPC front end (its calls tracked in ``inflight`` with the
+    HTTP front end's requests) and the metrics listener beside the HTTP one (which runs inside);
+    on exit they stop, then the service, each a logged ``shutdown_stage``."""
     settings = service.settings
     await service.start()
     grpc_front = None
     prometheus = None
     try:
         if settings.grpc_port:
-            grpc_front = GrpcFront(service, settings.host, settings.grpc_port)
+            grpc_front = GrpcFront(service, settings.host, settings.grpc_port, inflight)
             await grpc_front.start()
         if settings.prometheus_port:
             prometheus = MetricsListener(
                 service, settings.prometheus_host or settings.host, settings.prometheus_port
             )
             await prometheus.start()
-        yield
+        yield grpc_front
     finally:
+        t0 = time.monotonic()
+        if grpc_front is not None:  # begun at the signal already: this waits for its calls
+            grace = settings.shutdown_grace_s + _CUT_MARGIN_S
+            await shutdown.stage("grpc", partial(grpc_front.stop, grace), grace + _CUT_MARGIN_S)
         if prometheus is not None:
-            await prometheus.stop()
-        if grpc_front is not None:
-            await grpc_front.stop()
+            await shutdown.stage("metrics_listener", prometheus.stop, 2.0)
         await service.stop()
+        log.info("shutdown_done", seconds=round(time.monotonic() - t0, 3))
 
 
 class GatewayServer(uvicorn.Server):
     """uvicorn serving the HTTP front end between the start and the stop of the service and
     the other front ends (``side_fronts``), without its own signal capture: the caller decides
-    how a signal stops it, so a clean SIGTERM exits 0 instead of being re-raised at the end."""
+    how a signal stops it, so a clean SIGTERM exits 0 instead of being re-raised at the end.
+
+    A signal stops both front ends accepting at once; ``shutdown_grace_s`` later the requests
+    still open on either are cut (``gateway.shutdown``)."""
 
     service: GatewayService | None = None
     inflight: Inflight | None = None
+    grpc_front: GrpcFront | None = None
     shutdown_grace_s: float = 10.0
+    _cut_timer: asyncio.TimerHandle | None = None
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -82,18 +101,30 @@ class GatewayServer(uvicorn.Server):
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         assert self.service is not None
-        async with contextlib.AsyncExitStack() as stack:
-            try:
-                await stack.enter_async_context(side_fronts(self.service))
-            except Exception:  # as uvicorn answers an app whose startup failed
-                logging.getLogger("uvicorn.error").exception("Application startup failed. Exiting.")
-                sys.exit(EXIT_STARTUP_FAILED)
-            await super().serve(sockets)
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                try:
+                    self.grpc_front = await stack.enter_async_context(
+                        side_fronts(self.service, self.inflight)
+                    )
+                except Exception:  # as uvicorn answers an app whose startup failed
+                    logging.getLogger("uvicorn.error").exception("Application startup failed. Exiting.")
+                    sys.exit(EXIT_STARTUP_FAILED)
+                await super().serve(sockets)
+        finally:
+            if self._cut_timer is not None:
+                self._cut_timer.cancel()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        """Stop accepting; in-flight requests and streams get ``shutdown_grace_s``."""
+        """Stop accepting on both front ends; in-flight requests and streams get ``shutdown_grace_s``."""
         if self.service is not None:
             self.service.draining = True  # /readyz turns 503 at once
+        if self._cut_timer is None:
+            loop = asyncio.get_running_loop()
+            self._cut_timer = loop.call_later(self.shutdown_grace_s, self._cut_open_work)
+            log.info("shutdown_started", signal=signal.Signals(sig).name, grace_s=self.shutdown_grace_s)
+            if self.grpc_front is not None:
+                self.grpc_front.begin_stop(self.shutdown_grace_s + _CUT_MARGIN_S)
         super().handle_exit(sig, frame)
 
     def install_signal_handlers(self) -> None:
@@ -104,16 +135,25 @@ class GatewayServer(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         """uvicorn's shutdown, except that requests still running when the grace ends are ended
         by the guard (streams get an SSE error event) instead of being cancelled mid-write."""
-        cut_timer = asyncio.get_running_loop().call_later(self.shutdown_grace_s, self._cut_open_work)
+        t0 = time.monotonic()
+        outcome = "ok"
         try:
             await super().shutdown(sockets)
+        except BaseException:
+            outcome = "error"
+            raise
         finally:
-            cut_timer.cancel()
+            log.info("shutdown_stage", stage="http", seconds=round(time.monotonic() - t0, 3), outcome=outcome)
 
     def _cut_open_work(self) -> None:
         if self.inflight is not None and len(self.inflight):
             cut = self.inflight.end_all()
-            log.warning("shutdown_grace_ended", cut_requests=cut, grace_s=self.shutdown_grace_s)
+            log.warning(
+                "shutdown_grace_ended",
+                cut_requests=cut,
+                grace_s=self.shutdown_grace_s,
+                **{f"cut_{front}": n for front, n in sorted(self.inflight.cut_by_front.items())},
+            )
 
     @property
     def work_cut(self) -> int:
@@ -171,13 +211,22 @@ async def serve(settings: Settings) -> int:
     server, _ = make_server(settings)
     server.install_signal_handlers()
     await server.serve()
+    await shutdown.end_leftovers()
     return EXIT_WORK_CUT if server.work_cut else 0
 
 
 def run(settings: Settings) -> int:
-    try:
+    """``serve`` on uvloop; the loop's own teardown (cancelling the tasks left, the executor)
+    is the last ``shutdown_stage``."""
+    factory: Callable[[], asyncio.AbstractEventLoop] = asyncio.new_event_loop
+    with contextlib.suppress(ImportError):
         import uvloop
 
-        return uvloop.run(serve(settings))
-    except ImportError:  # pragma: no cover
-        return asyncio.run(serve(settings))
+        factory = uvloop.new_event_loop
+    runner = asyncio.Runner(loop_factory=factory)
+    try:
+        return runner.run(serve(settings))
+    finally:
+        t0 = time.monotonic()
+        runner.close()
+        log.info("shutdown_stage", stage="loop", seconds=round(time.monotonic() - t0, 3), outcome="ok")

@@ -134,6 +134,7 @@ def use_smg_workers(settings: Settings, nodes: list[NodeProcess]) -> None:
 
 
 async def run_stack(settings: Settings, opts: StackOptions) -> int:
+    from prefixgate.gateway import shutdown
     from prefixgate.gateway.ops.server import EXIT_WORK_CUT, make_server
 
     t0 = time.perf_counter()
@@ -160,6 +161,7 @@ async def run_stack(settings: Settings, opts: StackOptions) -> int:
         print(f"prefixgate ready in {elapsed:.2f}s: http://{host}:{settings.port}/v1{extra}", flush=True)
         print("  nodes: " + ", ".join(f"{n.node_id}={n.address}" for n in nodes), flush=True)
         await serve_task
+        await shutdown.end_leftovers()
         return EXIT_WORK_CUT if server.work_cut else 0
     finally:
         stop_nodes(nodes)

@@ -70,7 +70,11 @@ def _ready(url: str) -> bool:
 
 
 def start_gateway(
-    cluster: RedisClusterHarness, prefix: str, nodes: list[NodeProc], redis_port: int
+    cluster: RedisClusterHarness,
+    prefix: str,
+    nodes: list[NodeProc],
+    redis_port: int,
+    env_extra: dict[str, str] | None = None,
 ) -> tuple[Child, str]:
     """A replica: the same nodes, keys and prefix as the others, its own cluster node to ask."""
     port = free_port()
@@ -84,6 +88,7 @@ def start_gateway(
         "PREFIXGATE_MEMBERSHIP_INTERVAL_S": "0.2",
         "PREFIXGATE_USAGE_FLUSH_S": "0.2",
         "PREFIXGATE_PIN_QUOTA_BLOCKS": str(PIN_QUOTA_BLOCKS),
+        **(env_extra or {}),
     }
     return spawn(cmd, env=env), f"http://127.0.0.1:{port}"
 
@@ -347,3 +352,47 @@ def test_usage_sums_across_replicas_per_tenant(deployment: Deployment) -> None:
         check=True,
     )
     assert json.loads(cli.stdout)["totals"] == final
+
+
+#: Every stage a replica's shutdown logs (docs/faults.md, Shutdown), in order.
+SHUTDOWN_STAGES = ["http", "membership", "usage", "pipeline", "kv_events", "nodes", "index", "state", "loop"]
+
+
+def _shutdown_log(gateway: Child) -> list[dict[str, Any]]:
+    return [
+        rec
+        for line in list(gateway.lines)
+        if line.startswith("{") and (rec := json.loads(line)).get("event", "").startswith("shutdown_")
+    ]
+
+
+def test_a_replica_shuts_down_within_a_bound_naming_each_stage(deployment: Deployment) -> None:
+    """SIGTERM while the shared-state loops talk to the Cluster: every loop ends though a
+    cancellation arriving mid-command can be lost (``cachetier.tasks``), each stage is logged
+    with its time, and the process exits 0 at once."""
+    # the membership and usage loops every millisecond (defaults 1 s), so that at SIGTERM they
+    # are almost always in the middle of a call to the Cluster
+    fast = {"PREFIXGATE_MEMBERSHIP_INTERVAL_S": "0.001", "PREFIXGATE_USAGE_FLUSH_S": "0.001"}
+    for cycle in range(2):  # two replicas in turn: a lost cancellation is likely, not certain
+        port = deployment.cluster.ports[4 + cycle]
+        gw, url = start_gateway(deployment.cluster, deployment.prefix, deployment.nodes, port, fast)
+        try:
+            _wait(partial(_ready, url), "the replica is not ready", 30)
+            assert chat(url, doc_body(40 + cycle, tokens=600)).status_code == 200
+            time.sleep(0.5)
+            gw.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            code = gw.proc.wait(20)
+            took = time.monotonic() - t0
+        finally:
+            gw.stop()
+        log = _shutdown_log(gw)
+        stages = [r for r in log if r["event"] == "shutdown_stage"]
+        assert [r["stage"] for r in stages] == SHUTDOWN_STAGES, log
+        slow = [
+            (r["stage"], r["seconds"], r["outcome"])
+            for r in stages
+            if r["outcome"] != "ok" or r["seconds"] > 1
+        ]
+        assert not slow, (slow, [r for r in log if r["event"] == "shutdown_stage_stuck"])
+        assert code == 0 and took < 5, (code, took)
