@@ -185,6 +185,12 @@ class Metrics:
             ["stage", "reason"],
             registry=r,
         )
+        self.migrations = Counter(
+            "prefixgate_migrations",
+            "Generations continued on another node after their node failed mid-stream, by why",
+            ["reason"],
+            registry=r,
+        )
         self.fallbacks = Counter(
             "prefixgate_fallbacks", "Requests served monolithic as a fallback", ["reason"], registry=r
         )
