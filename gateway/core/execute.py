@@ -215,10 +215,17 @@ class Executor:
         self.tenancy = tenancy
 
     async def execute(
-        self, prep: Prepared, *, exclude: Collection[str] = (), deadline: float | None = None
+        self,
+        prep: Prepared,
+        *,
+        exclude: Collection[str] = (),
+        deadline: float | None = None,
+        continuing: bool = False,
     ) -> Execution:
         """Route and start the request; raises Overloaded or Unavailable when no node can serve it.
-        ``exclude``, ``deadline``: a migration's (``gateway.core.migration``)."""
+        ``exclude``, ``deadline``, ``continuing``: a migration's (``gateway.core.migration``); a
+        continuation that cannot start is not a request failed of its own (the request it
+        continues is counted when it ends)."""
         if deadline is None:
             deadline = time.monotonic() + self.settings.request_timeout_s
         need = self.planner.need(prep)  # 400 when no node's context holds it
@@ -289,7 +296,8 @@ class Executor:
             if ex is not None:
                 return ex
 
-        self.metrics.requests.labels(route, "failed").inc()
+        if not continuing:
+            self.metrics.requests.labels(route, "failed").inc()
         last = failures[-1].error if failures else None
         if last is not None and too_long(last) and context.largest(self.planner.contexts(prep.model)):
             raise self.planner.exceeded(prep, engine_words(last))  # no node left whose context holds it

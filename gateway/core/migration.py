@@ -107,7 +107,7 @@ def executor_hook(executor: Executor, deadline: float) -> Migrate:
     async def migrate(cont: Prepared, exclude: Collection[str], reason: Reason) -> Execution:
         nodes = executor.pool.nodes.values()
         excluded = set(exclude) | unable_to_resume(nodes, cont)
-        ex = await executor.execute(cont, exclude=excluded, deadline=deadline)
+        ex = await executor.execute(cont, exclude=excluded, deadline=deadline, continuing=True)
         executor.metrics.migrations.labels(reason.value).inc()
         return ex
 

@@ -107,6 +107,23 @@ async def test_a_node_that_cannot_continue_a_generation_keeps_the_error() -> Non
         assert not d2.streams and ex.migrations == 0
 
 
+async def test_a_continuation_no_node_can_start_counts_the_request_once() -> None:
+    d1 = _node("d1", generate=_rest(break_after=2))
+    d2 = FakeNodeClient("d2", status=fake_status("d2", "decode", queued=5))  # cannot continue one
+    async with harness(("decode", d1), ("decode", d2)) as h:
+        ex = await h.pipeline.execute(h.prep())
+        with pytest.raises(StreamBroken, match="failed mid-stream"):
+            _ = [d async for d in ex.stream()]
+        requests = h.pipeline.executor.metrics.requests
+        counted = {
+            s.labels["outcome"]: s.value
+            for m in requests.collect()
+            for s in m.samples
+            if s.name.endswith("_total")
+        }
+    assert counted == {"broken": 1.0}, counted  # not also "failed" for the continuation
+
+
 async def test_a_node_declared_gone_mid_stream_migrates_at_once() -> None:
     # The stall timeout at its 30 s default: only the node's departure ends the wait.
     d1 = _node("d1", generate=_rest(stall_s=30.0))
