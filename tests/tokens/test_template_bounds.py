@@ -43,7 +43,8 @@ def test_a_runaway_template_stops_itself_at_its_deadline(case: str) -> None:
     t0 = time.monotonic()
     with pytest.raises(TemplateLimitError):
         template.render(CHAT)
-    assert time.monotonic() - t0 < SHORT_S + 0.5
+    # left alone each would run for minutes; 2 s of margin absorbs a loaded machine's unwinding
+    assert time.monotonic() - t0 < SHORT_S + 2.0
 
 
 ONE_OP = {
