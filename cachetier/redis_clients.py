@@ -67,8 +67,14 @@ class Detached:
         except asyncio.CancelledError:
             if not task.done():  # it runs on, to release its connection whole
                 self.abandoned.add(task)
-                task.add_done_callback(self.abandoned.discard)
+                task.add_done_callback(self._left_behind_done)
             raise
+
+    def _left_behind_done(self, task: asyncio.Task[Any]) -> None:
+        """Its caller is gone: its outcome is nobody's (``shield`` no longer retrieves it)."""
+        self.abandoned.discard(task)
+        if not task.cancelled():
+            task.exception()
 
     def inside(self) -> bool:
         """Whether the running task is one of these commands (redis-py closes its client from

@@ -7,9 +7,12 @@ Shared by the single-Redis and the Redis Cluster tests of the clients the gatewa
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import random
 import time
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -105,3 +108,18 @@ async def settled(client: Client, timeout: float = 5.0) -> None:
     loop_deadline = time.monotonic() + timeout
     while detached is not None and detached.running and time.monotonic() < loop_deadline:
         await asyncio.sleep(0.01)
+
+
+@contextlib.contextmanager
+def unhandled() -> Iterator[list[dict[str, Any]]]:
+    """What the loop would log as unhandled (a task's exception never retrieved, ...), garbage
+    collected at the end so that a task dropped with its exception is counted."""
+    loop = asyncio.get_running_loop()
+    seen: list[dict[str, Any]] = []
+    before = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: seen.append(context))
+    try:
+        yield seen
+        gc.collect()
+    finally:
+        loop.set_exception_handler(before)

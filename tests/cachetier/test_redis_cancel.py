@@ -12,7 +12,7 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from prefixgate.cachetier.redis_clients import connect
-from tests.cachetier.cancel_storm import LOST, cancel_storm, serves, settled
+from tests.cachetier.cancel_storm import LOST, cancel_storm, serves, settled, unhandled
 from tests.cachetier.support import PrivateRedis, TcpProxy, test_prefix
 
 POOL = 4
@@ -41,11 +41,13 @@ async def test_calls_cancelled_at_random_points_lose_nothing(redis_server: Priva
         await serves(client, prefix, POOL)  # every connection of the pool open
         opened = _info(redis_server, "total_connections_received")
 
-        outcomes = await cancel_storm(client, prefix)
+        with unhandled() as errors:
+            outcomes = await cancel_storm(client, prefix)
+            await settled(client)
+        assert not errors, errors[:3]
 
-        assert outcomes["cancelled"] + outcomes["timeout"] + outcomes[LOST] > 150, outcomes  # many cut
+        assert outcomes["cancelled"] + outcomes["timeout"] + outcomes[LOST] > 60, outcomes  # many cut
         assert outcomes[LOST] == 0, f"cancellations lost: {outcomes}"
-        await settled(client)
         await serves(client, prefix, POOL)
         # a command cancelled mid-flight used to cost its connection: a new one for the next call
         assert _info(redis_server, "total_connections_received") - opened <= 1, outcomes  # the cli's
@@ -63,6 +65,7 @@ async def test_while_redis_is_silent_commands_left_behind_are_bounded() -> None:
         await serves(client, prefix, 2)
         proxy.blackhole = True
         fast: list[float] = []
+        left_behind: set[asyncio.Task[object]] = set()
         for i in range(40):  # callers that give up after 20 ms, as the index's deadlines do
             t0 = time.monotonic()
             try:
@@ -73,11 +76,16 @@ async def test_while_redis_is_silent_commands_left_behind_are_bounded() -> None:
             except RedisConnectionError:
                 fast.append(time.monotonic() - t0)
             assert len(client.detached.abandoned) <= client.detached.max_abandoned
+            left_behind |= client.detached.abandoned
         assert fast, "nothing failed fast while the left-behind commands were at their bound"
         assert max(fast) < 0.015  # at once, not after a deadline
-        proxy.blackhole = False
-        await settled(client, timeout=3.0)  # they end by the socket timeout
+        with unhandled() as errors:
+            await settled(client, timeout=5.0)  # they end by the socket timeouts, in errors
+            assert left_behind and all(t.done() for t in left_behind)
+            left_behind.clear()  # dropped: one whose error nobody took would be logged now
         assert not client.detached.abandoned
+        assert not errors, errors[:3]
+        proxy.blackhole = False
         await serves(client, prefix, 2)  # serving again once Redis answers
     finally:
         await client.aclose()
