@@ -7,7 +7,9 @@ real one (``--engine tiny``) implement this protocol and serve the same services
 Token ids are uint32. The engine's ``eos_token`` ends generation (finish_reason "stop") and is
 never shown nor counted. ``state`` is a 64-bit digest of the engine's sampling state after the
 first token, carried from prefill to decode so the split path continues exactly where a
-monolithic run would.
+monolithic run would. A resumed job (``PrefillJob.resumed``) continues a generation broken
+elsewhere: the engine samples its tokens as the unbroken generation would have (same seed, same
+positions), so the continuation is the unbroken run's wherever it was computed.
 """
 
 from __future__ import annotations
@@ -115,6 +117,10 @@ class PrefillJob:
     # turn, as SGLang's scheduler admits new requests between the chunks of a long one.
     chunk_tokens: int = 0
     checkpoint: Callable[[int], Awaitable[None]] | None = None
+    # The last ``resumed`` of ``tokens`` are output a broken generation already produced: the
+    # first token is the one after them, sampled as that generation would have (the prompt is
+    # the rest; ``backends.node.Node._generation``).
+    resumed: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +140,7 @@ class DecodeJob:
     state: int
     sampling: Sampling
     max_new: int  # tokens to produce at most after the first one
+    resumed: int = 0  # as ``PrefillJob.resumed`` (``tokens`` and ``pages`` include them)
 
 
 class Engine(Protocol):

@@ -41,6 +41,7 @@ from prefixgate.backends.kvpages import KVFormat, Page, checksum, format_mismatc
 from prefixgate.backends.pool import BlockPool, PoolExhausted
 from prefixgate.backends.profiles import MAX_RATE, CostProfile
 from prefixgate.backends.transfer import KVSender, TransferAck, TransferHeader, WirePage
+from prefixgate.cachetier.tokenizer import unpack_ids
 from prefixgate.gateway.vocab import Role
 
 log = structlog.get_logger("prefixgate.node")
@@ -82,6 +83,7 @@ class PrefillCall:
     pin_seconds: float = 0.0
     skip_first_token: bool = False
     timeout: float | None = None  # what is left of the caller's deadline
+    resumed: int = 0  # the last ``resumed`` of ``tokens`` are output already shown (``resumed_generation``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +227,7 @@ class Node:
 
     # -- prefill -----------------------------------------------------------------------------
 
-    def _validate(self, tokens: bytes, hashes: Sequence[int]) -> int:
+    def _validate(self, tokens: bytes, hashes: Sequence[int], resumed: int = 0) -> int:
         if not tokens:
             raise InvalidArgument("empty prompt: tokens has no bytes")
         if len(tokens) % 4:
@@ -241,6 +243,8 @@ class Node:
             )
         if any(h == 0 for h in hashes):
             raise InvalidArgument("block_hashes must be nonzero")
+        if not 0 <= resumed < n:
+            raise InvalidArgument(f"resumed {resumed} of a {n}-token sequence: the prompt must remain")
         self._check_context(n, "pool")
         return n
 
@@ -259,7 +263,7 @@ class Node:
             raise InvalidArgument(f"prompt has {n} tokens, the context holds {limit}", stage=stage)
 
     async def _prefill_run(
-        self, tokens: bytes, hashes: Sequence[int], sampling: Sampling, first_token: bool
+        self, tokens: bytes, hashes: Sequence[int], sampling: Sampling, first_token: bool, resumed: int = 0
     ) -> _Run:
         """Queue, reuse the cached prefix, compute the rest, store it. The caller must release
         ``hashes`` from the pool afterwards."""
@@ -304,6 +308,7 @@ class Node:
                         first_token,
                         chunk_tokens=self.config.chunked_prefill_size,
                         checkpoint=checkpoint if self.config.chunked_prefill_size > 0 else None,
+                        resumed=resumed,
                     )
                     out = await self.engine.prefill(job)
                 except BaseException:
@@ -320,16 +325,17 @@ class Node:
         return _Run(hashes, k, out, waited, time.monotonic() - t0)
 
     async def prefill(self, call: PrefillCall) -> PrefillResult:
-        n = self._validate(call.tokens, call.block_hashes)
+        n = self._validate(call.tokens, call.block_hashes, call.resumed)
         hashes = list(call.block_hashes)
-        run = await self._prefill_run(call.tokens, hashes, call.sampling, not call.skip_first_token)
+        first = not call.skip_first_token
+        run = await self._prefill_run(call.tokens, hashes, call.sampling, first, call.resumed)
         try:
             if call.pin_seconds > 0:
                 self.pool.pin(hashes, call.pin_seconds)
             out = run.output
             first_text, finished, reason, first_lp = "", False, "", None
             if not call.skip_first_token:
-                gen = Generation(call.sampling, self.engine.eos_token, self.engine.token_text)
+                gen = self._generation(call.sampling, call.tokens, call.resumed)
                 ids, first_text = gen.push([out.first_token])
                 finished, reason = gen.finished, gen.finish_reason
                 first_lp = out.first_logprob if ids else None
@@ -349,7 +355,7 @@ class Node:
             )
             return PrefillResult(
                 request_id=call.request_id,
-                prompt_tokens=n,
+                prompt_tokens=n - call.resumed,
                 cached_tokens=cached,
                 first_token=out.first_token,
                 first_text=first_text,
@@ -509,8 +515,11 @@ class Node:
                 f"decode streams full ({self.streams.max_running} running)", stage="decode"
             ) from None
 
-    async def decode(self, kv_handle: str, sampling: Sampling | None = None) -> AsyncIterator[Chunk]:
-        """Continue a request whose pages arrived with ``receive``. The handle is single use."""
+    async def decode(
+        self, kv_handle: str, sampling: Sampling | None = None, resumed: int = 0
+    ) -> AsyncIterator[Chunk]:
+        """Continue a request whose pages arrived with ``receive``. The handle is single use.
+        ``resumed``: as the prefill's (``resumed_generation``)."""
         ticket = await self._acquire_stream()
         try:
             handle = self.handles.pop(kv_handle, None)
@@ -520,13 +529,17 @@ class Node:
                 raise NotFound(f"kv handle {kv_handle!r} unknown or expired", stage="decode")
             try:
                 s = sampling if sampling is not None else handle.sampling
-                gen = Generation(s, self.engine.eos_token, self.engine.token_text)
+                if not 0 <= resumed < len(handle.tokens) // 4:
+                    raise InvalidArgument(f"resumed {resumed} of a {len(handle.tokens) // 4}-token sequence")
+                gen = self._generation(s, handle.tokens, resumed)
                 gen.push([handle.first_token])
                 pages = [p.data for p in self.pool.payloads(handle.hashes)]
                 if handle.tail:
                     pages.append(handle.tail)
-                job = DecodeJob(handle.tokens, pages, handle.first_token, handle.state, s, gen.remaining)
-                prompt = len(handle.tokens) // 4
+                job = DecodeJob(
+                    handle.tokens, pages, handle.first_token, handle.state, s, gen.remaining, resumed
+                )
+                prompt = len(handle.tokens) // 4 - resumed
                 wait = ticket.waited_s
                 async for chunk in self._decode_chunks(gen, job, prompt, handle.cached_tokens):
                     chunk.queue_seconds = wait
@@ -537,26 +550,27 @@ class Node:
             self.streams.release(ticket)
 
     async def generate(
-        self, tokens: bytes, block_hashes: Sequence[int], sampling: Sampling
+        self, tokens: bytes, block_hashes: Sequence[int], sampling: Sampling, resumed: int = 0
     ) -> AsyncIterator[Chunk]:
         """The whole request here: prefill with prefix reuse, then decode. Same tokens as the
-        split path."""
-        n = self._validate(tokens, block_hashes)
+        split path. ``resumed``: as the prefill's (``resumed_generation``)."""
+        n = self._validate(tokens, block_hashes, resumed)
         hashes = list(block_hashes)
         ticket = await self._acquire_stream()
         try:
             self._generate_prefills += 1  # holds a stream slot too: count the request once
             try:
-                run = await self._prefill_run(tokens, hashes, sampling, True)
+                run = await self._prefill_run(tokens, hashes, sampling, True, resumed)
             finally:
                 self._generate_prefills -= 1
             try:
                 cached = run.cached_blocks * self.block_size
-                gen = Generation(sampling, self.engine.eos_token, self.engine.token_text)
+                gen = self._generation(sampling, tokens, resumed)
                 ids, text = gen.push([run.output.first_token])
                 first = Chunk(ids, text, queue_seconds=run.queue_s, prefill_seconds=run.prefill_s)
                 if ids and run.output.first_logprob is not None:
                     first.logprobs = [run.output.first_logprob]
+                n -= resumed  # the prompt the client sent: the rest is output
                 yield self._usage(first, gen, n, cached)
                 if gen.finished:
                     return
@@ -564,7 +578,7 @@ class Node:
                 if run.output.tail_page:
                     pages.append(run.output.tail_page)
                 job = DecodeJob(
-                    tokens, pages, run.output.first_token, run.output.state, sampling, gen.remaining
+                    tokens, pages, run.output.first_token, run.output.state, sampling, gen.remaining, resumed
                 )
                 async for chunk in self._decode_chunks(gen, job, n, cached):
                     yield chunk
@@ -572,6 +586,22 @@ class Node:
                 self.pool.release(hashes)
         finally:
             self.streams.release(ticket)
+
+    def _generation(self, sampling: Sampling, tokens: bytes, resumed: int) -> Generation:
+        """A fresh ``Generation``, past the ``resumed`` output tokens that end ``tokens``.
+
+        ``resumed_generation``: a generation broken elsewhere continues here from its prompt and
+        the tokens already shown. They are pushed as they were there (their text discarded: it was
+        shown), so the count of output tokens, the text held back for a stop string and what is
+        released next are exactly as on the node that broke; the text joins seamlessly. The
+        request's ``max_tokens`` is what is left to generate after them.
+        """
+        if resumed:  # ``max_tokens`` is what is left after them
+            sampling = replace(sampling, max_tokens=sampling.max_tokens + resumed)
+        gen = Generation(sampling, self.engine.eos_token, self.engine.token_text)
+        if resumed:
+            gen.push(unpack_ids(tokens[len(tokens) - 4 * resumed :]))
+        return gen
 
     async def _decode_chunks(
         self, gen: Generation, job: DecodeJob, prompt_tokens: int, cached_tokens: int

@@ -119,6 +119,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
             pin_seconds=request.pin_seconds,
             skip_first_token=request.skip_first_token,
             timeout=context.time_remaining(),
+            resumed=request.resumed,
         )
         try:
             r = await self.node.prefill(call)
@@ -133,7 +134,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         _bind(context, request.request_id, self.node.node_id)
         sampling = sampling_from_proto(request.sampling) if request.HasField("sampling") else None
         try:
-            async for chunk in self.node.decode(request.kv_handle, sampling):
+            async for chunk in self.node.decode(request.kv_handle, sampling, request.resumed):
                 yield chunk_to_proto(chunk, self.node.engine.token_text)
         except NodeError as e:
             await _abort(context, e)
@@ -144,7 +145,9 @@ class NodeService(node_pb2_grpc.NodeServicer):
         _bind(context, request.request_id, self.node.node_id)
         sampling = sampling_from_proto(request.sampling)
         try:
-            async for chunk in self.node.generate(request.tokens, list(request.block_hashes), sampling):
+            async for chunk in self.node.generate(
+                request.tokens, list(request.block_hashes), sampling, request.resumed
+            ):
                 yield chunk_to_proto(chunk, self.node.engine.token_text)
         except NodeError as e:
             await _abort(context, e)

@@ -99,11 +99,15 @@ class Settings:
     # times the margin, at least the floor (margin 0: no prediction); every first token within
     # first_token_timeout_s, the limit too when the node's speed is unknown (0: the request
     # deadline only). Past its limit the next node is tried. Once streaming, a node silent
-    # stall_timeout_s ends the stream with an error event (0: no limit).
+    # stall_timeout_s is given up on: the generation migrates (below; 0: no limit).
     first_token_deadline_margin: float = 3.0
     first_token_deadline_floor_s: float = 2.0
     first_token_timeout_s: float = 60.0
     stall_timeout_s: float = 30.0
+    # A generation whose node fails after its first token continues on another node from the
+    # tokens already sent (gateway.core.migration), at most this many times (0: never; past it,
+    # the stream ends with an error event).
+    max_migrations: int = 2
     # Retries before the first token: attempts per path (split, then monolithic; 1: no retry),
     # within ``request_timeout_s``; the pause before attempt k+1 is initial * multiplier^(k-1), at
     # most max, scaled by a random factor within jitter_factor of 1, plus up to jitter_s.

@@ -7,7 +7,7 @@ refreshed by ``Metrics.refresh_index`` just before a scrape renders (the index m
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,6 +185,12 @@ class Metrics:
             ["stage", "reason"],
             registry=r,
         )
+        self.migrations = Counter(
+            "prefixgate_migrations",
+            "Generations continued on another node after their node failed mid-stream, by why",
+            ["reason"],
+            registry=r,
+        )
         self.fallbacks = Counter(
             "prefixgate_fallbacks", "Requests served monolithic as a fallback", ["reason"], registry=r
         )
@@ -239,6 +245,12 @@ class Metrics:
         self.index_total_blocks = Gauge(
             "prefixgate_index_total_blocks",
             "Blocks the index records in all (at the last scrape)",
+            registry=r,
+        )
+        self.tokenizer_cache_bytes = Gauge(
+            "prefixgate_tokenizer_cache_bytes",
+            "Bytes held by a tokenizer's segment cache (bounded by tokenizer_segment_cache_bytes)",
+            ["tokenizer"],
             registry=r,
         )
         self.per_node: dict[str, HitCounts] = {}
@@ -313,6 +325,12 @@ class Metrics:
         for node, occ in stats.nodes.items():
             self.index_blocks.labels(node).set(occ.blocks)
         self._index_nodes = set(stats.nodes)
+
+    def refresh_tokenizers(self, cache_bytes: Mapping[str, int]) -> None:
+        """Set the segment caches' sizes (tokenizer name -> bytes): what the gateway's memory
+        grows by, up to its bound, as new text passes; read at scrape time."""
+        for name, size in cache_bytes.items():
+            self.tokenizer_cache_bytes.labels(name).set(size)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -102,7 +102,7 @@ class SimEngine:
             key = xxhash.xxh3_64_intdigest(_LE64.pack(last) + tail_tokens)
             tail = synth_page_bytes(key, (len(tail_tokens) // 4) * self.kv_format.bytes_per_token, self._salt)
         if job.first_token:
-            token, state = textgen.first_token(job.tokens, job.sampling)
+            token, state = textgen.first_token(job.tokens, job.sampling, job.resumed)
         else:
             token, state = 0, textgen.prompt_state(job.tokens)
         new = n_tokens - cached_tokens
@@ -121,9 +121,10 @@ class SimEngine:
 
     async def decode(self, job: DecodeJob) -> AsyncGenerator[list[int], None]:
         loop = asyncio.get_running_loop()
-        sampler = textgen.Sampler(job.sampling, textgen.prompt_state(job.tokens))
+        prompt = job.tokens[: len(job.tokens) - 4 * job.resumed]
+        sampler = textgen.Sampler(job.sampling, textgen.prompt_state(prompt))
         state = job.state
-        step = 1
+        step = 1 + job.resumed
         context = len(job.tokens) // 4 + 1
         deadline = loop.time()
         group: list[int] = []

@@ -109,8 +109,14 @@ class Sampler:
         return TOKEN_IDS[(mul * rank + (state & 0xFF)) & 0xFF]
 
 
-def first_token(tokens: bytes, sampling: Sampling) -> tuple[int, int]:
-    """(first token, state after it) for a prompt."""
-    s0 = prompt_state(tokens)
-    tok = Sampler(sampling, s0).pick(s0, 0)
-    return tok, advance(s0, tok)
+def first_token(tokens: bytes, sampling: Sampling, resumed: int = 0) -> tuple[int, int]:
+    """(first token, state after it) for a prompt; ``resumed``: the last ``resumed`` of
+    ``tokens`` are output already produced, and the token is the one the unbroken run picks next
+    (step ``resumed``, the state advanced through them, the prompt the rest)."""
+    n = len(tokens) - 4 * resumed
+    s0 = prompt_state(tokens[:n])
+    state = s0
+    for (token,) in struct.iter_unpack("<I", tokens[n:]):
+        state = advance(state, token)
+    tok = Sampler(sampling, s0).pick(state, resumed)
+    return tok, advance(state, tok)

@@ -77,14 +77,25 @@ class PrefillRun:
         bs, k = self.bs, self.job.cached_blocks
         pages = [self.cache.page(b * bs, (b + 1) * bs) for b in range(k, self.full)]
         tail = self.cache.page(self.full * bs, self.n) if self.n > self.full * bs else b""
-        gen = smp.rng(smp.base_seed(self.job.tokens, self.job.sampling))
+        job, r = self.job, self.job.resumed
+        prompt = job.tokens[: len(job.tokens) - 4 * r]
+        gen = smp.rng(smp.base_seed(prompt, job.sampling))
         token, lp = 0, None
-        if self.job.first_token:
+        if job.first_token:
             assert self.logits is not None
-            c = self.job.sampling.constraint
-            allowed = Guide(c, OUTPUT_IDS).allowed() if c is not None else None
-            sampling = self.job.sampling
-            token, lp = smp.pick(self.logits, sampling, gen, smp.bias_vector(sampling), allowed)
+            c = job.sampling.constraint
+            guide = Guide(c, OUTPUT_IDS) if c is not None else None
+            draws = gen
+            if r:  # resumed: the unbroken run's first draw, then its decode stream, past r - 1 draws
+                smp.skip(gen, job.sampling, 1)
+                state = smp.next_state(gen)
+                draws = smp.skip(smp.rng(state), job.sampling, r - 1)
+                if guide is not None:
+                    guide.advance([int(t) for t in token_ids(job.tokens)[self.n - r :]])
+            allowed = guide.allowed() if guide is not None else None
+            token, lp = smp.pick(self.logits, job.sampling, draws, smp.bias_vector(job.sampling), allowed)
+            if r:  # decode continues the unbroken run's stream (``DecodeRun``)
+                return PrefillOutput(pages, tail, token, state, lp)
         return PrefillOutput(pages, tail, token, smp.next_state(gen), lp)
 
 
@@ -102,14 +113,16 @@ class DecodeRun:
         self.pos = n
         self.last = job.first_token
         self.remaining = job.max_new
-        self.gen = smp.rng(job.state)
+        # Resumed: the stream past the r - 1 resumed decode draws and the one its prefill made.
+        self.gen = smp.skip(smp.rng(job.state), job.sampling, job.resumed)
         self.bias = smp.bias_vector(job.sampling)
         self.ended = job.max_new <= 0
         # A constraint's matcher, past the first token (chosen by prefill under the same one).
         self.guide: Guide | None = None
         if job.sampling.constraint is not None and not self.ended:
             self.guide = Guide(job.sampling.constraint, OUTPUT_IDS)
-            self.guide.advance([job.first_token])
+            resumed = [int(t) for t in token_ids(job.tokens)[n - job.resumed :]] if job.resumed else []
+            self.guide.advance([*resumed, job.first_token])
 
     def step(self, max_tokens: int, budget_s: float) -> Tokens:
         """Up to ``max_tokens`` tokens, stopping early once ``budget_s`` has passed."""

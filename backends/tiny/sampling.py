@@ -8,7 +8,11 @@ reaching that mass; ties ranked by class), and one uniform draw per token from a
 - prefill seeds it with ``PCG64(base)``, ``base`` = the request's seed, or without one the
   xxh3-64 digest of the prompt tokens; it draws for the first token, then draws one 64-bit word,
   the ``state`` handed to decode (``PrefillOutput.state`` -> transfer header -> ``DecodeJob``);
-- decode seeds ``PCG64(state)`` and draws once per token.
+- decode seeds ``PCG64(state)`` and draws once per token;
+- a resumed generation (``PrefillJob.resumed``: a generation broken elsewhere continues from its
+  prompt and the ``r`` tokens it had produced) seeds from the prompt alone, redoes the first
+  draw and ``state``, and advances ``PCG64(state)`` past the ``r - 1`` decode draws (``skip``;
+  decode then past ``r``): it samples what the unbroken run would have.
 
 So a request samples the same tokens on every path: one node, or prefill here and decode there.
 
@@ -82,6 +86,15 @@ def pick(
 
 def rng(seed: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(seed))
+
+
+def skip(gen: np.random.Generator, sampling: Sampling, tokens: int) -> np.random.Generator:
+    """``gen`` past the draws of ``tokens`` sampled tokens (one each; none when greedy): where a
+    resumed generation (``PrefillJob.resumed``) picks up the unbroken run's stream."""
+    if sampling.temperature > 0 and tokens > 0:
+        bits: np.random.PCG64 = gen.bit_generator  # type: ignore[assignment]  # what ``rng`` seeds
+        bits.advance(tokens)
+    return gen
 
 
 def next_state(gen: np.random.Generator) -> int:

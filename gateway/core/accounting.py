@@ -61,7 +61,7 @@ class Accounting:
         t, node_t = ex.timings, ex.timings.node
         ttft = (t.first_token_at - t.start) if t.first_token_at else 0.0
         m = self.metrics
-        node = (ex.prefill_node or ex.decode_node).id
+        node = ex.prompt_node.id
         m.observe_request(
             ex.route,
             ex.outcome,
@@ -70,12 +70,10 @@ class Accounting:
             prefill_s=node_t.prefill_s,
             transfer_s=node_t.transfer_s,
             node=node,
-            transfer_node=ex.prefill_node.id if ex.prefill_node is not None else None,
+            transfer_node=ex.first_prefill_node.id if ex.first_prefill_node is not None else None,
         )
         m.observe_hit(node, ex.prompt_tokens, ex.engine_cached_tokens, ex.predicted_tokens)
-        self._check_prediction(
-            ex.prefill_node or ex.decode_node, ex.predicted_tokens, ex.engine_cached_tokens
-        )
+        self._check_prediction(ex.prompt_node, ex.predicted_tokens, ex.engine_cached_tokens)
         log.info(
             "request",
             request_id=ex.request_id,
@@ -91,6 +89,7 @@ class Accounting:
             completion_tokens=ex.completion_tokens,
             outcome=ex.outcome,
             attempts=ex.attempts,
+            migrations=ex.migrations,
             ttft_ms=round(ttft * 1000, 2),
             queue_ms=round(node_t.queue_s * 1000, 2),
             prefill_ms=round(node_t.prefill_s * 1000, 2),

@@ -60,10 +60,15 @@ class Choices:
     def completion_tokens(self) -> int:
         return sum(ex.completion_tokens for ex in self.executions)
 
+    @property
+    def migrations(self) -> int:
+        """How many times a choice's generation moved to another node (``gateway.core.migration``)."""
+        return sum(ex.migrations for ex in self.executions)
+
     async def stream(self) -> AsyncIterator[tuple[int, Delta]]:
-        """``(choice index, delta)`` as the choices produce them. A node failure after the first
-        token is ``StreamBroken``, with the one message both front ends send (HTTP: an SSE error
-        event or a 502; gRPC: UNAVAILABLE)."""
+        """``(choice index, delta)`` as the choices produce them. Each choice migrates on its own
+        when its node fails after the first token; one that cannot is ``StreamBroken``, with the
+        one message both front ends send (HTTP: an SSE error event or a 502; gRPC: UNAVAILABLE)."""
         try:
             if len(self.executions) == 1:
                 deltas = self.first.stream()

@@ -4,8 +4,8 @@ The split path is tried on the best prefill/decode pair, then on the next best a
 failure (the node at fault excluded); when it cannot serve, the request falls back to
 monolithic serving, itself tried on other nodes. Both are one attempt loop over their own
 choice of nodes: at most ``retry_max_attempts`` a path, with backoff between attempts, all
-within the request's deadline. Nothing is retried once the first token is out
-(``Execution.stream`` raises StreamBroken then).
+within the request's deadline. Once the first token is out, a failure is not retried: the
+generation migrates, a continuation executed here again (``gateway.core.migration``).
 
 An attempt's prefill (split; served whole, its first token) has the time the gateway predicts for
 it on its node, with a margin (``routing.deadline``): a hung node costs a short request seconds
@@ -33,7 +33,7 @@ import structlog
 from prefixgate.gateway.cluster.breaker import OPEN
 from prefixgate.gateway.cluster.nodes import Node, NodePool
 from prefixgate.gateway.config import Settings
-from prefixgate.gateway.core import context
+from prefixgate.gateway.core import context, migration
 from prefixgate.gateway.core.accounting import Accounting
 from prefixgate.gateway.core.errors import Overloaded, Unavailable
 from prefixgate.gateway.core.execution import Execution
@@ -147,7 +147,7 @@ def _prompt(prep: Prepared, node: Node, generating: Node | None = None) -> Promp
         openai = for_choice(prep.openai_body(), sampling.seed, sampling.choice)
         if limit != prep.sampling.max_tokens:
             openai = OpenAIBody(openai.kind, {**openai.body, "max_tokens": limit})
-    return Prompt(prep.request_id, prep.tokens, prep.hashes, sampling, openai, prep.engine_salt)
+    return Prompt(prep.request_id, prep.tokens, prep.hashes, sampling, openai, prep.engine_salt, prep.resumed)
 
 
 def abandoned(t: Target, gone: Collection[Node], prefill_reported: bool) -> NodeFailure | None:
@@ -214,11 +214,22 @@ class Executor:
         self.metrics = metrics
         self.tenancy = tenancy
 
-    async def execute(self, prep: Prepared) -> Execution:
-        """Route and start the request; raises Overloaded or Unavailable when no node can serve it."""
-        deadline = time.monotonic() + self.settings.request_timeout_s
+    async def execute(
+        self,
+        prep: Prepared,
+        *,
+        exclude: Collection[str] = (),
+        deadline: float | None = None,
+        continuing: bool = False,
+    ) -> Execution:
+        """Route and start the request; raises Overloaded or Unavailable when no node can serve it.
+        ``exclude``, ``deadline``, ``continuing``: a migration's (``gateway.core.migration``); a
+        continuation that cannot start is not a request failed of its own (the request it
+        continues is counted when it ends)."""
+        if deadline is None:
+            deadline = time.monotonic() + self.settings.request_timeout_s
         need = self.planner.need(prep)  # 400 when no node's context holds it
-        unserved = unable(self.pool.nodes.values(), prep.needs)  # 400 when no node can serve it
+        unserved = unable(self.pool.nodes.values(), prep.needs) | set(exclude)  # 400: no node can
         if prep.tool_parser:  # the gateway parses the tool calls: not for pass-through workers
             unserved |= passing_through(self.pool.nodes.values())
         found = await self.planner.lookup(prep)
@@ -285,7 +296,8 @@ class Executor:
             if ex is not None:
                 return ex
 
-        self.metrics.requests.labels(route, "failed").inc()
+        if not continuing:
+            self.metrics.requests.labels(route, "failed").inc()
         last = failures[-1].error if failures else None
         if last is not None and too_long(last) and context.largest(self.planner.contexts(prep.model)):
             raise self.planner.exceeded(prep, engine_words(last))  # no node left whose context holds it
@@ -447,6 +459,9 @@ class Executor:
             cache_shared=self.tenancy.shares_cache(computing.client.capabilities.tenant_salt),
             notes=run.notes,
             index_hits=run.lookup.index_hits,
+            migrate=migration.executor_hook(self, run.deadline) if self.settings.max_migrations > 0 else None,
+            max_migrations=self.settings.max_migrations,
+            block_size=self.settings.block_size,
         )
 
     def _prefill_limit_s(self, run: Run, t: Target, uncached: int, cached: int) -> float:

@@ -82,6 +82,9 @@ class Prepared:
     # the prompt's, and the one that gave ``max_tokens`` ("": the gateway chose it).
     prompt_param: str = "prompt"
     max_tokens_param: str = ""
+    # A migrated generation's continuation (``gateway.core.migration``): the last ``resumed`` of
+    # ``tokens`` are output already sent to the client.
+    resumed: int = 0
 
     @property
     def tenant(self) -> str:

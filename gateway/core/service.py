@@ -168,6 +168,15 @@ class GatewayService:
         the configured ``model`` for nodes that name none."""
         return self.pool.models(self.settings.model)
 
+    def tokenizer_cache_bytes(self) -> dict[str, int]:
+        """Tokenizer name -> bytes its segment cache holds (tokenizers without one left out)."""
+        out: dict[str, int] = {}
+        for tok in (self.tokenizer, *self.model_tokenizers.values()):
+            stats = getattr(tok, "segment_stats", None)
+            if stats is not None:
+                out[tok.name] = int(stats.bytes)
+        return out
+
     def _check_tenancy(self, address: str) -> None:
         """A worker that would mix tenants' prefixes in its engine cache, refused unless the
         operator agreed to a shared engine cache (``gateway.core.tenancy``)."""

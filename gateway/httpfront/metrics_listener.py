@@ -33,6 +33,7 @@ async def scrape(svc: GatewayService) -> Response:
         svc.metrics.refresh_index(await asyncio.wait_for(svc.index.stats(), 1.0))
     except Exception as e:
         log.warning("index_stats_failed", error=repr(e)[:200])
+    svc.metrics.refresh_tokenizers(svc.tokenizer_cache_bytes())
     return Response(svc.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

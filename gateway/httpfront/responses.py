@@ -148,6 +148,7 @@ async def complete(ch: Choices, parsed: ParsedRequest, kind: str, headers: dict[
     }
     if headers:  # an HTTP worker reports its cached tokens at the end: the final count
         headers = {**headers, "x-prefixgate-cached-tokens": str(ch.cached_tokens)}
+        headers["x-prefixgate-migrations"] = str(ch.migrations)  # known once the answer is whole
     return ORJSONResponse(payload, headers=headers)
 
 

@@ -125,6 +125,11 @@ class Capabilities:
     flush: bool = False  # drop the node's whole cache (the most an engine without evict offers)
     # The protocol carries the tenant into the engine's prefix-cache key (``gateway.core.tenancy``).
     tenant_salt: bool = False
+    # Streams report their output token ids (``TokenDelta.token_ids``) and the node continues a
+    # generation from them (``Prompt.resumed``): a generation broken here or elsewhere migrates.
+    resume: bool = False
+    # ... a constrained one too (the engine carries its matcher's state past the resumed tokens).
+    resume_constrained: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +155,9 @@ class Prompt:
     # What the engine salts its prefix cache with for this request's namespace ("": none;
     # ``gateway.core.tenancy.engine_salt``), for protocols that carry one.
     cache_salt: str = ""
+    # The last ``resumed`` of ``tokens`` are output a broken generation already sent
+    # (``gateway.core.migration``): the node continues it. Only for ``Capabilities.resume``.
+    resumed: int = 0
 
     @property
     def token_count(self) -> int:
@@ -177,7 +185,9 @@ class TokenDelta:
     ``logprobs``: one per token of this step, when the request asked for them; ``prompt_tokens``
     is the node's own count of the prompt when it reports one (0: not). ``tool_calls``: the
     engine's own tool-call deltas (OpenAI's ``delta.tool_calls`` entries, as it sent them), from
-    a worker that parses tool calls itself."""
+    a worker that parses tool calls itself. ``token_ids``: the output tokens of this step (those
+    whose text is held back included; never the end token), from a protocol that reports them
+    (``Capabilities.resume``): what a generation broken later continues from."""
 
     text: str = ""
     finish_reason: str = ""
@@ -185,6 +195,7 @@ class TokenDelta:
     logprobs: tuple[TokenLogprob, ...] = ()
     prompt_tokens: int = 0
     tool_calls: tuple[Mapping[str, Any], ...] = ()
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)

@@ -81,8 +81,12 @@ def _pick(script: Script, prompt: Prompt, n: int) -> Reply:
 
 
 class FakeTokenStream:
-    def __init__(self, node_id: str, stage: Stage, reply: Tokens) -> None:
+    """The reply's texts, delta ``i`` with token id ``resumed + i`` (its position in the output:
+    a continuation, ``Prompt.resumed``, counts on from the tokens it continues)."""
+
+    def __init__(self, node_id: str, stage: Stage, reply: Tokens, resumed: int = 0) -> None:
         self.node_id, self.stage, self.reply = node_id, stage, reply
+        self.resumed = resumed
         self.cached_tokens = reply.cached_tokens
         self.timings = StageTimings()
         self.prefill: PrefillReport | None = None
@@ -108,7 +112,8 @@ class FakeTokenStream:
         last = self.sent == len(r.texts)
         if last:
             self.closed = True
-        return TokenDelta(r.texts[self.sent - 1], r.finish_reason if last else "", self.sent)
+        at = self.resumed + self.sent
+        return TokenDelta(r.texts[self.sent - 1], r.finish_reason if last else "", at, token_ids=(at,))
 
     async def aclose(self) -> None:
         if not self.closed:
@@ -167,8 +172,8 @@ class FakeNodeClient:
             raise NodeFailure(self._address, answer.stage or Stage.PROBE, answer.kind, answer.detail)
         return answer
 
-    def stream(self, stage: Stage, reply: Tokens) -> FakeTokenStream:
-        s = FakeTokenStream(self._address, stage, reply)
+    def stream(self, stage: Stage, reply: Tokens, resumed: int = 0) -> FakeTokenStream:
+        s = FakeTokenStream(self._address, stage, reply, resumed)
         self.streams.append(s)
         return s
 
@@ -179,7 +184,7 @@ class FakeNodeClient:
                 NodeFailure(self._address, reply.stage or Stage.GENERATE, reply.kind, reply.detail),
                 reply.delay_s,
             )
-        return self.stream(Stage.GENERATE, reply)
+        return self.stream(Stage.GENERATE, reply, prompt.resumed)
 
     async def kv_events(self, since_seq: int) -> AsyncGenerator[KVEvent, None]:
         self.calls.append("kv_events")
@@ -276,7 +281,7 @@ class _FakeSplit:
         if isinstance(dreply, Fail):
             self.closed = True
             raise NodeFailure(d.address, dreply.stage or Stage.DECODE, dreply.kind, dreply.detail)
-        self.inner = d.stream(Stage.DECODE, dreply)
+        self.inner = d.stream(Stage.DECODE, dreply, self.prompt.resumed)
 
     async def aclose(self) -> None:
         self.closed = True

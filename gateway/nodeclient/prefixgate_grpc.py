@@ -49,7 +49,16 @@ CHANNEL_OPTIONS = [
 ]
 REQUEST_ID_KEY = "x-prefixgate-request-id"
 STAGE_KEY = "x-prefixgate-stage"  # trailing metadata: where along the node's work it failed
-CAPABILITIES = Capabilities(split=True, kv_events=True, pin=True, evict=True, warm=True, tenant_salt=True)
+CAPABILITIES = Capabilities(
+    split=True,
+    kv_events=True,
+    pin=True,
+    evict=True,
+    warm=True,
+    tenant_salt=True,
+    resume=True,
+    resume_constrained=True,
+)
 
 # Why a status code means what it means on our nodes (backends/server.py documents the codes).
 KINDS: dict[grpc.StatusCode, FailureKind] = {
@@ -112,6 +121,16 @@ def token_logprob(msg: node_pb2.TokenLogprob) -> TokenLogprob:
 
 def chunk_logprobs(chunk: node_pb2.TokenChunk) -> tuple[TokenLogprob, ...]:
     return tuple(token_logprob(m) for m in chunk.logprobs) if chunk.logprobs else ()
+
+
+def chunk_delta(chunk: node_pb2.TokenChunk) -> TokenDelta:
+    return TokenDelta(
+        chunk.text,
+        chunk.finish_reason,
+        chunk.completion_tokens,
+        chunk_logprobs(chunk),
+        token_ids=tuple(chunk.token_ids),
+    )
 
 
 def kv_event(msg: node_pb2.KVEvent) -> KVEvent:
@@ -181,7 +200,7 @@ class _ChunkStream:
         self._chunks += 1
         if chunk.finish_reason:
             self._closed = True
-        return TokenDelta(chunk.text, chunk.finish_reason, chunk.completion_tokens, chunk_logprobs(chunk))
+        return chunk_delta(chunk)
 
     async def aclose(self) -> None:
         self._closed = True
@@ -203,6 +222,7 @@ class _GenerateStream(_ChunkStream):
                 tokens=p.tokens,
                 block_hashes=p.hashes,
                 sampling=sampling_message(p.sampling),
+                resumed=p.resumed,
             ),
             timeout=self._timeout,
             metadata=_metadata(p.request_id),
@@ -234,6 +254,7 @@ class _PushStream(_ChunkStream):
                     block_hashes=p.hashes,
                     sampling=sampling_message(p.sampling),
                     decode_address=self._d.address,
+                    resumed=p.resumed,
                 ),
                 timeout=self._left(),
                 metadata=_metadata(p.request_id),
@@ -275,15 +296,19 @@ class _PushStream(_ChunkStream):
             self._pending = [
                 TokenDelta(resp.first_text, resp.finish_reason, max(1, chunk.completion_tokens), first_lp)
             ]
-        else:
-            self._pending = [TokenDelta(resp.first_text, "", 1, first_lp), self._delta(chunk)]
+        else:  # the prefill node's token is output like the decode node's (a migration's ids)
+            first = TokenDelta(resp.first_text, "", p.resumed + 1, first_lp, token_ids=(resp.first_token,))
+            self._pending = [first, self._delta(chunk)]
         self._chunks = 1
 
     def _open(self) -> Any:
         p = self._prompt
         return self._d.stub.Decode(
             node_pb2.DecodeRequest(
-                request_id=p.request_id, kv_handle=self._handle, sampling=sampling_message(p.sampling)
+                request_id=p.request_id,
+                kv_handle=self._handle,
+                sampling=sampling_message(p.sampling),
+                resumed=p.resumed,
             ),
             timeout=self._left(),
             metadata=_metadata(p.request_id),
@@ -295,7 +320,7 @@ class _PushStream(_ChunkStream):
         self._chunks += 1
         if chunk.finish_reason:
             self._closed = True
-        return TokenDelta(chunk.text, chunk.finish_reason, chunk.completion_tokens, chunk_logprobs(chunk))
+        return chunk_delta(chunk)
 
 
 class PushHandoff:

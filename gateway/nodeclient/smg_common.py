@@ -357,7 +357,9 @@ class SmgNodeClient:
     @property
     def capabilities(self) -> Capabilities:
         events = self.info.kv_events if self.info is not None else True
-        return Capabilities(split=True, kv_events=events, pin=False, evict=False, warm=False, flush=True)
+        return Capabilities(
+            split=True, kv_events=events, pin=False, evict=False, warm=False, flush=True, resume=True
+        )
 
     @property
     def handoff(self) -> Handoff | None:
@@ -691,6 +693,7 @@ class GenerateStream:
         self._pending: list[TokenDelta] = []
         self._oov_logged = False
         self.engine_stream = True
+        self._held_ids: list[int] = []  # ids pushed whose text is held back: on the next delta
 
     def __aiter__(self) -> GenerateStream:
         return self
@@ -705,6 +708,8 @@ class GenerateStream:
         codec = self.client.codec()
         self.rid = self.rid or new_request_id(self.prompt)
         self._detok = self.detokenizer(codec)
+        if self.prompt.resumed:  # a migrated generation: the text of the ids it sent was shown
+            self._detok.push(packed_ids(self.prompt)[-self.prompt.resumed :])
         stops = requested_stop_ids(self.prompt)
         stops += [t for t in stop_token_ids(codec, self.prompt.sampling.stop) if t not in stops]
         return runtime.request(self.prompt, self.rid, stops, stream=self.engine_stream)
@@ -775,7 +780,11 @@ class GenerateStream:
             text, lps, stopped = self._push(out)
             if stopped:
                 return self._finish(text, "stop", lps)
-            return TokenDelta(text, "", self._completion, lps) if text or lps else None
+            self._held_ids += out.ids
+            if not (text or lps):
+                return None
+            ids, self._held_ids = tuple(self._held_ids), []
+            return TokenDelta(text, "", self.completion, lps, token_ids=ids)
         self._finished = True
         text, lps = "", ()
         if self._chunks == 0 and out.ids:  # stream=false: the ids are the whole output
@@ -839,9 +848,14 @@ class GenerateStream:
             count_so_far=self._detok.out_of_vocabulary,
         )
 
+    @property
+    def completion(self) -> int:
+        """The completion so far, a migrated generation's tokens sent before it included."""
+        return self.prompt.resumed + self._completion
+
     def _finish(self, text: str, reason: str, lps: tuple[TokenLogprob, ...] = ()) -> TokenDelta:
         self._closed = True
-        return TokenDelta(text, reason, self._completion, lps)
+        return TokenDelta(text, reason, self.completion, lps)
 
     async def aclose(self) -> None:
         """Cancel the engine's work if it is still running (docs/engines.md, Aborts):

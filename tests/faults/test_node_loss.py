@@ -10,6 +10,7 @@ from tests.faults.drills import (
     REPORT,
     all_routable,
     body,
+    node_state,
     restart,
     tally,
 )
@@ -60,31 +61,50 @@ def test_all_prefill_nodes_down_then_back(cluster: Cluster) -> None:
 
 
 def test_decode_node_killed_mid_stream(cluster: Cluster) -> None:
+    """20 streams at once, a decode node SIGKILLed while streams are open on it: the generations
+    on it migrate to the other decode node (docs/faults.md, After the first token) and every
+    stream ends as an unbroken one does, with its finish and [DONE]."""
     all_routable(cluster)
     before = cluster.metric("prefixgate_retries_total")
+    migrated = cluster.metric("prefixgate_migrations_total")
     victim = cluster.decode[0]
 
-    def during(done: int) -> None:
-        if done == 4:
-            victim.kill()
+    def streaming() -> dict[str, int]:
+        return {n.gateway_id: node_state(cluster, n)["load"]["active_streams"] for n in cluster.decode}
 
-    bodies = [body(3000 + i, max_tokens=40) for i in range(24)]
-    results = asyncio.run(drive(cluster.url, bodies, 12, stream=True, during=during))
+    async def run() -> list[Outcome]:
+        nonlocal victim
+        # short prompts: the streams are all open within a moment (few still wait for a first
+        # token when the node dies, to be retried within the drills' 2 s first-token timeout)
+        bodies = [body(3000 + i, tokens=200, max_tokens=200) for i in range(20)]
+        streams = asyncio.ensure_future(drive(cluster.url, bodies, 20, stream=True))
+        for _ in range(100):  # until most streams are open: the node with the most is killed
+            await asyncio.sleep(0.05)
+            active = await asyncio.to_thread(streaming)
+            if sum(active.values()) >= 16:
+                break
+        victim = next(n for n in cluster.decode if n.gateway_id == max(active, key=lambda k: active[k]))
+        victim.kill()
+        return await streams
+
+    try:
+        results = asyncio.run(run())
+    finally:
+        restart(cluster, victim)
+    moved = cluster.metric("prefixgate_migrations_total") - migrated
     t = tally(
-        "decode node SIGKILL mid-run (streaming)",
+        "decode node SIGKILL mid-stream (20 streams)",
         results,
         cluster,
         before,
-        note="streams cut by the kill end with an explicit error event",
+        note=f"{moved:g} streams migrated to the other decode node, none broken",
     )
     assert t.failed == 0, [r.error for r in results if r.status != 200][:5]
+    assert t.stream_errors == 0, [r.error for r in results if r.error][:5]
     assert t.silent_truncations == 0
-    assert all(r.done_marker for r in results if r.status == 200 and not r.error)
-    assert all(r.decode_node == victim.gateway_id for r in results if r.error), (
-        "only streams on the dead node break"
-    )
-    assert t.succeeded + t.stream_errors == 24
-    restart(cluster, victim)
+    assert all(r.done_marker and r.finish for r in results)
+    assert moved >= 1, moved
+    assert t.succeeded == 20
 
 
 def test_flood_beyond_capacity_gets_429_with_retry_after() -> None:

@@ -105,7 +105,7 @@ async def test_a_decode_failed_after_its_prefill_is_retried_on_the_prefill_node_
     bad = min(dec, key=lambda n: f"grpc://{n.address}")
     good = next(n for n in dec if n is not bad)
 
-    async def lost(kv_handle: str, sampling: Any = None) -> AsyncIterator[Any]:
+    async def lost(kv_handle: str, sampling: Any = None, resumed: int = 0) -> AsyncIterator[Any]:
         raise Unavailable("decode engine lost", stage="decode")
         yield
 

@@ -145,6 +145,12 @@ async def test_a_repeated_prefix_is_found_cached_on_the_node(
             assert r.json()["usage"]["prompt_tokens"] == len(HF.encode(prompt, add_special_tokens=False))
         shared = len(HF.encode(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n", add_special_tokens=False))
         assert cached[0] == 0 and cached[1] == shared // BS * BS
+        # What the segment cache holds is exported: what the gateway's memory grew by, no leak.
+        held = svc.tokenizer.segment_stats.bytes
+        assert held > 0
+        scraped = (await client.get("/metrics")).text
+        series = f'prefixgate_tokenizer_cache_bytes{{tokenizer="{svc.tokenizer.name}"}}'
+        assert f"{series} {float(held)}" in scraped
     finally:
         await client.aclose()
         await svc.stop()

@@ -204,6 +204,7 @@ class PrefillRequest(_message.Message):
     DECODE_ADDRESS_FIELD_NUMBER: _builtins.int
     PIN_SECONDS_FIELD_NUMBER: _builtins.int
     SKIP_FIRST_TOKEN_FIELD_NUMBER: _builtins.int
+    RESUMED_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     tokens: _builtins.bytes
     """packed LE uint32"""
@@ -213,6 +214,10 @@ class PrefillRequest(_message.Message):
     """keep these blocks from eviction this long"""
     skip_first_token: _builtins.bool
     """warm only: compute KV, generate nothing"""
+    resumed: _builtins.int
+    """The last `resumed` of `tokens` are output already generated (and shown) elsewhere: this
+    continues that generation (their text is not sent again; max_tokens is what is left).
+    """
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """hashes of the full blocks of tokens, root first"""
@@ -229,10 +234,11 @@ class PrefillRequest(_message.Message):
         decode_address: _builtins.str = ...,
         pin_seconds: _builtins.float = ...,
         skip_first_token: _builtins.bool = ...,
+        resumed: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "decode_address", b"decode_address", "pin_seconds", b"pin_seconds", "request_id", b"request_id", "sampling", b"sampling", "skip_first_token", b"skip_first_token", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "decode_address", b"decode_address", "pin_seconds", b"pin_seconds", "request_id", b"request_id", "resumed", b"resumed", "sampling", b"sampling", "skip_first_token", b"skip_first_token", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -447,8 +453,11 @@ class DecodeRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     KV_HANDLE_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
+    RESUMED_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     kv_handle: _builtins.str
+    resumed: _builtins.int
+    """as PrefillRequest.resumed (the pages hold those tokens too)"""
     @_builtins.property
     def sampling(self) -> Global___SamplingParams: ...
     def __init__(
@@ -457,10 +466,11 @@ class DecodeRequest(_message.Message):
         request_id: _builtins.str = ...,
         kv_handle: _builtins.str = ...,
         sampling: Global___SamplingParams | None = ...,
+        resumed: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_handle", b"kv_handle", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_handle", b"kv_handle", "request_id", b"request_id", "resumed", b"resumed", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -474,8 +484,11 @@ class GenerateRequest(_message.Message):
     TOKENS_FIELD_NUMBER: _builtins.int
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
+    RESUMED_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     tokens: _builtins.bytes
+    resumed: _builtins.int
+    """as PrefillRequest.resumed"""
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -487,10 +500,11 @@ class GenerateRequest(_message.Message):
         tokens: _builtins.bytes = ...,
         block_hashes: _abc.Iterable[_builtins.int] | None = ...,
         sampling: Global___SamplingParams | None = ...,
+        resumed: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "request_id", b"request_id", "sampling", b"sampling", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "request_id", b"request_id", "resumed", b"resumed", "sampling", b"sampling", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
