@@ -29,12 +29,13 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, SlotNotCoveredError
 
 from prefixgate.cachetier import redis_scripts_packed, redis_scripts_zset
 from prefixgate.cachetier.index import DEFAULT_CAPACITY_BLOCKS, IndexStats, NodeOccupancy, StoreOp
+from prefixgate.cachetier.redis_clients import connect as connect
+from prefixgate.cachetier.redis_clients import connect_cluster as connect_cluster
+from prefixgate.cachetier.redis_clients import is_cluster as is_cluster
 from prefixgate.cachetier.redis_schema import (
     DEFAULT_LAYOUT,
     DEFAULT_PREFIX,
@@ -49,40 +50,6 @@ DEFAULT_TTL_SECONDS = 3600
 Client = aioredis.Redis | RedisCluster
 _Call = tuple[str, list[str], list[Any]]  # script name, keys, args
 _REMOVE_CHUNK = 4096
-
-
-def connect(url: str, *, max_connections: int = 64, timeout: float = 2.0) -> aioredis.Redis:
-    """A single-Redis client for the index: bounded pool, short timeouts, one quick retry.
-
-    Callers (the resilient wrapper) put their own deadline on top; long client-side retries
-    would only hold requests.
-    """
-    pool = aioredis.BlockingConnectionPool.from_url(
-        url,
-        max_connections=max_connections,
-        timeout=timeout,
-        socket_timeout=timeout,
-        socket_connect_timeout=timeout,
-        retry=Retry(NoBackoff(), 1),
-    )
-    return aioredis.Redis.from_pool(pool)
-
-
-def connect_cluster(url: str, *, max_connections: int = 64, timeout: float = 2.0) -> RedisCluster:
-    """A Redis Cluster client from the address of any one of its nodes (it learns the rest)."""
-    return RedisCluster.from_url(
-        url,
-        max_connections=max_connections,
-        socket_timeout=timeout,
-        socket_connect_timeout=timeout,
-        retry=Retry(NoBackoff(), 2),
-    )
-
-
-async def is_cluster(client: aioredis.Redis) -> bool:
-    """Whether the server behind ``client`` runs in cluster mode (``INFO cluster``)."""
-    info = await client.info("cluster")
-    return bool(int(info.get("cluster_enabled", 0)))
 
 
 class RedisIndex:

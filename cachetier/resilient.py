@@ -187,7 +187,7 @@ class ResilientIndex:
     async def close(self) -> None:
         self._closed = True
         watch, self._watch = self._watch, None
-        # cancelled until they end (``stop_task``): a cancellation can be lost in a Redis call
+        # cancelled until they end (``stop_task``), should a cancellation ever be lost
         await stop_tasks([*([watch] if watch is not None else []), *self._background])
         try:
             await self.primary.close()

@@ -2,13 +2,15 @@
 
 ``task.cancel()`` asks once, and on Python 3.11 the request can be lost: ``asyncio.wait_for``
 returns the inner result when the inner call completes in the loop iteration the cancellation
-arrives in, as if it never came. The Redis client sends every command under ``wait_for``
-(its socket timeout), so a background loop cancelled while it talks to Redis now and then
-carries on; a ``close`` that awaits it then waits until the next cancellation, which may never
-come (a Redis Cluster replica's shutdown hung in its membership loop this way). So
-``stop_task`` cancels again until the task is done, within a bound, and waits with
-``asyncio.wait``: awaiting the task under ``suppress(CancelledError)`` would also swallow the
-caller's own cancellation.
+arrives in, as if it never came. redis-py sends every command under ``wait_for`` (its socket
+timeout), so a background loop cancelled while it talked to Redis now and then carried on; a
+``close`` that awaits it then waits until the next cancellation, which may never come (a Redis
+Cluster replica's shutdown hung in its membership loop this way). The clients of
+``redis_clients`` now run each command in a task of its own, so a caller is never inside that
+``wait_for`` and its cancellation always arrives; ``stop_task`` stays as the safety net for
+any other call that could swallow one: it cancels again until the task is done, within a
+bound, and waits with ``asyncio.wait``: awaiting the task under ``suppress(CancelledError)``
+would also swallow the caller's own cancellation.
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ class Membership:
             self._task = asyncio.create_task(self._loop(), name="membership")
 
     async def close(self) -> None:
-        """Stop the loop: cancelled until it ends (``stop_task``), since a cancellation that
-        arrives while it talks to Redis can be lost."""
+        """Stop the loop: cancelled until it ends (``stop_task``), should a cancellation be lost
+        (the Redis clients no longer lose one: ``cachetier.redis_clients``)."""
         task, self._task = self._task, None
         await stop_task(task)

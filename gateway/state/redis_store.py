@@ -26,10 +26,9 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
+from prefixgate.cachetier.redis_clients import connect, connect_cluster, is_cluster
 from prefixgate.gateway.core.errors import Unavailable
 from prefixgate.gateway.state import lua as state_lua
 from prefixgate.gateway.state.documents import (
@@ -125,25 +124,12 @@ class RedisState:
             return self._client
         async with self._lock:
             if self._client is None:
-                single = aioredis.Redis.from_pool(
-                    aioredis.BlockingConnectionPool.from_url(
-                        self.url,
-                        max_connections=self._max_connections,
-                        timeout=self._timeout,
-                        socket_timeout=self._timeout,
-                        socket_connect_timeout=self._timeout,
-                        retry=Retry(NoBackoff(), 1),
-                    )
-                )
-                info = await single.info("cluster")
-                if int(info.get("cluster_enabled", 0)):
+                # the clients the index uses: commands never cancelled mid-flight
+                single = connect(self.url, max_connections=self._max_connections, timeout=self._timeout)
+                if await is_cluster(single):
                     await single.aclose()
-                    self._client = RedisCluster.from_url(
-                        self.url,
-                        max_connections=self._max_connections,
-                        socket_timeout=self._timeout,
-                        socket_connect_timeout=self._timeout,
-                        retry=Retry(NoBackoff(), 2),
+                    self._client = connect_cluster(
+                        self.url, max_connections=self._max_connections, timeout=self._timeout
                     )
                 else:
                     self._client = single

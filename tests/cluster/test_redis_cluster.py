@@ -25,8 +25,10 @@ from redis.asyncio.cluster import RedisCluster
 from prefixgate.bench import index_bench
 from prefixgate.cachetier import open_index
 from prefixgate.cachetier.index import BlockIndex, StoreOp
+from prefixgate.cachetier.redis_clients import connect_cluster
 from prefixgate.cachetier.redis_index import RedisIndex
 from prefixgate.cachetier.resilient import ResilientIndex
+from tests.cachetier.cancel_storm import LOST, cancel_storm, serves, settled, unhandled
 from tests.cachetier.support import RedisClusterHarness, test_prefix
 from tests.contract.test_index_contract import CAPACITY, IndexContract
 from tests.faults.cluster import Cluster, Tally, drive
@@ -65,6 +67,41 @@ async def test_a_plain_url_to_any_node_finds_the_cluster(redis_cluster: RedisClu
     finally:
         await index.primary.purge()
         await index.close()
+
+
+async def test_calls_cancelled_at_random_points_lose_nothing_on_the_cluster(
+    redis_cluster: RedisClusterHarness,
+) -> None:
+    """As on a single Redis (``tests/cachetier/test_redis_cancel.py``): no cancellation lost, no
+    connection churned, every shard serves afterwards."""
+
+    def received() -> int:
+        return sum(
+            int(line.split(":", 1)[1])
+            for port in redis_cluster.master_ports()
+            for line in redis_cluster.cli(port, "info", "stats").splitlines()
+            if line.startswith("total_connections_received:")
+        )
+
+    client = connect_cluster(redis_cluster.url, max_connections=16, timeout=1.0)
+    prefix = test_prefix()
+    try:
+        await client.initialize()
+        await serves(client, prefix, 16)
+        opened = received()
+        with unhandled() as errors:
+            outcomes = await cancel_storm(client, prefix, cluster=True)
+            await settled(client)
+        assert not errors, errors[:3]
+        assert outcomes["cancelled"] + outcomes["timeout"] + outcomes[LOST] > 60, outcomes
+        assert outcomes[LOST] == 0, f"cancellations lost: {outcomes}"
+        await serves(client, prefix, 16)
+        # at most the pools filling up (16 a shard), not one connection per cancelled command
+        assert received() - opened <= 16 * 3 + 3, outcomes  # + the cli's
+    finally:
+        for key in [k async for k in client.scan_iter(match=prefix + "*")]:
+            await client.delete(key)
+        await client.aclose()
 
 
 def test_index_contract_on_the_cluster(redis_cluster: RedisClusterHarness) -> None:
