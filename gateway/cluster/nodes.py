@@ -29,7 +29,7 @@ from prefixgate.cachetier.tasks import stop_tasks
 from prefixgate.gateway import nodeclient
 from prefixgate.gateway.cluster.breaker import HALF_OPEN, OPEN, CircuitBreaker
 from prefixgate.gateway.config import DEFAULT_MODEL
-from prefixgate.gateway.nodeclient import NodeClient, NodeFailure, NodeStatus
+from prefixgate.gateway.nodeclient import CostProfile, NodeClient, NodeFailure, NodeStatus
 from prefixgate.gateway.nodeclient.http_openai import NOMINAL_PROFILE
 from prefixgate.gateway.routing import NodeView
 from prefixgate.gateway.routing.costmodel import prefill_seconds
@@ -226,6 +226,14 @@ class Node:
             return Speed(self.measured_tokens_per_s / self.overrun)
         return None
 
+    def _routing_rate(self, prof: CostProfile | None) -> float:
+        """The prefill rate the policy weighs the node with: its profile's slowed by what it lags
+        behind it; for a node stating none (an SMG worker) the rate the gateway measured, so a
+        slow one loses its share; until measured, as good as any (it is tried, then timed)."""
+        if prof is not None and prof.prefill_tokens_per_s > 0:
+            return prof.prefill_tokens_per_s / self.speed_factor
+        return self.measured_tokens_per_s if self.measured_tokens_per_s > 0 else 1e9
+
     @property
     def speed_factor(self) -> float:
         """The learned slowness, with a dead band so equal nodes with noisy timings stay equal."""
@@ -281,11 +289,7 @@ class Node:
             node_id=self.id,
             outstanding_requests=self.local_requests + remote_reqs,
             outstanding_tokens=self.local_tokens + remote_tokens,
-            prefill_tokens_per_s=(
-                prof.prefill_tokens_per_s / self.speed_factor
-                if prof and prof.prefill_tokens_per_s > 0
-                else 1e9
-            ),
+            prefill_tokens_per_s=self._routing_rate(prof),
             attention_coeff_s=(prof.attention_coeff_s * self.speed_factor) if prof else 0.0,
             transfer_bytes_per_s=prof.transfer_bytes_per_s if prof else 0.0,
             kv_bytes_per_token=fmt.bytes_per_token if fmt else 0,

@@ -14,7 +14,7 @@ import pytest
 from prefixgate.bench.redis_cluster import start_redis
 from prefixgate.gateway.ops.processes import Child
 from tests.faults.cluster import Cluster
-from tests.faults.drills import FIRST_TOKEN_TIMEOUT_S, PROTOCOLS, REPORT, STALL_TIMEOUT_S
+from tests.faults.drills import PROTOCOLS, REPORT
 from tests.helpers import free_port
 
 
@@ -41,11 +41,7 @@ def cluster(request: pytest.FixtureRequest, redis_port: tuple[int, list[Child]])
         protocol=protocol,
         # both clusters share the module's Redis: each its own DB and key prefix
         gateway_args=["--redis", f"redis://127.0.0.1:{port}/{PROTOCOLS.index(protocol) + 1}"],
-        gateway_env={
-            "PREFIXGATE_REDIS_PREFIX": f"prefixgate-test-{uuid.uuid4().hex[:8]}:",
-            "PREFIXGATE_FIRST_TOKEN_TIMEOUT_S": str(FIRST_TOKEN_TIMEOUT_S),
-            "PREFIXGATE_STALL_TIMEOUT_S": str(STALL_TIMEOUT_S),
-        },
+        gateway_env={"PREFIXGATE_REDIS_PREFIX": f"prefixgate-test-{uuid.uuid4().hex[:8]}:"},
     )
     c.start()
     try:

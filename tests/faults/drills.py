@@ -26,10 +26,6 @@ REPORT: list[Tally] = []
 MODEL = "prefixgate-sim"
 WORDS = "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor".split()
 PROTOCOLS = ("prefixgate", "smg")
-# Short enough that a hung node is given up on within the drill, long enough that a healthy one
-# under the drills' load is never (the nodes run 10x slower than the default profile).
-FIRST_TOKEN_TIMEOUT_S = 2.0
-STALL_TIMEOUT_S = 2.0
 
 
 def prompt(i: int, tokens: int) -> str:

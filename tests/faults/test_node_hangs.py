@@ -274,8 +274,13 @@ def test_hung_prefill_node_under_load_costs_seconds_at_the_default_settings(defa
     stopped_at = 0.0
 
     def during(done: int) -> None:
-        nonlocal stopped_at
+        nonlocal stopped_at, victim
         if done == 6:
+            # the node holding prefills now (routing weighs the nodes' measured speed, so the
+            # warm-up's favourite may have lost the traffic since)
+            held = {n.gateway_id: node_state(cluster, n)["load"]["local_requests"] for n in cluster.prefill}
+            if max(held.values()) > 0:
+                victim = next(n for n in cluster.prefill if n.gateway_id == max(held, key=lambda k: held[k]))
             victim.signal(signal.SIGSTOP)
             stopped_at = time.monotonic()
 

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from prefixgate.gateway.cluster.nodes import NodePool
+from prefixgate.gateway.nodeclient import CostProfile
 from prefixgate.gateway.nodeclient.fake import FakeNodeClient, fake_status
 from prefixgate.gateway.routing.planner import decode_candidates
 
@@ -82,5 +83,24 @@ async def test_a_decode_node_awaiting_its_breakers_trial_goes_first_among_idle_p
         d1.breaker.trip(time.monotonic() - 2 * d1.breaker.cooldown_s)
         d1.active_streams = 1
         assert [v.node_id for v in decode_candidates([d1.view(), d2.view()])] == ["d2", "d1"]
+    finally:
+        await pool.close()
+
+
+async def test_a_node_stating_no_speed_is_weighed_by_the_rate_measured() -> None:
+    """An SMG worker states no prefill speed: a slow one would keep its share of the traffic."""
+    st = replace(fake_status("p1", "prefill"), profile=CostProfile(name="sglang"))
+    pool = NodePool(
+        connect={"p1": FakeNodeClient("p1", status=[st])}.__getitem__, probe_timeout_s=0.2, poll=False
+    )
+    try:
+        node = pool.add("prefill", "p1")
+        assert await pool.refresh(node)
+        assert node.view().prefill_tokens_per_s == 1e9  # not measured yet: tried like any other
+        node.in_time(4000, 0.5)
+        assert node.view().prefill_tokens_per_s == pytest.approx(8000)
+        stated = replace(st, profile=CostProfile(name="ours", prefill_tokens_per_s=50_000))
+        node.status = stated
+        assert node.view().prefill_tokens_per_s == pytest.approx(50_000)  # its own claim first
     finally:
         await pool.close()
