@@ -138,7 +138,7 @@ def test_hung_decode_node_mid_stream_migrates_at_the_default_settings(default_de
     gone0 = cluster.metric("prefixgate_migrations_total", reason="gone")
     prefill_retries0 = cluster.metric("prefixgate_retries_total", stage="prefill")
     prefill_opens0 = {n.gateway_id: node_state(cluster, n)["circuit_opens"] for n in cluster.prefill}
-    first_wave = [body(9000 + i, max_tokens=100) for i in range(12)]
+    first_wave = [body(9000 + i, max_tokens=40) for i in range(12)]
     second_wave = [body(9100 + i, max_tokens=20) for i in range(12)]
     stopped_at = 0.0
     victim = cluster.decode[0]

@@ -75,8 +75,9 @@ def test_decode_node_killed_mid_stream(cluster: Cluster) -> None:
     async def run() -> list[Outcome]:
         nonlocal victim
         # short prompts: the streams are all open within a moment (few still wait for a first
-        # token when the node dies, to be retried within the drills' 2 s first-token timeout)
-        bodies = [body(3000 + i, tokens=200, max_tokens=200) for i in range(20)]
+        # token when the node dies: those are retried); 60 tokens at the nodes' 10x slower pace
+        # keep them open for seconds after it
+        bodies = [body(3000 + i, tokens=200, max_tokens=60) for i in range(20)]
         streams = asyncio.ensure_future(drive(cluster.url, bodies, 20, stream=True))
         for _ in range(100):  # until most streams are open: the node with the most is killed
             await asyncio.sleep(0.05)
