@@ -15,7 +15,7 @@ from prefixgate.gateway.core.request import RequestContext
 from prefixgate.gateway.metrics import Metrics
 from prefixgate.gateway.nodeclient.fake import FakeNodeClient, fake_status
 from prefixgate.gateway.state.documents import DocumentStore
-from prefixgate.openai.schema import parse_request
+from prefixgate.openai.schema import ParsedRequest, parse_request
 
 
 class Harness:
@@ -33,11 +33,11 @@ class Harness:
         return prepared(self.pipeline, "x" * (4 * prompt_tokens), max_tokens)
 
 
-def prepared(pipeline: Pipeline, prompt: str, max_tokens: int = 8) -> Prepared:
-    """A completion request for ``prompt``, prepared by ``pipeline`` (parsed, tokenized, hashed)."""
+def completion(pipeline: Pipeline, prompt: str, max_tokens: int = 8) -> ParsedRequest:
+    """A completion request for ``prompt``, parsed as ``pipeline``'s gateway would."""
     s = pipeline.settings
     body = {"model": s.default_model, "prompt": prompt, "max_tokens": max_tokens}
-    parsed = parse_request(
+    return parse_request(
         body,
         "completion",
         models={s.default_model},
@@ -45,7 +45,11 @@ def prepared(pipeline: Pipeline, prompt: str, max_tokens: int = 8) -> Prepared:
         max_tokens_limit=64,
         max_documents=4,
     )
-    return pipeline.prepare(parsed, RequestContext("tenant"))
+
+
+def prepared(pipeline: Pipeline, prompt: str, max_tokens: int = 8) -> Prepared:
+    """A completion request for ``prompt``, prepared by ``pipeline`` (parsed, tokenized, hashed)."""
+    return pipeline.prepare(completion(pipeline, prompt, max_tokens), RequestContext("tenant"))
 
 
 @asynccontextmanager

@@ -20,8 +20,7 @@ from prefixgate.gateway.httpfront import responses
 from prefixgate.gateway.httpfront.headers import execution_headers
 from prefixgate.gateway.nodeclient.base import Prompt
 from prefixgate.gateway.nodeclient.fake import ALL_CAPABILITIES, FakeNodeClient, Tokens, fake_status
-from prefixgate.openai.schema import parse_request
-from tests.unit.seam_support import harness
+from tests.unit.seam_support import completion, harness
 
 RESUMING = replace(ALL_CAPABILITIES, resume=True)
 TEXTS = ("a", "b", "c", "d", "e", "f")
@@ -163,16 +162,7 @@ async def test_a_whole_answer_says_how_many_times_it_migrated() -> None:
     d1 = _node("d1", generate=_rest(break_after=2))
     d2 = _node("d2", queued=5, generate=_rest())
     async with harness(("decode", d1), ("decode", d2)) as h:
-        s = h.pipeline.settings
-        body = {"model": s.default_model, "prompt": "x" * 1600, "max_tokens": 8}
-        parsed = parse_request(
-            body,
-            "completion",
-            models={s.default_model},
-            default_max_tokens=16,
-            max_tokens_limit=64,
-            max_documents=4,
-        )
+        parsed = completion(h.pipeline, "x" * 1600)
         ch = await choices.start(h.pipeline, h.pipeline.prepare(parsed, RequestContext("tenant")), 1)
         answer = await responses.complete(ch, parsed, "completion", execution_headers(ch.first))
     payload = orjson.loads(answer.body)
