@@ -14,6 +14,7 @@ import orjson
 import pytest
 
 from tests.faults.cluster import Cluster, NodeProc
+from tests.faults.drills import restart
 from tests.tiny.support import BS, SMALL
 
 MAX_TOKENS = 1500  # a second or more of decoding: the kill lands mid-stream
@@ -74,7 +75,6 @@ async def _stream(
 
 
 def test_migrated_greedy_streams_equal_the_unbroken_ones(cluster: Cluster) -> None:
-    bodies = [_body(i) for i in range(3)]
     killed: list[NodeProc] = []
 
     def kill(node_id: str) -> None:
@@ -83,16 +83,30 @@ def test_migrated_greedy_streams_equal_the_unbroken_ones(cluster: Cluster) -> No
             victim.kill()
             killed.append(victim)
 
-    async def run() -> tuple[list[Any], list[Any]]:
+    async def run(bodies: list[dict[str, Any]]) -> tuple[list[Any], list[Any]]:
         async with httpx.AsyncClient(base_url=cluster.url, timeout=60) as http:
             unbroken = [await _stream(http, b) for b in bodies]
             broken = await asyncio.gather(*(_stream(http, b, kill) for b in bodies))
             return unbroken, list(broken)
 
-    migrations0 = cluster.metric("prefixgate_migrations_total")
-    unbroken, broken = asyncio.run(run())
-    migrations = cluster.metric("prefixgate_migrations_total") - migrations0
-    assert killed and migrations >= 1, migrations
+    # The tiny engine decodes fast: on a loaded machine a node may have sent its whole answer by
+    # the time the client reads the first token and the kill lands. Up to 3 rounds until one
+    # breaks a stream; every round's streams must equal the unbroken ones all the same.
+    migrations = 0.0
+    for round_ in range(3):
+        killed.clear()
+        migrations0 = cluster.metric("prefixgate_migrations_total")
+        unbroken, broken = asyncio.run(run([_body(round_ * 3 + i) for i in range(3)]))
+        migrations = cluster.metric("prefixgate_migrations_total") - migrations0
+        _equal(unbroken, broken)
+        assert killed
+        restart(cluster, killed[0])
+        if migrations >= 1:
+            break
+    assert migrations >= 1, migrations
+
+
+def _equal(unbroken: list[Any], broken: list[Any]) -> None:
     for want, got in zip(unbroken, broken, strict=True):
         text, lps, finish, usage, events = got
         assert events[-1] == "[DONE]"
