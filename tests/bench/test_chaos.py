@@ -42,20 +42,20 @@ def test_short_run_prints_the_table_and_runs_the_schedule(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "chaos.json"
-    # 5 s at 4 clients and a 3 s settle: the whole schedule (3 faults, a Redis restart) in CI time
-    argv = ["bench", "chaos", "--seconds", "5", "--protocol", "prefixgate", "--concurrency", "4"]
+    # 4 s at 3 clients and a 3 s settle: the whole schedule (3 faults, a Redis restart) in CI time
+    argv = ["bench", "chaos", "--seconds", "4", "--protocol", "prefixgate", "--concurrency", "3"]
     args = build_parser().parse_args([*argv, "--settle", "3", "--json", str(out)])
     rc = args.func(args)
     text = capsys.readouterr().out
-    assert "chaos: prefixgate protocol, 5 s" in text and "TTFT p99" in text, text
+    assert "chaos: prefixgate protocol, 4 s" in text and "TTFT p99" in text, text
     assert "after settling: in flight 0 (nodes 0)" in text, text
     (res,) = orjson.loads(out.read_bytes())
     assert rc == (0 if res["rows"]["all"]["failed"] == 0 and not res["leaks"] else 1)
-    assert res["rows"]["all"]["requests"] > 20
+    assert res["rows"]["all"]["requests"] > 12
     assert res["schedule_errors"] == 0, res["schedule"]
     # every planned event ran, or was skipped with its repair (no other node of its role up)
     actions = sorted(e["action"] for e in res["schedule"])
-    assert actions == sorted(e.action for e in chaos.plan(1, 5.0, PREFILL, DECODE)), actions
+    assert actions == sorted(e.action for e in chaos.plan(1, 4.0, PREFILL, DECODE)), actions
     ran = {e["action"] for e in res["schedule"] if not e["skipped"]}
     assert "redis" in ran and ran & set(chaos.FAULTS), res["schedule"]
     assert res["end"]["inflight"] == 0 and res["end"]["node_inflight"] == 0

@@ -294,7 +294,7 @@ def test_hung_prefill_node_under_load_costs_seconds_at_the_default_settings(defa
         gone = cluster.metric("prefixgate_retries_total", reason="node_gone") - gone0
         # once its breaker is open, no request waits on the hung node
         opened = until(lambda: node_state(cluster, victim)["circuit"] == "open", 10.0)
-        after = asyncio.run(drive(cluster.url, [body(8100 + i) for i in range(12)], 6, timeout=20))
+        after = asyncio.run(drive(cluster.url, [body(8100 + i) for i in range(6)], 6, timeout=20))
     finally:
         victim.signal(signal.SIGCONT)
     slowest = max(r.ended_at - r.started_at for r in results)
