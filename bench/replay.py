@@ -16,17 +16,20 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
+from prefixgate.bench import sched_table
 from prefixgate.bench.profile import PROFILES, get_profile
 from prefixgate.bench.report import PolicySummary, print_error, print_table, write_json
 from prefixgate.bench.simulator import SimConfig, global_lru_bound, simulate
 from prefixgate.bench.workloads import (
     FORMATS,
     GENERATED_FORMATS,
+    TRACE_FORMATS,
     Workload,
     WorkloadOptions,
     guess_format,
@@ -97,6 +100,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="route on the index alone (not counting prefixes routed and still computing)",
     )
+    p.add_argument(
+        "--scheduler",
+        choices=("fcfs", "scheduled"),
+        default="fcfs",
+        help="fcfs: every request sent to its node's queue at once; scheduled: the gateway's queue holds "
+        "what the nodes cannot start (gateway.scheduling)",
+    )
+    p.add_argument(
+        "--scheduler-table",
+        action="store_true",
+        help="one table: FCFS against the scheduler on --scheduler-traces at --loads x capacity",
+    )
+    p.add_argument("--scheduler-traces", nargs="+", choices=TRACE_FORMATS, default=list(TRACE_FORMATS))
+    p.add_argument(
+        "--loads", nargs="+", type=float, default=[1.3, 1.6], help="offered load / capacity, each a row"
+    )
+    p.add_argument(
+        "--slo-ms", type=float, default=2000.0, help="the TTFT target the table counts misses against"
+    )
     p.add_argument("--json", dest="json_out", help="write the figures as JSON to this file")
     from prefixgate.bench import live
 
@@ -137,8 +159,8 @@ def offered_load(workload: Workload, config: SimConfig) -> float:
     return work / (config.prefill_nodes * span)
 
 
-def run_sim(workload: Workload, args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    config = SimConfig(
+def sim_config(args: argparse.Namespace) -> SimConfig:
+    return SimConfig(
         prefill_nodes=args.prefill_nodes,
         capacity_blocks=max(1, args.capacity_tokens // args.block_size),
         block_size=args.block_size,
@@ -146,7 +168,29 @@ def run_sim(workload: Workload, args: argparse.Namespace, console: Console) -> d
         concurrency=args.concurrency,
         ttft_budget_s=args.ttft_budget,
         inflight=not args.no_inflight_prefixes,
+        scheduler=args.scheduler == "scheduled",
     )
+
+
+def run_scheduler_table(args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    """FCFS against the scheduler (``bench.sched_table``) with the first of ``--policies``."""
+    config = replace(sim_config(args), scheduler=False)
+    policy = parse_policy(args.policies[0])
+    traces, scales = sched_table.load_traces(args, options)
+    slo_s = args.slo_ms / 1000.0
+    rows = sched_table.run_table(traces, scales, policy, config, args.loads, slo_s, console)
+    report: dict[str, Any] = {
+        "config": {"policy": args.policies[0], "prefill_nodes": config.prefill_nodes, "slo_ms": args.slo_ms},
+        "rows": [r.as_json() for r in rows],
+    }
+    if args.scheduler_sweep:
+        sweep = sched_table.run_sweep(traces, policy, config, args.scheduler_sweep, slo_s, console)
+        report["sweep"] = [r.as_json() for r in sweep]
+    return report
+
+
+def run_sim(workload: Workload, args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    config = sim_config(args)
     reqs = workload.requests
     load = offered_load(workload, config)
     mean_prompt = workload.prompt_tokens / max(1, len(reqs))
@@ -154,7 +198,7 @@ def run_sim(workload: Workload, args: argparse.Namespace, console: Console) -> d
         f"[bold]{workload.description}[/]: {len(reqs)} requests over {workload.duration_s:.0f} s, "
         f"mean prompt {mean_prompt:.0f} tokens; {config.prefill_nodes} prefill nodes "
         f"({config.profile.name}), capacity {args.capacity_tokens:,} tokens ({config.capacity_blocks:,} "
-        f"blocks of {config.block_size}); offered load with no cache {load * 100:.0f} %"
+        f"blocks of {config.block_size}); offered load with no cache {load * 100:.0f} %; {config.mode}"
     )
     policies = {spec: parse_policy(spec) for spec in args.policies}  # every spec checked before any run
     results: dict[str, PolicySummary] = {}
@@ -182,6 +226,7 @@ def run_sim(workload: Workload, args: argparse.Namespace, console: Console) -> d
             "concurrency": config.concurrency,
             "ttft_budget_s": config.ttft_budget_s,
             "inflight_prefixes": config.inflight,
+            "scheduler": config.mode,
         },
         "policies": {name: s.as_json() for name, s in results.items()},
         "bound": {k: round(v, 6) for k, v in bound.items()},
@@ -192,7 +237,9 @@ def run(args: argparse.Namespace) -> int:
     console = Console(width=max(160, Console().width))
     fmt = workload_format(args)
     try:
-        if args.mode == "live":
+        if args.scheduler_table:
+            report = run_scheduler_table(args, console)
+        elif args.mode == "live":
             from prefixgate.bench import live
 
             report = live.run_replay(build_workload(args, args.normalize != "off"), args, console)

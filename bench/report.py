@@ -29,6 +29,7 @@ class Outcome:
     prefill_s: float
     transfer_s: float
     ttft_s: float
+    wait_s: float = 0.0  # of queue_s, in the gateway's own queue (the simulator's scheduled mode)
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -57,6 +58,7 @@ class PolicySummary:
     busy_s_per_node: dict[str, float] = field(default_factory=dict)
     makespan_s: float = 0.0
     wall_s: float = 0.0
+    refused: dict[str, int] = field(default_factory=dict)  # by the gateway's scheduler, by reason
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -76,6 +78,7 @@ class PolicySummary:
             "busy_s_per_node": {k: round(v, 3) for k, v in self.busy_s_per_node.items()},
             "makespan_s": round(self.makespan_s, 3),
             "wall_s": round(self.wall_s, 3),
+            "refused": dict(self.refused),
         }
 
 

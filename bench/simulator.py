@@ -23,6 +23,19 @@ Model (no sleeping: an event heap of arrivals and prefill completions):
   TTFT = full prefill of the prompt with no cache + one decode step; it computes every
   prompt token and loads no prefill node.
 - Busy time of a node = seconds during which it prefills; imbalance = max / mean of it.
+
+Two ways of sending requests to the nodes (``SimConfig.scheduler``):
+
+- **FCFS** (False, the default): every arrival is planned at once and joins its node's FIFO queue.
+- **Scheduled** (True): the gateway's own ``gateway.scheduling.Scheduler`` holds what the nodes
+  cannot start at once. On arrival a request becomes an ``Entry`` (its ``Request.tenant``; the
+  class ``SimConfig.schedule``; cost = its uncached tokens at the best index hit; predicted
+  prefill seconds at the profile's speed) and ``arrive`` decides over the prefill node views:
+  START is planned and dispatched as in FCFS; WAIT and LATE are held; FULL and SHED are refused.
+  On every arrival and every completion the requests that have waited ``max_wait_s`` are refused
+  (expired) and ``take`` is called while it gives a request, each one planned at that moment
+  (fresh hits and views: late binding) by the same ``plan`` call. The time in the gateway's
+  queue is ``Outcome.wait_s``; it is part of ``queue_s`` and of the TTFT.
 """
 
 from __future__ import annotations
@@ -41,6 +54,10 @@ from prefixgate.gateway.routing import Policy
 from prefixgate.gateway.routing.base import NodeView, prefill_seconds
 from prefixgate.gateway.routing.inflight import DEFAULT_TTL_S, InflightPrefixes, follows_inflight, merge_hits
 from prefixgate.gateway.routing.planner import Plan, RequestView, Rules, plan
+from prefixgate.gateway.scheduling.classes import DEFAULT_SCHEDULE, Schedule
+from prefixgate.gateway.scheduling.queue import DEFAULT_LIMITS, Entry, QueueLimits
+from prefixgate.gateway.scheduling.room import DEFAULT_ROOM, RoomRule
+from prefixgate.gateway.scheduling.scheduler import Scheduler, Verdict, prefill_views
 from prefixgate.gateway.vocab import Mode, Role
 
 # The decode pool, assumed to have room: it takes every split request's KV and every fallback.
@@ -57,6 +74,18 @@ class SimConfig:
     ttft_budget_s: float = 30.0
     transfer: bool = True
     inflight: bool = True  # count routed, still computing prefixes as held (the gateway default)
+    scheduler: bool = False  # hold what the nodes cannot start in the gateway's queue (False: FCFS)
+    limits: QueueLimits = DEFAULT_LIMITS  # the queue's bounds and order (scheduled mode)
+    room: RoomRule = DEFAULT_ROOM  # how little a node must hold to be given another prefill
+    schedule: Schedule = DEFAULT_SCHEDULE  # every request's class: TTFT target, sheddable
+
+    @property
+    def mode(self) -> str:
+        return "scheduled" if self.scheduler else "fcfs"
+
+
+# Prompt bytes a waiting request holds, for the queue's byte bound: the traces' text is 4 bytes a token.
+BYTES_PER_TOKEN = 4
 
 
 @dataclass(slots=True)
@@ -64,6 +93,7 @@ class _Job:
     req: Request
     predicted_new: int
     ticket: int = 0  # its chain in the in-flight prefixes
+    wait_s: float = 0.0  # in the gateway's queue before it was sent
     start: float = 0.0
     cached: int = 0
     new: int = 0
@@ -86,7 +116,7 @@ class _Node:
 class Simulator:
     """One policy, one workload, virtual time."""
 
-    def __init__(self, policy: Policy, config: SimConfig) -> None:
+    def __init__(self, policy: Policy, config: SimConfig, scheduler: Scheduler | None = None) -> None:
         self.policy = policy
         self.cfg = config
         n = config.prefill_nodes
@@ -105,6 +135,14 @@ class Simulator:
         self.left_by_score_tokens = 0
         follow = config.inflight and follows_inflight(policy)
         self.inflight = InflightPrefixes(ttl_s=DEFAULT_TTL_S if follow else 0.0)
+        # Scheduled mode: the gateway's scheduler, the requests it holds, what it refused.
+        self.scheduler: Scheduler | None = None
+        if config.scheduler:
+            self.scheduler = scheduler or Scheduler(config.limits, config.room)
+        self.waiting: dict[int, Request] = {}
+        self.refused: dict[str, int] = {"full": 0, "shed": 0, "expired": 0}
+        self.refused_requests: list[int] = []
+        self.started: list[int] = []  # request indices in the order they were planned
 
     # -- node mechanics ------------------------------------------------------------------------
 
@@ -173,10 +211,12 @@ class Simulator:
                     prefill_s=now - job.start,
                     transfer_s=transfer,
                     ttft_s=now - req.arrival_s + transfer + prof.first_token_s,
+                    wait_s=job.wait_s,
                 )
             )
         self._start(nd, now)
         self._schedule(nd, idx, now)
+        self._drain(now)
 
     # -- routing -------------------------------------------------------------------------------
 
@@ -205,19 +245,83 @@ class Simulator:
         self.decisions += 1
         return decided
 
-    def _arrive(self, req: Request, now: float) -> None:
+    def _hits(self, req: Request, now: float) -> dict[str, int]:
         hashes = req.block_hashes
-        hits = merge_hits(self.index.lookup(hashes, self.node_ids), self.inflight.hits(hashes, now))
-        decided = self.plan(req, hits, [*self._views(now), DECODE_VIEW])
+        return merge_hits(self.index.lookup(hashes, self.node_ids), self.inflight.hits(hashes, now))
+
+    def _arrive(self, req: Request, now: float) -> None:
+        if self.scheduler is None:
+            self._dispatch(req, now)
+            return
+        hits = self._hits(req, now)
+        views = self._views(now)
+        entry = self._entry(req, hits, now)
+        admit = self.scheduler.arrive(entry, prefill_views(views), now)
+        if admit.verdict == Verdict.START:
+            self._dispatch(req, now, hits, views)
+        elif admit.verdict in (Verdict.WAIT, Verdict.LATE):
+            if self.scheduler.hold(entry):
+                self._refuse(req, "full")
+            else:
+                self.waiting[entry.ticket] = req
+        else:
+            self._refuse(req, "shed" if admit.verdict == Verdict.SHED else "full")
+        self._drain(now)
+
+    def _entry(self, req: Request, hits: Mapping[str, int], now: float) -> Entry:
+        """``req`` as the scheduler sees it: its cost at the best hit any node offers."""
+        best = min(max(hits.values(), default=0), len(req.block_hashes)) * self.cfg.block_size
+        new = req.prompt_tokens - best
+        return Entry(
+            ticket=req.index,
+            tenant=req.tenant,
+            schedule=self.cfg.schedule,
+            cost_tokens=new,
+            predicted_s=prefill_seconds(self._view, new, best),
+            arrival_s=now,
+            size_bytes=req.prompt_tokens * BYTES_PER_TOKEN,
+        )
+
+    def _refuse(self, req: Request, why: str) -> None:
+        self.refused[why] += 1
+        self.refused_requests.append(req.index)
+
+    def _drain(self, now: float) -> None:
+        """Refuse what waited too long, then start what the nodes have room for, one at a time."""
+        sched = self.scheduler
+        if sched is None:
+            return
+        for gone in sched.expire(now):
+            self._refuse(self.waiting.pop(gone.ticket), "expired")
+        while self.waiting:
+            entry = sched.take(prefill_views(self._views(now)), now)
+            if entry is None:
+                return
+            self._dispatch(self.waiting.pop(entry.ticket), now)
+
+    def _dispatch(
+        self,
+        req: Request,
+        now: float,
+        hits: Mapping[str, int] | None = None,
+        views: list[NodeView] | None = None,
+    ) -> None:
+        """Plan ``req`` now and send it to its prefill node's queue (or serve it as a fallback)."""
+        hashes = req.block_hashes
+        hits = self._hits(req, now) if hits is None else hits
+        views = self._views(now) if views is None else views
+        self.started.append(req.index)
+        wait = now - req.arrival_s
+        decided = self.plan(req, hits, [*views, DECODE_VIEW])
         node_id = decided.prefill.node_id if decided.prefill is not None else None
         if decided.mode.mode != Mode.DISAGGREGATED or node_id is None:
-            self._fallback(req)
+            self._fallback(req, wait)
             return
         self._note(decided)
         idx = self.node_ids.index(node_id)
         predicted_new = req.prompt_tokens - min(hits.get(node_id, 0), len(hashes)) * self.cfg.block_size
         nd = self.nodes[idx]
-        nd.queue.append(_Job(req, predicted_new, self.inflight.add(node_id, hashes, now)))
+        nd.queue.append(_Job(req, predicted_new, self.inflight.add(node_id, hashes, now), wait_s=wait))
         nd.queued_tokens += predicted_new
         if len(nd.running) < self.cfg.concurrency:
             self._advance(nd, now)
@@ -235,7 +339,7 @@ class Simulator:
         else:
             self.left_over_bound_tokens += lost
 
-    def _fallback(self, req: Request) -> None:
+    def _fallback(self, req: Request, wait_s: float = 0.0) -> None:
         prof = self.cfg.profile
         prefill = prefill_seconds(self._view, req.prompt_tokens, 0)
         self.outcomes.append(
@@ -245,10 +349,11 @@ class Simulator:
                 route=Mode.FALLBACK,
                 prompt_tokens=req.prompt_tokens,
                 cached_tokens=0,
-                queue_s=0.0,
+                queue_s=wait_s,
                 prefill_s=prefill,
                 transfer_s=0.0,
-                ttft_s=prefill + prof.first_token_s,
+                ttft_s=wait_s + prefill + prof.first_token_s,
+                wait_s=wait_s,
             )
         )
 
@@ -273,10 +378,14 @@ class Simulator:
                 self.now = max(self.now, req.arrival_s)
                 self._arrive(req, self.now)
                 end = max(end, self.now)
+        for left in list(self.waiting.values()):  # none: idle nodes always have room
+            self._refuse(left, "expired")
+        self.waiting.clear()
         self.outcomes.sort(key=lambda o: o.index)
         summary = summarize(
             self.outcomes, self.node_ids, {nd.node_id: nd.busy_s for nd in self.nodes}, end - t0
         )
+        summary.refused = dict(self.refused) if self.scheduler is not None else {}
         summary.wall_s = time.perf_counter() - wall
         return summary
 

@@ -29,6 +29,7 @@ class Request:
     session: int = -1
     spans: tuple[Span, ...] = ()  # trace workloads: the prompt as text segments (text built on demand)
     body: Mapping[str, Any] | None = None  # generated workloads: the OpenAI chat request
+    tenant: str = ""  # who sent it, for the scheduler's fair share ("": the traces have one sender)
 
 
 @dataclass(frozen=True, slots=True)
