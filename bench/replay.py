@@ -8,6 +8,13 @@ once for the global-LRU bound, prints a table and optionally writes JSON::
                          "prefill_tokens", ...}},
      "bound": {"hit_rate", "unbounded_hit_rate", ...}}
 
+``--scheduler scheduled`` sends the requests through the gateway's scheduler instead of straight to
+the nodes' queues; ``--scheduler-table`` prints one table of FCFS against it on the public traces
+pushed past capacity (``bench.sched_table``)::
+
+    {"config": {...}, "rows": [{"trace", "load", "mode", "short_p99_s", "max_wait_s", "hit_rate",
+                                "missed", "full", "shed", "expired", ...}], "sweep": [...]}
+
 A live driver reuses ``build_workload`` (requests + ``Workload.openai_body``) and
 ``bench.report`` (``Outcome`` -> ``summarize`` -> table/JSON).
 """
@@ -112,7 +119,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="one table: FCFS against the scheduler on --scheduler-traces at --loads x capacity",
     )
-    p.add_argument("--scheduler-traces", nargs="+", choices=TRACE_FORMATS, default=list(TRACE_FORMATS))
+    p.add_argument(
+        "--scheduler-sweep",
+        type=float,
+        metavar="LOAD",
+        help="with --scheduler-table: also the scheduled mode with other queue and room values at LOAD",
+    )
+    p.add_argument(
+        "--scheduler-traces",
+        nargs="+",
+        choices=TRACE_FORMATS,
+        default=list(TRACE_FORMATS),
+        help="the traces of --scheduler-table (each from the traces directory)",
+    )
     p.add_argument(
         "--loads", nargs="+", type=float, default=[1.3, 1.6], help="offered load / capacity, each a row"
     )

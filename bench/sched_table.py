@@ -122,6 +122,11 @@ def variants(config: SimConfig) -> list[tuple[str, SimConfig]]:
             replace(sched, limits=replace(lim, shortest_first=100.0, max_defer_s=30.0)),
         ),
         ("queue max_requests=256", replace(sched, limits=replace(lim, max_requests=256))),
+        ("queue max_requests=16384", replace(sched, limits=replace(lim, max_requests=16384))),
+        (
+            "queue max_requests=16384,max_defer_s=30",
+            replace(sched, limits=replace(lim, max_requests=16384, max_defer_s=30.0)),
+        ),
         ("room window_s=0.2", replace(sched, room=replace(room, window_s=0.2))),
         ("room window_s=0.01", replace(sched, room=replace(room, window_s=0.01))),
         ("room max_requests=2", replace(sched, room=replace(room, max_requests=2))),
