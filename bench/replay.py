@@ -197,13 +197,14 @@ def run_scheduler_table(args: argparse.Namespace, console: Console) -> dict[str,
     policy = parse_policy(args.policies[0])
     traces, scales = sched_table.load_traces(args, options)
     slo_s = args.slo_ms / 1000.0
-    rows = sched_table.run_table(traces, scales, policy, config, args.loads, slo_s, console)
+    bases = sched_table.calibrate(traces, policy, config)
+    rows = sched_table.run_table(traces, scales, bases, policy, config, args.loads, slo_s, console)
     report: dict[str, Any] = {
         "config": {"policy": args.policies[0], "prefill_nodes": config.prefill_nodes, "slo_ms": args.slo_ms},
         "rows": [r.as_json() for r in rows],
     }
     if args.scheduler_sweep:
-        sweep = sched_table.run_sweep(traces, policy, config, args.scheduler_sweep, slo_s, console)
+        sweep = sched_table.run_sweep(traces, bases, policy, config, args.scheduler_sweep, slo_s, console)
         report["sweep"] = [r.as_json() for r in sweep]
     return report
 

@@ -133,29 +133,50 @@ def variants(config: SimConfig) -> list[tuple[str, SimConfig]]:
     ]
 
 
+def calibrate(
+    traces: dict[str, list[Request]], policy: Policy, config: SimConfig
+) -> dict[str, tuple[float, float]]:
+    """Each trace's (offered load, FCFS hit rate) as loaded (``measured_load``)."""
+    return {name: measured_load(reqs, policy, config) for name, reqs in traces.items()}
+
+
+def runs(
+    name: str,
+    load: float,
+    timed: Sequence[Request],
+    policy: Policy,
+    configs: Sequence[tuple[str, SimConfig]],
+    slo_s: float,
+) -> list[Figures]:
+    out: list[Figures] = []
+    for mode, cfg in configs:
+        sim = Simulator(policy, cfg)
+        sim.run(timed)
+        out.append(figures(name, load, mode, sim, len(timed), slo_s))
+    return out
+
+
 def run_table(
     traces: dict[str, list[Request]],
     scales: dict[str, float],
+    bases: dict[str, tuple[float, float]],
     policy: Policy,
     config: SimConfig,
     loads: Sequence[float],
     slo_s: float,
     console: Console,
 ) -> list[Figures]:
+    """The table: every trace at every load, FCFS, scheduled, scheduled with a shed target."""
     rows: list[Figures] = []
     for name, reqs in traces.items():
-        base, hit = measured_load(reqs, policy, config)
+        base, hit = bases[name]
         console.print(
             f"{name}: {len(reqs)} requests; at time / {scales[name]:g} FCFS hit rate {hit * 100:.2f} %, "
             f"offered load {base * 100:.1f} % of {config.prefill_nodes} {config.profile.name} prefill nodes"
         )
         for load in loads:
             factor = load / base
-            timed = compress(reqs, factor)
-            for mode, cfg in modes(config, slo_s):
-                sim = Simulator(policy, cfg)
-                sim.run(timed)
-                rows.append(figures(name, load, mode, sim, len(reqs), slo_s))
+            rows += runs(name, load, compress(reqs, factor), policy, modes(config, slo_s), slo_s)
             console.print(f"  load {load:g}x: time / {scales[name] * factor:.2f}")
     console.print(render(rows, slo_s, f"FCFS vs scheduler, {config.prefill_nodes} prefill nodes"))
     return rows
@@ -163,6 +184,7 @@ def run_table(
 
 def run_sweep(
     traces: dict[str, list[Request]],
+    bases: dict[str, tuple[float, float]],
     policy: Policy,
     config: SimConfig,
     load: float,
@@ -172,12 +194,8 @@ def run_sweep(
     """Each of ``variants`` on every trace at ``load`` x capacity."""
     rows: list[Figures] = []
     for name, reqs in traces.items():
-        base, _ = measured_load(reqs, policy, config)
-        timed = compress(reqs, load / base)
-        for mode, cfg in variants(config):
-            sim = Simulator(policy, cfg)
-            sim.run(timed)
-            rows.append(figures(name, load, mode, sim, len(reqs), slo_s))
+        timed = compress(reqs, load / bases[name][0])
+        rows += runs(name, load, timed, policy, variants(config), slo_s)
     console.print(render(rows, slo_s, f"scheduler values at {load:g}x capacity"))
     return rows
 

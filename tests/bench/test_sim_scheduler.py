@@ -7,11 +7,15 @@ the same calls replayed on a fresh ``Scheduler`` give the same verdicts and the 
 
 from __future__ import annotations
 
+import io
 import random
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from rich.console import Console
+
+from prefixgate.bench import sched_table
 from prefixgate.bench.report import percentile
 from prefixgate.bench.simulator import SimConfig, Simulator
 from prefixgate.bench.textgen import span_hashes
@@ -148,3 +152,20 @@ def test_the_simulator_starts_what_the_scheduler_decides_in_its_order() -> None:
     assert starts == sim.started
     assert {Verdict.START, Verdict.WAIT, Verdict.FULL} <= verdicts
     assert sim.refused["expired"] > 0 and sim.refused["full"] > 0
+
+
+def test_the_table_scales_a_workload_to_each_load_and_compares_the_modes() -> None:
+    reqs = overload(120)
+    out = io.StringIO()
+    console = Console(file=out, width=200)
+    traces = {"synthetic": reqs}
+    bases = sched_table.calibrate(traces, parse_policy("prefixgate"), CFG)
+    load, _ = bases["synthetic"]
+    assert 1.2 < load < 1.8  # ~1.5x one node, as built
+    rows = sched_table.run_table(
+        traces, {"synthetic": 1.0}, bases, parse_policy("prefixgate"), CFG, [1.3], 2.0, console
+    )
+    assert [r.mode for r in rows] == ["fcfs", "scheduled", "slo 2 s, shed"]
+    fcfs, sched, slo = rows
+    assert sched.short_p99_s < fcfs.short_p99_s and slo.shed > 0 and fcfs.shed == 0
+    assert "FCFS vs scheduler" in out.getvalue()
