@@ -27,6 +27,9 @@ MAX_TOP_LOGPROBS = 20  # chat; completions allow at most 5, as OpenAI
 MAX_COMPLETION_LOGPROBS = 5
 MAX_LOGIT_BIAS = 1024
 MAX_TOKEN_ID = 2**32 - 1
+# ``priority`` as vLLM means it: lower is handled earlier, 0 the default. Bounded so that it
+# fits every engine's field (our nodes' int32, SGLang's and vLLM's int64) and its negation.
+MAX_PRIORITY = 2**31 - 1
 
 
 @dataclass(slots=True)
@@ -79,6 +82,8 @@ class ParsedRequest:
     response_format: dict[str, Any] | None = None
     tool_choice: Any = None
     cache_salt: str = ""  # the client's own division of its tenant's cache namespace
+    priority: int = 0  # lower is handled earlier (vLLM's meaning); 0: the default
+    priority_given: bool = False  # the client sent ``priority``
     # Engine-dependent features the request asks for, each with the field that asks for it.
     needs: dict[Feature, str] = field(default_factory=dict)
 
@@ -423,6 +428,8 @@ def parse_request(
         if body.get("max_completion_tokens") is not None
         else "max_tokens",
         n=_int(body, "n", 1, MAX_N) or 1,
+        priority=_int(body, "priority", -MAX_PRIORITY, MAX_PRIORITY) or 0,
+        priority_given=body.get("priority") is not None,
         response_format=response_format,
         needs=needs,
     )
