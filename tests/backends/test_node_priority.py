@@ -5,6 +5,7 @@ Real nodes over gRPC on loopback, and a real gateway whose requests' ``priority`
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
@@ -14,6 +15,7 @@ import httpx
 import pytest
 
 from prefixgate.backends.admission import Admission
+from prefixgate.backends.cli import add_node_arguments, node_options
 from prefixgate.backends.server import NodeServer
 from prefixgate.v1 import node_pb2
 from tests.smgwire.test_gateway_over_grpc import gateway
@@ -78,6 +80,14 @@ async def test_fcfs_ignores_priority_and_a_turn_is_given_only_to_no_lower_priori
     adm.release(await worse)
     with pytest.raises(ValueError, match="scheduling policy"):
         Admission(1, 1, policy="lifo")
+
+
+def test_the_node_flag_names_vllms_policies() -> None:
+    parser = argparse.ArgumentParser()
+    add_node_arguments(parser)
+    assert node_options(parser.parse_args(["--role", "prefill"]))["scheduling_policy"] == "priority"
+    args = parser.parse_args(["--role", "prefill", "--scheduling-policy", "fcfs"])
+    assert node_options(args)["scheduling_policy"] == "fcfs"
 
 
 async def _order(node: NodeServer, stub: Any, prompt: Prompt) -> list[str]:
