@@ -11,6 +11,7 @@ import orjson
 import xxhash
 
 from prefixgate.gateway.core.errors import NotFound, TooLarge, invalid
+from prefixgate.gateway.scheduling.classes import MAX_PRIORITY as MAX_PRIORITY
 from prefixgate.openai.constraint import Constraint, from_response_format
 from prefixgate.openai.features import Feature
 from prefixgate.openai.normalize import DOCUMENT_ID_ALPHABET, MAX_DOCUMENT_ID, Document, is_document_id
@@ -27,9 +28,6 @@ MAX_TOP_LOGPROBS = 20  # chat; completions allow at most 5, as OpenAI
 MAX_COMPLETION_LOGPROBS = 5
 MAX_LOGIT_BIAS = 1024
 MAX_TOKEN_ID = 2**32 - 1
-# ``priority`` as vLLM means it: lower is handled earlier, 0 the default. Bounded so that it
-# fits every engine's field (our nodes' int32, SGLang's and vLLM's int64) and its negation.
-MAX_PRIORITY = 2**31 - 1
 
 
 @dataclass(slots=True)
@@ -428,6 +426,7 @@ def parse_request(
         if body.get("max_completion_tokens") is not None
         else "max_tokens",
         n=_int(body, "n", 1, MAX_N) or 1,
+        # within the scheduler's bound, which every engine's field holds (negated too)
         priority=_int(body, "priority", -MAX_PRIORITY, MAX_PRIORITY) or 0,
         priority_given=body.get("priority") is not None,
         response_format=response_format,
