@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -18,6 +17,7 @@ from prefixgate.backends.admission import Admission
 from prefixgate.backends.cli import add_node_arguments, node_options
 from prefixgate.backends.server import NodeServer
 from prefixgate.v1 import node_pb2
+from tests.backends.test_node_grpc import until
 from tests.smgwire.test_gateway_over_grpc import gateway
 
 Prompt = Callable[..., tuple[bytes, list[int]]]
@@ -25,11 +25,9 @@ LONG = 8192  # tokens: about 0.5 s of simulated prefill at time scale 4, in 8 ch
 CHUNK = 1024
 
 
-async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.005)
+def settled(cond: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
+    """``cond`` as ``until`` polls it."""
+    return lambda: asyncio.sleep(0, cond())
 
 
 async def test_waiting_tickets_go_by_priority_then_arrival() -> None:
@@ -105,9 +103,9 @@ async def _order(node: NodeServer, stub: Any, prompt: Prompt) -> list[str]:
                 done.append(name)
 
     long = asyncio.ensure_future(run("long", *prompt(LONG, salt=1), 0))
-    await until(lambda: bool(node.node.prefills.running))
+    await until(settled(lambda: bool(node.node.prefills.running)))
     p5 = asyncio.ensure_future(run("p5", *prompt(64, salt=2), 5))
-    await until(lambda: len(node.node.prefills.waiting) == 1)
+    await until(settled(lambda: len(node.node.prefills.waiting) == 1))
     p0 = asyncio.ensure_future(run("p0", *prompt(64, salt=3), 0))
     await asyncio.gather(long, p5, p0)
     return done
@@ -152,9 +150,9 @@ async def test_the_gateway_carries_a_requests_priority_to_our_node(
             done.append(name)
 
         long = asyncio.ensure_future(run("long", 4 * LONG // 7))  # bytes4: about LONG tokens
-        await until(lambda: bool(node.node.prefills.running))
+        await until(settled(lambda: bool(node.node.prefills.running)))
         p5 = asyncio.ensure_future(run("p5", 8, priority=5))
-        await until(lambda: len(node.node.prefills.waiting) == 1)
+        await until(settled(lambda: len(node.node.prefills.waiting) == 1))
         p0 = asyncio.ensure_future(run("p0", 8))  # no priority: 0
         await asyncio.gather(long, p5, p0)
     assert done.index("p0") < done.index("p5")
