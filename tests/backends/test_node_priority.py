@@ -133,7 +133,10 @@ async def test_the_gateway_carries_a_requests_priority_to_our_node(
     flags = ["--prefill", node.address, "--decode", (await nodes("decode")).address] if split else []
     done: list[str] = []
     async with (
-        gateway(*(flags or ["--monolithic", node.address])) as base,
+        # the gateway-held queue off: every request goes to the node at once, which orders them
+        gateway(
+            *(flags or ["--monolithic", node.address]), env={"PREFIXGATE_SCHEDULER_NODE_REQUESTS": "0"}
+        ) as base,
         httpx.AsyncClient(base_url=base, timeout=30) as http,
     ):
         r = await http.post(

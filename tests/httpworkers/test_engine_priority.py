@@ -15,12 +15,18 @@ from typing import Any
 import httpx
 import pytest
 
+from prefixgate.cachetier.hashing import Namespace
+from prefixgate.gateway.config import Settings
 from prefixgate.gateway.core.errors import InvalidRequest
+from prefixgate.gateway.core.queueing import Gate
+from prefixgate.gateway.core.request import Prepared, RequestContext
 from prefixgate.gateway.grpcfront.servicer import request_body
+from prefixgate.gateway.metrics import Metrics
 from prefixgate.gateway.nodeclient import OpenAIBody, connect
 from prefixgate.gateway.nodeclient.http_openai import HttpOpenAIClient
 from prefixgate.gateway.nodeclient.openai_body import with_priority
-from prefixgate.openai.schema import MAX_PRIORITY, parse_request
+from prefixgate.openai.normalize import Layout
+from prefixgate.openai.schema import MAX_PRIORITY, Sampling, parse_request
 from prefixgate.v1 import gateway_pb2
 from tests.httpworkers.appserver import serving
 from tests.httpworkers.test_adapter import Engine, collect, prompt
@@ -114,3 +120,16 @@ async def test_the_gateway_relays_priority_only_under_engine_priority(worker: tu
         http = await stack.enter_async_context(httpx.AsyncClient(base_url=inverted))
         assert (await send(http, priority=7))["priority"] == -7
         assert (await send(http))["priority"] == 0
+
+
+def test_the_clients_priority_ranks_it_in_the_gateways_queue_over_its_class() -> None:
+    settings = Settings(priority_classes=["batch:priority=5"])
+    gate = Gate(settings, Metrics(), lambda _model: [], lambda: True)
+    ns = Namespace("m1", "", 64)
+    prep = Prepared(
+        RequestContext("", "r1", priority_class="batch"), "r1", ns, Layout(""), b"", [], Sampling(4), "m1"
+    )
+    assert gate.schedule(prep).priority == 5  # none given: the class's
+    given = dataclasses.replace(prep, priority=-2, priority_given=True)
+    assert gate.schedule(given).priority == -2
+    assert gate.schedule(dataclasses.replace(given, priority=0)).priority == 0  # 0 given is given
