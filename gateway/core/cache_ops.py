@@ -453,7 +453,13 @@ async def _warm_node(
             uncached = max(0, prep.prompt_tokens - held_blocks * bs)
             with node.load(uncached):
                 report = await node.client.warm(
-                    Prompt(f"{prep.request_id}-{node.id}", prep.tokens, prep.hashes, Sampling(max_tokens=1)),
+                    Prompt(
+                        f"{prep.request_id}-{node.id}",
+                        prep.tokens,
+                        prep.hashes,
+                        Sampling(max_tokens=1),
+                        priority=prep.priority,
+                    ),
                     pin_seconds=pin_seconds,
                     timeout=svc.settings.request_timeout_s,
                 )
