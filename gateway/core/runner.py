@@ -43,6 +43,7 @@ from prefixgate.gateway.core.auth import KeyRing, check_admin
 from prefixgate.gateway.core.bodyparse import BodyParser
 from prefixgate.gateway.core.errors import Draining
 from prefixgate.gateway.core.request import Credentials, RequestContext
+from prefixgate.gateway.scheduling.classes import slo_ms
 
 if TYPE_CHECKING:
     from prefixgate.gateway.core.pipeline import Pipeline, Prepared
@@ -62,6 +63,10 @@ class Caller:
     authorization: str = ""
     request_id: str | None = None  # validated by ``auth.valid_request_id``; None: a new one
     client_host: str = ""
+    # The scheduler's headers, as sent: ``x-prefixgate-priority-class`` and
+    # ``x-prefixgate-ttft-slo-ms`` (``gateway.core.queueing``).
+    priority_class: str = ""
+    ttft_slo_ms: str = ""
 
 
 class Job(Protocol[Started]):
@@ -124,6 +129,8 @@ class RequestRunner:
             KEYLESS_TENANT if key_tenant is None else key_tenant,
             caller.request_id or uuid.uuid4().hex,
             credentials,
+            priority_class=caller.priority_class,
+            ttft_slo_ms=slo_ms(caller.ttft_slo_ms),
         )
 
     async def parse_body(self, raw: bytes) -> dict[str, Any]:

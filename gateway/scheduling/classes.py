@@ -3,17 +3,22 @@
 A request names its class with the ``x-prefixgate-priority-class`` header, or gives a bare
 ``priority`` in its body as vLLM takes it (an integer, lower goes first, 0 by default); a class
 gives the priority, whether the request may be refused early (``sheddable``) and a default TTFT
-target. Classes are configured as ``priority_classes = ["NAME:priority=P,ttft_slo_ms=MS,sheddable", ...]``;
+target. Classes are configured as ``priority_classes = ["NAME:priority=P;ttft_slo_ms=MS;sheddable", ...]``;
 the class ``default`` always exists (priority 0, no target, not sheddable) unless configured.
 Pure.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from prefixgate.gateway.core.errors import InvalidRequest
+
 DEFAULT_CLASS = "default"
+PRIORITY_CLASS_HEADER = "x-prefixgate-priority-class"
+TTFT_SLO_HEADER = "x-prefixgate-ttft-slo-ms"
 MAX_PRIORITY = 1 << 20  # |priority| at most this: vLLM's field is an int, bounded here
 MAX_SLO_MS = 3_600_000.0
 
@@ -40,14 +45,14 @@ DEFAULT_SCHEDULE = Schedule()
 
 
 def parse_class(entry: str) -> PriorityClass:
-    """``NAME:priority=P,ttft_slo_ms=MS,sheddable`` (every option optional); ValueError naming
+    """``NAME:priority=P;ttft_slo_ms=MS;sheddable`` (every option optional); ValueError naming
     what is wrong."""
     name, _, opts = entry.partition(":")
     name = name.strip()
     if not name or not name.replace("-", "").replace("_", "").isalnum():
         raise ValueError(f"priority class {entry!r}: the name must be letters, digits, '-' or '_'")
     priority, sheddable, slo_s = 0, False, 0.0
-    for raw in filter(None, (o.strip() for o in opts.split(","))):
+    for raw in filter(None, (o.strip() for o in opts.split(";"))):
         key, eq, value = raw.partition("=")
         try:
             if key == "priority" and eq:
@@ -82,6 +87,36 @@ def class_table(entries: Iterable[str]) -> dict[str, PriorityClass]:
         table[cls.name] = cls
     table.setdefault(DEFAULT_CLASS, PriorityClass(DEFAULT_CLASS))
     return table
+
+
+def slo_ms(raw: str) -> float | None:
+    """The ``x-prefixgate-ttft-slo-ms`` header's target (None: not sent); a 400 naming the
+    header when it is not a number of milliseconds within bounds."""
+    if not raw:
+        return None
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = math.nan
+    if not 0 < ms <= MAX_SLO_MS:
+        raise InvalidRequest(
+            f"{TTFT_SLO_HEADER} must be a number of milliseconds in (0, {MAX_SLO_MS:.0f}], got {raw[:40]!r}",
+            param=TTFT_SLO_HEADER,
+            code="invalid_header",
+        )
+    return ms
+
+
+def unknown_class(classes: Mapping[str, PriorityClass], name: str) -> InvalidRequest | None:
+    """The client's 400 for a class name not configured (None: it is)."""
+    if not name or name in classes:
+        return None
+    return InvalidRequest(
+        f"{PRIORITY_CLASS_HEADER}: unknown priority class {name[:64]!r}; "
+        f"configured: {', '.join(sorted(classes))}",
+        param=PRIORITY_CLASS_HEADER,
+        code="invalid_header",
+    )
 
 
 def schedule_of(

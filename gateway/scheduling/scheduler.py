@@ -3,7 +3,8 @@
 ``Scheduler`` holds one model pool's ``WaitQueue`` and decides, from the views of the nodes
 that compute prompts (``prefill_views``), what a new request does:
 
-- **start** at once: nothing waits and a node has room (``room.has_room``);
+- **start** at once: nothing waits and a node has room (``room.has_room``), or no node is
+  routable (nothing to wait for: the planner refuses it, as without a queue);
 - **wait** in the queue, to leave by the queue's order when a node has room (``take``);
 - **full**: the queue's bounds are reached (429 with ``Retry-After``);
 - **shed**: its TTFT target cannot be met by the predicted wait and it is sheddable (429 now
@@ -74,7 +75,9 @@ class Scheduler:
         return self.room.max_requests > 0
 
     def can_start(self, views: Sequence[NodeView]) -> bool:
-        return any(has_room(v, self.room) for v in views)
+        """A node has room, or there is none to wait for (no routable node: the request goes on
+        to be refused by the planner, as without a queue)."""
+        return not views or any(has_room(v, self.room) for v in views)
 
     def predicted_wait_s(self, entry: Entry, views: Sequence[NodeView]) -> float:
         """Seconds before ``entry`` would start prefilling: what the nodes hold and what the
@@ -86,10 +89,12 @@ class Scheduler:
         ahead = self.queue.ahead_tokens(entry.tenant, entry.schedule.priority, entry.cost_tokens)
         return (backlog_tokens(views) + ahead) / rate
 
-    def arrive(self, entry: Entry, views: Sequence[NodeView], now: float) -> Admit:
-        """What a new request does (``views``: ``prefill_views`` of its pool). ``wait`` and a
-        ``late`` the caller lets wait are queued by ``hold``; ``start`` is not queued."""
-        if not self.on or (len(self.queue) == 0 and self.can_start(views)):
+    def arrive(self, entry: Entry, views: Sequence[NodeView], now: float, *, blocked: bool = False) -> Admit:
+        """What a new request does (``views``: ``prefill_views`` of its pool; ``blocked``: the
+        caller knows the room is taken already, by requests given their turn and not yet on a
+        node). ``wait`` and a ``late`` the caller lets wait are queued by ``hold``; ``start``
+        is not queued."""
+        if not self.on or not views or (len(self.queue) == 0 and not blocked and self.can_start(views)):
             return Admit(Verdict.START)
         wait = self.predicted_wait_s(entry, views)
         due = entry.deadline_s

@@ -71,3 +71,10 @@ def test_prefill_views_are_the_prefill_pool_else_whole_serving_nodes() -> None:
     assert prefill_views([p, d, m]) == [p]
     assert prefill_views([d, m]) == [m]
     assert prefill_views([d]) == [d]
+
+
+def test_without_a_routable_node_nothing_waits() -> None:
+    s = Scheduler()
+    assert s.arrive(entry(1), [], 0.0).verdict == Verdict.START
+    s.hold(entry(2))
+    assert s.take([], 0.0) is not None  # released, to be refused by the planner

@@ -162,7 +162,7 @@ def test_depths_per_band_and_tenant() -> None:
 
 
 def test_classes_parse_and_resolve() -> None:
-    table = class_table(["interactive:priority=-1,ttft_slo_ms=2000", "batch:priority=10,sheddable"])
+    table = class_table(["interactive:priority=-1;ttft_slo_ms=2000", "batch:priority=10;sheddable"])
     assert table[DEFAULT_CLASS].priority == 0
     s = schedule_of(table, "batch", None, None)
     assert (s.priority, s.sheddable, s.ttft_slo_s) == (10, True, 0.0)
