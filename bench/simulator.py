@@ -28,10 +28,10 @@ Two ways of sending requests to the nodes (``SimConfig.scheduler``):
 
 - **FCFS** (False, the default): every arrival is planned at once and joins its node's FIFO queue.
 - **Scheduled** (True): the gateway's own ``gateway.scheduling.Scheduler`` holds what the nodes
-  cannot start at once. On arrival a request becomes an ``Entry`` (its ``Request.tenant``; the
-  class ``SimConfig.schedule``; cost = its uncached tokens at the best index hit; predicted
-  prefill seconds at the profile's speed) and ``arrive`` decides over the prefill node views:
-  START is planned and dispatched as in FCFS; WAIT and LATE are held; FULL and SHED are refused.
+  cannot start at once. On arrival a request becomes an ``Entry`` as the gateway builds it (its
+  ``Request.tenant``; the class ``SimConfig.schedule``; cost = its uncached tokens at the best
+  index hit; predicted prefill seconds = cost over one node's share of the pool's speed) and
+  ``arrive`` decides over the prefill node views: START is planned and dispatched as in FCFS; WAIT and LATE are held; FULL and SHED are refused.
   On every arrival and every completion the requests that have waited ``max_wait_s`` are refused
   (expired) and ``take`` is called while it gives a request, each one planned at that moment
   (fresh hits and views: late binding) by the same ``plan`` call. The time in the gateway's
@@ -57,7 +57,7 @@ from prefixgate.gateway.routing.planner import Plan, RequestView, Rules, plan
 from prefixgate.gateway.scheduling.classes import DEFAULT_SCHEDULE, Schedule
 from prefixgate.gateway.scheduling.queue import DEFAULT_LIMITS, Entry, QueueLimits
 from prefixgate.gateway.scheduling.room import DEFAULT_ROOM, RoomRule
-from prefixgate.gateway.scheduling.scheduler import Scheduler, Verdict, prefill_views
+from prefixgate.gateway.scheduling.scheduler import Scheduler, Verdict, pool_rate, prefill_views
 from prefixgate.gateway.vocab import Mode, Role
 
 # The decode pool, assumed to have room: it takes every split request's KV and every fallback.
@@ -255,8 +255,9 @@ class Simulator:
             return
         hits = self._hits(req, now)
         views = self._views(now)
-        entry = self._entry(req, hits, now)
-        admit = self.scheduler.arrive(entry, prefill_views(views), now)
+        pool = prefill_views(views)
+        entry = self._entry(req, hits, pool, now)
+        admit = self.scheduler.arrive(entry, pool, now)
         if admit.verdict == Verdict.START:
             self._dispatch(req, now, hits, views)
         elif admit.verdict in (Verdict.WAIT, Verdict.LATE):
@@ -268,16 +269,19 @@ class Simulator:
             self._refuse(req, "shed" if admit.verdict == Verdict.SHED else "full")
         self._drain(now)
 
-    def _entry(self, req: Request, hits: Mapping[str, int], now: float) -> Entry:
-        """``req`` as the scheduler sees it: its cost at the best hit any node offers."""
-        best = min(max(hits.values(), default=0), len(req.block_hashes)) * self.cfg.block_size
-        new = req.prompt_tokens - best
+    def _entry(self, req: Request, hits: Mapping[str, int], views: Sequence[NodeView], now: float) -> Entry:
+        """``req`` as the gateway's queue sees it (as ``gateway.core.queueing`` builds it): its
+        uncached tokens at the best hit any node offers, over one node's share of the pool's speed."""
+        best = max(hits.values(), default=0) * self.cfg.block_size
+        cost = max(1, req.prompt_tokens - min(best, req.prompt_tokens))
+        rate = pool_rate(views)
+        per_node = rate / len(views) if views and rate > 0 else 0.0
         return Entry(
             ticket=req.index,
             tenant=req.tenant,
             schedule=self.cfg.schedule,
-            cost_tokens=new,
-            predicted_s=prefill_seconds(self._view, new, best),
+            cost_tokens=cost,
+            predicted_s=cost / per_node if per_node > 0 else 0.0,
             arrival_s=now,
             size_bytes=req.prompt_tokens * BYTES_PER_TOKEN,
         )
