@@ -31,7 +31,8 @@ Two ways of sending requests to the nodes (``SimConfig.scheduler``):
   cannot start at once. On arrival a request becomes an ``Entry`` as the gateway builds it (its
   ``Request.tenant``; the class ``SimConfig.schedule``; cost = its uncached tokens at the best
   index hit; predicted prefill seconds = cost over one node's share of the pool's speed) and
-  ``arrive`` decides over the prefill node views: START is planned and dispatched as in FCFS; WAIT and LATE are held; FULL and SHED are refused.
+  ``arrive`` decides over the prefill node views: START is planned and dispatched as in FCFS;
+  WAIT and LATE are held; FULL and SHED are refused.
   On every arrival and every completion the requests that have waited ``max_wait_s`` are refused
   (expired) and ``take`` is called while it gives a request, each one planned at that moment
   (fresh hits and views: late binding) by the same ``plan`` call. The time in the gateway's
