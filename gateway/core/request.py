@@ -44,6 +44,7 @@ class RequestContext:
     request_id: str = ""  # the client's or a new one; "": one is made when it is prepared
     credentials: Credentials = Credentials.CLIENT  # what the runner checked it presented
     body_bytes: int = 0  # the size of the body the front end read: how heavy preparing it is
+    key_id: str = ""  # the API key's id (``auth.key_id``: a digest, never the key); "": no key
 
     def with_body(self, size: int) -> RequestContext:
         """Once the front end has read the body."""

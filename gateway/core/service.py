@@ -21,6 +21,7 @@ from prefixgate.gateway.cluster.membership import Membership
 from prefixgate.gateway.cluster.nodes import Node, NodePool
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.core.pipeline import Execution, Pipeline
+from prefixgate.gateway.core.rate_limits import RateLimiter, policy_of
 from prefixgate.gateway.core.runner import RequestRunner, RunnerLimits
 from prefixgate.gateway.core.usage import Prices, UsageLedger
 from prefixgate.gateway.metrics import Metrics, NodeSample
@@ -102,6 +103,8 @@ class GatewayService:
         self.runner = RequestRunner(
             self.pipeline, self.documents, RunnerLimits(s.api_keys, s.admin_token, s.max_json_values)
         )
+        self.limits = RateLimiter(self.state, policy_of(s), self.metrics.registry)
+        self.runner.limits = self.limits
         self.membership = Membership(
             self.state, self.pool, self._add_node, self._forget_node, s.membership_interval_s
         )
@@ -304,6 +307,7 @@ class GatewayService:
         stages: tuple[tuple[str, Callable[[], Awaitable[None]], float], ...] = (
             ("membership", self.membership.close, CLOSE_TIMEOUT_S),
             ("usage", self.usage.close, CLOSE_TIMEOUT_S),
+            ("rate_limits", self.limits.close, CLOSE_TIMEOUT_S),
             ("pipeline", self.pipeline.close, CLOSE_TIMEOUT_S),
             ("kv_events", self.events.close, CLOSE_TIMEOUT_S),
             ("nodes", self.pool.close, CLOSE_TIMEOUT_S),
