@@ -14,9 +14,9 @@ import openai
 import pytest
 
 from prefixgate.bench.limits import HEADERS, KEY, MODEL, Deployment, chat_body, hammer
+from prefixgate.gateway.state.redis_store import RedisState
 from prefixgate.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.cachetier.support import redis_url
-from tests.replicas.test_state_store import RedisState
 
 LIMIT = 3_000  # tokens per minute; a request reserves ~66 prompt + 16 max_tokens
 
