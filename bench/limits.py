@@ -4,7 +4,8 @@ limit, hammered through both; what they admitted per minute against the limit.
 One prefill and one decode node of ours (fast simulated time), two gateways (real processes)
 sharing a Redis (``--redis``, a private key prefix) with ``--tenant-tokens-per-minute L`` and one
 API key. ``--concurrency`` clients send chats back to back for ``--seconds``, alternating between
-the replicas; a refused request (429) pauses ``--pause`` s before the client's next one. Each
+the replicas; a refused request (429) pauses ``--pause`` s before the client's next one, but the
+first client sends every 10th of its refusals again once its Retry-After has passed. Each
 answer is recorded (status, the tokens its ``usage`` counts, ``Retry-After``, the time sent).
 
 Printed: the tokens admitted in each rolling minute that ends on a whole second (the limiter's
@@ -139,8 +140,8 @@ async def hammer(
     pause: float = 0.05,
     retry_every: int = 0,
 ) -> list[Sample]:
-    """``concurrency`` clients back to back for ``seconds``, alternating replicas; every
-    ``retry_every``-th refusal (0: none) is sent again after its Retry-After."""
+    """``concurrency`` clients back to back for ``seconds``, alternating replicas; the first
+    client sends every ``retry_every``-th refusal (0: none) again after its Retry-After."""
     samples: list[Sample] = []
     end = time.monotonic() + seconds
     refusals = 0
@@ -157,7 +158,8 @@ async def hammer(
                 if s.status != 429:
                     continue
                 refusals += 1
-                if retry_every and refusals % retry_every == 0 and s.retry_after is not None:
+                polite = c == 0 and retry_every and refusals % retry_every == 0
+                if polite and s.retry_after is not None:
                     if time.monotonic() + s.retry_after < end:
                         await asyncio.sleep(s.retry_after)
                         again = await send(http, urls[i % len(urls)], body)
