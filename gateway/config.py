@@ -91,6 +91,25 @@ class Settings:
     min_disagg_tokens: int = 0
     ttft_budget_s: float = 30.0  # estimated prefill queue wait beyond this: fall back
     stats_interval_s: float = 0.5
+    # The gateway-held queue (gateway.scheduling): a node is given another prefill only while it
+    # holds fewer than scheduler_node_requests that its speed says are done within
+    # scheduler_window_s (0 requests: no queue, every request sent at once); the rest wait here,
+    # at most scheduler_queue_requests / _bytes / scheduler_max_wait_s, and leave by priority
+    # band, fair share between tenants (scheduler_quantum_tokens a turn), then shortest predicted
+    # prefill first (rank = arrival + scheduler_shortest_first x predicted seconds, deferred at
+    # most scheduler_max_defer_s) or deadline; a band waiting scheduler_promote_after_s goes first.
+    scheduler_node_requests: int = 8
+    scheduler_window_s: float = 0.05
+    scheduler_queue_requests: int = 1024
+    scheduler_queue_bytes: int = 256 * 1024 * 1024
+    scheduler_max_wait_s: float = 30.0
+    scheduler_quantum_tokens: int = 8192
+    scheduler_shortest_first: float = 8.0
+    scheduler_max_defer_s: float = 4.0
+    scheduler_promote_after_s: float = 10.0
+    # Priority classes, "NAME:priority=P;ttft_slo_ms=MS;sheddable" (gateway.scheduling.classes);
+    # a request names one with the x-prefixgate-priority-class header ("default" otherwise).
+    priority_classes: list[str] = field(default_factory=list)
     # Count a prefix as held by the node it was routed to while its prefill runs, before the
     # index shows it (gateway.routing.inflight): requests sharing it follow it there.
     inflight_prefixes: bool = True
@@ -288,6 +307,7 @@ def load_settings(
         raise ValueError(f"setting 'policy': {e}") from None
     settings = _check_tokenizer(settings)
     _check_tool_call_parser(settings)
+    _check_priority_classes(settings)
     _check_tenant_cache(settings)
     _check_bounds(settings)
     _check_tenant_limits(settings)
@@ -315,6 +335,15 @@ _AT_LEAST: dict[str, float] = {
     "first_token_deadline_floor_s": 0,
     "first_token_timeout_s": 0,
     "max_inflight": 1,
+    "scheduler_node_requests": 0,
+    "scheduler_window_s": 0,
+    "scheduler_queue_requests": 0,
+    "scheduler_queue_bytes": 0,
+    "scheduler_max_wait_s": 0.001,
+    "scheduler_quantum_tokens": 1,
+    "scheduler_shortest_first": 0,
+    "scheduler_max_defer_s": 0,
+    "scheduler_promote_after_s": 0,
     "prometheus_port": 0,
     "grpc_max_concurrent_streams": 1,
     "grpc_max_connection_age_s": 0,
@@ -358,6 +387,15 @@ def _check_tenant_cache(settings: Settings) -> None:
         raise ValueError(
             f"setting 'tenant_cache': {settings.tenant_cache!r}: use one of {', '.join(TENANT_CACHE_MODES)}"
         )
+
+
+def _check_priority_classes(settings: Settings) -> None:
+    from prefixgate.gateway.scheduling.classes import class_table
+
+    try:
+        class_table(settings.priority_classes)
+    except ValueError as e:
+        raise ValueError(f"setting 'priority_classes': {e}") from None
 
 
 def _check_tool_call_parser(settings: Settings) -> None:

@@ -43,6 +43,7 @@ from prefixgate.gateway.core.auth import KeyRing, check_admin
 from prefixgate.gateway.core.bodyparse import BodyParser
 from prefixgate.gateway.core.errors import Draining
 from prefixgate.gateway.core.request import Credentials, RequestContext
+from prefixgate.gateway.scheduling.classes import slo_ms
 
 if TYPE_CHECKING:
     from prefixgate.gateway.core.pipeline import Pipeline, Prepared
@@ -63,6 +64,10 @@ class Caller:
     authorization: str = ""
     request_id: str | None = None  # validated by ``auth.valid_request_id``; None: a new one
     client_host: str = ""
+    # The scheduler's headers, as sent: ``x-prefixgate-priority-class`` and
+    # ``x-prefixgate-ttft-slo-ms`` (``gateway.core.queueing``).
+    priority_class: str = ""
+    ttft_slo_ms: str = ""
 
 
 class Job(Protocol[Started]):
@@ -142,7 +147,14 @@ class RequestRunner:
         else:
             found = self.keys.identify(caller.authorization)
         tenant, key = found if found is not None else (KEYLESS_TENANT, "")
-        return RequestContext(tenant, caller.request_id or uuid.uuid4().hex, credentials, key_id=key)
+        return RequestContext(
+            tenant,
+            caller.request_id or uuid.uuid4().hex,
+            credentials,
+            key_id=key,
+            priority_class=caller.priority_class,
+            ttft_slo_ms=slo_ms(caller.ttft_slo_ms),
+        )
 
     async def parse_body(self, raw: bytes) -> dict[str, Any]:
         """A JSON object body within the value bound; parsed off this process when it may
