@@ -44,14 +44,11 @@ class RequestContext:
     request_id: str = ""  # the client's or a new one; "": one is made when it is prepared
     credentials: Credentials = Credentials.CLIENT  # what the runner checked it presented
     body_bytes: int = 0  # the size of the body the front end read: how heavy preparing it is
-<<<<<<< HEAD
     key_id: str = ""  # the API key's id (``auth.key_id``: a digest, never the key); "": no key
-=======
     # The scheduler's hints from the headers (``gateway.core.queueing``): a class name ("": the
     # body's priority or the default class) and a TTFT target (None: the class's).
     priority_class: str = ""
     ttft_slo_ms: float | None = None
->>>>>>> main
 
     def with_body(self, size: int) -> RequestContext:
         """Once the front end has read the body."""
