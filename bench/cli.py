@@ -14,7 +14,7 @@ def _tiny(args: argparse.Namespace) -> int:
 
 def add_bench_parser(sub: Any) -> None:
     """Add the ``bench`` subcommands (replay, hotpath, index, toolcalls, detok, zmq-flood, tiny, peers,
-    overhead, chaos, limits)."""
+    overhead, chaos, fairness, limits)."""
     from prefixgate.bench import hotpath, replay
 
     bench = sub.add_parser("bench", help="run a benchmark (prints a table; --json FILE writes the figures)")
@@ -81,6 +81,14 @@ def add_bench_parser(sub: Any) -> None:
     )
     chaos.add_arguments(ch)
     ch.set_defaults(func=chaos.run)
+
+    from prefixgate.bench import fairness
+
+    fa = inner.add_parser(
+        "fairness", help="one tenant floods: the other's TTFT with and without the gateway-held queue"
+    )
+    fairness.add_arguments(fa)
+    fa.set_defaults(func=fairness.run)
 
     from prefixgate.bench import limits
 

@@ -12,6 +12,7 @@ from typing import Any, get_type_hints
 
 from prefixgate.gateway.cluster import workers
 from prefixgate.gateway.core.tenancy import TENANT_CACHE_MODES, Tenancy
+from prefixgate.gateway.nodeclient.openai_body import ENGINE_PRIORITY
 from prefixgate.gateway.routing import parse_policy
 
 ENV_PREFIX = "PREFIXGATE_"
@@ -41,6 +42,13 @@ class Settings:
     worker_urls: list[str] = field(default_factory=list)
     bootstrap_ports: list[str] = field(default_factory=list)  # "URL=PORT"
     backend: str = ""
+    # Whether ``http://`` workers' engines are sent each request's ``priority`` (their OpenAI
+    # bodies' field): "off" never (a default vLLM or SGLang ignores it, an SGLang run with
+    # --abort-on-priority-when-disabled refuses it); "on" always, as is (lower first: vLLM run
+    # with --scheduling-policy priority, SGLang with --enable-priority-scheduling
+    # --schedule-low-priority-values-first); "inverted" always, negated (SGLang run with
+    # --enable-priority-scheduling alone, where higher values go first). docs/engines.md.
+    engine_priority: str = "off"
     redis: str = ""  # empty: embedded in-memory index
     redis_prefix: str = "prefixgate:"
     redis_layout: str = "zset"  # index key layout: zset (fastest writes) or packed (~6x less memory)
@@ -310,6 +318,11 @@ def load_settings(
     _check_priority_classes(settings)
     _check_tenant_cache(settings)
     _check_bounds(settings)
+    if settings.engine_priority not in ENGINE_PRIORITY:
+        raise ValueError(
+            f"setting 'engine_priority': {settings.engine_priority!r}: "
+            f"use one of {', '.join(ENGINE_PRIORITY)}"
+        )
     _check_tenant_limits(settings)
     return settings
 

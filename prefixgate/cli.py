@@ -60,6 +60,14 @@ def _gateway_args(p: argparse.ArgumentParser, *, stack: bool) -> None:
         help="grpc:// workers keep one prefix cache for every tenant: refuse them with several "
         "tenants (isolated, the default) or share their cache (shared)",
     )
+    p.add_argument(
+        "--engine-priority",
+        choices=["off", "on", "inverted"],
+        default=None,
+        help="send http:// workers each request's priority: off (never, the default), on (as is:"
+        " vLLM --scheduling-policy priority) or inverted (negated: SGLang --enable-priority-scheduling"
+        " without --schedule-low-priority-values-first)",
+    )
     p.add_argument("--log-format", choices=["auto", "json", "console"], default=None)
     quotas = p.add_argument_group("per-tenant quotas (also PREFIXGATE_* and the config file)")
     quotas.add_argument("--pin-quota-blocks-per-node", type=int, default=None, metavar="N")
@@ -198,6 +206,7 @@ _GATEWAY_KEYS = (
     "admin_token",
     "api_keys",
     "tenant_cache",
+    "engine_priority",
     "log_format",
     "pin_quota_blocks_per_node",
     "pin_quota_node_share",

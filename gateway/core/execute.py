@@ -150,7 +150,16 @@ def _prompt(prep: Prepared, node: Node, generating: Node | None = None) -> Promp
         openai = for_choice(prep.openai_body(), sampling.seed, sampling.choice)
         if limit != prep.sampling.max_tokens:
             openai = OpenAIBody(openai.kind, {**openai.body, "max_tokens": limit})
-    return Prompt(prep.request_id, prep.tokens, prep.hashes, sampling, openai, prep.engine_salt, prep.resumed)
+    return Prompt(
+        prep.request_id,
+        prep.tokens,
+        prep.hashes,
+        sampling,
+        openai,
+        prep.engine_salt,
+        prep.resumed,
+        prep.priority,
+    )
 
 
 def abandoned(t: Target, gone: Collection[Node], prefill_reported: bool) -> NodeFailure | None:

@@ -106,7 +106,8 @@ class Gate:
         bad = unknown_class(self.classes, ctx.priority_class)
         if bad is not None:
             raise bad
-        return schedule_of(self.classes, ctx.priority_class or None, None, ctx.ttft_slo_ms)
+        body = prep.priority if prep.priority_given else None  # the client's ``priority``
+        return schedule_of(self.classes, ctx.priority_class or None, body, ctx.ttft_slo_ms)
 
     def views(self, model: str) -> list[NodeView]:
         """The views of the nodes that compute ``model``'s prompts."""

@@ -90,6 +90,11 @@ class Prepared:
     # A migrated generation's continuation (``gateway.core.migration``): the last ``resumed`` of
     # ``tokens`` are output already sent to the client.
     resumed: int = 0
+    # When its nodes take it up, among those waiting (vLLM's meaning: lower earlier, 0 the
+    # default): the client's ``priority``, or what the gateway sets; every node request carries
+    # it (``nodeclient.Prompt.priority``). ``priority_given``: the client sent one.
+    priority: int = 0
+    priority_given: bool = False
 
     @property
     def tenant(self) -> str:

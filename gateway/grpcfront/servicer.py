@@ -135,6 +135,8 @@ def request_body(req: gateway_pb2.CompletionRequest) -> tuple[dict[str, Any], st
         body["seed"] = req.seed
     if req.stop:
         body["stop"] = list(req.stop)
+    if req.HasField("priority"):
+        body["priority"] = req.priority
     if req.user:
         body["user"] = req.user
     if req.documents:

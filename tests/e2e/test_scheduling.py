@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import openai
@@ -228,3 +229,25 @@ def test_a_client_that_leaves_while_waiting_leaves_nothing_behind(stack: Stack) 
         time.sleep(0.1)
     assert _metric(stack.base, "prefixgate_inflight_requests") == 0
     assert _metric(stack.base, "prefixgate_scheduler_queue_requests") == 0
+
+
+def test_explain_says_where_a_request_would_wait(stack: Stack) -> None:
+    body = {"prompt": _prompt(0, "bob"), "max_tokens": 1}
+    idle = httpx.post(stack.base + "/admin/cache/lookup", json=body, timeout=10).json()["scheduler"]
+    assert idle["verdict"] == "start" and idle["priority_class"] == "default" and idle["waiting"] == 0
+
+    async def busy() -> dict[str, Any]:
+        flood = [asyncio.create_task(_one(stack.base, "alice", i)) for i in range(24)]
+        await asyncio.sleep(0.1)
+        async with httpx.AsyncClient(timeout=10) as c:
+            r = await c.post(
+                stack.base + "/admin/cache/lookup",
+                json=body,
+                headers={"x-prefixgate-priority-class": "batch"},
+            )
+        await asyncio.gather(*flood)
+        return dict(r.json()["scheduler"])
+
+    seen = asyncio.run(busy())
+    assert seen["verdict"] == "shed" and seen["priority_class"] == "batch" and seen["ttft_slo_ms"] == 100
+    assert seen["predicted_wait_ms"] > 100 and seen["waiting"] > 0
