@@ -6,6 +6,7 @@ window's use."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -51,10 +52,14 @@ def test_replicas_admit_the_limit_and_refuse_the_rest(deployment: Deployment) ->
         s.message.startswith(f"tenant acme: {LIMIT} tokens per minute (tenant_tokens_per_minute)")
         for s in refused
     )
-    for url in deployment.urls:  # both replicas see the shared window, settled
-        body = httpx.get(url + "/v1/usage", headers=HEADERS, timeout=10).json()
-        (group,) = body["limits"]
-        (row,) = group["data"]
+    for url in deployment.urls:  # both replicas see the shared window, settled (in the background)
+        for _ in range(20):
+            body = httpx.get(url + "/v1/usage", headers=HEADERS, timeout=10).json()
+            (group,) = body["limits"]
+            (row,) = group["data"]
+            if row["used"] == admitted:
+                break
+            time.sleep(0.1)
         assert row == {
             "scope": "tenant",
             "unit": "tokens",
