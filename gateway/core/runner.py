@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 from prefixgate.gateway.config import KEYLESS_TENANT
 from prefixgate.gateway.core.auth import KeyRing, check_admin
 from prefixgate.gateway.core.bodyparse import BodyParser
-from prefixgate.gateway.core.errors import Draining
+from prefixgate.gateway.core.errors import Draining, Overloaded
 from prefixgate.gateway.core.request import Credentials, RequestContext
 from prefixgate.gateway.scheduling.classes import slo_ms
 
@@ -206,12 +206,16 @@ class RequestRunner:
         it is left, it is closed, the slot released and the reservation settled with the tokens
         used (``gateway.core.rate_limits``)."""
         release = self.pipeline.admit()
-        limits, hold, output = self.limits, None, 0
+        limits, hold, output, used = self.limits, None, 0, prepared.prompt_tokens
         try:
             if limits is not None:
                 most = job.max_output_tokens(prepared) if isinstance(job, Generates) else 0
                 hold = await limits.reserve(prepared, most)
-            started = await job.start(prepared)
+            try:
+                started = await job.start(prepared)
+            except Overloaded:  # refused before any node computed it (the scheduler, full nodes)
+                used = 0
+                raise
             try:
                 yield started
             finally:
@@ -221,4 +225,4 @@ class RequestRunner:
         finally:
             release()
             if limits is not None and hold is not None:
-                limits.settle(hold, prepared.prompt_tokens + output)
+                limits.settle(hold, used + output)

@@ -11,7 +11,7 @@ import pytest
 
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.core.auth import key_id
-from prefixgate.gateway.core.errors import RateLimited, Unavailable
+from prefixgate.gateway.core.errors import Overloaded, RateLimited, Unavailable
 from prefixgate.gateway.core.pipeline import Prepared
 from prefixgate.gateway.core.request import Credentials
 from prefixgate.gateway.core.runner import Caller
@@ -53,10 +53,13 @@ class Gen:
 
     n: int = 1
     fail: bool = False
+    refused: bool = False  # refused before any node computed it (the gateway's queue)
 
     async def start(self, prepared: Prepared) -> Generated:
         if self.fail:
             raise Unavailable("no node")
+        if self.refused:
+            raise Overloaded("not scheduled: the queue is full", code="queue_full", retry_after=1)
         return Generated()
 
     async def close(self, started: Generated) -> None:
@@ -84,6 +87,10 @@ async def test_reserved_then_settled_to_what_was_used() -> None:
     assert await used(svc) == {"tenant:tokens": p + 7, f"key:requests:{key_id('sk-a')}": 1}
     with pytest.raises(Unavailable):  # failed before generating: its output part given back
         async with svc.runner.run(prep, Gen(fail=True)):
+            pass
+    assert (await used(svc))["tenant:tokens"] == 2 * p + 7
+    with pytest.raises(Overloaded):  # refused before any node computed it: all given back
+        async with svc.runner.run(prep, Gen(refused=True)):
             pass
     assert (await used(svc))["tenant:tokens"] == 2 * p + 7
 
