@@ -173,6 +173,16 @@ class Settings:
     document_quota_count: int = 1000
     document_quota_bytes: int = 64 * 1024 * 1024
     document_store_bytes: int = 512 * 1024 * 1024
+    # Rate limits over a sliding minute (gateway.core.rate_limits; 0: none): tokens (prompt +
+    # max_tokens reserved when a request enters, settled to prompt + completion when it ends)
+    # and requests, per tenant and per API key; shared by every replica with ``redis``.
+    tenant_tokens_per_minute: int = 0
+    tenant_requests_per_minute: int = 0
+    key_tokens_per_minute: int = 0
+    key_requests_per_minute: int = 0
+    # A tenant's own: "TENANT:tpm=N,rpm=N" (either may be left out: the defaults above; the
+    # keyless tenant is "default").
+    tenant_limits: list[str] = field(default_factory=list)
     # Shared state (with ``redis``: documents, pins, membership changes and usage shared by every
     # replica). A tenant's documents expire this long after they were last registered or used;
     # membership records this long after the last replica stopped reading them; usage figures
@@ -313,6 +323,7 @@ def load_settings(
             f"setting 'engine_priority': {settings.engine_priority!r}: "
             f"use one of {', '.join(ENGINE_PRIORITY)}"
         )
+    _check_tenant_limits(settings)
     return settings
 
 
@@ -352,6 +363,10 @@ _AT_LEAST: dict[str, float] = {
     "grpc_keepalive_time_s": 0.001,
     "grpc_keepalive_timeout_s": 0.001,
     "grpc_min_ping_interval_s": 0,
+    "tenant_tokens_per_minute": 0,
+    "tenant_requests_per_minute": 0,
+    "key_tokens_per_minute": 0,
+    "key_requests_per_minute": 0,
 }
 
 
@@ -362,6 +377,19 @@ def _check_bounds(settings: Settings) -> None:
             raise ValueError(f"setting {name!r}: {value!r} is below {low:g}")
     if settings.retry_jitter_factor > 1:
         raise ValueError(f"setting 'retry_jitter_factor': {settings.retry_jitter_factor!r} is above 1")
+
+
+def _check_tenant_limits(settings: Settings) -> None:
+    """Each entry well-formed and naming a tenant there is: a typo would limit nobody."""
+    from prefixgate.gateway.scheduling.limit_policy import KEYLESS_NAME, parse_tenant_limits
+
+    known = set(settings.api_key_map().values()) or {KEYLESS_NAME}
+    for tenant in parse_tenant_limits(settings.tenant_limits):
+        if tenant not in known:
+            raise ValueError(
+                f"setting 'tenant_limits': tenant {tenant!r} is named by no API key "
+                f"(tenants: {', '.join(sorted(known))})"
+            )
 
 
 def _check_tenant_cache(settings: Settings) -> None:

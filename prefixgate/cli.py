@@ -77,6 +77,18 @@ def _gateway_args(p: argparse.ArgumentParser, *, stack: bool) -> None:
     quotas.add_argument("--document-quota-count", type=int, default=None, metavar="N")
     quotas.add_argument("--document-quota-bytes", type=int, default=None, metavar="BYTES")
     quotas.add_argument("--document-store-bytes", type=int, default=None, metavar="BYTES")
+    quotas.add_argument("--tenant-tokens-per-minute", type=int, default=None, metavar="N")
+    quotas.add_argument("--tenant-requests-per-minute", type=int, default=None, metavar="N")
+    quotas.add_argument("--key-tokens-per-minute", type=int, default=None, metavar="N")
+    quotas.add_argument("--key-requests-per-minute", type=int, default=None, metavar="N")
+    quotas.add_argument(
+        "--tenant-limit",
+        action="append",
+        dest="tenant_limits",
+        default=None,
+        metavar="TENANT:tpm=N,rpm=N",
+        help="a tenant's own rate limits (repeatable)",
+    )
     p.add_argument(
         "--header-timeout",
         type=float,
@@ -203,6 +215,11 @@ _GATEWAY_KEYS = (
     "document_quota_count",
     "document_quota_bytes",
     "document_store_bytes",
+    "tenant_tokens_per_minute",
+    "tenant_requests_per_minute",
+    "key_tokens_per_minute",
+    "key_requests_per_minute",
+    "tenant_limits",
     "header_timeout_s",
     "body_timeout_s",
     "keepalive_timeout_s",

@@ -252,6 +252,8 @@ class Executor:
             turn = await self.gate.enter(
                 prep, found.hits, deadline, lambda: self._whole_ttft_s(prep, found, unserved, need)
             )
+        if turn.schedule.priority != prep.priority:  # the class's priority reaches the engines
+            prep = replace(prep, priority=turn.schedule.priority)
         try:
             if turn.waited_s > 0:  # late binding: what the index holds now
                 found = await self.planner.lookup(prep)

@@ -44,6 +44,7 @@ class RequestContext:
     request_id: str = ""  # the client's or a new one; "": one is made when it is prepared
     credentials: Credentials = Credentials.CLIENT  # what the runner checked it presented
     body_bytes: int = 0  # the size of the body the front end read: how heavy preparing it is
+    key_id: str = ""  # the API key's id (``auth.key_id``: a digest, never the key); "": no key
     # The scheduler's hints from the headers (``gateway.core.queueing``): a class name ("": the
     # body's priority or the default class) and a TTFT target (None: the class's).
     priority_class: str = ""

@@ -468,16 +468,20 @@ async def usage_view(request: Request) -> Response:
     """``GET /admin/usage[?tenant=T]``: tokens and their value per tenant and model, summed over
     every replica."""
     svc = service_of(request)
-    return ORJSONResponse(usage_json.report_json(await svc.usage.report(request.query_params.get("tenant"))))
+    tenant = request.query_params.get("tenant")
+    body = usage_json.report_json(await svc.usage.report(tenant))
+    body["limits"] = usage_json.limits_json(await svc.limit_use(tenant))
+    return ORJSONResponse(body)
 
 
 async def tenant_usage(request: Request) -> Response:
     """``GET /v1/usage``: the caller's own tenant's figures, never another's."""
     svc = service_of(request)
-    tenant = svc.runner.authenticate(caller_of(request))
-    return ORJSONResponse(
-        usage_json.report_json(await svc.usage.report(KEYLESS_TENANT if tenant is None else tenant))
-    )
+    key_tenant = svc.runner.authenticate(caller_of(request))
+    tenant = KEYLESS_TENANT if key_tenant is None else key_tenant
+    body = usage_json.report_json(await svc.usage.report(tenant))
+    body["limits"] = usage_json.limits_json(await svc.limit_use(tenant))
+    return ORJSONResponse(body)
 
 
 def admin_routes() -> list[Route]:

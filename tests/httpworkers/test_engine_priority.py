@@ -68,6 +68,10 @@ def test_the_grpc_front_takes_priority_and_bodies_carry_it_as_set() -> None:
     assert with_priority(once, 5, "on") is once
 
 
+# a class for the class-priority case (the default settings have only the class "default")
+CLASSES = {"PREFIXGATE_PRIORITY_CLASSES": "batch:priority=5"}
+
+
 @pytest.fixture
 async def worker() -> AsyncIterator[tuple[Engine, str]]:
     eng = Engine()
@@ -110,7 +114,9 @@ async def test_the_gateway_relays_priority_only_under_engine_priority(worker: tu
     async with contextlib.AsyncExitStack() as stack:  # both gateways start at once
         off, inverted = await asyncio.gather(
             stack.enter_async_context(gateway("--worker-urls", url)),
-            stack.enter_async_context(gateway("--worker-urls", url, "--engine-priority", "inverted")),
+            stack.enter_async_context(
+                gateway("--worker-urls", url, "--engine-priority", "inverted", env=CLASSES)
+            ),
         )
         http = await stack.enter_async_context(httpx.AsyncClient(base_url=off))
         assert "priority" not in await send(http, priority=7)  # off: the client's is not relayed
@@ -120,6 +126,10 @@ async def test_the_gateway_relays_priority_only_under_engine_priority(worker: tu
         http = await stack.enter_async_context(httpx.AsyncClient(base_url=inverted))
         assert (await send(http, priority=7))["priority"] == -7
         assert (await send(http))["priority"] == 0
+        # a class's priority reaches the engine where the client gives none
+        http.headers["x-prefixgate-priority-class"] = "batch"
+        assert (await send(http))["priority"] == -5
+        assert (await send(http, priority=1))["priority"] == -1
 
 
 def test_the_clients_priority_ranks_it_in_the_gateways_queue_over_its_class() -> None:
