@@ -102,9 +102,9 @@ class Recorder(Scheduler):
         super().__init__(limits)
         self.calls: list[tuple[Any, ...]] = []
 
-    def arrive(self, entry: Entry, views: Sequence[NodeView], now: float) -> Admit:
-        admit = super().arrive(entry, views, now)
-        self.calls.append(("arrive", replace(entry), list(views), now, admit))
+    def arrive(self, entry: Entry, views: Sequence[NodeView], now: float, *, blocked: bool = False) -> Admit:
+        admit = super().arrive(entry, views, now, blocked=blocked)
+        self.calls.append(("arrive", replace(entry), list(views), now, blocked, admit))
         return admit
 
     def hold(self, entry: Entry) -> str:
@@ -134,8 +134,8 @@ def test_the_simulator_starts_what_the_scheduler_decides_in_its_order() -> None:
     verdicts: set[Verdict] = set()
     for call in rec.calls:
         if call[0] == "arrive":
-            _, entry, views, now, admit = call
-            assert fresh.arrive(replace(entry), views, now) == admit
+            _, entry, views, now, blocked, admit = call
+            assert fresh.arrive(replace(entry), views, now, blocked=blocked) == admit
             verdicts.add(admit.verdict)
             if admit.verdict == Verdict.START:
                 starts.append(entry.ticket)
