@@ -89,7 +89,8 @@ def test_wedged_decode_node_is_probed_out_and_rejoins(cluster: Cluster) -> None:
     sent = iter(range(6100, 6300, 2))
 
     async def trial(k: int) -> None:
-        busy = asyncio.create_task(drive(cluster.url, [body(k, max_tokens=30)], 1, stream=True))
+        # 16 tokens: ~2 s of decoding, past the trial request's routing
+        busy = asyncio.create_task(drive(cluster.url, [body(k, max_tokens=16)], 1, stream=True))
         await asyncio.sleep(0.5)  # streaming on the other node by now
         await drive(cluster.url, [body(k + 1)], 1)
         await busy
@@ -266,8 +267,10 @@ def test_hung_decode_node_mid_stream_migrates_at_the_default_settings(default_cl
     gone0 = cluster.metric("prefixgate_migrations_total", reason="gone")
     prefill_retries0 = cluster.metric("prefixgate_retries_total", stage="prefill")
     prefill_opens0 = {n.gateway_id: node_state(cluster, n)["circuit_opens"] for n in cluster.prefill}
-    first_wave = [body(9000 + i, max_tokens=40) for i in range(12)]
-    second_wave = [body(9100 + i, max_tokens=20) for i in range(12)]
+    # 24 tokens (~3 s at the nodes' pace): open when the node is stopped, those on it held there
+    # until they migrate; the second wave's streams only need to start and end elsewhere
+    first_wave = [body(9000 + i, max_tokens=24) for i in range(12)]
+    second_wave = [body(9100 + i, max_tokens=4) for i in range(12)]
     stopped_at = 0.0
     victim = cluster.decode[0]
 
