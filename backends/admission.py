@@ -1,4 +1,8 @@
-"""Admission: at most ``max_running`` at once, at most ``max_queue`` waiting (FIFO), else refuse.
+"""Admission: at most ``max_running`` at once, at most ``max_queue`` waiting, else refuse.
+
+The waiting are served in arrival order (``fcfs``), or by priority (``priority``, vLLM's
+meaning: lower first), equal priorities in arrival order: the order is a ticket's key, (its
+priority, or 0 under ``fcfs``; its place in line), and ``waiting`` is kept sorted by it.
 
 Each ticket carries the tokens of work it stands for, so the node can report how much prefill
 work is ahead of a new arrival (waiting tokens plus what running tickets still have to do,
@@ -8,11 +12,14 @@ assuming linear progress over their expected duration).
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+
+POLICIES = ("fcfs", "priority")  # as vLLM's --scheduling-policy
 
 
 class QueueFull(Exception):
@@ -26,6 +33,8 @@ class Ticket:
     started: float = 0.0
     expected_s: float = 0.0
     future: asyncio.Future[None] | None = None
+    priority: int = 0  # lower is served earlier (``priority`` policy)
+    place: int = 0  # in line: later arrivals (and turns given) have higher places
 
     @property
     def waited_s(self) -> float:
@@ -39,12 +48,30 @@ class Ticket:
 
 
 class Admission:
-    def __init__(self, max_running: int, max_queue: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        max_running: int,
+        max_queue: int,
+        clock: Callable[[], float] = time.monotonic,
+        policy: str = "fcfs",
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.max_running = max(1, max_running)
         self.max_queue = max(0, max_queue)
         self.clock = clock
+        self.by_priority = policy == "priority"
         self.running: set[Ticket] = set()
-        self.waiting: deque[Ticket] = deque()
+        self.waiting: list[Ticket] = []  # in the order they are served
+        self._places = itertools.count()
+
+    def _key(self, t: Ticket) -> tuple[int, int]:
+        return (t.priority if self.by_priority else 0, t.place)
+
+    def _line_up(self, t: Ticket) -> None:
+        """``t`` into line: behind every waiting ticket it does not go before."""
+        t.place = next(self._places)
+        bisect.insort(self.waiting, t, key=self._key)
 
     @property
     def queued_tokens(self) -> int:
@@ -55,9 +82,9 @@ class Admission:
         now = self.clock()
         return self.queued_tokens + sum(t.remaining_tokens(now) for t in self.running)
 
-    async def acquire(self, tokens: int = 0) -> Ticket:
+    async def acquire(self, tokens: int = 0, priority: int = 0) -> Ticket:
         """A running ticket, after waiting in line if need be; ``QueueFull`` when the line is full."""
-        t = Ticket(tokens, self.clock())
+        t = Ticket(tokens, self.clock(), priority=priority)
         if len(self.running) < self.max_running and not self.waiting:
             self._start(t)
             return t
@@ -67,7 +94,7 @@ class Admission:
                 f" {len(self.waiting)} waiting (max {self.max_queue})"
             )
         t.future = asyncio.get_running_loop().create_future()
-        self.waiting.append(t)
+        self._line_up(t)
         try:
             await t.future
         except asyncio.CancelledError:
@@ -78,13 +105,21 @@ class Admission:
             raise
         return t
 
+    def yields_to(self, t: Ticket) -> bool:
+        """Whether someone waiting goes before ``t`` once it steps back: anyone under ``fcfs``,
+        one of no lower priority under ``priority``."""
+        if not self.waiting:
+            return False
+        return not self.by_priority or self.waiting[0].priority <= t.priority
+
     async def yield_turn(self, t: Ticket) -> None:
-        """A running ``t`` steps back behind everyone waiting (it was admitted: ``max_queue`` does
-        not apply) and returns once it runs again; at once when nobody waits."""
-        if not self.waiting or t not in self.running:
+        """A running ``t`` steps back behind everyone waiting that it does not go before (it was
+        admitted: ``max_queue`` does not apply) and returns once it runs again; at once when
+        nobody waiting would go first."""
+        if t not in self.running or not self.yields_to(t):
             return
         t.future = asyncio.get_running_loop().create_future()
-        self.waiting.append(t)
+        self._line_up(t)
         self.release(t)  # starts the ones ahead of it
         try:
             await t.future
@@ -100,7 +135,7 @@ class Admission:
             return
         self.running.discard(t)
         while self.waiting and len(self.running) < self.max_running:
-            nxt = self.waiting.popleft()
+            nxt = self.waiting.pop(0)
             if nxt.future is None or nxt.future.done():
                 continue
             self._start(nxt)
@@ -111,8 +146,8 @@ class Admission:
         self.running.add(t)
 
     @asynccontextmanager
-    async def slot(self, tokens: int = 0) -> AsyncIterator[Ticket]:
-        t = await self.acquire(tokens)
+    async def slot(self, tokens: int = 0, priority: int = 0) -> AsyncIterator[Ticket]:
+        t = await self.acquire(tokens, priority)
         try:
             yield t
         finally:

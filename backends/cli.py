@@ -17,8 +17,14 @@ from typing import Any
 
 import structlog
 
+from prefixgate.backends.admission import POLICIES
 from prefixgate.backends.kvpages import DEFAULT_KV_SCALE, parse_scale
-from prefixgate.backends.node import DEFAULT_CAPACITY_BLOCKS, DEFAULT_CHUNKED_PREFILL, ROLES
+from prefixgate.backends.node import (
+    DEFAULT_CAPACITY_BLOCKS,
+    DEFAULT_CHUNKED_PREFILL,
+    DEFAULT_SCHEDULING_POLICY,
+    ROLES,
+)
 from prefixgate.backends.profiles import PROFILES
 
 
@@ -72,6 +78,13 @@ def add_node_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_CHUNKED_PREFILL,
         help="tokens a prefill computes before a waiting prefill gets a turn, as SGLang's flag"
         f" (default {DEFAULT_CHUNKED_PREFILL}; 0 or -1: a prefill keeps its slot to the end)",
+    )
+    parser.add_argument(
+        "--scheduling-policy",
+        choices=POLICIES,
+        default=DEFAULT_SCHEDULING_POLICY,
+        help="order of waiting prefills, as vLLM's flag: priority (the request's priority, lower"
+        f" first; equal ones in arrival order) or fcfs (arrival order; default {DEFAULT_SCHEDULING_POLICY})",
     )
     parser.add_argument("--handle-ttl", type=float, default=60.0, help="seconds a received KV handle waits")
     parser.add_argument(
@@ -142,6 +155,7 @@ def node_options(args: argparse.Namespace) -> dict[str, Any]:
         "max_decode_streams": args.max_decode_streams,
         "handle_ttl_s": args.handle_ttl,
         "chunked_prefill_size": max(0, getattr(args, "chunked_prefill_size", DEFAULT_CHUNKED_PREFILL)),
+        "scheduling_policy": getattr(args, "scheduling_policy", DEFAULT_SCHEDULING_POLICY),
         "bootstrap_port": getattr(args, "bootstrap_port", None),
         "bootstrap_timeout_s": getattr(args, "bootstrap_timeout", 30.0),
         "served_model_name": getattr(args, "served_model_name", None),

@@ -51,6 +51,11 @@ DEFAULT_CAPACITY_BLOCKS = 4096
 # Tokens a prefill computes before a waiting prefill gets a turn (SGLang's --chunked-prefill-size,
 # at its value for large GPUs); 0 turns chunking off.
 DEFAULT_CHUNKED_PREFILL = 8192
+# How waiting prefills are ordered, as vLLM's --scheduling-policy: ``priority`` (lower first,
+# equal ones in arrival order) or ``fcfs`` (arrival order). vLLM defaults to fcfs; our node to
+# priority: it is only reached through the gateway, which sends 0 unless a request was given
+# another, so with every priority equal the order is fcfs's.
+DEFAULT_SCHEDULING_POLICY = "priority"
 DEFAULT_LOOPBACK_BYTES_PER_S = 1e9  # first guess of the transfer rate before any is measured
 RATE_EWMA = 0.2
 RATE_MIN_BYTES = 1 << 20
@@ -71,6 +76,7 @@ class NodeConfig:
     chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL  # 0: a prefill keeps its slot to the end
     # The longest prompt served, in tokens; 0: the whole pool's (``capacity_blocks`` full blocks).
     context_length: int = 0
+    scheduling_policy: str = DEFAULT_SCHEDULING_POLICY  # the order of waiting prefills
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +90,7 @@ class PrefillCall:
     skip_first_token: bool = False
     timeout: float | None = None  # what is left of the caller's deadline
     resumed: int = 0  # the last ``resumed`` of ``tokens`` are output already shown (``resumed_generation``)
+    priority: int = 0  # among waiting prefills, lower first (``scheduling_policy`` priority)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +179,7 @@ class Node:
         self.block_size = engine.kv_format.block_size
         self.events = EventLog(self._pool_snapshot, buffer=config.event_buffer)
         self.pool: BlockPool[Page] = BlockPool(config.capacity_blocks, listener=self.events)
-        self.prefills = Admission(config.max_concurrency, config.max_queue)
+        self.prefills = Admission(config.max_concurrency, config.max_queue, policy=config.scheduling_policy)
         self.streams = Admission(config.max_decode_streams, 0)
         self.handles: OrderedDict[str, KVHandle] = OrderedDict()
         self.prompt_tokens = 0
@@ -263,7 +270,13 @@ class Node:
             raise InvalidArgument(f"prompt has {n} tokens, the context holds {limit}", stage=stage)
 
     async def _prefill_run(
-        self, tokens: bytes, hashes: Sequence[int], sampling: Sampling, first_token: bool, resumed: int = 0
+        self,
+        tokens: bytes,
+        hashes: Sequence[int],
+        sampling: Sampling,
+        first_token: bool,
+        resumed: int = 0,
+        priority: int = 0,
     ) -> _Run:
         """Queue, reuse the cached prefix, compute the rest, store it. The caller must release
         ``hashes`` from the pool afterwards."""
@@ -271,7 +284,7 @@ class Node:
         bs = self.block_size
         guess = n - self.pool.leading(hashes) * bs
         try:
-            ticket: Ticket = await self.prefills.acquire(guess)
+            ticket: Ticket = await self.prefills.acquire(guess, priority)
         except QueueFull as e:
             raise ResourceExhausted(f"prefill {e}", stage="queue") from None
         t0 = time.monotonic()
@@ -291,8 +304,9 @@ class Node:
 
                     async def checkpoint(done: int) -> None:
                         """Between chunks: prefills waiting in line go first (a chunked prefill
-                        does not hold the engine for its whole prompt), then the rest of this one."""
-                        if not self.prefills.waiting:
+                        does not hold the engine for its whole prompt), then the rest of this one;
+                        by priority, those it does not go before."""
+                        if not self.prefills.yields_to(ticket):
                             return
                         rest = max(0, n - cached - done)
                         ticket.tokens = rest
@@ -328,7 +342,7 @@ class Node:
         n = self._validate(call.tokens, call.block_hashes, call.resumed)
         hashes = list(call.block_hashes)
         first = not call.skip_first_token
-        run = await self._prefill_run(call.tokens, hashes, call.sampling, first, call.resumed)
+        run = await self._prefill_run(call.tokens, hashes, call.sampling, first, call.resumed, call.priority)
         try:
             if call.pin_seconds > 0:
                 self.pool.pin(hashes, call.pin_seconds)
@@ -550,17 +564,22 @@ class Node:
             self.streams.release(ticket)
 
     async def generate(
-        self, tokens: bytes, block_hashes: Sequence[int], sampling: Sampling, resumed: int = 0
+        self,
+        tokens: bytes,
+        block_hashes: Sequence[int],
+        sampling: Sampling,
+        resumed: int = 0,
+        priority: int = 0,
     ) -> AsyncIterator[Chunk]:
         """The whole request here: prefill with prefix reuse, then decode. Same tokens as the
-        split path. ``resumed``: as the prefill's (``resumed_generation``)."""
+        split path. ``resumed``, ``priority``: as the prefill's (``PrefillCall``)."""
         n = self._validate(tokens, block_hashes, resumed)
         hashes = list(block_hashes)
         ticket = await self._acquire_stream()
         try:
             self._generate_prefills += 1  # holds a stream slot too: count the request once
             try:
-                run = await self._prefill_run(tokens, hashes, sampling, True, resumed)
+                run = await self._prefill_run(tokens, hashes, sampling, True, resumed, priority)
             finally:
                 self._generate_prefills -= 1
             try:

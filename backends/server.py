@@ -60,6 +60,7 @@ from prefixgate.backends.kvpages import DEFAULT_KV_SCALE
 from prefixgate.backends.node import (
     DEFAULT_CAPACITY_BLOCKS,
     DEFAULT_CHUNKED_PREFILL,
+    DEFAULT_SCHEDULING_POLICY,
     Node,
     NodeConfig,
     PrefillCall,
@@ -120,6 +121,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
             skip_first_token=request.skip_first_token,
             timeout=context.time_remaining(),
             resumed=request.resumed,
+            priority=request.priority,
         )
         try:
             r = await self.node.prefill(call)
@@ -146,7 +148,7 @@ class NodeService(node_pb2_grpc.NodeServicer):
         sampling = sampling_from_proto(request.sampling)
         try:
             async for chunk in self.node.generate(
-                request.tokens, list(request.block_hashes), sampling, request.resumed
+                request.tokens, list(request.block_hashes), sampling, request.resumed, request.priority
             ):
                 yield chunk_to_proto(chunk, self.node.engine.token_text)
         except NodeError as e:
@@ -354,6 +356,7 @@ async def start_node(
     bootstrap_timeout_s: float = DEFAULT_BOOTSTRAP_TIMEOUT_S,
     served_model_name: str | None = None,
     context_length: int = 0,
+    scheduling_policy: str = DEFAULT_SCHEDULING_POLICY,
 ) -> NodeServer:
     """Start a node in the running event loop; ``await server.stop()`` to stop it."""
     eng = make_engine(
@@ -369,6 +372,7 @@ async def start_node(
         handle_ttl_s=handle_ttl_s,
         chunked_prefill_size=chunked_prefill_size,
         context_length=context_length,
+        scheduling_policy=scheduling_policy,
     )
     ns = NodeServer(
         Node(eng, config, GrpcKVSender()),

@@ -14,7 +14,7 @@ def _tiny(args: argparse.Namespace) -> int:
 
 def add_bench_parser(sub: Any) -> None:
     """Add the ``bench`` subcommands (replay, hotpath, index, toolcalls, detok, zmq-flood, tiny, peers,
-    overhead, chaos)."""
+    overhead, chaos, fairness, limits)."""
     from prefixgate.bench import hotpath, replay
 
     bench = sub.add_parser("bench", help="run a benchmark (prints a table; --json FILE writes the figures)")
@@ -81,3 +81,19 @@ def add_bench_parser(sub: Any) -> None:
     )
     chaos.add_arguments(ch)
     ch.set_defaults(func=chaos.run)
+
+    from prefixgate.bench import fairness
+
+    fa = inner.add_parser(
+        "fairness", help="one tenant floods: the other's TTFT with and without the gateway-held queue"
+    )
+    fairness.add_arguments(fa)
+    fa.set_defaults(func=fairness.run)
+
+    from prefixgate.bench import limits
+
+    li = inner.add_parser(
+        "limits", help="two replicas on one Redis under a tokens-per-minute limit: admitted per minute"
+    )
+    limits.add_arguments(li)
+    li.set_defaults(func=limits.run)

@@ -12,6 +12,7 @@ from typing import Any, get_type_hints
 
 from prefixgate.gateway.cluster import workers
 from prefixgate.gateway.core.tenancy import TENANT_CACHE_MODES, Tenancy
+from prefixgate.gateway.nodeclient.openai_body import ENGINE_PRIORITY
 from prefixgate.gateway.routing import parse_policy
 
 ENV_PREFIX = "PREFIXGATE_"
@@ -41,6 +42,13 @@ class Settings:
     worker_urls: list[str] = field(default_factory=list)
     bootstrap_ports: list[str] = field(default_factory=list)  # "URL=PORT"
     backend: str = ""
+    # Whether ``http://`` workers' engines are sent each request's ``priority`` (their OpenAI
+    # bodies' field): "off" never (a default vLLM or SGLang ignores it, an SGLang run with
+    # --abort-on-priority-when-disabled refuses it); "on" always, as is (lower first: vLLM run
+    # with --scheduling-policy priority, SGLang with --enable-priority-scheduling
+    # --schedule-low-priority-values-first); "inverted" always, negated (SGLang run with
+    # --enable-priority-scheduling alone, where higher values go first). docs/engines.md.
+    engine_priority: str = "off"
     redis: str = ""  # empty: embedded in-memory index
     redis_prefix: str = "prefixgate:"
     redis_layout: str = "zset"  # index key layout: zset (fastest writes) or packed (~6x less memory)
@@ -91,6 +99,25 @@ class Settings:
     min_disagg_tokens: int = 0
     ttft_budget_s: float = 30.0  # estimated prefill queue wait beyond this: fall back
     stats_interval_s: float = 0.5
+    # The gateway-held queue (gateway.scheduling): a node is given another prefill only while it
+    # holds fewer than scheduler_node_requests that its speed says are done within
+    # scheduler_window_s (0 requests: no queue, every request sent at once); the rest wait here,
+    # at most scheduler_queue_requests / _bytes / scheduler_max_wait_s, and leave by priority
+    # band, fair share between tenants (scheduler_quantum_tokens a turn), then shortest predicted
+    # prefill first (rank = arrival + scheduler_shortest_first x predicted seconds, deferred at
+    # most scheduler_max_defer_s) or deadline; a band waiting scheduler_promote_after_s goes first.
+    scheduler_node_requests: int = 8
+    scheduler_window_s: float = 0.05
+    scheduler_queue_requests: int = 1024
+    scheduler_queue_bytes: int = 256 * 1024 * 1024
+    scheduler_max_wait_s: float = 30.0
+    scheduler_quantum_tokens: int = 8192
+    scheduler_shortest_first: float = 8.0
+    scheduler_max_defer_s: float = 4.0
+    scheduler_promote_after_s: float = 10.0
+    # Priority classes, "NAME:priority=P;ttft_slo_ms=MS;sheddable" (gateway.scheduling.classes);
+    # a request names one with the x-prefixgate-priority-class header ("default" otherwise).
+    priority_classes: list[str] = field(default_factory=list)
     # Count a prefix as held by the node it was routed to while its prefill runs, before the
     # index shows it (gateway.routing.inflight): requests sharing it follow it there.
     inflight_prefixes: bool = True
@@ -146,6 +173,16 @@ class Settings:
     document_quota_count: int = 1000
     document_quota_bytes: int = 64 * 1024 * 1024
     document_store_bytes: int = 512 * 1024 * 1024
+    # Rate limits over a sliding minute (gateway.core.rate_limits; 0: none): tokens (prompt +
+    # max_tokens reserved when a request enters, settled to prompt + completion when it ends)
+    # and requests, per tenant and per API key; shared by every replica with ``redis``.
+    tenant_tokens_per_minute: int = 0
+    tenant_requests_per_minute: int = 0
+    key_tokens_per_minute: int = 0
+    key_requests_per_minute: int = 0
+    # A tenant's own: "TENANT:tpm=N,rpm=N" (either may be left out: the defaults above; the
+    # keyless tenant is "default").
+    tenant_limits: list[str] = field(default_factory=list)
     # Shared state (with ``redis``: documents, pins, membership changes and usage shared by every
     # replica). A tenant's documents expire this long after they were last registered or used;
     # membership records this long after the last replica stopped reading them; usage figures
@@ -278,8 +315,15 @@ def load_settings(
         raise ValueError(f"setting 'policy': {e}") from None
     settings = _check_tokenizer(settings)
     _check_tool_call_parser(settings)
+    _check_priority_classes(settings)
     _check_tenant_cache(settings)
     _check_bounds(settings)
+    if settings.engine_priority not in ENGINE_PRIORITY:
+        raise ValueError(
+            f"setting 'engine_priority': {settings.engine_priority!r}: "
+            f"use one of {', '.join(ENGINE_PRIORITY)}"
+        )
+    _check_tenant_limits(settings)
     return settings
 
 
@@ -304,12 +348,25 @@ _AT_LEAST: dict[str, float] = {
     "first_token_deadline_floor_s": 0,
     "first_token_timeout_s": 0,
     "max_inflight": 1,
+    "scheduler_node_requests": 0,
+    "scheduler_window_s": 0,
+    "scheduler_queue_requests": 0,
+    "scheduler_queue_bytes": 0,
+    "scheduler_max_wait_s": 0.001,
+    "scheduler_quantum_tokens": 1,
+    "scheduler_shortest_first": 0,
+    "scheduler_max_defer_s": 0,
+    "scheduler_promote_after_s": 0,
     "prometheus_port": 0,
     "grpc_max_concurrent_streams": 1,
     "grpc_max_connection_age_s": 0,
     "grpc_keepalive_time_s": 0.001,
     "grpc_keepalive_timeout_s": 0.001,
     "grpc_min_ping_interval_s": 0,
+    "tenant_tokens_per_minute": 0,
+    "tenant_requests_per_minute": 0,
+    "key_tokens_per_minute": 0,
+    "key_requests_per_minute": 0,
 }
 
 
@@ -322,6 +379,19 @@ def _check_bounds(settings: Settings) -> None:
         raise ValueError(f"setting 'retry_jitter_factor': {settings.retry_jitter_factor!r} is above 1")
 
 
+def _check_tenant_limits(settings: Settings) -> None:
+    """Each entry well-formed and naming a tenant there is: a typo would limit nobody."""
+    from prefixgate.gateway.scheduling.limit_policy import KEYLESS_NAME, parse_tenant_limits
+
+    known = set(settings.api_key_map().values()) or {KEYLESS_NAME}
+    for tenant in parse_tenant_limits(settings.tenant_limits):
+        if tenant not in known:
+            raise ValueError(
+                f"setting 'tenant_limits': tenant {tenant!r} is named by no API key "
+                f"(tenants: {', '.join(sorted(known))})"
+            )
+
+
 def _check_tenant_cache(settings: Settings) -> None:
     for tenant in settings.api_key_map().values():  # a control character could forge a salt
         if not tenant.isprintable():
@@ -330,6 +400,15 @@ def _check_tenant_cache(settings: Settings) -> None:
         raise ValueError(
             f"setting 'tenant_cache': {settings.tenant_cache!r}: use one of {', '.join(TENANT_CACHE_MODES)}"
         )
+
+
+def _check_priority_classes(settings: Settings) -> None:
+    from prefixgate.gateway.scheduling.classes import class_table
+
+    try:
+        class_table(settings.priority_classes)
+    except ValueError as e:
+        raise ValueError(f"setting 'priority_classes': {e}") from None
 
 
 def _check_tool_call_parser(settings: Settings) -> None:

@@ -253,6 +253,33 @@ class Metrics:
             ["tokenizer"],
             registry=r,
         )
+        # The gateway-held queue (gateway.core.queueing).
+        self.queue_depth = Gauge(
+            "prefixgate_scheduler_queue_requests",
+            "Requests waiting in the gateway's queue, by priority class and tenant",
+            ["class", "tenant"],
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "prefixgate_scheduler_wait_seconds",
+            "Time requests waited in the gateway's queue before a node could start them",
+            ["class"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_refused = Counter(
+            "prefixgate_scheduler_refused",
+            "Requests the scheduler refused, by why: full (a queue bound), shed (a sheddable "
+            "request that would miss its TTFT target), expired (waited scheduler_max_wait_s)",
+            ["reason", "class"],
+            registry=r,
+        )
+        self.deadline_misses = Counter(
+            "prefixgate_scheduler_deadline_misses",
+            "Requests with a TTFT target whose first token came later than it",
+            ["class"],
+            registry=r,
+        )
         self.per_node: dict[str, HitCounts] = {}
         self.totals = HitCounts()
         self._index_nodes: set[str] = set()

@@ -60,6 +60,14 @@ def _gateway_args(p: argparse.ArgumentParser, *, stack: bool) -> None:
         help="grpc:// workers keep one prefix cache for every tenant: refuse them with several "
         "tenants (isolated, the default) or share their cache (shared)",
     )
+    p.add_argument(
+        "--engine-priority",
+        choices=["off", "on", "inverted"],
+        default=None,
+        help="send http:// workers each request's priority: off (never, the default), on (as is:"
+        " vLLM --scheduling-policy priority) or inverted (negated: SGLang --enable-priority-scheduling"
+        " without --schedule-low-priority-values-first)",
+    )
     p.add_argument("--log-format", choices=["auto", "json", "console"], default=None)
     quotas = p.add_argument_group("per-tenant quotas (also PREFIXGATE_* and the config file)")
     quotas.add_argument("--pin-quota-blocks-per-node", type=int, default=None, metavar="N")
@@ -69,6 +77,18 @@ def _gateway_args(p: argparse.ArgumentParser, *, stack: bool) -> None:
     quotas.add_argument("--document-quota-count", type=int, default=None, metavar="N")
     quotas.add_argument("--document-quota-bytes", type=int, default=None, metavar="BYTES")
     quotas.add_argument("--document-store-bytes", type=int, default=None, metavar="BYTES")
+    quotas.add_argument("--tenant-tokens-per-minute", type=int, default=None, metavar="N")
+    quotas.add_argument("--tenant-requests-per-minute", type=int, default=None, metavar="N")
+    quotas.add_argument("--key-tokens-per-minute", type=int, default=None, metavar="N")
+    quotas.add_argument("--key-requests-per-minute", type=int, default=None, metavar="N")
+    quotas.add_argument(
+        "--tenant-limit",
+        action="append",
+        dest="tenant_limits",
+        default=None,
+        metavar="TENANT:tpm=N,rpm=N",
+        help="a tenant's own rate limits (repeatable)",
+    )
     p.add_argument(
         "--header-timeout",
         type=float,
@@ -186,6 +206,7 @@ _GATEWAY_KEYS = (
     "admin_token",
     "api_keys",
     "tenant_cache",
+    "engine_priority",
     "log_format",
     "pin_quota_blocks_per_node",
     "pin_quota_node_share",
@@ -194,6 +215,11 @@ _GATEWAY_KEYS = (
     "document_quota_count",
     "document_quota_bytes",
     "document_store_bytes",
+    "tenant_tokens_per_minute",
+    "tenant_requests_per_minute",
+    "key_tokens_per_minute",
+    "key_requests_per_minute",
+    "tenant_limits",
     "header_timeout_s",
     "body_timeout_s",
     "keepalive_timeout_s",

@@ -194,7 +194,9 @@ def connector(
             from prefixgate.gateway.nodeclient.http_pd import HttpPDOptions
 
             pd = HttpPDOptions(settings.backend, ports.get(address))
-            return nodeclient.connect(address, http_pd=pd)
+            return nodeclient.connect(address, http_pd=pd, engine_priority=settings.engine_priority)
+        if scheme in HTTP_SCHEMES:
+            return nodeclient.connect(address, engine_priority=settings.engine_priority)
         if scheme != "grpc":
             return nodeclient.connect(address)
         options = SmgOptions(settings.backend, ports.get(address), bs, root_of, codec, codec_for)

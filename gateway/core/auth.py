@@ -24,6 +24,11 @@ def _digest(secret: str) -> bytes:
     return hashlib.sha256(secret.encode("utf-8", "surrogatepass")).digest()
 
 
+def key_id(key: str) -> str:
+    """An API key's id in rate-limit counters and the usage API: a digest, never the key."""
+    return _digest(key).hex()[:16]
+
+
 def bearer_token(authorization: str) -> str | None:
     """The token of an ``Authorization: Bearer <token>`` value (header or gRPC metadata)."""
     scheme, _, token = authorization.partition(" ")
@@ -56,11 +61,23 @@ class KeyRing:
                 found = tenant
         return found
 
+    def tenants(self) -> dict[str, list[str]]:
+        """Tenant -> the ids (``key_id``) of its keys."""
+        out: dict[str, list[str]] = {}
+        for digest, tenant in self._keys:
+            out.setdefault(tenant, []).append(digest.hex()[:16])
+        return out
+
     def authenticate(self, authorization: str) -> str | None:
         """The caller's tenant; None when no keys are configured (keyless mode).
 
         Raises ``Unauthenticated`` (code ``invalid_api_key``) for a missing or unknown key.
         """
+        found = self.identify(authorization)
+        return None if found is None else found[0]
+
+    def identify(self, authorization: str) -> tuple[str, str] | None:
+        """The caller's tenant and key id, as ``authenticate`` checks them; None when keyless."""
         if not self._keys:
             return None
         token = bearer_token(authorization)
@@ -71,7 +88,7 @@ class KeyRing:
         tenant = self.tenant(token)
         if tenant is None:
             raise Unauthenticated("incorrect API key provided", code="invalid_api_key")
-        return tenant
+        return tenant, key_id(token)
 
 
 def is_loopback(host: str) -> bool:

@@ -176,6 +176,20 @@ class Explanation:
     basis: PromptBasis
     nodes: list[NodeMatch]
     decision: RouteChoice
+    scheduler: SchedulerView | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerView:
+    """Where the request would wait (``gateway.core.queueing``) and why."""
+
+    verdict: str  # start, wait, full, shed, late
+    priority_class: str
+    priority: int
+    ttft_slo_ms: float  # 0: no target
+    predicted_wait_ms: float
+    waiting: int  # requests waiting for the model's nodes now
+    reason: str
 
 
 def _node_rows(svc: GatewayService, prep: Prepared, plan: Plan) -> list[NodeMatch]:
@@ -266,6 +280,27 @@ async def explain(svc: GatewayService, prep: Prepared) -> Explanation:
         basis=prompt_basis(svc, prep),
         nodes=_node_rows(svc, prep, plan),
         decision=decision,
+        scheduler=_scheduler_view(svc, prep, hits),
+    )
+
+
+def _scheduler_view(svc: GatewayService, prep: Prepared, hits: dict[str, int]) -> SchedulerView:
+    gate = svc.pipeline.gate
+    admit = gate.preview(prep, hits)
+    schedule = gate.schedule(prep)
+    sched = gate.schedulers.get(prep.model)
+    why = {
+        "start": "a node has room and nothing waits: it would start at once",
+        "wait": "no node has room, or others wait: it would wait its turn in the gateway",
+    }
+    return SchedulerView(
+        verdict=admit.verdict.value,
+        priority_class=schedule.class_name,
+        priority=schedule.priority,
+        ttft_slo_ms=round(schedule.ttft_slo_s * 1000, 3),
+        predicted_wait_ms=round(admit.wait_s * 1000, 3),
+        waiting=len(sched.queue) if sched is not None else 0,
+        reason=admit.reason or why.get(admit.verdict.value, ""),
     )
 
 
@@ -418,7 +453,13 @@ async def _warm_node(
             uncached = max(0, prep.prompt_tokens - held_blocks * bs)
             with node.load(uncached):
                 report = await node.client.warm(
-                    Prompt(f"{prep.request_id}-{node.id}", prep.tokens, prep.hashes, Sampling(max_tokens=1)),
+                    Prompt(
+                        f"{prep.request_id}-{node.id}",
+                        prep.tokens,
+                        prep.hashes,
+                        Sampling(max_tokens=1),
+                        priority=prep.priority,
+                    ),
                     pin_seconds=pin_seconds,
                     timeout=svc.settings.request_timeout_s,
                 )

@@ -118,5 +118,9 @@ class Generate:
     async def start(self, prepared: Prepared) -> Choices:
         return await start(self.pipeline, prepared, self.n)
 
+    def max_output_tokens(self, prepared: Prepared) -> int:
+        """Every choice may generate its ``max_tokens`` (the effective one, clamped)."""
+        return self.n * prepared.sampling.max_tokens
+
     async def close(self, started: Choices) -> None:
         await started.close()

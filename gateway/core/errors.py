@@ -80,6 +80,12 @@ class QuotaExceeded(GatewayError):
     default_code = "quota_exceeded"
 
 
+class RateLimited(QuotaExceeded):
+    """Over a tenant's or an API key's tokens or requests per minute: retry after ``retry_after``."""
+
+    default_code = "rate_limit_exceeded"
+
+
 class Overloaded(GatewayError):
     """Every node, or the gateway itself, is at capacity: retry shortly."""
 

@@ -39,6 +39,7 @@ from prefixgate.gateway.core.errors import Overloaded, Unavailable
 from prefixgate.gateway.core.execution import Execution
 from prefixgate.gateway.core.features import unable
 from prefixgate.gateway.core.plan import Lookup, Planner, decision_notes
+from prefixgate.gateway.core.queueing import NO_WAIT, Gate
 from prefixgate.gateway.core.refusals import engine_words, refusal, too_long
 from prefixgate.gateway.core.request import Failure, Prepared, Timings
 from prefixgate.gateway.core.tenancy import Tenancy
@@ -53,6 +54,8 @@ from prefixgate.gateway.nodeclient import (
 )
 from prefixgate.gateway.nodeclient.openai_body import for_choice
 from prefixgate.gateway.routing import Decision, costmodel, deadline
+from prefixgate.gateway.routing.mode import ModeDecision
+from prefixgate.gateway.routing.planner import Plan
 from prefixgate.gateway.toolcalls.support import passing_through
 from prefixgate.gateway.vocab import FailureKind, Mode, Role, Stage
 from prefixgate.openai.features import Feature
@@ -147,7 +150,16 @@ def _prompt(prep: Prepared, node: Node, generating: Node | None = None) -> Promp
         openai = for_choice(prep.openai_body(), sampling.seed, sampling.choice)
         if limit != prep.sampling.max_tokens:
             openai = OpenAIBody(openai.kind, {**openai.body, "max_tokens": limit})
-    return Prompt(prep.request_id, prep.tokens, prep.hashes, sampling, openai, prep.engine_salt, prep.resumed)
+    return Prompt(
+        prep.request_id,
+        prep.tokens,
+        prep.hashes,
+        sampling,
+        openai,
+        prep.engine_salt,
+        prep.resumed,
+        prep.priority,
+    )
 
 
 def abandoned(t: Target, gone: Collection[Node], prefill_reported: bool) -> NodeFailure | None:
@@ -206,6 +218,7 @@ class Executor:
         accounting: Accounting,
         metrics: Metrics,
         tenancy: Tenancy,
+        gate: Gate,
     ) -> None:
         self.settings = settings
         self.pool = pool
@@ -213,6 +226,7 @@ class Executor:
         self.accounting = accounting
         self.metrics = metrics
         self.tenancy = tenancy
+        self.gate = gate
 
     async def execute(
         self,
@@ -233,9 +247,51 @@ class Executor:
         if prep.tool_parser:  # the gateway parses the tool calls: not for pass-through workers
             unserved |= passing_through(self.pool.nodes.values())
         found = await self.planner.lookup(prep)
-        run = Run(prep, found, deadline, notes={**found.notes, "retries_node_gone": 0})
-        hits = found.hits
-        plan = self.planner.decide(prep, hits, set(unserved))
+        turn = NO_WAIT
+        if not continuing:  # a continuation's request had its turn: its output is half sent
+            turn = await self.gate.enter(
+                prep, found.hits, deadline, lambda: self._whole_ttft_s(prep, found, unserved, need)
+            )
+        if turn.schedule.priority != prep.priority:  # the class's priority reaches the engines
+            prep = replace(prep, priority=turn.schedule.priority)
+        try:
+            if turn.waited_s > 0:  # late binding: what the index holds now
+                found = await self.planner.lookup(prep)
+            run = Run(prep, found, deadline, notes={**found.notes, "retries_node_gone": 0})
+            if turn.waited_s > 0:
+                run.notes["scheduler_wait_ms"] = round(turn.waited_s * 1000)
+            hits = found.hits
+            plan = self.planner.decide(prep, hits, set(unserved))
+            if turn.whole and plan.mode.mode == Mode.DISAGGREGATED:
+                plan = replace(plan, mode=ModeDecision(Mode.FALLBACK, turn.whole))
+        finally:
+            if turn.granted:
+                self.gate.started(turn.model)
+        started_at = time.monotonic()
+        ex = await self._execute_plan(prep, run, plan, hits, unserved, need, continuing)
+        self.gate.first_token(turn, started_at - turn.waited_s)
+        return ex
+
+    def _whole_ttft_s(self, prep: Prepared, found: Lookup, unserved: set[str], need: int) -> float | None:
+        """The first-token time the best node serving whole requests predicts for ``prep``
+        (None: no such node): what a late request weighs against waiting."""
+        candidates = self.planner.monolithic_candidates(unserved, prep.model, need)
+        if not candidates:
+            return None
+        chosen = self.planner.choose(prep, found.hits, candidates).chosen
+        return None if chosen is None else chosen.queue_s + chosen.prefill_s
+
+    async def _execute_plan(
+        self,
+        prep: Prepared,
+        run: Run,
+        plan: Plan,
+        hits: dict[str, int],
+        unserved: set[str],
+        need: int,
+        continuing: bool,
+    ) -> Execution:
+        """The attempts of ``plan``: split, then whole (``execute``)."""
 
         if plan.mode.mode == Mode.DISAGGREGATED:
             excluded: set[str] = set(unserved)
@@ -395,7 +451,7 @@ class Executor:
         gone = {n: n.gone for n in nodes}  # taken before anything awaits: no departure is missed
         for n in nodes:
             n.breaker.on_dispatch()
-        with computing.load(uncached), dnode.dispatched():
+        with computing.load(uncached), dnode.dispatched(), self.gate.freeing(prep.model):
             ticket, served = self.planner.hold_prefix(prep, computing), False
             timeout = max(0.01, run.deadline - time.monotonic())
             if pnode is not None and handoff is not None:

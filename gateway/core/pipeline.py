@@ -25,6 +25,7 @@ from prefixgate.gateway.core.execute import Executor
 from prefixgate.gateway.core.execution import Execution
 from prefixgate.gateway.core.plan import Planner
 from prefixgate.gateway.core.prepare import Preparer
+from prefixgate.gateway.core.queueing import Gate
 from prefixgate.gateway.core.request import Delta, Prepared, Switches
 from prefixgate.gateway.metrics import Metrics
 from prefixgate.gateway.routing import Policy
@@ -55,7 +56,10 @@ class Pipeline:
         self.admission = Admission(settings, metrics)
         self.planner = Planner(settings, pool, index, metrics, self.switches)
         self.accounting = Accounting(settings, index, metrics)
-        self.executor = Executor(settings, pool, self.planner, self.accounting, metrics, self.tenancy)
+        self.gate = Gate(settings, metrics, self.planner.serving, lambda: self.switches.disaggregation)
+        self.executor = Executor(
+            settings, pool, self.planner, self.accounting, metrics, self.tenancy, self.gate
+        )
         self.prepare = self.preparer.prepare  # documents, template, tokens, tools, hashes
 
     # -- what the stages keep, as the rest of the gateway reads and sets it ----------------------
@@ -134,4 +138,5 @@ class Pipeline:
         return await self.executor.execute(prep)
 
     async def close(self) -> None:
+        await self.gate.close()
         await self.accounting.close()

@@ -159,6 +159,8 @@ class Preparer:
             engine_salt=salt,
             prompt_param=prompt_param,
             max_tokens_param=req.max_tokens_param if req.max_tokens_given else "",
+            priority=req.priority,
+            priority_given=req.priority_given,
         )
 
     def _max_tokens(self, req: ParsedRequest, prompt_tokens: int) -> int:

@@ -44,6 +44,11 @@ class RequestContext:
     request_id: str = ""  # the client's or a new one; "": one is made when it is prepared
     credentials: Credentials = Credentials.CLIENT  # what the runner checked it presented
     body_bytes: int = 0  # the size of the body the front end read: how heavy preparing it is
+    key_id: str = ""  # the API key's id (``auth.key_id``: a digest, never the key); "": no key
+    # The scheduler's hints from the headers (``gateway.core.queueing``): a class name ("": the
+    # body's priority or the default class) and a TTFT target (None: the class's).
+    priority_class: str = ""
+    ttft_slo_ms: float | None = None
 
     def with_body(self, size: int) -> RequestContext:
         """Once the front end has read the body."""
@@ -85,6 +90,11 @@ class Prepared:
     # A migrated generation's continuation (``gateway.core.migration``): the last ``resumed`` of
     # ``tokens`` are output already sent to the client.
     resumed: int = 0
+    # When its nodes take it up, among those waiting (vLLM's meaning: lower earlier, 0 the
+    # default): the client's ``priority``, or what the gateway sets; every node request carries
+    # it (``nodeclient.Prompt.priority``). ``priority_given``: the client sent one.
+    priority: int = 0
+    priority_given: bool = False
 
     @property
     def tenant(self) -> str:

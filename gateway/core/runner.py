@@ -36,16 +36,18 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from prefixgate.gateway.config import KEYLESS_TENANT
 from prefixgate.gateway.core.auth import KeyRing, check_admin
 from prefixgate.gateway.core.bodyparse import BodyParser
-from prefixgate.gateway.core.errors import Draining
+from prefixgate.gateway.core.errors import Draining, Overloaded
 from prefixgate.gateway.core.request import Credentials, RequestContext
+from prefixgate.gateway.scheduling.classes import slo_ms
 
 if TYPE_CHECKING:
     from prefixgate.gateway.core.pipeline import Pipeline, Prepared
+    from prefixgate.gateway.core.rate_limits import RateLimiter
     from prefixgate.openai.schema import ParsedRequest
 
 T = TypeVar("T")
@@ -62,6 +64,10 @@ class Caller:
     authorization: str = ""
     request_id: str | None = None  # validated by ``auth.valid_request_id``; None: a new one
     client_host: str = ""
+    # The scheduler's headers, as sent: ``x-prefixgate-priority-class`` and
+    # ``x-prefixgate-ttft-slo-ms`` (``gateway.core.queueing``).
+    priority_class: str = ""
+    ttft_slo_ms: str = ""
 
 
 class Job(Protocol[Started]):
@@ -70,6 +76,21 @@ class Job(Protocol[Started]):
     async def start(self, prepared: Prepared) -> Started: ...
 
     async def close(self, started: Started) -> None: ...
+
+
+@runtime_checkable
+class Generates(Protocol):
+    """A job that generates: the most output tokens it may produce (what the rate limits reserve)."""
+
+    def max_output_tokens(self, prepared: Prepared) -> int: ...
+
+
+@runtime_checkable
+class Metered(Protocol):
+    """What a started job generated so far (what the rate limits settle with)."""
+
+    @property
+    def completion_tokens(self) -> int: ...
 
 
 class Documents(Protocol):
@@ -99,6 +120,7 @@ class RequestRunner:
         self._heavy = asyncio.Semaphore(HEAVY_CONCURRENCY)
         self.bodies = BodyParser(limits.max_json_values, workers=HEAVY_CONCURRENCY)
         self._render = ThreadPoolExecutor(RENDER_THREADS, thread_name_prefix="prefixgate-render")
+        self.limits: RateLimiter | None = None  # tenants' and keys' tokens/requests per minute
 
     def close(self) -> None:
         self.bodies.close()
@@ -119,11 +141,19 @@ class RequestRunner:
         label, never an identity."""
         if self.draining:
             raise Draining("the gateway is shutting down", retry_after=1)
-        key_tenant = self.authenticate(caller, credentials)
+        found: tuple[str, str] | None = None
+        if credentials is Credentials.ADMIN:
+            self.authenticate(caller, credentials)
+        else:
+            found = self.keys.identify(caller.authorization)
+        tenant, key = found if found is not None else (KEYLESS_TENANT, "")
         return RequestContext(
-            KEYLESS_TENANT if key_tenant is None else key_tenant,
+            tenant,
             caller.request_id or uuid.uuid4().hex,
             credentials,
+            key_id=key,
+            priority_class=caller.priority_class,
+            ttft_slo_ms=slo_ms(caller.ttft_slo_ms),
         )
 
     async def parse_body(self, raw: bytes) -> dict[str, Any]:
@@ -172,13 +202,27 @@ class RequestRunner:
 
     @asynccontextmanager
     async def run(self, prepared: Prepared, job: Job[Started]) -> AsyncIterator[Started]:
-        """Admission, then the job started; it is closed and the slot released on exit."""
+        """Admission and the rate limits' reservation, then the job started; on exit, however
+        it is left, it is closed, the slot released and the reservation settled with the tokens
+        used (``gateway.core.rate_limits``)."""
         release = self.pipeline.admit()
+        limits, hold, output, used = self.limits, None, 0, prepared.prompt_tokens
         try:
-            started = await job.start(prepared)
+            if limits is not None:
+                most = job.max_output_tokens(prepared) if isinstance(job, Generates) else 0
+                hold = await limits.reserve(prepared, most)
+            try:
+                started = await job.start(prepared)
+            except Overloaded:  # refused before any node computed it (the scheduler, full nodes)
+                used = 0
+                raise
             try:
                 yield started
             finally:
+                if isinstance(started, Metered):
+                    output = started.completion_tokens
                 await job.close(started)
         finally:
             release()
+            if limits is not None and hold is not None:
+                limits.settle(hold, used + output)

@@ -19,8 +19,9 @@ from prefixgate.gateway.cluster.breaker import CircuitBreaker
 from prefixgate.gateway.cluster.events import EventSync
 from prefixgate.gateway.cluster.membership import Membership
 from prefixgate.gateway.cluster.nodes import Node, NodePool
-from prefixgate.gateway.config import Settings
+from prefixgate.gateway.config import KEYLESS_TENANT, Settings
 from prefixgate.gateway.core.pipeline import Execution, Pipeline
+from prefixgate.gateway.core.rate_limits import LimitUse, RateLimiter, policy_of
 from prefixgate.gateway.core.runner import RequestRunner, RunnerLimits
 from prefixgate.gateway.core.usage import Prices, UsageLedger
 from prefixgate.gateway.metrics import Metrics, NodeSample
@@ -102,6 +103,8 @@ class GatewayService:
         self.runner = RequestRunner(
             self.pipeline, self.documents, RunnerLimits(s.api_keys, s.admin_token, s.max_json_values)
         )
+        self.limits = RateLimiter(self.state, policy_of(s), self.metrics.registry)
+        self.runner.limits = self.limits
         self.membership = Membership(
             self.state, self.pool, self._add_node, self._forget_node, s.membership_interval_s
         )
@@ -139,6 +142,12 @@ class GatewayService:
             self.usage.record(p.tenant, p.model, 0, 0, ex.completion_tokens, requests=0)
             return
         self.usage.record(p.tenant, p.model, ex.prompt_tokens, ex.cached_tokens, ex.completion_tokens)
+
+    async def limit_use(self, tenant: str | None) -> dict[str, list[LimitUse]]:
+        """Each tenant's rate limits (one tenant's; None: every configured one) and their use now."""
+        keys = self.runner.keys.tenants() or {KEYLESS_TENANT: []}
+        names = [tenant] if tenant is not None else sorted(keys)
+        return {t: await self.limits.use(t, keys.get(t, [])) for t in names}
 
     def _resync_node(self, node: Node) -> None:
         self.events.resync(node)
@@ -304,6 +313,7 @@ class GatewayService:
         stages: tuple[tuple[str, Callable[[], Awaitable[None]], float], ...] = (
             ("membership", self.membership.close, CLOSE_TIMEOUT_S),
             ("usage", self.usage.close, CLOSE_TIMEOUT_S),
+            ("rate_limits", self.limits.close, CLOSE_TIMEOUT_S),
             ("pipeline", self.pipeline.close, CLOSE_TIMEOUT_S),
             ("kv_events", self.events.close, CLOSE_TIMEOUT_S),
             ("nodes", self.pool.close, CLOSE_TIMEOUT_S),

@@ -55,6 +55,7 @@ from prefixgate.gateway.core.service import GatewayService
 from prefixgate.gateway.httpfront.connections import fd_bounded_connections
 from prefixgate.gateway.httpfront.headers import execution_headers
 from prefixgate.gateway.logging import bind_request
+from prefixgate.gateway.scheduling.classes import PRIORITY_CLASS_HEADER, TTFT_SLO_HEADER
 from prefixgate.gateway.shutdown import CUT_CODE, CUT_MESSAGE, Inflight, Tracked
 from prefixgate.openai.schema import ParsedRequest, check_message_count, parse_request
 from prefixgate.v1 import gateway_pb2, gateway_pb2_grpc
@@ -134,6 +135,8 @@ def request_body(req: gateway_pb2.CompletionRequest) -> tuple[dict[str, Any], st
         body["seed"] = req.seed
     if req.stop:
         body["stop"] = list(req.stop)
+    if req.HasField("priority"):
+        body["priority"] = req.priority
     if req.user:
         body["user"] = req.user
     if req.documents:
@@ -194,7 +197,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def _caller(self, context: grpc.aio.ServicerContext, rpc: str) -> Caller:
         md = _metadata(context)
         rid = bind_request(valid_request_id(*(md.get(k) for k in REQUEST_ID_KEYS)), rpc=rpc)
-        return Caller(authorization=md.get("authorization", ""), request_id=rid)
+        return Caller(
+            authorization=md.get("authorization", ""),
+            request_id=rid,
+            priority_class=md.get(PRIORITY_CLASS_HEADER, ""),
+            ttft_slo_ms=md.get(TTFT_SLO_HEADER, ""),
+        )
 
     async def _prepare(
         self, request: gateway_pb2.CompletionRequest, context: grpc.aio.ServicerContext, rpc: str

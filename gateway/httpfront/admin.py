@@ -37,6 +37,7 @@ from prefixgate.gateway.httpfront.common import (
 )
 from prefixgate.gateway.logging import current_request_id
 from prefixgate.gateway.metrics import HitCounts
+from prefixgate.gateway.scheduling.classes import PRIORITY_CLASS_HEADER, TTFT_SLO_HEADER, slo_ms
 from prefixgate.openai.schema import ParsedRequest, parse_request
 
 SWITCHES = ("disaggregation", "prefix_routing", "normalization")
@@ -108,9 +109,16 @@ async def _prepare(svc: GatewayService, body: Mapping[str, Any], context: Reques
 
 
 def _admin_context(request: Request) -> RequestContext:
-    """An admin lookup's context: the route's guard checked the admin; the body names the tenant."""
+    """An admin lookup's context: the route's guard checked the admin; the body names the tenant,
+    the scheduler's headers its class and target, as on a client's request."""
     request_id = current_request_id() or request_id_of(request) or ""
-    return RequestContext(KEYLESS_TENANT, request_id, Credentials.ADMIN)
+    return RequestContext(
+        KEYLESS_TENANT,
+        request_id,
+        Credentials.ADMIN,
+        priority_class=request.headers.get(PRIORITY_CLASS_HEADER, ""),
+        ttft_slo_ms=slo_ms(request.headers.get(TTFT_SLO_HEADER, "")),
+    )
 
 
 def _nodes_param(body: Mapping[str, Any]) -> list[str] | int | None:
@@ -460,16 +468,20 @@ async def usage_view(request: Request) -> Response:
     """``GET /admin/usage[?tenant=T]``: tokens and their value per tenant and model, summed over
     every replica."""
     svc = service_of(request)
-    return ORJSONResponse(usage_json.report_json(await svc.usage.report(request.query_params.get("tenant"))))
+    tenant = request.query_params.get("tenant")
+    body = usage_json.report_json(await svc.usage.report(tenant))
+    body["limits"] = usage_json.limits_json(await svc.limit_use(tenant))
+    return ORJSONResponse(body)
 
 
 async def tenant_usage(request: Request) -> Response:
     """``GET /v1/usage``: the caller's own tenant's figures, never another's."""
     svc = service_of(request)
-    tenant = svc.runner.authenticate(caller_of(request))
-    return ORJSONResponse(
-        usage_json.report_json(await svc.usage.report(KEYLESS_TENANT if tenant is None else tenant))
-    )
+    key_tenant = svc.runner.authenticate(caller_of(request))
+    tenant = KEYLESS_TENANT if key_tenant is None else key_tenant
+    body = usage_json.report_json(await svc.usage.report(tenant))
+    body["limits"] = usage_json.limits_json(await svc.limit_use(tenant))
+    return ORJSONResponse(body)
 
 
 def admin_routes() -> list[Route]:

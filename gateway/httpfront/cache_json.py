@@ -96,6 +96,7 @@ def explanation_json(x: Explanation) -> dict[str, Any]:
         "prompt_basis": asdict(x.basis),
         "nodes": [_node_json(row) for row in x.nodes],
         "decision": asdict(x.decision),
+        "scheduler": asdict(x.scheduler) if x.scheduler is not None else None,
     }
 
 

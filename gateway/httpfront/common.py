@@ -28,6 +28,7 @@ from prefixgate.gateway.core.runner import Caller, RequestRunner
 from prefixgate.gateway.core.service import GatewayService
 from prefixgate.gateway.httpfront.connections import DISCONNECT_EXTENSION, DisconnectHook
 from prefixgate.gateway.logging import bind_request, current_request_id
+from prefixgate.gateway.scheduling.classes import PRIORITY_CLASS_HEADER, TTFT_SLO_HEADER
 from prefixgate.openai.errors import APIError, from_domain
 
 log = structlog.get_logger("prefixgate.http")
@@ -64,6 +65,8 @@ def caller_of(request: Request) -> Caller:
         authorization=request.headers.get("authorization", ""),
         request_id=current_request_id() or request_id_of(request),
         client_host=request.client.host if request.client else "",
+        priority_class=request.headers.get(PRIORITY_CLASS_HEADER, ""),
+        ttft_slo_ms=request.headers.get(TTFT_SLO_HEADER, ""),
     )
 
 

@@ -1,11 +1,12 @@
 """The usage API's JSON (``GET /admin/usage``, ``GET /v1/usage``) for the ledger's typed report
-(``gateway.core.usage``)."""
+(``gateway.core.usage``) and the rate limits' use (``gateway.core.rate_limits``)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict
 from typing import Any
 
+from prefixgate.gateway.core.rate_limits import LimitUse
 from prefixgate.gateway.core.usage import Prices, UsageReport, Value
 from prefixgate.gateway.state.store import UsageCounts
 
@@ -47,3 +48,26 @@ def report_json(r: UsageReport) -> dict[str, Any]:
         ],
         "totals": {**counts_json(r.totals), "value": value_json(r.value)},
     }
+
+
+def limits_json(by_tenant: dict[str, list[LimitUse]]) -> list[dict[str, Any]]:
+    """Per tenant, each limit in force (tenant's, then each API key's, by key id) and its use
+    in the last minute, summed over every replica."""
+    return [
+        {
+            "tenant": tenant,
+            "window_seconds": 60,
+            "data": [
+                {
+                    "scope": u.scope,
+                    **({"key": u.key} if u.key else {}),
+                    "unit": u.unit,
+                    "limit": u.limit,
+                    "used": u.used,
+                    "setting": u.setting,
+                }
+                for u in uses
+            ],
+        }
+        for tenant, uses in sorted(by_tenant.items())
+    ]

@@ -51,9 +51,10 @@ def _http(address: str, target: str, options: dict[str, Any]) -> NodeClient:
     from prefixgate.gateway.nodeclient.http_pd import HttpPDClient, HttpPDOptions
 
     pd = options.get("http_pd")
+    priority = str(options.get("engine_priority", "off"))
     if isinstance(pd, HttpPDOptions):  # a prefill or decode worker: split serving, its engine's way
-        return HttpPDClient(address, pd)
-    return HttpOpenAIClient(address)
+        return HttpPDClient(address, pd, priority)
+    return HttpOpenAIClient(address, priority)
 
 
 # One line a protocol: scheme -> adapter factory ``(address, HOST:PORT, options) -> NodeClient``.
@@ -82,7 +83,8 @@ def connect(address: str, **options: Any) -> NodeClient:
     """A client for the node at ``address``: ``HOST:PORT`` (prefixgate.v1) or ``grpc://HOST:PORT``
     (SGLang/vLLM over the SMG protocol; ``smg=SmgOptions(...)`` configures it) or
     ``http://HOST:PORT`` (an OpenAI-compatible HTTP worker; ``http_pd=HttpPDOptions(...)`` makes
-    it a prefill or decode worker, ``http_pd``)."""
+    it a prefill or decode worker, ``http_pd``; ``engine_priority=`` how its bodies carry a
+    request's priority, ``openai_body.with_priority``)."""
     scheme, target = split_address(address)
     return ADAPTERS[scheme](address, target, options)
 

@@ -158,6 +158,9 @@ class Prompt:
     # The last ``resumed`` of ``tokens`` are output a broken generation already sent
     # (``gateway.core.migration``): the node continues it. Only for ``Capabilities.resume``.
     resumed: int = 0
+    # Among the requests waiting on the node, lower is taken up earlier (vLLM's meaning; 0 the
+    # default); each protocol carries it as far as its engines take it (docs/engines.md).
+    priority: int = 0
 
     @property
     def token_count(self) -> int:

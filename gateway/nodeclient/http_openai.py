@@ -51,6 +51,7 @@ from prefixgate.gateway.nodeclient.base import (
     TokenDelta,
     TokenLogprob,
 )
+from prefixgate.gateway.nodeclient.openai_body import with_priority
 from prefixgate.gateway.nodeclient.sse import EventTooLarge, event_data
 from prefixgate.gateway.routing.costmodel import S5000
 from prefixgate.gateway.vocab import FailureKind, Stage
@@ -242,11 +243,12 @@ def parse_logprobs(raw: Any, chat: bool) -> tuple[TokenLogprob, ...]:
 class HttpOpenAIClient:
     """One OpenAI-compatible HTTP worker (``http://HOST:PORT``, optionally ``.../v1``)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, engine_priority: str = "off") -> None:
         url = httpx.URL(address)
         if url.scheme not in ("http", "https") or not url.host:
             raise ValueError(f"an HTTP worker address is http://HOST:PORT, got {address!r}")
         self._address = address
+        self.engine_priority = engine_priority  # how bodies carry priority (``with_priority``)
         path = url.path.rstrip("/").removesuffix("/v1")
         authority = url.netloc.decode("ascii")
         self.node_id = authority + path
@@ -366,9 +368,15 @@ class HttpOpenAIClient:
             body["cache_salt"] = prompt.cache_salt
         return OpenAIBody("completion", body)
 
+    def request_body(self, prompt: Prompt) -> OpenAIBody:
+        """What this worker is sent for ``prompt``: its OpenAI request (else ``fallback_body``),
+        with its priority where the engine schedules by it (``engine_priority``)."""
+        body = prompt.openai or self.fallback_body(prompt)
+        return with_priority(body, prompt.priority, self.engine_priority)
+
     async def open(self, prompt: Prompt, timeout: float) -> httpx.Response:
         """Send the request; the response (streaming) once its status is 200."""
-        req = prompt.openai or self.fallback_body(prompt)
+        req = self.request_body(prompt)
         request = self._http.build_request(
             "POST",
             PATHS.get(req.kind, PATHS["completion"]),

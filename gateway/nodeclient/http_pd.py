@@ -80,8 +80,8 @@ class HttpPDOptions:
 class HttpPDClient(HttpOpenAIClient):
     """An HTTP worker in a prefill or decode pool."""
 
-    def __init__(self, address: str, options: HttpPDOptions) -> None:
-        super().__init__(address)
+    def __init__(self, address: str, options: HttpPDOptions, engine_priority: str = "off") -> None:
+        super().__init__(address, engine_priority)
         self.pd = options
         self.host = httpx.URL(address).host
         self._bootstrap_port: int | None = options.bootstrap_port
@@ -299,7 +299,7 @@ class HttpRelayPair:
 
 
 def _body(prompt: Prompt, prefill: HttpPDClient) -> OpenAIBody:
-    return prompt.openai or prefill.fallback_body(prompt)
+    return prefill.request_body(prompt)
 
 
 def _pair(

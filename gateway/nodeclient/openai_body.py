@@ -58,9 +58,13 @@ GATEWAY_FIELDS = frozenset(
         "echo",
         "cache_salt",  # replaced: the tenant's namespace salt (``gateway.core.tenancy``)
         "extra_key",
+        "priority",  # the request's, sent as ``engine_priority`` says (``with_priority``)
     }
 )
 MAX_ENGINE_SEED = 2**63 - 1
+# When the body carries the request's ``priority`` (the setting ``engine_priority``): never; as
+# is (the engine schedules lower values first); negated (it schedules higher values first).
+ENGINE_PRIORITY = ("off", "on", "inverted")
 TEXT_PARTS = ("text", "input_text")
 
 
@@ -180,3 +184,19 @@ def for_choice(req: OpenAIBody, seed: int | None, choice: int) -> OpenAIBody:
     if choice == 0 or seed is None:
         return req
     return OpenAIBody(req.kind, {**req.body, "seed": choice_seed(seed, choice) & MAX_ENGINE_SEED})
+
+
+def with_priority(req: OpenAIBody, priority: int, mode: str) -> OpenAIBody:
+    """The body with the request's ``priority`` as ``mode`` (``ENGINE_PRIORITY``) sends it.
+
+    Only engines told to schedule by it are sent one, every request then (0 included): vLLM's
+    OpenAI server took a non-zero ``priority`` only under ``--scheduling-policy priority``
+    (others ignore it), an SGLang run with ``--abort-on-priority-when-disabled`` refuses any
+    ``priority`` when it does not schedule by them, and one that does puts a request without a
+    ``priority`` behind every request with one."""
+    if mode == "off":
+        return req
+    value = -priority if mode == "inverted" else priority
+    if req.body.get("priority") == value:
+        return req
+    return OpenAIBody(req.kind, {**req.body, "priority": value})

@@ -115,6 +115,11 @@ def sampling_message(s: Sampling) -> node_pb2.SamplingParams:
     )
 
 
+def int32(v: int) -> int:
+    """``v`` within the wire's int32 (a priority beyond it means the same as its bound)."""
+    return max(-(2**31), min(2**31 - 1, v))
+
+
 def token_logprob(msg: node_pb2.TokenLogprob) -> TokenLogprob:
     return TokenLogprob(msg.token_id, msg.text, msg.logprob, tuple((t.text, t.logprob) for t in msg.top))
 
@@ -223,6 +228,7 @@ class _GenerateStream(_ChunkStream):
                 block_hashes=p.hashes,
                 sampling=sampling_message(p.sampling),
                 resumed=p.resumed,
+                priority=int32(p.priority),
             ),
             timeout=self._timeout,
             metadata=_metadata(p.request_id),
@@ -255,6 +261,7 @@ class _PushStream(_ChunkStream):
                     sampling=sampling_message(p.sampling),
                     decode_address=self._d.address,
                     resumed=p.resumed,
+                    priority=int32(p.priority),
                 ),
                 timeout=self._left(),
                 metadata=_metadata(p.request_id),
@@ -391,6 +398,7 @@ class GrpcNodeClient:
                     decode_address="",
                     pin_seconds=pin_seconds,
                     skip_first_token=True,
+                    priority=int32(prompt.priority),
                 ),
                 timeout=timeout,
                 metadata=_metadata(prompt.request_id),

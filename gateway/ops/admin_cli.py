@@ -307,7 +307,18 @@ def render_usage(data: dict[str, Any]) -> list[RenderableType]:
             _pct(r.get("cached_tokens", 0) / prompt if prompt else None),
             f"{float(r.get('value', {}).get('total', 0.0)):,.4f}",
         )
-    return [t]
+    limits = [(g.get("tenant") or '""', u) for g in data.get("limits", []) for u in g.get("data", [])]
+    if not limits:
+        return [t]
+    lt = _table(
+        "Rate limits (use in the last minute, every replica)",
+        ["TENANT", "KEY", "LIMIT", ("USED", "right"), ("OF", "right"), "SETTING"],
+    )
+    for tenant, u in limits:
+        unit = "tokens/min" if u.get("unit") == "tokens" else "requests/min"
+        used, limit = _num(u.get("used")), _num(u.get("limit"))
+        lt.add_row(tenant, u.get("key", ""), unit, used, limit, u.get("setting", ""))
+    return [t, lt]
 
 
 def render_pins(data: dict[str, Any]) -> list[RenderableType]:

@@ -83,7 +83,8 @@ _OVERLOAD = (
 )
 _LIFECYCLE = "prefixgate polls each node for its status instead"
 _ADMISSION = (
-    "prefixgate admits up to --max-concurrent-requests (max_inflight) and answers 429 beyond, no queue"
+    "prefixgate admits up to --max-concurrent-requests (max_inflight), holds what no node can start in "
+    "its own queue (--queue-size, --queue-timeout-secs; classes: priority_classes) and answers 429 beyond"
 )
 _MM = "prefixgate serves text; image parts are refused with a 400"
 _DISCOVERY = "prefixgate takes its workers from flags, the config file or POST /admin/nodes; no discovery"
@@ -211,8 +212,6 @@ REFUSED: dict[str, str] = {
     "--trust-tenant-header": _TENANCY,
     "--tenant-header-name": _TENANCY,
     "--cors-allowed-origins": "prefixgate makes no cross-origin allowance but --admin-origin for /admin",
-    "--queue-size": _ADMISSION,
-    "--queue-timeout-secs": _ADMISSION,
     "--rate-limit-tokens-per-second": _ADMISSION,
     "--max-background-responses": _HISTORY,
     "--priority-scheduler-enabled": _ADMISSION,
@@ -303,6 +302,8 @@ TAKEN: dict[str, tuple[str, dict[str, Any], str]] = {
     ),
     "--max-concurrent-requests": ("smg_max_concurrent", {"type": int}, "max_inflight"),
     "--request-timeout-secs": ("request_timeout_s", {"type": float}, "request_timeout_s"),
+    "--queue-size": ("scheduler_queue_requests", {"type": int}, "scheduler_queue_requests"),
+    "--queue-timeout-secs": ("scheduler_max_wait_s", {"type": float}, "scheduler_max_wait_s"),
     "--shutdown-grace-period-secs": ("shutdown_grace_s", {"type": float}, "shutdown_grace_s"),
     "--header-read-timeout-secs": ("smg_header_timeout", {"type": float}, "header_timeout_s"),
     "--idle-connection-timeout-secs": ("smg_idle_timeout", {"type": float}, "keepalive_timeout_s"),

@@ -4,7 +4,7 @@ Every script touches one key family, and every key of a family carries the famil
 (``{docs}``, ``{pins}``, ``{nodes}``, ``{usage}``), so on a Redis Cluster a family lives in one
 slot and its scripts run there. Keys a script reaches by name (another tenant's keys during
 clean-up) are in the same slot. Times are the server's (``TIME``, milliseconds): every replica
-reads the same clock.
+reads the same clock; the rate limits' scripts alone take the caller's, as their pure twin does.
 """
 
 from __future__ import annotations
@@ -286,3 +286,99 @@ for _, tn in ipairs(tenants) do
 end
 return out
 """
+
+# Rate limits (``gateway.scheduling.token_limits``, the same arithmetic). KEYS: the counters of
+# one request (HASH second -> amount; one hash tag, one slot). ARGV: now ms (the caller's wall
+# clock), window seconds, ttl ms, then (limit, cost) per key. Buckets older than the window are
+# dropped first; then every counter is checked and, only if all fit, every one is charged.
+# -> {1, bucket, used after...} | {0, index (1-based), used, retry ms or -1}.
+_LIMIT_WINDOW = """
+local now = tonumber(ARGV[1])
+local window = tonumber(ARGV[2])
+local sec = math.floor(now / 1000)
+local first = sec - window + 1
+local function load(key)
+  local all = redis.call('HGETALL', key)
+  local seconds, vals, used, stale = {}, {}, 0, {}
+  for i = 1, #all, 2 do
+    local b, v = tonumber(all[i]), tonumber(all[i + 1])
+    if b < first then
+      stale[#stale + 1] = all[i]
+    else
+      seconds[#seconds + 1] = b
+      vals[b] = v
+      used = used + v
+    end
+  end
+  if #stale > 0 then redis.call('HDEL', key, unpack(stale)) end
+  table.sort(seconds)
+  return seconds, vals, used
+end
+"""
+
+LIMIT_RESERVE = (
+    _LIMIT_WINDOW
+    + """
+local worst, worst_used, worst_wait = 0, 0, -1
+local used_all = {}
+for i = 1, #KEYS do
+  local limit, cost = tonumber(ARGV[2 + 2 * i]), tonumber(ARGV[3 + 2 * i])
+  local seconds, vals, used = load(KEYS[i])
+  used_all[i] = used
+  if used + cost > limit then
+    if cost > limit then return {0, i, used, -1} end
+    local left = used
+    local wait = -1
+    for _, b in ipairs(seconds) do
+      left = left - vals[b]
+      if left + cost <= limit then
+        wait = (b + window) * 1000 - now
+        break
+      end
+    end
+    if worst == 0 or wait > worst_wait then
+      worst, worst_used, worst_wait = i, used, wait
+    end
+  end
+end
+if worst > 0 then return {0, worst, worst_used, worst_wait} end
+local out = {1, sec}
+for i = 1, #KEYS do
+  redis.call('HINCRBY', KEYS[i], sec, ARGV[3 + 2 * i])
+  redis.call('PEXPIRE', KEYS[i], ARGV[3])
+  out[#out + 1] = used_all[i] + tonumber(ARGV[3 + 2 * i])
+end
+return out
+"""
+)
+
+# KEYS: counters. ARGV: now ms, window seconds, bucket, then a delta per key: added to the bucket
+# while it is in the window, never below 0.
+LIMIT_SETTLE = """
+local sec = math.floor(tonumber(ARGV[1]) / 1000)
+local bucket = ARGV[3]
+if tonumber(bucket) < sec - tonumber(ARGV[2]) + 1 then return 0 end
+for i = 1, #KEYS do
+  local delta = tonumber(ARGV[3 + i])
+  local cur = redis.call('HGET', KEYS[i], bucket)
+  if cur and delta ~= 0 then
+    local v = tonumber(cur) + delta
+    if v < 0 then v = 0 end
+    redis.call('HSET', KEYS[i], bucket, v)
+  end
+end
+return 1
+"""
+
+# KEYS: counters. ARGV: now ms, window seconds -> the use of each in the window.
+LIMIT_USED = (
+    _LIMIT_WINDOW
+    + """
+local out = {}
+for i = 1, #KEYS do
+  local _, _, used = load(KEYS[i])
+  out[i] = used
+end
+return out
+"""
+)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from prefixgate.gateway.scheduling.token_limits import Check, Outcome, WindowSet
 from prefixgate.gateway.state.documents import DocumentLimits, DocumentStore
 from prefixgate.gateway.state.quotas import PinLedger, PinLimits
 from prefixgate.gateway.state.store import (
@@ -33,6 +34,7 @@ class MemoryState:
         self._members: dict[str, Member] = {}
         self._usage: dict[UsageKey, UsageCounts] = {}
         self.dropped_usage = 0
+        self._windows = WindowSet()
 
     async def doc_put(self, tenant: str, doc_id: str, text: str, cost: int, limits: DocumentLimits) -> None:
         self.documents.limits = limits
@@ -99,5 +101,21 @@ class MemoryState:
             k: UsageCounts(*v.values()) for k, v in self._usage.items() if tenant is None or k[0] == tenant
         }
 
+    async def limit_reserve(self, tenant: str, checks: Sequence[Check], now_ms: int) -> Outcome:
+        own = [Check(_counter(tenant, c.counter), c.limit, c.cost) for c in checks]
+        return self._windows.reserve(own, now_ms)
+
+    async def limit_settle(
+        self, tenant: str, deltas: Sequence[tuple[str, int]], bucket: int, now_ms: int
+    ) -> None:
+        self._windows.settle([(_counter(tenant, c), d) for c, d in deltas], bucket, now_ms)
+
+    async def limit_used(self, tenant: str, counters: Sequence[str], now_ms: int) -> list[int]:
+        return [self._windows.used(_counter(tenant, c), now_ms) for c in counters]
+
     async def close(self) -> None:
         return None
+
+
+def _counter(tenant: str, counter: str) -> str:
+    return f"{tenant}\x1f{counter}"

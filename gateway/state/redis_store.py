@@ -11,7 +11,12 @@ slot and its Lua scripts, ``gateway.state.lua``, are atomic):
 - membership: ``P{nodes}:members`` (address -> JSON); kept alive by the replicas reading it,
   gone ``membership_ttl_s`` after the last one stopped;
 - usage: ``P{usage}:t:<tenant>`` (``model|counter`` -> count), ``P{usage}:tenants``;
-  ``usage_ttl_s`` after the last write.
+  ``usage_ttl_s`` after the last write;
+- rate limits: ``P{rl:<digest of tenant>}:<counter>`` (second -> amount, one hash per counter,
+  at most 60 fields): a tenant's counters share one tag, so the one script that checks and
+  reserves a request's counters runs in one slot; a counter expires ``LIMIT_TTL_MS`` after its
+  last reservation. Their clock is the caller's (wall clock, ``now_ms``), not the server's:
+  the replicas' clocks must agree to within a bucket (NTP), as the window's buckets are seconds.
 
 Single Redis or Cluster is asked of the server on first use (``INFO cluster``), as the index does.
 """
@@ -25,11 +30,13 @@ from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
+import xxhash
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError
 
 from prefixgate.cachetier.redis_clients import connect, connect_cluster, is_cluster
 from prefixgate.gateway.core.errors import Unavailable
+from prefixgate.gateway.scheduling.token_limits import WINDOW_S, Check, Granted, Outcome, Refused
 from prefixgate.gateway.state import lua as state_lua
 from prefixgate.gateway.state.documents import (
     TENANT_OVERHEAD,
@@ -53,6 +60,7 @@ Client = aioredis.Redis | RedisCluster
 GRACE_MS = 60_000  # keys outlive their expiry this long, so the next put clears them itself
 MAX_MEMBERS = 4096
 MAX_USAGE_TENANTS = 100_000
+LIMIT_TTL_MS = (WINDOW_S + 5) * 1000  # an idle counter is gone once its window is empty
 
 
 def _ms(seconds: float) -> int:
@@ -106,6 +114,11 @@ class RedisState:
 
     def usage_key(self, rest: str) -> str:
         return f"{self.prefix}{{usage}}:{rest}"
+
+    def limit_key(self, tenant: str, counter: str) -> str:
+        """A tenant's counter; the tag is a digest, so no tenant name can break it (a ``}``)."""
+        tag = xxhash.xxh64_hexdigest(tenant.encode("utf-8", "surrogatepass"))
+        return f"{self.prefix}{{rl:{tag}}}:{counter}"
 
     def _doc_keys(self, tenant: str) -> list[str]:
         return [
@@ -313,6 +326,32 @@ class RedisState:
                 setattr(counts, counter, int(value))
         return out
 
+    # -- rate limits ---------------------------------------------------------------------------
+
+    async def limit_reserve(self, tenant: str, checks: Sequence[Check], now_ms: int) -> Outcome:
+        keys = [self.limit_key(tenant, c.counter) for c in checks]
+        args: list[Any] = [now_ms, WINDOW_S, LIMIT_TTL_MS]
+        for c in checks:
+            args += [c.limit, c.cost]
+        out = [int(v) for v in await self._run(state_lua.LIMIT_RESERVE, keys, args)]
+        if out[0] == 1:
+            return Granted(out[1], tuple(out[2:]))
+        return Refused(out[1] - 1, out[2], None if out[3] < 0 else out[3])
+
+    async def limit_settle(
+        self, tenant: str, deltas: Sequence[tuple[str, int]], bucket: int, now_ms: int
+    ) -> None:
+        if deltas:
+            keys = [self.limit_key(tenant, c) for c, _ in deltas]
+            args = [now_ms, WINDOW_S, bucket, *(d for _, d in deltas)]
+            await self._run(state_lua.LIMIT_SETTLE, keys, args)
+
+    async def limit_used(self, tenant: str, counters: Sequence[str], now_ms: int) -> list[int]:
+        if not counters:
+            return []
+        keys = [self.limit_key(tenant, c) for c in counters]
+        return [int(v) for v in await self._run(state_lua.LIMIT_USED, keys, [now_ms, WINDOW_S])]
+
     async def purge(self) -> int:
         """Delete every key of this prefix (tests, and an operator resetting a deployment); on a
         Cluster every primary is scanned. Returns how many keys went."""
@@ -334,4 +373,7 @@ _SCRIPTS = (
     state_lua.MEMBERS_GET,
     state_lua.USAGE_ADD,
     state_lua.USAGE_READ,
+    state_lua.LIMIT_RESERVE,
+    state_lua.LIMIT_SETTLE,
+    state_lua.LIMIT_USED,
 )

@@ -2,7 +2,7 @@
 
 What a client or an operator changes through one replica must hold on every other: registered
 documents, tenants' pins (with their expiry, for the pin quotas), node membership changes made
-through the admin API, and tenant usage. ``StateStore`` is that storage, with two
+through the admin API, tenant usage and the rate limits' counters. ``StateStore`` is that storage, with two
 implementations: ``MemoryState`` (one process, the embedded default, ``gateway.state.memory``)
 and ``RedisState`` (single Redis or Redis Cluster, ``gateway.state.redis_store``), which pass the same
 tests. The registries above it (documents, pins, membership, usage) hold the policy; the store
@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from prefixgate.gateway.scheduling.token_limits import Check, Outcome
 from prefixgate.gateway.state.documents import DocumentLimits
 from prefixgate.gateway.state.quotas import PinLimits
 
@@ -124,5 +125,13 @@ class StateStore(Protocol):
     # Usage: counters added (summed across replicas), read per tenant (None: every tenant).
     async def usage_add(self, batch: Mapping[UsageKey, UsageCounts]) -> None: ...
     async def usage(self, tenant: str | None) -> dict[UsageKey, UsageCounts]: ...
+
+    # Rate limits (``gateway.scheduling.token_limits``): a tenant's counters, reserved all or
+    # none, settled in the bucket they were reserved in; ``now_ms`` is the caller's wall clock.
+    async def limit_reserve(self, tenant: str, checks: Sequence[Check], now_ms: int) -> Outcome: ...
+    async def limit_settle(
+        self, tenant: str, deltas: Sequence[tuple[str, int]], bucket: int, now_ms: int
+    ) -> None: ...
+    async def limit_used(self, tenant: str, counters: Sequence[str], now_ms: int) -> list[int]: ...
 
     async def close(self) -> None: ...

@@ -11,6 +11,7 @@ import orjson
 import xxhash
 
 from prefixgate.gateway.core.errors import NotFound, TooLarge, invalid
+from prefixgate.gateway.scheduling.classes import MAX_PRIORITY as MAX_PRIORITY
 from prefixgate.openai.constraint import Constraint, from_response_format
 from prefixgate.openai.features import Feature
 from prefixgate.openai.normalize import DOCUMENT_ID_ALPHABET, MAX_DOCUMENT_ID, Document, is_document_id
@@ -79,6 +80,8 @@ class ParsedRequest:
     response_format: dict[str, Any] | None = None
     tool_choice: Any = None
     cache_salt: str = ""  # the client's own division of its tenant's cache namespace
+    priority: int = 0  # lower is handled earlier (vLLM's meaning); 0: the default
+    priority_given: bool = False  # the client sent ``priority``
     # Engine-dependent features the request asks for, each with the field that asks for it.
     needs: dict[Feature, str] = field(default_factory=dict)
 
@@ -423,6 +426,9 @@ def parse_request(
         if body.get("max_completion_tokens") is not None
         else "max_tokens",
         n=_int(body, "n", 1, MAX_N) or 1,
+        # within the scheduler's bound, which every engine's field holds (negated too)
+        priority=_int(body, "priority", -MAX_PRIORITY, MAX_PRIORITY) or 0,
+        priority_given=body.get("priority") is not None,
         response_format=response_format,
         needs=needs,
     )

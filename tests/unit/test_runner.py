@@ -10,6 +10,7 @@ import pytest
 
 from prefixgate.gateway.config import KEYLESS_TENANT, Settings
 from prefixgate.gateway.core import choices
+from prefixgate.gateway.core.auth import key_id
 from prefixgate.gateway.core.errors import Draining, GatewayError, Overloaded, Unauthenticated
 from prefixgate.gateway.core.pipeline import Prepared
 from prefixgate.gateway.core.request import Credentials, RequestContext
@@ -69,7 +70,9 @@ async def test_drain_check_comes_before_auth() -> None:
 
 async def test_entry_gives_the_key_tenant_and_the_request_id() -> None:
     svc = _service()
-    assert svc.runner.enter(KEYED) == RequestContext("alice", "rid-1", Credentials.CLIENT, body_bytes=0)
+    assert svc.runner.enter(KEYED) == RequestContext(
+        "alice", "rid-1", Credentials.CLIENT, body_bytes=0, key_id=key_id("sk-a")
+    )
     fresh = svc.runner.enter(Caller(authorization="Bearer sk-a"))
     assert fresh.tenant == "alice" and len(fresh.request_id) == 32  # a new one
 

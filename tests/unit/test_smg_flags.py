@@ -103,6 +103,8 @@ def test_defaults_stay_when_no_smg_flag_is_given() -> None:
         (["--policy", "round_robin", "--decode-policy", "least_load"], "policy", "round_robin"),
         (["--policy", "prefixgate:affinity=5"], "policy", "prefixgate:affinity=5"),  # ours, as given
         (["--model-path", str(TOKENIZER_DIR)], "tokenizer_path", str(TOKENIZER_DIR)),
+        (["--queue-size", "64"], "scheduler_queue_requests", 64),
+        (["--queue-timeout-secs", "2.5"], "scheduler_max_wait_s", 2.5),
     ],
 )
 def test_switches_and_combinations(argv: list[str], name: str, value: object) -> None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bprefixgate/v1/gateway.proto\x12\rprefixgate.v1\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"$\n\x08\x44ocument\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xca\x02\n\x11\x43ompletionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12,\n\x08messages\x18\x02 \x03(\x0b\x32\x1a.prefixgate.v1.ChatMessage\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x0c\n\x04user\x18\t \x01(\t\x12*\n\tdocuments\x18\n \x03(\x0b\x32\x17.prefixgate.v1.Document\x12\x14\n\x0c\x64ocument_ids\x18\x0b \x03(\t\x12\x12\n\ntools_json\x18\x0c \x01(\tB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xa1\x01\n\x0f\x43ompletionChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.prefixgate.v1.Usage\x12\r\n\x05route\x18\x05 \x01(\t\x12\x14\n\x0cprefill_node\x18\x06 \x01(\t\x12\x13\n\x0b\x64\x65\x63ode_node\x18\x07 \x01(\t\"\xa4\x01\n\x12\x43ompletionResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.prefixgate.v1.Usage\x12\r\n\x05route\x18\x05 \x01(\t\x12\x14\n\x0cprefill_node\x18\x06 \x01(\t\x12\x13\n\x0b\x64\x65\x63ode_node\x18\x07 \x01(\t2\xaa\x01\n\x07Gateway\x12N\n\x08Generate\x12 .prefixgate.v1.CompletionRequest\x1a\x1e.prefixgate.v1.CompletionChunk0\x01\x12O\n\x08\x43omplete\x12 .prefixgate.v1.CompletionRequest\x1a!.prefixgate.v1.CompletionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bprefixgate/v1/gateway.proto\x12\rprefixgate.v1\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"$\n\x08\x44ocument\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xee\x02\n\x11\x43ompletionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12,\n\x08messages\x18\x02 \x03(\x0b\x32\x1a.prefixgate.v1.ChatMessage\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x0c\n\x04user\x18\t \x01(\t\x12*\n\tdocuments\x18\n \x03(\x0b\x32\x17.prefixgate.v1.Document\x12\x14\n\x0c\x64ocument_ids\x18\x0b \x03(\t\x12\x12\n\ntools_json\x18\x0c \x01(\t\x12\x15\n\x08priority\x18\r \x01(\x05H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_priority\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xa1\x01\n\x0f\x43ompletionChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.prefixgate.v1.Usage\x12\r\n\x05route\x18\x05 \x01(\t\x12\x14\n\x0cprefill_node\x18\x06 \x01(\t\x12\x13\n\x0b\x64\x65\x63ode_node\x18\x07 \x01(\t\"\xa4\x01\n\x12\x43ompletionResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.prefixgate.v1.Usage\x12\r\n\x05route\x18\x05 \x01(\t\x12\x14\n\x0cprefill_node\x18\x06 \x01(\t\x12\x13\n\x0b\x64\x65\x63ode_node\x18\x07 \x01(\t2\xaa\x01\n\x07Gateway\x12N\n\x08Generate\x12 .prefixgate.v1.CompletionRequest\x1a\x1e.prefixgate.v1.CompletionChunk0\x01\x12O\n\x08\x43omplete\x12 .prefixgate.v1.CompletionRequest\x1a!.prefixgate.v1.CompletionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,13 +36,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DOCUMENT']._serialized_start=106
   _globals['_DOCUMENT']._serialized_end=142
   _globals['_COMPLETIONREQUEST']._serialized_start=145
-  _globals['_COMPLETIONREQUEST']._serialized_end=475
-  _globals['_USAGE']._serialized_start=477
-  _globals['_USAGE']._serialized_end=557
-  _globals['_COMPLETIONCHUNK']._serialized_start=560
-  _globals['_COMPLETIONCHUNK']._serialized_end=721
-  _globals['_COMPLETIONRESPONSE']._serialized_start=724
-  _globals['_COMPLETIONRESPONSE']._serialized_end=888
-  _globals['_GATEWAY']._serialized_start=891
-  _globals['_GATEWAY']._serialized_end=1061
+  _globals['_COMPLETIONREQUEST']._serialized_end=511
+  _globals['_USAGE']._serialized_start=513
+  _globals['_USAGE']._serialized_end=593
+  _globals['_COMPLETIONCHUNK']._serialized_start=596
+  _globals['_COMPLETIONCHUNK']._serialized_end=757
+  _globals['_COMPLETIONRESPONSE']._serialized_start=760
+  _globals['_COMPLETIONRESPONSE']._serialized_end=924
+  _globals['_GATEWAY']._serialized_start=927
+  _globals['_GATEWAY']._serialized_end=1097
 # @@protoc_insertion_point(module_scope)

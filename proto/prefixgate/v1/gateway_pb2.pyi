@@ -81,6 +81,7 @@ class CompletionRequest(_message.Message):
     DOCUMENTS_FIELD_NUMBER: _builtins.int
     DOCUMENT_IDS_FIELD_NUMBER: _builtins.int
     TOOLS_JSON_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     prompt: _builtins.str
     """completion form (used when messages is empty)"""
@@ -91,6 +92,8 @@ class CompletionRequest(_message.Message):
     user: _builtins.str
     tools_json: _builtins.str
     """OpenAI tools array as JSON"""
+    priority: _builtins.int
+    """as the HTTP API's "priority": lower is served earlier"""
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
         """chat form"""
@@ -116,17 +119,22 @@ class CompletionRequest(_message.Message):
         documents: _abc.Iterable[Global___Document] | None = ...,
         document_ids: _abc.Iterable[_builtins.str] | None = ...,
         tools_json: _builtins.str = ...,
+        priority: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "seed", b"seed", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_priority", b"_priority", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "priority", b"priority", "seed", b"seed", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "document_ids", b"document_ids", "documents", b"documents", "max_tokens", b"max_tokens", "messages", b"messages", "model", b"model", "prompt", b"prompt", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "tools_json", b"tools_json", "top_p", b"top_p", "user", b"user"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_priority", b"_priority", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "document_ids", b"document_ids", "documents", b"documents", "max_tokens", b"max_tokens", "messages", b"messages", "model", b"model", "priority", b"priority", "prompt", b"prompt", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "tools_json", b"tools_json", "top_p", b"top_p", "user", b"user"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__priority: _TypeAlias = _typing.Literal["priority"]  # noqa: Y015
+    _WhichOneofArgType__priority: _TypeAlias = _typing.Literal["_priority", b"_priority"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
     _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
     _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
     _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
     _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__priority) -> _WhichOneofReturnType__priority | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
     @_typing.overload

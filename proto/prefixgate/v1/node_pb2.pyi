@@ -205,6 +205,7 @@ class PrefillRequest(_message.Message):
     PIN_SECONDS_FIELD_NUMBER: _builtins.int
     SKIP_FIRST_TOKEN_FIELD_NUMBER: _builtins.int
     RESUMED_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     tokens: _builtins.bytes
     """packed LE uint32"""
@@ -217,6 +218,10 @@ class PrefillRequest(_message.Message):
     resumed: _builtins.int
     """The last `resumed` of `tokens` are output already generated (and shown) elsewhere: this
     continues that generation (their text is not sent again; max_tokens is what is left).
+    """
+    priority: _builtins.int
+    """Among the prefills waiting on the node, lower goes first (vLLM's meaning; 0 the default);
+    equal priorities in arrival order. A node run with --scheduling-policy fcfs ignores it.
     """
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -235,10 +240,11 @@ class PrefillRequest(_message.Message):
         pin_seconds: _builtins.float = ...,
         skip_first_token: _builtins.bool = ...,
         resumed: _builtins.int = ...,
+        priority: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "decode_address", b"decode_address", "pin_seconds", b"pin_seconds", "request_id", b"request_id", "resumed", b"resumed", "sampling", b"sampling", "skip_first_token", b"skip_first_token", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "decode_address", b"decode_address", "pin_seconds", b"pin_seconds", "priority", b"priority", "request_id", b"request_id", "resumed", b"resumed", "sampling", b"sampling", "skip_first_token", b"skip_first_token", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -485,10 +491,13 @@ class GenerateRequest(_message.Message):
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     RESUMED_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     tokens: _builtins.bytes
     resumed: _builtins.int
     """as PrefillRequest.resumed"""
+    priority: _builtins.int
+    """as PrefillRequest.priority (its prefill waits by it)"""
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -501,10 +510,11 @@ class GenerateRequest(_message.Message):
         block_hashes: _abc.Iterable[_builtins.int] | None = ...,
         sampling: Global___SamplingParams | None = ...,
         resumed: _builtins.int = ...,
+        priority: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "request_id", b"request_id", "resumed", b"resumed", "sampling", b"sampling", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "priority", b"priority", "request_id", b"request_id", "resumed", b"resumed", "sampling", b"sampling", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
