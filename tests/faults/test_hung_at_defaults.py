@@ -10,6 +10,7 @@ import signal
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from tests.faults.cluster import Cluster, NodeProc, Outcome, drive
@@ -61,7 +62,10 @@ def test_hung_prefill_node_costs_seconds_at_the_default_settings(default_cluster
     first = 10_000 + random.randrange(10_000) * 16  # prompts no earlier run left in the nodes' caches
 
     def prefill_load() -> dict[str, int]:
-        return {n.gateway_id: node_state(cluster, n)["load"]["local_requests"] for n in cluster.prefill}
+        """Every prefill node's requests from one /admin/nodes reading (the window is short)."""
+        ids = {n.gateway_id for n in cluster.prefill}
+        nodes = httpx.get(cluster.url + "/admin/nodes", timeout=5).json()["data"]
+        return {n["id"]: n["load"]["local_requests"] for n in nodes if n["id"] in ids}
 
     async def scenario() -> tuple[NodeProc, list[Outcome]]:
         nonlocal held
