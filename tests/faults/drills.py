@@ -6,7 +6,7 @@ both legs at once and the KV handed over through the prefill node's bootstrap po
 and out with the tokenizer the nodes ship, the index fed by ``SubscribeKvEvents``). Each drill
 module gets one cluster per protocol (2 prefill + 2 decode nodes, a Redis of its own, the
 ``cluster`` fixture in ``conftest.py``) for all its drills: each drill leaves every node routable
-again. The drills are in three modules so that parallel test workers can run them side by side.
+again. The drills are in several modules so that parallel test workers can run them side by side.
 Drills that only mean something on one protocol say so.
 """
 

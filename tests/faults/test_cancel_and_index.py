@@ -132,7 +132,9 @@ def test_two_gateways_share_the_index_and_route_as_one(
         assert until(lambda: _ready(b_url, len(cluster.prefill)), 20.0), second.tail(20)
         for seed in range(3):  # several prefixes, so "same node" is not luck
             settled = functools.partial(_index_settled, url, prefix, _index_blocks(url, prefix))
-            first = httpx.post(cluster.url + "/v1/chat/completions", json=body(7500 + seed, 1500), timeout=30)
+            first = httpx.post(
+                cluster.url + "/v1/chat/completions", json=body(7500 + seed, 1500, max_tokens=2), timeout=30
+            )
             assert first.status_code == 200, first.text
             # the engine's events reach the index off the hot path: until they have all landed
             assert until(settled, 10.0), "no KV events indexed"
@@ -187,7 +189,9 @@ def test_redis_restarted_empty_index_rebuilt_from_kv_events(
     url = cluster.gateway_args[1]
     prefix = cluster.gateway_env["PREFIXGATE_REDIS_PREFIX"]
     all_routable(cluster)
-    results = asyncio.run(drive(cluster.url, [body(7000 + i, 1500) for i in range(12)], 6))
+    # 8 prompts at 6 at once: both prefill nodes hold some, so a repeat sent where the index
+    # says hits only if the index was rebuilt for each node; 2 tokens each, decoding plays no part
+    results = asyncio.run(drive(cluster.url, [body(7000 + i, 1500, max_tokens=2) for i in range(8)], 6))
     assert until(lambda: _index_blocks(url, prefix) > 0, 5.0)
     time.sleep(0.5)  # the last events land
     held = _index_blocks(url, prefix)
@@ -199,7 +203,7 @@ def test_redis_restarted_empty_index_rebuilt_from_kv_events(
     view = httpx.get(cluster.url + "/admin/cache", timeout=5).json()
     assert view["index"]["total_blocks"] >= held and not view["index"]["degraded"], view["index"]
     # one at a time: each goes where its prefix is, never elsewhere for want of a free node
-    repeat = asyncio.run(drive(cluster.url, [body(7000 + i, 1500) for i in range(12)], 1))
+    repeat = asyncio.run(drive(cluster.url, [body(7000 + i, 1500, max_tokens=2) for i in range(8)], 1))
     results += repeat
     resynced = cluster.metric("prefixgate_index_resyncs_total", reason="index_data_lost")
     hits = sum(1 for r in repeat if r.cached_tokens > 0)
@@ -208,9 +212,9 @@ def test_redis_restarted_empty_index_rebuilt_from_kv_events(
     t.failed = sum(1 for r in results if r.status != 200)
     t.note = (
         f"index rebuilt from SubscribeKvEvents in {took:.1f}s ({int(resynced)} nodes resynced); "
-        f"{hits}/12 repeats hit the cache"
+        f"{hits}/8 repeats hit the cache"
     )
     REPORT.append(t)
-    assert t.failed == 0 and t.succeeded == 24
+    assert t.failed == 0 and t.succeeded == 16
     assert resynced >= 4, resynced
-    assert hits == 12, [r.cached_tokens for r in repeat]
+    assert hits == 8, [r.cached_tokens for r in repeat]

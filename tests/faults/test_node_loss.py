@@ -22,12 +22,14 @@ def test_prefill_node_killed_mid_run(cluster: Cluster) -> None:
     victim = cluster.prefill[0]
 
     def during(done: int) -> None:
-        if done == 15:
+        if done == 10:
             victim.kill()
 
-    results = asyncio.run(drive(cluster.url, [body(i) for i in range(60)], 8, during=during))
-    t = tally("prefill node SIGKILL during 60 requests", results, cluster, before)
-    assert t.failed == 0 and t.succeeded == 60, [r.error for r in results if r.error][:5]
+    # killed with 8 requests in flight, 12 more to send after: the retries and the routing
+    # around the dead node are both exercised; 2 tokens each, the decode leg plays no part
+    results = asyncio.run(drive(cluster.url, [body(i, max_tokens=2) for i in range(30)], 8, during=during))
+    t = tally("prefill node SIGKILL during 30 requests", results, cluster, before)
+    assert t.failed == 0 and t.succeeded == 30, [r.error for r in results if r.error][:5]
     assert all(r.route == "disaggregated" for r in results), {r.route for r in results}
     assert victim.proc is not None and victim.proc.proc.returncode == -9
     restart(cluster, victim)
@@ -38,10 +40,10 @@ def test_all_prefill_nodes_down_then_back(cluster: Cluster) -> None:
     before = cluster.metric("prefixgate_retries_total")
     for n in cluster.prefill:
         n.kill()
-    results = asyncio.run(drive(cluster.url, [body(1000 + i) for i in range(30)], 6))
+    results = asyncio.run(drive(cluster.url, [body(1000 + i, max_tokens=2) for i in range(12)], 6))
     t = tally("all prefill nodes SIGKILL", results, cluster, before)
-    assert t.failed == 0 and t.succeeded == 30, [r.error for r in results if r.error][:5]
-    assert t.fell_back == 30  # every request served whole by a decode node
+    assert t.failed == 0 and t.succeeded == 12, [r.error for r in results if r.error][:5]
+    assert t.fell_back == 12  # every request served whole by a decode node
     for n in cluster.prefill:
         n.launch()
     for n in cluster.prefill:
@@ -49,7 +51,7 @@ def test_all_prefill_nodes_down_then_back(cluster: Cluster) -> None:
     deadline = time.monotonic() + 20
     routes: list[str] = []
     while time.monotonic() < deadline:
-        res = asyncio.run(drive(cluster.url, [body(2000 + len(routes))], 1))
+        res = asyncio.run(drive(cluster.url, [body(2000 + len(routes), max_tokens=2)], 1))
         assert res[0].status == 200, res[0].error
         routes.append(res[0].route)
         if res[0].route == "disaggregated":
@@ -75,9 +77,9 @@ def test_decode_node_killed_mid_stream(cluster: Cluster) -> None:
     async def run() -> list[Outcome]:
         nonlocal victim
         # short prompts: the streams are all open within a moment (few still wait for a first
-        # token when the node dies: those are retried); 60 tokens at the nodes' 10x slower pace
-        # keep them open for seconds after it
-        bodies = [body(3000 + i, tokens=200, max_tokens=60) for i in range(20)]
+        # token when the node dies: those are retried); 40 tokens at the nodes' 10x slower pace
+        # (~5 s) keep them open for seconds after it
+        bodies = [body(3000 + i, tokens=200, max_tokens=40) for i in range(20)]
         streams = asyncio.ensure_future(drive(cluster.url, bodies, 20, stream=True))
         for _ in range(100):  # until most streams are open: the node with the most is killed
             await asyncio.sleep(0.05)

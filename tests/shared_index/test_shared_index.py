@@ -1,4 +1,9 @@
-"""The Redis index shared by gateway replicas, fed by node events, surviving Redis outages."""
+"""The Redis index shared by gateway replicas, fed by node events, surviving Redis outages.
+
+One Redis for the module (a drill that kills it starts it again on the same port) and one
+2 prefill + 2 decode cluster on it for the drills that need no other nodes or settings; the
+others start a cluster of their own. Drills on the shared cluster read counters as deltas and
+the gateway's log from where they began."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -39,24 +45,56 @@ def doc_body(seed: int, tokens: int = 3000, question: str = "Summarize.") -> dic
     }
 
 
-@pytest.fixture
-def redis_server() -> Iterator[tuple[int, Child]]:
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[tuple[int, list[Child]]]:
+    """The module's Redis: the list's last process is the live one (a drill that restarts it
+    appends the new one)."""
     port = free_port()
-    proc = start_redis(port)
+    procs = [start_redis(port)]
     try:
-        yield port, proc
+        yield port, procs
     finally:
-        proc.stop(signal.SIGKILL)
+        for p in procs:
+            p.stop(signal.SIGKILL)
 
 
-def redis_cluster(port: int, prefix: str, node_args: list[str] | None = None) -> Cluster:
-    return Cluster.create(
+@pytest.fixture(scope="module")
+def shared(
+    redis_server: tuple[int, list[Child]], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    """2 prefill + 2 decode nodes (4096 blocks each) behind a gateway on the module's Redis, its
+    output also in ``gateway.log`` (``log_mark`` / ``index_events_since``)."""
+    port, _ = redis_server
+    c = Cluster.create(
         2,
         2,
-        node_args or ["--time-scale", "0.05"],
+        ["--time-scale", "0.05", "--capacity-blocks", "4096"],
         gateway_args=["--redis", f"redis://127.0.0.1:{port}/0"],
-        gateway_env={"PREFIXGATE_REDIS_PREFIX": prefix},
+        gateway_env={"PREFIXGATE_REDIS_PREFIX": f"prefixgate-test-{uuid.uuid4().hex[:8]}:"},
+        log_dir=tmp_path_factory.mktemp("shared-index"),
     )
+    c.start()
+    try:
+        yield c
+    finally:
+        assert c.stop() == 0
+
+
+def _gateway_log(c: Cluster) -> Path:
+    assert c.log_dir is not None
+    return c.log_dir / "gateway.log"
+
+
+def log_mark(c: Cluster) -> int:
+    """Where the gateway's log ends now."""
+    return _gateway_log(c).stat().st_size
+
+
+def index_events_since(c: Cluster, mark: int) -> dict[str, int]:
+    """``index_log_events`` of the lines the gateway logged after ``mark``."""
+    with _gateway_log(c).open("rb") as f:
+        f.seek(mark)
+        return _index_events(f.read().decode(errors="replace").splitlines())
 
 
 def post(url: str, body: dict[str, Any]) -> httpx.Response:
@@ -65,11 +103,10 @@ def post(url: str, body: dict[str, Any]) -> httpx.Response:
     return r
 
 
-def test_two_gateways_route_as_one(redis_server: tuple[int, Child]) -> None:
+def test_two_gateways_route_as_one(redis_server: tuple[int, list[Child]], shared: Cluster) -> None:
     port, _ = redis_server
-    prefix = f"prefixgate-test-{uuid.uuid4().hex[:8]}:"
-    c = redis_cluster(port, prefix)
-    c.start()
+    c = shared
+    prefix = c.gateway_env["PREFIXGATE_REDIS_PREFIX"]
     second: Child | None = None
     try:
         b_port = free_port()
@@ -97,25 +134,26 @@ def test_two_gateways_route_as_one(redis_server: tuple[int, Child]) -> None:
     finally:
         if second is not None:
             assert second.stop() == 0
-        assert c.stop() == 0
 
 
 def test_redis_outage_fails_no_request_and_routing_returns(
-    redis_server: tuple[int, Child],
+    redis_server: tuple[int, list[Child]], shared: Cluster
 ) -> None:
-    port, proc = redis_server
-    prefix = f"prefixgate-test-{uuid.uuid4().hex[:8]}:"
-    c = redis_cluster(port, prefix)
-    c.start()
-    restarted: list[Child] = []
+    port, procs = redis_server
+    c = shared
+    prefix = c.gateway_env["PREFIXGATE_REDIS_PREFIX"]
+    killed = False
     try:
         before = c.metric("prefixgate_retries_total")
 
         def during(done: int) -> None:
+            nonlocal killed
             if done == 30:
-                proc.stop(signal.SIGKILL)
+                procs[-1].stop(signal.SIGKILL)
+                killed = True
             if done == 90:
-                restarted.append(start_redis(port))
+                procs.append(start_redis(port))
+                killed = False
 
         results = asyncio.run(
             drive(c.url, [doc_body(100 + i % 10, 1500, f"q{i}") for i in range(150)], 8, during=during)
@@ -142,13 +180,12 @@ def test_redis_outage_fails_no_request_and_routing_returns(
         assert in_redis
         assert c.metric("prefixgate_index_degraded") == 0
     finally:
-        assert c.stop() == 0
-        for p in restarted:
-            p.stop(signal.SIGKILL)
+        if killed:  # the drills after this one find the module's Redis up
+            procs.append(start_redis(port))
 
 
 def test_node_side_eviction_reaches_the_index_within_a_second(
-    redis_server: tuple[int, Child],
+    redis_server: tuple[int, list[Child]],
 ) -> None:
     port, _ = redis_server
     prefix = f"prefixgate-test-{uuid.uuid4().hex[:8]}:"
@@ -195,7 +232,7 @@ def test_node_side_eviction_reaches_the_index_within_a_second(
 
 
 def test_a_node_whose_hits_keep_missing_the_prediction_is_resynced(
-    redis_server: tuple[int, Child],
+    redis_server: tuple[int, list[Child]],
 ) -> None:
     """Entries the node does not hold (events lost, say) are caught by predicted vs reported."""
     port, _ = redis_server
@@ -269,9 +306,14 @@ def tally_redis(name: str, results: list[Outcome], c: Cluster, note: str) -> Tal
 
 
 def index_log_events(c: Cluster) -> dict[str, int]:
+    """How many times the gateway logged each index event (in the lines it keeps)."""
     assert c.gateway is not None
+    return _index_events(list(c.gateway.lines))
+
+
+def _index_events(lines: list[str]) -> dict[str, int]:
     counts: dict[str, int] = {}
-    for line in list(c.gateway.lines):
+    for line in lines:
         for event in ("index.write_failed", "index.degraded", "index.recovered", "index.data_lost"):
             if f'"{event}"' in line:
                 counts[event] = counts.get(event, 0) + 1
@@ -279,57 +321,52 @@ def index_log_events(c: Cluster) -> dict[str, int]:
 
 
 def test_redis_restarted_empty_is_noticed_and_the_index_rebuilt(
-    redis_server: tuple[int, Child],
+    redis_server: tuple[int, list[Child]], shared: Cluster
 ) -> None:
     """An idle restart used to leave the index empty (and capacities at the default) unnoticed."""
-    port, proc = redis_server
-    prefix = f"prefixgate-test-{uuid.uuid4().hex[:8]}:"
-    c = redis_cluster(port, prefix, ["--time-scale", "0.05", "--capacity-blocks", "4096"])
-    c.start()
-    restarted: list[Child] = []
-    try:
-        results = asyncio.run(drive(c.url, [doc_body(700 + i, 1500, f"q{i}") for i in range(30)], 8))
-        time.sleep(0.5)
-        before = index_stats(port, prefix)
-        assert before.total_blocks > 0
-        assert {o.capacity for o in before.nodes.values()} == {index_capacity(4096)}
-        proc.stop(signal.SIGKILL)
-        restarted.append(start_redis(port))  # idle: no request in flight
-        t0 = time.monotonic()
+    port, procs = redis_server
+    c = shared
+    prefix = c.gateway_env["PREFIXGATE_REDIS_PREFIX"]
+    mark = log_mark(c)
+    resynced0 = c.metric("prefixgate_index_resyncs_total", reason="index_data_lost")
+    results = asyncio.run(drive(c.url, [doc_body(700 + i, 1500, f"q{i}") for i in range(30)], 8))
+    time.sleep(0.5)
+    before = index_stats(port, prefix)
+    assert before.total_blocks > 0
+    assert {o.capacity for o in before.nodes.values()} == {index_capacity(4096)}
+    procs[-1].stop(signal.SIGKILL)
+    procs.append(start_redis(port))  # idle: no request in flight
+    t0 = time.monotonic()
+    rebuilt = index_stats(port, prefix)
+    while time.monotonic() - t0 < 10 and rebuilt.total_blocks < before.total_blocks:
+        time.sleep(0.1)
         rebuilt = index_stats(port, prefix)
-        while time.monotonic() - t0 < 10 and rebuilt.total_blocks < before.total_blocks:
-            time.sleep(0.1)
-            rebuilt = index_stats(port, prefix)
-        took = time.monotonic() - t0
-        assert rebuilt.total_blocks == before.total_blocks, (before, rebuilt)
-        assert {o.capacity for o in rebuilt.nodes.values()} == {index_capacity(4096)}  # not 1,048,576
-        view = httpx.get(c.url + "/admin/cache", timeout=5).json()
-        assert view["index"]["total_blocks"] == before.total_blocks and not view["index"]["degraded"]
-        results += asyncio.run(drive(c.url, [doc_body(700 + i, 1500, f"r{i}") for i in range(30)], 8))
-        resynced = c.metric("prefixgate_index_resyncs_total", reason="index_data_lost")
-        events = index_log_events(c)
-        t = tally_redis(
-            "Redis restarted empty (data loss)",
-            results,
-            c,
-            f"index rebuilt in {took:.1f}s ({int(resynced)} nodes resynced); {events}",
-        )
-        assert t.failed == 0 and t.succeeded == 60
-        assert resynced == 4 and events.get("index.data_lost", 0) >= 1
-    finally:
-        assert c.stop() == 0
-        for p in restarted:
-            p.stop(signal.SIGKILL)
+    took = time.monotonic() - t0
+    assert rebuilt.total_blocks == before.total_blocks, (before, rebuilt)
+    assert {o.capacity for o in rebuilt.nodes.values()} == {index_capacity(4096)}  # not 1,048,576
+    view = httpx.get(c.url + "/admin/cache", timeout=5).json()
+    assert view["index"]["total_blocks"] == before.total_blocks and not view["index"]["degraded"]
+    results += asyncio.run(drive(c.url, [doc_body(700 + i, 1500, f"r{i}") for i in range(30)], 8))
+    resynced = c.metric("prefixgate_index_resyncs_total", reason="index_data_lost") - resynced0
+    events = index_events_since(c, mark)
+    t = tally_redis(
+        "Redis restarted empty (data loss)",
+        results,
+        c,
+        f"index rebuilt in {took:.1f}s ({int(resynced)} nodes resynced); {events}",
+    )
+    assert t.failed == 0 and t.succeeded == 60
+    assert resynced == 4 and events.get("index.data_lost", 0) >= 1
 
 
 def test_redis_out_of_memory_is_degraded_mode_and_fails_no_request(
-    redis_server: tuple[int, Child],
+    redis_server: tuple[int, list[Child]], shared: Cluster
 ) -> None:
     """maxmemory + noeviction: reads work, every index write is refused; that used to look healthy."""
     port, _ = redis_server
-    prefix = f"prefixgate-test-{uuid.uuid4().hex[:8]}:"
-    c = redis_cluster(port, prefix)
-    c.start()
+    c = shared
+    mark = log_mark(c)
+    failed_writes0 = c.metric("prefixgate_index_faults", kind="failed_writes")
 
     def cli(*args: str) -> str:
         return subprocess.run(["redis-cli", "-p", str(port), *args], capture_output=True, text=True).stdout
@@ -341,14 +378,14 @@ def test_redis_out_of_memory_is_degraded_mode_and_fails_no_request(
         cli("config", "set", "maxmemory", used.split(":")[1].strip())  # full from now on
         results += asyncio.run(drive(c.url, [doc_body(900 + i, 1500, f"q{i}") for i in range(60)], 8))
         degraded = c.metric("prefixgate_index_degraded")
-        failed_writes = c.metric("prefixgate_index_faults", kind="failed_writes")
+        failed_writes = c.metric("prefixgate_index_faults", kind="failed_writes") - failed_writes0
         cli("config", "set", "maxmemory", "0")
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and c.metric("prefixgate_index_degraded") == 1:
             post(c.url, doc_body(999, 1500))
             time.sleep(0.2)
         recovered = c.metric("prefixgate_index_degraded") == 0
-        events = index_log_events(c)
+        events = index_events_since(c, mark)
         t = tally_redis(
             "Redis out of memory (noeviction)",
             results,
@@ -360,11 +397,11 @@ def test_redis_out_of_memory_is_degraded_mode_and_fails_no_request(
         assert degraded == 1 and failed_writes >= 5
         assert recovered and events.get("index.recovered", 0) >= 1
     finally:
-        assert c.stop() == 0
+        cli("config", "set", "maxmemory", "0")
 
 
 def test_a_gateway_on_the_packed_layout_routes_by_it(
-    redis_server: tuple[int, Child],
+    redis_server: tuple[int, list[Child]],
 ) -> None:
     """``PREFIXGATE_REDIS_LAYOUT=packed``: the index lives in the packed keys and still routes."""
     port, _ = redis_server
