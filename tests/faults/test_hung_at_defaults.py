@@ -73,10 +73,13 @@ def test_hung_prefill_node_costs_seconds_at_the_default_settings(default_cluster
         # 2 tokens each: the drill is about the prefill leg
         bodies = [body(first + i, max_tokens=2) for i in range(16)]
         load = asyncio.create_task(drive(cluster.url, bodies, 16, timeout=90))
-        for _ in range(100):  # until requests wait on a prefill node: that one is stopped
+        # until a prefill node holds requests: that one is stopped (the gateway gives a node a
+        # request at a time here, the rest wait in its queue: each prefill is longer than the
+        # scheduler's window at these nodes' time scale)
+        for _ in range(100):
             await asyncio.sleep(0.05)
             held = await asyncio.to_thread(prefill_load)
-            if max(held.values()) >= 3:
+            if max(held.values()) >= 1:
                 break
         victim = next(n for n in cluster.prefill if n.gateway_id == max(held, key=lambda k: held[k]))
         victim.signal(signal.SIGSTOP)
@@ -99,7 +102,7 @@ def test_hung_prefill_node_costs_seconds_at_the_default_settings(default_cluster
         f"predicted time), {sum(r.prefill_node == victim.gateway_id for r in results)} prefilled there "
         f"before the stop; slowest request {slowest:.1f} s",
     )
-    assert held[victim.gateway_id] >= 3, held
+    assert held[victim.gateway_id] >= 1, held
     assert t.failed == 0 and t.succeeded == 16, [r.error for r in results if r.error][:5]
     assert slowest < 10, slowest  # not the 60 s first-token timeout
     # each request the node held was retried, unless its prefill was done before the stop
