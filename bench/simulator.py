@@ -266,6 +266,9 @@ class Simulator:
                 self._refuse(req, "full")
             else:
                 self.waiting[entry.ticket] = req
+                for victim in self.scheduler.displaced:  # made room for it
+                    self._refuse(self.waiting.pop(victim.ticket), "full")
+                self.scheduler.displaced.clear()
         else:
             self._refuse(req, "shed" if admit.verdict == Verdict.SHED else "full")
         self._drain(now)

@@ -94,7 +94,7 @@ class Gate:
         self.limits = limits_of(settings)
         self.room = RoomRule(settings.scheduler_window_s, settings.scheduler_node_requests)
         self.schedulers: dict[str, Scheduler] = {}
-        self._waiters: dict[int, asyncio.Future[None]] = {}
+        self._waiters: dict[int, asyncio.Future[bool]] = {}
         self._granted: dict[str, int] = {}
         self._tickets = itertools.count(1)
         self._ticker: asyncio.Task[None] | None = None
@@ -178,12 +178,17 @@ class Gate:
         full = sched.hold(e)
         if full:
             raise self._refused("full", schedule, full, max(1.0, admit.wait_s))
+        for victim in sched.displaced:  # made room for it: refused (``WaitQueue.displace``)
+            waiter = self._waiters.get(victim.ticket)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(False)
+        sched.displaced.clear()
         return await self._wait(sched, e, model, schedule, deadline, admit)
 
     async def _wait(
         self, sched: Scheduler, e: Entry, model: str, schedule: Schedule, deadline: float, admit: Admit
     ) -> Turn:
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()  # False: displaced
         self._waiters[e.ticket] = fut
         self._ensure_ticker()
         budget = min(self.limits.max_wait_s, deadline - time.monotonic())
@@ -198,13 +203,19 @@ class Gate:
                 )
                 raise self._refused("expired", schedule, why, max(1.0, admit.wait_s)) from None
         except BaseException:  # cancelled: its client left
-            if fut.done():
+            if fut.done() and fut.result():
                 self.started(model)  # it had its turn: give the slot to the next
             else:
                 sched.queue.remove(e.ticket)
             raise
         finally:
             self._waiters.pop(e.ticket, None)
+        if not fut.result():
+            why = (
+                f"the gateway's queue is full (scheduler_queue_requests={self.limits.max_requests}, "
+                f"scheduler_queue_bytes={self.limits.max_bytes}) and tenant {e.tenant!r} holds the most of it"
+            )
+            raise self._refused("full", schedule, why, max(1.0, admit.wait_s))
         waited = time.monotonic() - e.arrival_s
         self.metrics.child(self.metrics.queue_wait, schedule.class_name).observe(waited)
         return Turn(model, schedule, waited, granted=True, admit=admit)
@@ -248,7 +259,7 @@ class Gate:
                 fut = self._waiters.get(e.ticket)
                 if fut is None or fut.done():
                     continue
-                fut.set_result(None)
+                fut.set_result(True)
                 self._granted[m] = self._granted.get(m, 0) + 1
 
     def first_token(self, turn: Turn, started_at: float) -> None:

@@ -117,6 +117,8 @@ class WaitQueue:
         self.limits = limits
         self._bands: dict[int, _Band] = {}
         self._entries: dict[int, Entry] = {}
+        self._by_tenant: dict[str, deque[Entry]] = {}  # in arrival order, removed ones left lazily
+        self._tenant_count: dict[str, int] = {}
         self._by_arrival: list[tuple[float, int, Entry]] = []
         self._bytes = 0
 
@@ -139,6 +141,36 @@ class WaitQueue:
             return f"the waiting requests hold {self._bytes} bytes (scheduler_queue_bytes={lim.max_bytes})"
         return ""
 
+    def displace(self, tenant: str, size_bytes: int, *, dry_run: bool = False) -> list[Entry]:
+        """Make room for a request of ``tenant`` in a full queue at the expense of the tenant
+        holding the most waiting requests, if that is another tenant holding more than this one
+        would: its latest arrivals are taken out (and returned, to be refused). The bounds are
+        shared, and one tenant's flood filling them must not refuse the others. Nothing is taken
+        when that would not make room."""
+        top = max(self._tenant_count, key=lambda t: self._tenant_count[t], default=None)
+        mine = self._tenant_count.get(tenant, 0) + 1
+        if top is None or top == tenant:
+            return []
+        lim = self.limits
+        count, held, size = len(self._entries), self._tenant_count[top], self._bytes
+        picked: list[Entry] = []
+        for e in reversed(self._by_tenant[top]):
+            if count < lim.max_requests and size + size_bytes <= lim.max_bytes:
+                break
+            if held <= mine:
+                return []
+            if e.removed:
+                continue
+            picked.append(e)
+            count, held, size = count - 1, held - 1, size - e.size_bytes
+        if count >= lim.max_requests or size + size_bytes > lim.max_bytes:
+            return []
+        if dry_run:
+            return picked
+        for e in picked:
+            self.remove(e.ticket)
+        return picked
+
     def push(self, entry: Entry) -> None:
         """Queue ``entry`` (the caller checked ``full``)."""
         entry.rank = rank_of(entry, self.limits)
@@ -158,6 +190,8 @@ class WaitQueue:
         band.tokens += entry.cost_tokens
         self._entries[entry.ticket] = entry
         self._bytes += entry.size_bytes
+        self._by_tenant.setdefault(entry.tenant, deque()).append(entry)
+        self._tenant_count[entry.tenant] = self._tenant_count.get(entry.tenant, 0) + 1
 
     def remove(self, ticket: int) -> Entry | None:
         """Take a waiting request out (its client left, it expired); None if it is not waiting."""
@@ -166,6 +200,12 @@ class WaitQueue:
             return None
         entry.removed = True
         self._bytes -= entry.size_bytes
+        left = self._tenant_count[entry.tenant] - 1
+        if left:
+            self._tenant_count[entry.tenant] = left
+        else:
+            del self._tenant_count[entry.tenant]
+            del self._by_tenant[entry.tenant]
         priority = entry.schedule.priority
         band = self._bands[priority]
         tenant = band.tenants[entry.tenant]

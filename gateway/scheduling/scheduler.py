@@ -6,7 +6,8 @@ that compute prompts (``prefill_views``), what a new request does:
 - **start** at once: nothing waits and a node has room (``room.has_room``), or no node is
   routable (nothing to wait for: the planner refuses it, as without a queue);
 - **wait** in the queue, to leave by the queue's order when a node has room (``take``);
-- **full**: the queue's bounds are reached (429 with ``Retry-After``);
+- **full**: the queue's bounds are reached (429 with ``Retry-After``), unless another tenant
+  holds more of it: then its latest requests make room (``displaced``, refused instead);
 - **shed**: its TTFT target cannot be met by the predicted wait and it is sheddable (429 now
   rather than a late answer);
 - **late**: the same, but not sheddable: the caller serves it whole when that is faster
@@ -68,6 +69,7 @@ class Scheduler:
     def __init__(self, limits: QueueLimits = DEFAULT_LIMITS, room: RoomRule = DEFAULT_ROOM) -> None:
         self.queue = WaitQueue(limits)
         self.room = room
+        self.displaced: list[Entry] = []  # taken out by ``hold`` to make room: to be refused
 
     @property
     def on(self) -> bool:
@@ -107,16 +109,22 @@ class Scheduler:
                 return Admit(Verdict.SHED, wait, late, retry_after_s=max(1.0, wait))
             return Admit(Verdict.LATE, wait, late)
         full = self.queue.full(entry.size_bytes)
-        if full:
+        if full and not self.queue.displace(entry.tenant, entry.size_bytes, dry_run=True):
             return Admit(Verdict.FULL, wait, full, retry_after_s=max(1.0, wait))
         return Admit(Verdict.WAIT, wait)
 
     def hold(self, entry: Entry) -> str:
-        """Queue ``entry``; the reason it cannot wait ("" once queued)."""
+        """Queue ``entry``; the reason it cannot wait ("" once queued). In a full queue it may
+        take the place of the latest requests of the tenant holding the most
+        (``WaitQueue.displace``): those are in ``displaced`` for the caller to refuse."""
         full = self.queue.full(entry.size_bytes)
-        if not full:
-            self.queue.push(entry)
-        return full
+        if full:
+            victims = self.queue.displace(entry.tenant, entry.size_bytes)
+            if not victims:
+                return full
+            self.displaced.extend(victims)
+        self.queue.push(entry)
+        return ""
 
     def take(self, views: Sequence[NodeView], now: float) -> Entry | None:
         """The waiting request to start now, if a node has room (the caller dispatches it, so

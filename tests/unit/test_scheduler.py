@@ -78,3 +78,14 @@ def test_without_a_routable_node_nothing_waits() -> None:
     assert s.arrive(entry(1), [], 0.0).verdict == Verdict.START
     s.hold(entry(2))
     assert s.take([], 0.0) is not None  # released, to be refused by the planner
+
+
+def test_a_full_queue_takes_a_request_of_another_tenant_in_place_of_the_floods_latest() -> None:
+    s = Scheduler(QueueLimits(max_requests=2))
+    flood = [Entry(i, "a", Schedule(), 1000, 0.01, float(i), 10) for i in (1, 2)]
+    for e in flood:
+        assert s.hold(e) == ""
+    other = Entry(3, "b", Schedule(), 1000, 0.01, 3.0, 10)
+    assert s.arrive(other, [busy()], 3.0).verdict == Verdict.WAIT
+    assert s.hold(other) == "" and s.displaced == [flood[1]]
+    assert s.arrive(Entry(4, "a", Schedule(), 1000, 0.01, 4.0, 10), [busy()], 4.0).verdict == Verdict.FULL

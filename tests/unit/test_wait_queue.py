@@ -182,3 +182,20 @@ def test_bad_class_entries_are_refused_with_the_reason(bad: str) -> None:
 def test_a_class_configured_twice_is_refused() -> None:
     with pytest.raises(ValueError, match="twice"):
         class_table(["a", "a:priority=1"])
+
+
+def test_a_full_queue_makes_room_from_the_tenant_holding_the_most() -> None:
+    q = WaitQueue(QueueLimits(max_requests=4))
+    flood = [entry("a", at=i) for i in range(4)]
+    for e in flood:
+        q.push(e)
+    assert q.full(0)
+    assert q.displace("b", 0, dry_run=True) == [flood[-1]] and len(q) == 4  # a dry run takes nothing
+    assert q.displace("b", 0) == [flood[-1]]  # a's latest arrival
+    q.push(entry("b", at=9))
+    assert q.displace("a", 0) == []  # a holds the most: it makes no room for itself
+    assert q.full(0)
+    assert q.displace("c", 0) == [flood[-2]]
+    q.push(entry("c", at=11))
+    # a (2) and b (1) and c (1): b would hold 2 as a does: nothing taken
+    assert q.displace("b", 0) == []
