@@ -20,7 +20,7 @@ import json
 import random
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -37,6 +37,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flood", type=float, default=10.0, help="tenant A's rate as a multiple of B's")
     p.add_argument("--seconds", type=float, default=10.0, help="length of each phase")
     p.add_argument("--words", type=int, default=1500, help="words in each prompt (~1.3 tokens a word)")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="the nodes' time scale: above 1 the nodes, not this machine's gateway, are the bottleneck",
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", default="", help="write the figures to this file")
 
@@ -114,10 +120,11 @@ async def _phases(base: str, args: argparse.Namespace) -> dict[str, Phase]:
     return {"b_quiet": quiet, "b_flood": b, "a_flood": a}
 
 
-def _stack(env: dict[str, str]) -> tuple[list[processes.Child], str]:
+def _stack(env: dict[str, str], time_scale: float) -> tuple[list[processes.Child], str]:
     logs = launch.run_dir("fairness")
-    prefill = launch.start_nodes(1, launch.NodeOptions(role="prefill", http=False), logs)
-    decode = launch.start_nodes(1, launch.NodeOptions(role="decode", http=False), logs)
+    opts = launch.NodeOptions(http=False, time_scale=time_scale)
+    prefill = launch.start_nodes(1, replace(opts, role="prefill"), logs)
+    decode = launch.start_nodes(1, replace(opts, role="decode"), logs)
     keys = ",".join(f"{k}={t}" for t, k in KEYS.items())
     gw = launch.start_gateway(
         logs,
@@ -135,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     }
     rows: list[dict[str, Any]] = []
     for label, env in configs.items():
-        procs, base = _stack(env)
+        procs, base = _stack(env, args.time_scale)
         try:
             got = asyncio.run(_phases(base, args))
         finally:
@@ -158,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         )
     print(
         f"tenant B at {args.rate:g} req/s, tenant A at {args.rate * args.flood:g} req/s, "
-        f"{args.words} words a prompt, {args.seconds:g} s a phase"
+        f"{args.words} words a prompt, {args.seconds:g} s a phase, nodes at time scale {args.time_scale:g}"
     )
     print(
         "| config | B alone p50/p99 ms | B under flood p50/p99 ms | B p99 ratio | B failed "

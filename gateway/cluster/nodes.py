@@ -76,6 +76,24 @@ class Departure:
         return down
 
 
+class Lease:
+    """A request's load on a node (``Node.load``); ``release`` is idempotent."""
+
+    __slots__ = ("_node", "_tokens")
+
+    def __init__(self, node: Node, tokens: int) -> None:
+        self._node: Node | None = node
+        self._tokens = tokens
+        node.local_requests += 1
+        node.local_tokens += tokens
+
+    def release(self) -> None:
+        node, self._node = self._node, None
+        if node is not None:
+            node.local_requests -= 1
+            node.local_tokens -= self._tokens
+
+
 @dataclass(eq=False)
 class Node:
     """One node as this gateway knows it."""
@@ -129,17 +147,16 @@ class Node:
             log.warning("node_gone", node=self.id, address=self.address, error=self.last_error[:200])
 
     @contextlib.contextmanager
-    def load(self, tokens: int) -> Iterator[None]:
+    def load(self, tokens: int) -> Iterator[Lease]:
         """Count a request of ours on the node, with its ``tokens`` to prefill, until it is done
-        there (its prefill, for one that goes on to decode): between two stats polls the
-        policies see the work just sent only through this."""
-        self.local_requests += 1
-        self.local_tokens += tokens
+        there (its prefill, for one that goes on to decode: the lease may be given back then,
+        before the block ends): between two stats polls the policies see the work just sent
+        only through this."""
+        lease = Lease(self, tokens)
         try:
-            yield
+            yield lease
         finally:
-            self.local_requests -= 1
-            self.local_tokens -= tokens
+            lease.release()
 
     @contextlib.contextmanager
     def dispatched(self) -> Iterator[None]:

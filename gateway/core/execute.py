@@ -47,6 +47,7 @@ from prefixgate.gateway.metrics import Metrics
 from prefixgate.gateway.nodeclient import (
     NodeFailure,
     OpenAIBody,
+    PrefillWatched,
     Prompt,
     StageTimings,
     TokenDelta,
@@ -451,12 +452,19 @@ class Executor:
         gone = {n: n.gone for n in nodes}  # taken before anything awaits: no departure is missed
         for n in nodes:
             n.breaker.on_dispatch()
-        with computing.load(uncached), dnode.dispatched(), self.gate.freeing(prep.model):
+        with computing.load(uncached) as lease, dnode.dispatched(), self.gate.freeing(prep.model):
             ticket, served = self.planner.hold_prefix(prep, computing), False
             timeout = max(0.01, run.deadline - time.monotonic())
             if pnode is not None and handoff is not None:
                 prompt = _prompt(prep, pnode, dnode)
                 stream = handoff.start(prompt, pnode.client, dnode.client, timeout=timeout)
+                if isinstance(stream, PrefillWatched):  # the prefill node is free once it reports
+
+                    def prefill_done() -> None:
+                        lease.release()
+                        self.gate.pump_soon(prep.model)
+
+                    stream.on_prefill = prefill_done
             else:
                 stream = dnode.client.generate(_prompt(prep, dnode), timeout=timeout)
             try:

@@ -241,8 +241,13 @@ class Gate:
         try:
             yield
         finally:
-            if self.schedulers.get(model) is not None and len(self.schedulers[model].queue):
-                asyncio.get_running_loop().call_soon(self.pump, model)
+            self.pump_soon(model)
+
+    def pump_soon(self, model: str) -> None:
+        """Pump ``model``'s queue on the loop's next turn, if anything waits there."""
+        sched = self.schedulers.get(model)
+        if sched is not None and len(sched.queue):
+            asyncio.get_running_loop().call_soon(self.pump, model)
 
     def pump(self, model: str | None = None) -> None:
         """Give waiting requests their turn while nodes have room (every model's when None)."""

@@ -21,7 +21,7 @@ Failures are ``NodeFailure``: which node, at which stage, of which kind; never a
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -240,6 +240,15 @@ class TokenStream(Protocol):
     async def __anext__(self) -> TokenDelta: ...
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class PrefillWatched(Protocol):
+    """A split stream that tells when its prefill leg is done (``on_prefill``, called once, on
+    the loop, right after ``prefill`` is set): the prefill node is free for other work then,
+    before the decode node's first token."""
+
+    on_prefill: Callable[[], None] | None
 
 
 class FailedStream:

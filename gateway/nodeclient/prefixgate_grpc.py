@@ -10,7 +10,7 @@ node itself, answering with a handle that the decode node's stream then continue
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -246,6 +246,7 @@ class _PushStream(_ChunkStream):
         self._deadline = asyncio.get_running_loop().time() + timeout
         self._handle = ""
         self._finished_early = False
+        self.on_prefill: Callable[[], None] | None = None  # ``base.PrefillWatched``
 
     def _left(self) -> float:
         return max(0.01, self._deadline - asyncio.get_running_loop().time())
@@ -281,6 +282,8 @@ class _PushStream(_ChunkStream):
             resp.transfer_seconds,
             resp.transfer_bytes,
         )
+        if self.on_prefill is not None:
+            self.on_prefill()
         self.cached_tokens = resp.cached_tokens
         self.timings = StageTimings(resp.queue_seconds, resp.prefill_seconds, resp.transfer_seconds)
         self._handle = resp.kv_handle

@@ -8,7 +8,10 @@ in this order:
 2. **Fair share between tenants** within a band: deficit round robin over predicted prefill
    tokens (each tenant's turn adds ``quantum_tokens`` to its allowance; a request leaves when
    its tenant's allowance covers its cost), so a tenant sending ten times as much cannot push
-   another's requests back: each active tenant gets an equal share of prefill work.
+   another's requests back: each active tenant gets an equal share of prefill work. A tenant
+   that had nothing waiting starts a turn at once, ahead of the others (as fair queueing does
+   for sparse flows): one using less than its share waits for no one's turn to end, and one
+   with requests always waiting never counts as new.
 3. **Within a tenant**, by the time it should start (its *rank*): its arrival plus
    ``shortest_first`` times its predicted prefill seconds, deferred at most ``max_defer_s``
    (short requests go first; nothing is overtaken by requests that arrived more than
@@ -178,8 +181,9 @@ class WaitQueue:
         tenant = band.tenants.get(entry.tenant)
         if tenant is None:
             tenant = band.tenants[entry.tenant] = _Tenant()
-        if tenant.count == 0:
-            band.ring.append(entry.tenant)
+        if tenant.count == 0:  # it had nothing waiting: its turn starts now (see the docstring)
+            band.ring.appendleft(entry.tenant)
+            tenant.deficit = max(1, self.limits.quantum_tokens)
         item = (entry.rank, entry.ticket, entry)
         heapq.heappush(tenant.heap, item)
         heapq.heappush(band.by_arrival, (entry.arrival_s, entry.ticket, entry))

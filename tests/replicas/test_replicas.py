@@ -356,7 +356,16 @@ def test_usage_sums_across_replicas_per_tenant(deployment: Deployment) -> None:
 
 #: Every stage a replica's shutdown logs (docs/faults.md, Shutdown), in order.
 SHUTDOWN_STAGES = [
-    "http", "membership", "usage", "rate_limits", "pipeline", "kv_events", "nodes", "index", "state", "loop"
+    "http",
+    "membership",
+    "usage",
+    "rate_limits",
+    "pipeline",
+    "kv_events",
+    "nodes",
+    "index",
+    "state",
+    "loop",
 ]
 
 

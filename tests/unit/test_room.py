@@ -20,11 +20,14 @@ def view(requests: int, tokens: int, rate: float = 100_000.0, routable: bool = T
 
 def test_an_idle_node_always_takes_one_even_a_long_one() -> None:
     assert has_room(view(0, 0), RULE)
+    assert has_room(view(1, 10**9), RULE)  # and a second: it computes while the first's KV travels
+    assert not has_room(view(1, 10**9), RoomRule(window_s=0.05, max_requests=4, min_requests=1))
 
 
 def test_a_node_holding_less_than_the_window_takes_more() -> None:
     assert has_room(view(2, 4000), RULE)  # 40 ms
-    assert not has_room(view(1, 6000), RULE)  # 60 ms
+    assert has_room(view(1, 6000), RULE)  # 60 ms, but one computing and one behind it always
+    assert not has_room(view(2, 6000), RULE)
 
 
 def test_at_most_max_requests() -> None:

@@ -13,7 +13,7 @@ RATE = 100_000.0
 
 
 def busy(tokens: int = 100_000) -> NodeView:
-    return NodeView("p0", outstanding_requests=1, outstanding_tokens=tokens, prefill_tokens_per_s=RATE)
+    return NodeView("p0", outstanding_requests=2, outstanding_tokens=tokens, prefill_tokens_per_s=RATE)
 
 
 IDLE = NodeView("p0", prefill_tokens_per_s=RATE)

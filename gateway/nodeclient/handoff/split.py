@@ -5,6 +5,7 @@ that ends the prefill leg at once and the decode leg by the abort rule (``legs.c
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
 from prefixgate.gateway.nodeclient.base import (
@@ -44,6 +45,7 @@ class SplitStream:
         self.cached_tokens = 0
         self.timings = StageTimings()
         self.prefill: PrefillReport | None = None
+        self.on_prefill: Callable[[], None] | None = None  # ``base.PrefillWatched``
         self._prefill_leg: PrefillLeg | None = None
         self._decode: DecodeLeg | None = None
         self._first: asyncio.Future[None] | None = None
@@ -96,6 +98,8 @@ class SplitStream:
         cached = answer.cached_tokens or 0
         self.prefill = PrefillReport(cached, 0.0, prefill_s, 0.0, 0)
         self.cached_tokens = cached
+        if self.on_prefill is not None:
+            self.on_prefill()
 
     def _take_cached(self) -> None:
         if self._answer_cached is None and self._decode is not None:
