@@ -129,6 +129,11 @@ class Gate:
             return len(self._scheduler(model).queue)
         return sum(1 for v in views if has_room(v, self.room)) - self._granted.get(model, 0)
 
+    def _blocked(self, model: str, views: Sequence[NodeView]) -> bool:
+        """The nodes' room is taken by requests given their turn and not yet planned (only then
+        is it counted here: otherwise ``Scheduler.arrive`` looks at the room itself, once)."""
+        return bool(self._granted.get(model)) and self._free(model, views) <= 0
+
     def entry(
         self, prep: Prepared, schedule: Schedule, hits: dict[str, int], views: Sequence[NodeView]
     ) -> Entry:
@@ -148,7 +153,7 @@ class Gate:
             return Admit(Verdict.START)
         views = self.views(prep.model)
         e = self.entry(prep, self.schedule(prep), hits, views)
-        return sched.arrive(e, views, e.arrival_s, blocked=self._free(prep.model, views) <= 0)
+        return sched.arrive(e, views, e.arrival_s, blocked=self._blocked(prep.model, views))
 
     async def enter(
         self, prep: Prepared, hits: dict[str, int], deadline: float, whole_ttft_s: Callable[[], float | None]
@@ -163,7 +168,7 @@ class Gate:
             return Turn(model, schedule)
         views = self.views(model)
         e = self.entry(prep, schedule, hits, views)
-        admit = sched.arrive(e, views, e.arrival_s, blocked=self._free(model, views) <= 0)
+        admit = sched.arrive(e, views, e.arrival_s, blocked=self._blocked(model, views))
         verdict = admit.verdict
         if verdict == Verdict.START:
             return Turn(model, schedule, admit=admit)
