@@ -132,14 +132,19 @@ def test_hung_prefill_node_under_load_costs_seconds_at_the_default_settings(defa
 
     def during(done: int) -> None:
         nonlocal stopped_at, victim
-        if done == 6:
-            # the node holding prefills now (routing weighs the nodes' measured speed, so the
-            # warm-up's favourite may have lost the traffic since)
-            held = {n.gateway_id: node_state(cluster, n)["load"]["local_requests"] for n in cluster.prefill}
-            if max(held.values()) > 0:
-                victim = next(n for n in cluster.prefill if n.gateway_id == max(held, key=lambda k: held[k]))
-            victim.signal(signal.SIGSTOP)
-            stopped_at = time.monotonic()
+        if stopped_at or done < 6:
+            return
+        # the node holding prefills now (routing weighs the nodes' measured speed, so the warm-up's
+        # favourite may have lost the traffic since); between two prefills neither may hold one,
+        # so the stop waits for a completion that finds one (the warm-up's favourite at the latest
+        # by the 18th)
+        held = {n.gateway_id: node_state(cluster, n)["load"]["local_requests"] for n in cluster.prefill}
+        if max(held.values()) > 0:
+            victim = next(n for n in cluster.prefill if n.gateway_id == max(held, key=lambda k: held[k]))
+        elif done < 18:
+            return
+        victim.signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
 
     try:
         results = asyncio.run(
@@ -147,12 +152,13 @@ def test_hung_prefill_node_under_load_costs_seconds_at_the_default_settings(defa
                 cluster.url, [body(8000 + i, max_tokens=2) for i in range(36)], 6, during=during, timeout=20
             )
         )
-        state = node_state(cluster, victim)
         decode_states = [node_state(cluster, n) for n in cluster.decode]
         prefill_retries = cluster.metric("prefixgate_retries_total", stage="prefill") - prefill_retries0
         gone = cluster.metric("prefixgate_retries_total", reason="node_gone") - gone0
         # once its breaker is open, no request waits on the hung node
         opened = until(lambda: node_state(cluster, victim)["circuit"] == "open", 10.0)
+        # read again once open: the retries may all be over before the probes give the node up
+        state = node_state(cluster, victim)
         after = asyncio.run(
             drive(cluster.url, [body(8100 + i, max_tokens=2) for i in range(6)], 6, timeout=20)
         )
