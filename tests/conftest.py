@@ -24,10 +24,23 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return len(os.sched_getaffinity(0)) + 1
 
 
+# Long scenario runs, marked ``drill`` and left out of the default run (``addopts`` in
+# pyproject.toml; ``pytest -m drill`` runs them): the fault drills, which hang, kill and flood
+# clusters of processes and wait out probes and timeouts (docs/faults.md's table comes from them),
+# Redis Cluster's lost-shard drill, and the benchmark commands run end to end. Together they took
+# as long as the rest of the suite on two cores.
+LONG_RUNS = ("faults", "bench_live")
+LONG_FILES = ("tests/bench/test_chaos.py",)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if item.path.parent.name in DRILLS and item.path.parent.parent.name == "tests":
+        in_tests = item.path.parent.parent.name == "tests"
+        if item.path.parent.name in DRILLS and in_tests:
             item.add_marker(pytest.mark.flaky(reruns=1, reruns_delay=1))
+        rel = item.path.as_posix()
+        if (item.path.parent.name in LONG_RUNS and in_tests) or rel.endswith(LONG_FILES):
+            item.add_marker(pytest.mark.drill)
 
 
 @pytest.fixture

@@ -274,6 +274,7 @@ async def test_failover_drill_master_killed_under_load(redis_cluster: RedisClust
         await index.close()
 
 
+@pytest.mark.drill
 async def test_whole_shard_lost_drill_master_and_replica_killed_under_load() -> None:
     """A shard gone entirely (its master and its replica killed, ~3 s: far past the lookup
     deadline) while a gateway serves requests and an index takes lookups and writes. Without
