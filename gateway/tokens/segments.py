@@ -14,9 +14,9 @@ non-normalized added token, as the tokenizer finds them, so the cuts are real sp
 
 Segment ids are kept in an LRU bounded by bytes, keyed by the segment's text: a system prefix or
 a document that comes again is not tokenized again. Segments not in the cache are tokenized one
-by one on the calling thread (``encode_batch`` would start the tokenizer's own thread pool, which
-competes with the gateway's request threads). Cutting pays even cold: encoding the pieces costs
-less than encoding the whole text at once.
+by one, each with the GIL released (``cachetier.tokenizer.hf_ids``), so a long cold document
+tokenized on a render thread does not hold up the event loop. Cutting pays even cold: encoding
+the pieces costs less than encoding the whole text at once.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from prefixgate.cachetier.tokenizer import pack_ids
+from prefixgate.cachetier.tokenizer import hf_ids, pack_ids
 
 ENTRY_OVERHEAD = 160  # bytes an entry costs beyond its key and value (dict slot, node, objects)
 
@@ -155,7 +155,7 @@ class SegmentEncoder:
         self.cache = SegmentCache(cache_bytes)
 
     def plain(self, text: str) -> bytes:
-        return pack_ids(self._hf.encode(text, add_special_tokens=False).ids)
+        return pack_ids(hf_ids(self._hf, text))
 
     def encode(self, text: str) -> bytes:
         if not text:
@@ -166,7 +166,7 @@ class SegmentEncoder:
         for segment in self.finder.split(text):
             ids = self.cache.get(segment)
             if ids is None:
-                ids = pack_ids(self._hf.encode(segment, add_special_tokens=False).ids)
+                ids = pack_ids(hf_ids(self._hf, segment))
                 self.cache.put(segment, ids)
             parts.append(ids)
         return b"".join(parts)

@@ -1,0 +1,52 @@
+"""Tokenizing a long text lets every other thread run meanwhile (the event loop's included), and
+gives the ids ``encode`` gives."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+
+from prefixgate.backends.hftok import TOKENIZER_DIR
+from prefixgate.cachetier.tokenizer import RELEASED_FROM, hf_ids
+
+HF = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
+PIECES = st.sampled_from(
+    [" ", "\n", "the", " cat", "9", "12.5", "é", "日本", "🙂", "<|im_start|>", "\t", "!!"]
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(PIECES, min_size=1, max_size=400).map("".join))
+def test_the_same_ids_as_encode_on_both_sides_of_the_threshold(text: str) -> None:
+    assert hf_ids(HF, text) == list(HF.encode(text, add_special_tokens=False).ids)
+
+
+def _wakeups_while(work: object) -> tuple[int, float]:
+    """How often this thread woke from 1 ms sleeps while ``work`` ran on another thread."""
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (work(), done.set()))  # type: ignore[operator]
+    t0 = time.perf_counter()
+    thread.start()
+    wakeups = 0
+    while not done.is_set():
+        time.sleep(0.001)
+        wakeups += 1
+    thread.join()
+    return wakeups, time.perf_counter() - t0
+
+
+def test_a_long_text_is_tokenized_with_the_gil_released() -> None:
+    rng = random.Random(7)
+    text = " ".join(f"word{rng.randrange(100_000)}" for _ in range(80_000))  # ~200K tokens
+    assert len(text) >= RELEASED_FROM
+    held, held_s = _wakeups_while(lambda: HF.encode(text, add_special_tokens=False))
+    released, released_s = _wakeups_while(lambda: hf_ids(HF, text))
+    # ``encode`` keeps the GIL for its whole run: this thread wakes once or twice in it; with the
+    # GIL released it wakes every millisecond or so
+    assert held_s > 0.05 and released_s > 0.05, (held_s, released_s)
+    assert held <= 3 and released >= 10, (held, released)
