@@ -65,6 +65,12 @@ CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 ABORT_TIMEOUT_S = 2.0
+# A batch this large (a long prompt's blocks: ~124K tokens are ~500 KB) is rehashed on a worker
+# thread; inline it held the event loop for tens of milliseconds
+REHASH_OFF_LOOP_BYTES = 64 * 1024
+# A prompt this long (32K tokens) has its request message built on a worker thread (its ids
+# unpacked and copied into the message: milliseconds a 124K-token prompt)
+REQUEST_OFF_LOOP_BYTES = 4 * 32 * 1024
 RESUBSCRIBE_LIMIT = 8  # clear+resubscribe rounds in a row without a data batch, then give up
 CONSTRAINT_TRAILER = "smg-constraint-failed"
 TOKEN_TEXT_CACHE = 1 << 16  # tokens whose text a client keeps (for log probabilities)
@@ -576,7 +582,11 @@ class SmgNodeClient:
                         break
                     cursors[rank], rounds = n, 0
                     try:
-                        changes = rehash.batch(batch.events)
+                        if batch.ByteSize() >= REHASH_OFF_LOOP_BYTES:
+                            # one after the other still: the next batch waits for this one
+                            changes = await asyncio.to_thread(rehash.batch, batch.events)
+                        else:
+                            changes = rehash.batch(batch.events)
                     except Overflow:
                         reason = "too many blocks to track"
                         break
@@ -712,7 +722,10 @@ class GenerateStream:
             self._detok.push(packed_ids(self.prompt)[-self.prompt.resumed :])
         stops = requested_stop_ids(self.prompt)
         stops += [t for t in stop_token_ids(codec, self.prompt.sampling.stop) if t not in stops]
-        return runtime.request(self.prompt, self.rid, stops, stream=self.engine_stream)
+        build = functools.partial(runtime.request, self.prompt, self.rid, stops, stream=self.engine_stream)
+        if len(self.prompt.tokens) >= REQUEST_OFF_LOOP_BYTES:
+            return await asyncio.to_thread(build)
+        return build()
 
     def detokenizer(self, codec: Codec) -> Detokenizer:
         keep = bool(getattr(self.prompt.sampling, "keep_special_tokens", False))

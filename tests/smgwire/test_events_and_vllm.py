@@ -237,3 +237,22 @@ async def test_vllm_decode_is_still_sent_when_the_prefill_returns_no_params(vllm
     text, finish, _ = await collect(s)
     assert (text, finish) == (HF.decode(await direct_ids(dns, LONG, 12)), "length")
     assert not s.relayed and dec.params_seen == [] and len(pre.requests) == 1
+
+
+async def test_a_long_prompts_batch_is_named_like_a_short_one_and_in_order(engine: Any) -> None:
+    """A batch as large as a long prompt's blocks is rehashed off the event loop: the same
+    names, and the batch after it (chained on its last page) still comes after it."""
+    from prefixgate.gateway.nodeclient.smg_common import REHASH_OFF_LOOP_BYTES
+
+    pages = [[30_000 + (i * 16 + j) % 9_000 for j in range(16)] for i in range(2_000)]
+    events = [doubles.stored(1, pages[0])]
+    events += [doubles.stored(i + 1, p, parent=i) for i, p in enumerate(pages[1:-1], start=1)]
+    big = doubles.batch(0, *events)
+    assert big.ByteSize() >= REHASH_OFF_LOOP_BYTES
+    last = doubles.batch(1, doubles.stored(len(pages), pages[-1], parent=len(pages) - 1))
+    _, c = await engine(lambda n: [big, last])
+    got = await take(c, 1 + len(pages))
+    assert got[0].kind is EventKind.SNAPSHOT
+    named = [h for e in got[1:] for h in e.hashes]
+    assert named == gw(pages)
+    assert got[-1].parent == named[-2] and got[-1].hashes == (named[-1],)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Callable
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,10 +27,15 @@ def test_the_same_ids_as_encode_on_both_sides_of_the_threshold(text: str) -> Non
     assert hf_ids(HF, text) == list(HF.encode(text, add_special_tokens=False).ids)
 
 
-def _wakeups_while(work: object) -> tuple[int, float]:
+def _wakeups_while(work: Callable[[], object]) -> tuple[int, float]:
     """How often this thread woke from 1 ms sleeps while ``work`` ran on another thread."""
     done = threading.Event()
-    thread = threading.Thread(target=lambda: (work(), done.set()))  # type: ignore[operator]
+
+    def run() -> None:
+        work()
+        done.set()
+
+    thread = threading.Thread(target=run)
     t0 = time.perf_counter()
     thread.start()
     wakeups = 0
