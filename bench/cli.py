@@ -14,7 +14,7 @@ def _tiny(args: argparse.Namespace) -> int:
 
 def add_bench_parser(sub: Any) -> None:
     """Add the ``bench`` subcommands (replay, hotpath, index, toolcalls, detok, zmq-flood, tiny, peers,
-    overhead, chaos, fairness, limits)."""
+    overhead, chaos, fairness, limits, loopstall)."""
     from prefixgate.bench import hotpath, replay
 
     bench = sub.add_parser("bench", help="run a benchmark (prints a table; --json FILE writes the figures)")
@@ -89,6 +89,14 @@ def add_bench_parser(sub: Any) -> None:
     )
     fairness.add_arguments(fa)
     fa.set_defaults(func=fairness.run)
+
+    from prefixgate.bench import loop_stall
+
+    ls = inner.add_parser(
+        "loopstall", help="/healthz latency while cold ~124K-token chats pass through a grpc:// worker"
+    )
+    loop_stall.add_arguments(ls)
+    ls.set_defaults(func=loop_stall.run)
 
     from prefixgate.bench import limits
 
