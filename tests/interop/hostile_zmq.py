@@ -77,18 +77,22 @@ class HostilePublisher:
         """A raw multipart message, not numbered, not buffered."""
         self.pub.send_multipart(list(frames), copy=False)
 
-    def flood(self, payloads: Sequence[bytes], seconds: float) -> Callable[[], int]:
-        """Send ``payloads`` round and round, as fast as one thread can, for ``seconds`` (not
-        buffered for replays: far more than any engine keeps). Returns ``join() -> count``."""
+    def flood(self, payloads: Sequence[bytes], seconds: float, at_least: int = 0) -> Callable[[], int]:
+        """Send ``payloads`` round and round, as fast as one thread can, for ``seconds`` and until
+        ``at_least`` are sent (on a busy machine one thread sends fewer a second), at most three
+        times ``seconds`` (not buffered for replays: far more than any engine keeps). Returns
+        ``join() -> count``."""
         sent = [0]
 
         def run() -> None:
-            deadline = time.monotonic() + seconds
+            start = time.monotonic()
             n = len(payloads)
             i = 0
             while not self._stop.is_set():
-                if i % 256 == 0 and time.monotonic() >= deadline:
-                    break
+                if i % 256 == 0:
+                    elapsed = time.monotonic() - start
+                    if (elapsed >= seconds and i >= at_least) or elapsed >= 3 * seconds:
+                        break
                 with self._lock:
                     s, self.seq = self.seq, self.seq + 1
                 self.pub.send_multipart([self.topic, s.to_bytes(8, "big"), payloads[i % n]], copy=False)

@@ -199,7 +199,7 @@ async def test_a_flood_keeps_the_loop_responsive_and_memory_bounded(rigs: Any) -
     probe = LagProbe().start()
     peak = RssPeak()
     try:
-        sent = await asyncio.to_thread(rig.pub.flood(payloads, seconds=2.0))
+        sent = await asyncio.to_thread(rig.pub.flood(payloads, seconds=2.0, at_least=24_000))
         grew = peak.stop()
         after = list(range(400, 408))
         deadline = time.monotonic() + 5
