@@ -27,10 +27,10 @@ from rich.table import Table
 
 from prefixgate.backends.hftok import TOKENIZER_DIR
 from prefixgate.bench import launch
-from prefixgate.bench.report import write_json
+from prefixgate.bench.overhead import SHIPPED_TOKENIZER
+from prefixgate.bench.report import percentile, write_json
 from prefixgate.gateway.ops import processes
 
-SHIPPED_TOKENIZER = {"PREFIXGATE_TOKENIZER": f"hf:{TOKENIZER_DIR / 'tokenizer.json'}"}
 POLL_S = 0.010
 WORDS = ("alpha", "delta", "prefill", "decode", "gateway", "token", "cache", "section", "window", "page")
 
@@ -114,13 +114,6 @@ async def measure(url: str, seconds: float, bodies: list[bytes]) -> Run:
     return out
 
 
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=124_000, help="tokens a chat (default 124000)")
     p.add_argument("--seconds", type=float, default=10.0, help="seconds a measurement (default 10)")
@@ -167,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
             "gateway": name,
             "loaded": loaded,
             "healthz_p50_ms": round(statistics.median(lat), 2),
-            "healthz_p99_ms": round(pct(lat, 0.99), 2),
+            "healthz_p99_ms": round(percentile(sorted(lat), 99), 2),
             "healthz_max_ms": round(max(lat), 2),
             "chats": sum(r.chats for r in rs),
             "chat_p50_s": round(statistics.median(chat_s), 3) if chat_s else None,
