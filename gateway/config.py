@@ -49,7 +49,9 @@ class Settings:
     # --schedule-low-priority-values-first); "inverted" always, negated (SGLang run with
     # --enable-priority-scheduling alone, where higher values go first). docs/engines.md.
     engine_priority: str = "off"
-    redis: str = ""  # empty: embedded in-memory index
+    # Gateway processes on one port (gateway.ops.supervisor); 0: one per core it may use.
+    workers: int = 0
+    redis: str = ""  # empty: embedded in-memory index (with several workers, a private store)
     redis_prefix: str = "prefixgate:"
     redis_layout: str = "zset"  # index key layout: zset (fastest writes) or packed (~6x less memory)
     # Models are what the engines name (``served_model_name``, else ``model_path``). ``model`` is
@@ -358,6 +360,7 @@ _AT_LEAST: dict[str, float] = {
     "scheduler_max_defer_s": 0,
     "scheduler_promote_after_s": 0,
     "prometheus_port": 0,
+    "workers": 0,
     "grpc_max_concurrent_streams": 1,
     "grpc_max_connection_age_s": 0,
     "grpc_keepalive_time_s": 0.001,
@@ -370,11 +373,17 @@ _AT_LEAST: dict[str, float] = {
 }
 
 
+#: More gateway processes than this is a typo, not a deployment (each holds its own pools).
+MAX_WORKERS = 256
+
+
 def _check_bounds(settings: Settings) -> None:
     for name, low in _AT_LEAST.items():
         value = getattr(settings, name)
         if not value >= low:
             raise ValueError(f"setting {name!r}: {value!r} is below {low:g}")
+    if settings.workers > MAX_WORKERS:
+        raise ValueError(f"setting 'workers': {settings.workers!r} is above {MAX_WORKERS}")
     if settings.retry_jitter_factor > 1:
         raise ValueError(f"setting 'retry_jitter_factor': {settings.retry_jitter_factor!r} is above 1")
 

@@ -7,11 +7,12 @@ refreshed by ``Metrics.refresh_index`` just before a scrape renders (the index m
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
@@ -44,6 +45,9 @@ LATENCY_BUCKETS = (
     60.0,
 )
 
+
+#: Set by the gateway workers' supervisor: where the workers' metric files are summed from.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
 
@@ -174,6 +178,7 @@ class Metrics:
             "prefixgate_cache_hit_ratio",
             "Cached / prompt tokens since start (reported by nodes, or predicted)",
             ["source"],
+            multiprocess_mode="mostrecent",
             registry=r,
         )
         self.requests = Counter(
@@ -195,7 +200,10 @@ class Metrics:
             "prefixgate_fallbacks", "Requests served monolithic as a fallback", ["reason"], registry=r
         )
         self.inflight = Gauge(
-            "prefixgate_inflight_requests", "Requests in flight in this gateway", registry=r
+            "prefixgate_inflight_requests",
+            "Requests in flight in this gateway",
+            multiprocess_mode="livesum",
+            registry=r,
         )
         self.index_lookup = Histogram(
             "prefixgate_index_lookup_seconds",
@@ -205,13 +213,17 @@ class Metrics:
             registry=r,
         )
         self.index_degraded = Gauge(
-            "prefixgate_index_degraded", "1 while the shared index is unreachable", registry=r
+            "prefixgate_index_degraded",
+            "1 while the shared index is unreachable",
+            multiprocess_mode="livemax",
+            registry=r,
         )
         self.index_faults = Gauge(
             "prefixgate_index_faults",
             "Shared-index fault counters since start: late_lookups, failed_writes, dropped_writes, "
             "degraded_periods, recoveries, data_losses, resynced_nodes, ...",
             ["kind"],
+            multiprocess_mode="livesum",
             registry=r,
         )
         self.events_applied = Counter(
@@ -240,17 +252,20 @@ class Metrics:
             "prefixgate_index_blocks",
             "Blocks the index records per node (at the last scrape)",
             ["node"],
+            multiprocess_mode="livemostrecent",
             registry=r,
         )
         self.index_total_blocks = Gauge(
             "prefixgate_index_total_blocks",
             "Blocks the index records in all (at the last scrape)",
+            multiprocess_mode="livemostrecent",
             registry=r,
         )
         self.tokenizer_cache_bytes = Gauge(
             "prefixgate_tokenizer_cache_bytes",
             "Bytes held by a tokenizer's segment cache (bounded by tokenizer_segment_cache_bytes)",
             ["tokenizer"],
+            multiprocess_mode="livesum",
             registry=r,
         )
         # The gateway-held queue (gateway.core.queueing).
@@ -258,6 +273,7 @@ class Metrics:
             "prefixgate_scheduler_queue_requests",
             "Requests waiting in the gateway's queue, by priority class and tenant",
             ["class", "tenant"],
+            multiprocess_mode="livesum",
             registry=r,
         )
         self.queue_wait = Histogram(
@@ -282,6 +298,7 @@ class Metrics:
         )
         self.per_node: dict[str, HitCounts] = {}
         self.totals = HitCounts()
+        self.scrape_collectors: list[Collector] = []  # read at scrape time, not from files
         self._index_nodes: set[str] = set()
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
@@ -322,7 +339,9 @@ class Metrics:
 
     def bind_nodes(self, source: Callable[[], Iterable[NodeSample]]) -> None:
         """Export per-node gauges read from ``source`` at every scrape."""
-        self.registry.register(NodeCollector(source))
+        collector = NodeCollector(source)
+        self.registry.register(collector)
+        self.scrape_collectors.append(collector)
 
     def observe_hit(self, node: str, prompt: int, cached: int, predicted: int) -> None:
         child = self.child
@@ -348,6 +367,7 @@ class Metrics:
         for kind, count in stats.health.items():
             self.index_faults.labels(kind).set(count)
         for node in self._index_nodes - set(stats.nodes):
+            self.index_blocks.labels(node).set(0)  # workers' files keep a series: zero it first
             self.index_blocks.remove(node)
         for node, occ in stats.nodes.items():
             self.index_blocks.labels(node).set(occ.blocks)
@@ -360,4 +380,14 @@ class Metrics:
             self.tokenizer_cache_bytes.labels(name).set(size)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The exposition; under gateway workers (``PROMETHEUS_MULTIPROC_DIR`` set by their
+        supervisor) the request-path series are every worker's, summed, beside this worker's
+        view of the nodes."""
+        path = os.environ.get(MULTIPROC_ENV)
+        if not path:
+            return generate_latest(self.registry)
+        r = CollectorRegistry()
+        multiprocess.MultiProcessCollector(r, path)  # type: ignore[no-untyped-call]
+        for collector in self.scrape_collectors:
+            r.register(collector)
+        return generate_latest(r)

@@ -28,6 +28,13 @@ def _gateway_args(p: argparse.ArgumentParser, *, stack: bool) -> None:
     p.add_argument(
         "--redis", default=None, help="redis://host:port/db for the shared index (default: embedded)"
     )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="gateway processes sharing the port, index and state (default: one per core; 1: one process)",
+    )
     p.add_argument("--model", default=None, help="served model name")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument(
@@ -194,6 +201,7 @@ def _overrides(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]
 
 _GATEWAY_KEYS = (
     "host",
+    "workers",
     "port",
     "grpc_port",
     "redis",
@@ -279,6 +287,10 @@ def cmd_gateway(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from prefixgate.gateway.ops.supervisor import run_workers, worker_count
+
+    if worker_count(settings) > 1:
+        return run_workers(settings)
     return run(settings)
 
 
@@ -303,6 +315,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         block_size=settings.block_size,
         protocol=args.protocol,
     )
+    from prefixgate.gateway.ops.supervisor import worker_count
+
+    if worker_count(settings) > 1:
+        from prefixgate.gateway.ops.stack import run_stack_workers
+
+        return run_stack_workers(settings, opts)
     try:
         import uvloop
 

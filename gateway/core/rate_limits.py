@@ -108,6 +108,7 @@ class RateLimiter:
             "prefixgate_rate_limit_window_used",
             "A tenant's use of its limit in the last minute, as of its last request through this replica",
             ["tenant", "limit"],
+            multiprocess_mode="mostrecent",  # gateway workers share the window (the state store)
             registry=registry,
         )
         self.m_failures = Counter(

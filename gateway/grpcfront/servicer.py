@@ -87,9 +87,10 @@ def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
 
-def server_options(s: Settings) -> list[tuple[str, int]]:
+def server_options(s: Settings, share_port: bool = False) -> list[tuple[str, int]]:
     """The gRPC server's channel arguments: the HTTP front end's limits where they mean the
-    same (docs/settings.md, gRPC server limits), and the gRPC ones."""
+    same (docs/settings.md, gRPC server limits), and the gRPC ones. The port is bound alone (a
+    second gateway on it fails to start) unless ``share_port``: gateway workers share it."""
     options = [
         ("grpc.max_send_message_length", _SEND_LIMIT),
         ("grpc.max_receive_message_length", s.max_body_bytes),
@@ -102,7 +103,7 @@ def server_options(s: Settings) -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", _ms(s.grpc_keepalive_timeout_s)),
         ("grpc.http2.min_ping_interval_without_data_ms", round(s.grpc_min_ping_interval_s * 1000)),
         ("grpc.http2.max_ping_strikes", 2),
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", 1 if share_port else 0),
     ]
     if s.grpc_max_connection_age_s > 0:
         options.append(("grpc.max_connection_age_ms", _ms(s.grpc_max_connection_age_s)))
@@ -298,8 +299,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 class GrpcFront:
     """The gRPC server of one gateway: Gateway service, health and reflection."""
 
-    def __init__(self, svc: GatewayService, host: str, port: int, inflight: Inflight | None = None) -> None:
+    def __init__(
+        self,
+        svc: GatewayService,
+        host: str,
+        port: int,
+        inflight: Inflight | None = None,
+        share_port: bool = False,
+    ) -> None:
         self.svc = svc
+        self.share_port = share_port
         self.host = host
         self.port = port
         self.inflight = inflight if inflight is not None else Inflight()
@@ -314,7 +323,7 @@ class GrpcFront:
 
     async def start(self) -> int:
         """Bind and serve; returns the port (a free one when ``port`` is 0)."""
-        server = grpc.aio.server(options=server_options(self.svc.settings))
+        server = grpc.aio.server(options=server_options(self.svc.settings, self.share_port))
         gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(self.svc, self.inflight), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(

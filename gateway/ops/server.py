@@ -15,9 +15,10 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Generator
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator
 from functools import partial
 from types import FrameType
+from typing import Any
 
 import structlog
 import uvicorn
@@ -51,18 +52,19 @@ _CUT_MARGIN_S = 2.0
 
 @contextlib.asynccontextmanager
 async def side_fronts(
-    service: GatewayService, inflight: Inflight | None = None
+    service: GatewayService, inflight: Inflight | None = None, share_port: bool = False
 ) -> AsyncIterator[GrpcFront | None]:
     """The service started, then the gRPC front end (its calls tracked in ``inflight`` with the
-    HTTP front end's requests) and the metrics listener beside the HTTP one (which runs inside);
-    on exit they stop, then the service, each a logged ``shutdown_stage``."""
+    HTTP front end's requests; its port shared with the other gateway workers when
+    ``share_port``) and the metrics listener beside the HTTP one (which runs inside); on exit
+    they stop, then the service, each a logged ``shutdown_stage``."""
     settings = service.settings
     await service.start()
     grpc_front = None
     prometheus = None
     try:
         if settings.grpc_port:
-            grpc_front = GrpcFront(service, settings.host, settings.grpc_port, inflight)
+            grpc_front = GrpcFront(service, settings.host, settings.grpc_port, inflight, share_port)
             await grpc_front.start()
         if settings.prometheus_port:
             prometheus = MetricsListener(
@@ -104,8 +106,8 @@ class GatewayServer(uvicorn.Server):
         try:
             async with contextlib.AsyncExitStack() as stack:
                 try:
-                    self.grpc_front = await stack.enter_async_context(
-                        side_fronts(self.service, self.inflight)
+                    self.grpc_front = await stack.enter_async_context(  # handed sockets: a worker
+                        side_fronts(self.service, self.inflight, share_port=sockets is not None)
                     )
                 except Exception:  # as uvicorn answers an app whose startup failed
                     logging.getLogger("uvicorn.error").exception("Application startup failed. Exiting.")
@@ -127,9 +129,9 @@ class GatewayServer(uvicorn.Server):
                 self.grpc_front.begin_stop(self.shutdown_grace_s + _CUT_MARGIN_S)
         super().handle_exit(sig, frame)
 
-    def install_signal_handlers(self) -> None:
+    def install_signal_handlers(self, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in signals:
             loop.add_signal_handler(sig, self.handle_exit, sig, None)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
@@ -196,28 +198,48 @@ def make_server(
     return server, svc
 
 
-async def serve(settings: Settings) -> int:
-    """Serve until a signal; the exit status (``EXIT_WORK_CUT`` if the grace cut requests; 2 when
-    the workers' tokenizer cannot be had or the tenants cannot be kept apart, said in one line)."""
+async def prepared(settings: Settings) -> Settings | int:
+    """The settings with the workers' tokenizer resolved, or the exit status 2 after saying in
+    one line why not (the tokenizer cannot be had, the tenants cannot be kept apart)."""
     refusal = tenancy_refusal(settings)
     if refusal:
         print(f"prefixgate gateway: {refusal}", file=sys.stderr, flush=True)
         return 2
     try:
-        settings = await resolve_tokenizer(settings)
+        return await resolve_tokenizer(settings)
     except TokenizerLoadError as e:
         print(f"prefixgate gateway: {e}", file=sys.stderr, flush=True)
         return 2
-    server, _ = make_server(settings)
-    server.install_signal_handlers()
-    await server.serve()
+
+
+async def serve(
+    settings: Settings,
+    sockets: list[socket.socket] | None = None,
+    on_ready: Callable[[], None] | None = None,
+    signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM),
+) -> int:
+    """Serve until a signal; the exit status (``EXIT_WORK_CUT`` if the grace cut requests; 2 as
+    ``prepared`` says). A gateway worker serves ``sockets`` (the listener its supervisor bound),
+    stops on SIGTERM alone (Ctrl-C is the supervisor's) and calls ``on_ready`` once it serves."""
+    ready = await prepared(settings)
+    if isinstance(ready, int):
+        return ready
+    server, _ = make_server(ready)
+    server.install_signal_handlers(signals)
+    serving = asyncio.ensure_future(server.serve(sockets))
+    if on_ready is not None:
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.02)
+        if server.started:
+            on_ready()
+    await serving
     await shutdown.end_leftovers()
     return EXIT_WORK_CUT if server.work_cut else 0
 
 
-def run(settings: Settings) -> int:
-    """``serve`` on uvloop; the loop's own teardown (cancelling the tasks left, the executor)
-    is the last ``shutdown_stage``."""
+def run(settings: Settings, main: Callable[[], Coroutine[Any, Any, int]] | None = None) -> int:
+    """``serve`` (or ``main``) on uvloop; the loop's own teardown (cancelling the tasks left,
+    the executor) is the last ``shutdown_stage``."""
     factory: Callable[[], asyncio.AbstractEventLoop] = asyncio.new_event_loop
     with contextlib.suppress(ImportError):
         import uvloop
@@ -225,7 +247,7 @@ def run(settings: Settings) -> int:
         factory = uvloop.new_event_loop
     runner = asyncio.Runner(loop_factory=factory)
     try:
-        return runner.run(serve(settings))
+        return runner.run(main() if main is not None else serve(settings))
     finally:
         t0 = time.monotonic()
         runner.close()

@@ -133,6 +133,41 @@ def use_smg_workers(settings: Settings, nodes: list[NodeProcess]) -> None:
         settings.tokenizer_path = str(TOKENIZER_DIR)
 
 
+def _ready_lines(settings: Settings, nodes: list[NodeProcess], elapsed: float) -> None:
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    extra = f" (gRPC front end on {host}:{settings.grpc_port})" if settings.grpc_port else ""
+    print(f"prefixgate ready in {elapsed:.2f}s: http://{host}:{settings.port}/v1{extra}", flush=True)
+    print("  nodes: " + ", ".join(f"{n.node_id}={n.address}" for n in nodes), flush=True)
+
+
+def _stack_settings(settings: Settings, opts: StackOptions, nodes: list[NodeProcess]) -> None:
+    settings.prefill = [n.address for n in nodes if n.role == "prefill"]
+    settings.decode = [n.address for n in nodes if n.role == "decode"]
+    if opts.protocol == "smg":
+        use_smg_workers(settings, nodes)
+    if settings.grpc_port == 0:  # the local stack always serves the gRPC front end too
+        settings.grpc_port = free_port(settings.host)
+
+
+def run_stack_workers(settings: Settings, opts: StackOptions) -> int:
+    """The stack with its gateway as several workers (``gateway.ops.supervisor``)."""
+    from prefixgate.gateway.ops.supervisor import run_workers, worker_count
+
+    t0 = time.perf_counter()
+    nodes = start_nodes(opts)
+    try:
+        _stack_settings(settings, opts, nodes)
+
+        def ready(port: int) -> None:
+            settings.port = port
+            _ready_lines(settings, nodes, time.perf_counter() - t0)
+            print(f"  gateway workers: {worker_count(settings)}", flush=True)
+
+        return run_workers(settings, ready)
+    finally:
+        stop_nodes(nodes)
+
+
 async def run_stack(settings: Settings, opts: StackOptions) -> int:
     from prefixgate.gateway import shutdown
     from prefixgate.gateway.ops.server import EXIT_WORK_CUT, make_server
@@ -140,14 +175,9 @@ async def run_stack(settings: Settings, opts: StackOptions) -> int:
     t0 = time.perf_counter()
     nodes = start_nodes(opts)
     try:
-        settings.prefill = [n.address for n in nodes if n.role == "prefill"]
-        settings.decode = [n.address for n in nodes if n.role == "decode"]
-        if opts.protocol == "smg":
-            use_smg_workers(settings, nodes)
+        _stack_settings(settings, opts, nodes)
         if settings.port == 0:
             settings.port = free_port(settings.host)
-        if settings.grpc_port == 0:  # the local stack always serves the gRPC front end too
-            settings.grpc_port = free_port(settings.host)
         server, _svc = make_server(settings)
         server.install_signal_handlers()
         serve_task = asyncio.create_task(server.serve())
@@ -155,11 +185,7 @@ async def run_stack(settings: Settings, opts: StackOptions) -> int:
             await asyncio.sleep(0.02)
         if serve_task.done():
             return 1
-        host = f"[{settings.host}]" if ":" in settings.host else settings.host
-        elapsed = time.perf_counter() - t0
-        extra = f" (gRPC front end on {host}:{settings.grpc_port})" if settings.grpc_port else ""
-        print(f"prefixgate ready in {elapsed:.2f}s: http://{host}:{settings.port}/v1{extra}", flush=True)
-        print("  nodes: " + ", ".join(f"{n.node_id}={n.address}" for n in nodes), flush=True)
+        _ready_lines(settings, nodes, time.perf_counter() - t0)
         await serve_task
         await shutdown.end_leftovers()
         return EXIT_WORK_CUT if server.work_cut else 0
