@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 import uuid
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import orjson
@@ -28,9 +29,23 @@ def _renderer(fmt: str) -> structlog.typing.Processor:
     return structlog.dev.ConsoleRenderer(colors=False)
 
 
-def configure_logging(fmt: str = "auto", level: str = "info") -> None:
+def _with(fields: Mapping[str, Any]) -> structlog.typing.Processor:
+    def add(_logger: Any, _method: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+        for k, v in fields.items():
+            event.setdefault(k, v)
+        return event
+
+    return add
+
+
+def configure_logging(
+    fmt: str = "auto", level: str = "info", every_line: Mapping[str, Any] | None = None
+) -> None:
+    """structlog and the standard loggers; ``every_line``: fields on every line of this process
+    (a gateway worker's index)."""
     lvl = getattr(logging, level.upper(), logging.INFO)
     shared: list[structlog.typing.Processor] = [
+        *([_with(dict(every_line))] if every_line else []),
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),

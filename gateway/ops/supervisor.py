@@ -98,8 +98,7 @@ def worker_main(settings: Settings, sock: socket.socket, ready: Connection, inde
     from prefixgate.gateway.logging import configure_logging
     from prefixgate.gateway.ops import server
 
-    configure_logging(settings.log_format, settings.log_level)
-    structlog.contextvars.bind_contextvars(worker=index)
+    configure_logging(settings.log_format, settings.log_level, {"worker": index})
 
     def on_ready() -> None:
         with contextlib.suppress(OSError):

@@ -1,0 +1,164 @@
+"""``prefixgate gateway --workers 2`` on the embedded default: the workers route like one gateway.
+
+Behind it, two of our nodes' OpenAI-compatible HTTP endpoints (``--worker-urls``): such workers
+publish no KV events, so what a worker knows of the nodes' caches is only what the gateway's
+index recorded when it routed. A prefix routed through one worker being a predicted hit
+through the other therefore shows the index is shared, not rebuilt by each worker.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from prefixgate.gateway.ops import processes
+from prefixgate.gateway.ops.processes import Child
+from tests.helpers import document, free_port, spawn
+from tests.httpworkers.conftest import Worker, start_node, wait_models
+
+MODEL = "m-w"
+#: Fresh connections tried to reach the other worker (the kernel picks who accepts each).
+MAX_TRIES = 60
+
+
+class Gateway:
+    def __init__(self, proc: Child, base: str) -> None:
+        self.proc = proc
+        self.base = base
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        out = []
+        for line in list(self.proc.lines):
+            if f'"event":"{name}"' in line.replace(" ", ""):
+                out.append(json.loads(line))
+        return out
+
+    def served(self, request_id: str, timeout: float = 10.0) -> dict[str, Any]:
+        """The request's log line (it names the worker that served it)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for e in self.events("request"):
+                if e.get("request_id") == request_id:
+                    return e
+            time.sleep(0.05)
+        raise AssertionError(f"no request line for {request_id}:\n{self.proc.tail()}")
+
+    def chat(self, text: str, question: str) -> dict[str, Any]:
+        """One chat on a connection of its own; its request line."""
+        body = {
+            "model": MODEL,
+            "max_tokens": 1,
+            "messages": [{"role": "system", "content": text}, {"role": "user", "content": question}],
+        }
+        with httpx.Client(base_url=self.base, timeout=30, trust_env=False) as c:
+            r = c.post("/v1/chat/completions", json=body, headers={"connection": "close"})
+        assert r.status_code == 200, r.text
+        return self.served(r.headers["x-prefixgate-request-id"])
+
+
+@pytest.fixture(scope="module")
+def gateway() -> Iterator[Gateway]:
+    nodes: list[Worker] = [start_node(MODEL), start_node(MODEL)]
+    port = free_port()
+    # --workers 2: two workers whatever this machine's core count (the default)
+    proc = spawn(["gateway", "--port", str(port), "--workers", "2", "--worker-urls", *[n.url for n in nodes]])
+    base = f"http://127.0.0.1:{port}"
+    try:
+        proc.wait_for(r'"event": ?"workers_ready"', timeout=90)
+        wait_models(base, {MODEL})
+        yield Gateway(proc, base)
+    finally:
+        processes.stop_all([proc, *[n.proc for n in nodes if n.proc is not None]])
+
+
+def test_a_prefix_routed_through_one_worker_is_a_hit_through_the_other(gateway: Gateway) -> None:
+    text = document(41, 3000)
+    first = gateway.chat(text, "question 0")
+    assert first["predicted_cached_tokens"] == 0  # cold
+    other = None
+    for i in range(1, MAX_TRIES + 1):
+        line = gateway.chat(text, f"question {i}")
+        if line["worker"] != first["worker"]:
+            other = line
+            break
+    assert other is not None, f"every one of {MAX_TRIES} connections went to worker {first['worker']}"
+    assert other["decode_node"] == first["decode_node"]  # routed to where the prefix is
+    assert other["predicted_cached_tokens"] >= 2048  # the index, as the first worker left it
+    assert other["cached_tokens"] > 0  # and the node did hold it
+
+    # a text no worker has seen is cold through either
+    cold = gateway.chat(document(42, 3000), "question")
+    assert cold["predicted_cached_tokens"] == 0
+
+
+def test_metrics_count_every_workers_requests(gateway: Gateway) -> None:
+    def total() -> float:
+        r = httpx.get(gateway.base + "/metrics", timeout=10, trust_env=False)
+        return sum(
+            float(m.group(1))
+            for m in re.finditer(r'^prefixgate_requests_total\{[^}]*outcome="ok"[^}]*\} (\S+)$', r.text, re.M)
+        )
+
+    before = total()
+    workers = set()
+    for i in range(20):
+        workers.add(gateway.chat(document(100 + i, 50), "hi")["worker"])
+    assert len(workers) == 2, "the 20 connections all went to one worker"
+    assert total() - before == 20  # whichever worker answers the scrape
+
+
+def test_a_worker_that_dies_is_replaced(gateway: Gateway) -> None:
+    started = gateway.events("worker_started")
+    victim = started[-1]
+    pid = int(victim["pid"])
+    import os
+
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        again = [
+            e for e in gateway.events("worker_ready") if e["worker"] == victim["worker"] and e["pid"] != pid
+        ]
+        if again:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"worker {victim['worker']} was not replaced:\n{gateway.proc.tail()}")
+    exited = [e for e in gateway.events("worker_exited") if e["pid"] == pid]
+    assert exited and exited[0]["exit_code"] == -signal.SIGKILL
+    for i in range(6):  # every connection is still served, by whichever worker
+        gateway.chat(document(200 + i, 50), "hi")
+
+
+def test_sigterm_stops_every_worker_and_the_store(tmp_path: Path) -> None:
+    node = start_node(MODEL)
+    port = free_port()
+    proc = spawn(["gateway", "--port", str(port), "--workers", "2", "--worker-urls", node.url])
+    try:
+        proc.wait_for(r'"event": ?"workers_ready"', timeout=90)
+        store = json.loads(proc.wait_for(r'^\{.*"event": ?"embedded_store_started".*\}$').group(0))
+        socket_dir = Path(store["socket"]).parent
+        assert socket_dir.exists()
+        pids = [int(e["pid"]) for e in Gateway(proc, "").events("worker_started")]
+        proc.send_signal(signal.SIGTERM)  # the supervisor alone: it stops the rest
+        assert proc.proc.wait(timeout=30) == 0, proc.tail()
+        assert not socket_dir.exists()
+        for pid in [*pids, int(store["pid"])]:
+            assert not Path(f"/proc/{pid}").exists() or _zombie(pid), f"process {pid} outlived the gateway"
+    finally:
+        processes.stop_all([proc, *([node.proc] if node.proc else [])])
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] == "Z"
+    except OSError:
+        return True
