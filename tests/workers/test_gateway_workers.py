@@ -51,6 +51,17 @@ class Gateway:
             time.sleep(0.05)
         raise AssertionError(f"no request line for {request_id}:\n{self.proc.tail()}")
 
+    def wait_indexed(self, timeout: float = 10.0) -> None:
+        """Until the shared index holds some blocks (as any worker's /metrics reads it)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = httpx.get(self.base + "/metrics", timeout=10, trust_env=False).text
+            m = re.search(r"^prefixgate_index_total_blocks (\S+)$", text, re.M)
+            if m and float(m.group(1)) > 0:
+                return
+            time.sleep(0.02)
+        raise AssertionError("the index recorded nothing")
+
     def chat(self, text: str, question: str) -> dict[str, Any]:
         """One chat on a connection of its own; its request line."""
         body = {
@@ -83,6 +94,7 @@ def test_a_prefix_routed_through_one_worker_is_a_hit_through_the_other(gateway: 
     text = document(41, 3000)
     first = gateway.chat(text, "question 0")
     assert first["predicted_cached_tokens"] == 0  # cold
+    gateway.wait_indexed()  # the record is written after the answer, as between replicas
     other = None
     for i in range(1, MAX_TRIES + 1):
         line = gateway.chat(text, f"question {i}")
