@@ -63,6 +63,18 @@ def cpu_seconds(pid: int) -> float:
     return (int(f[11]) + int(f[12])) / CLK_TCK if f else 0.0
 
 
+def store_pid(gateway: Child) -> int | None:
+    """The pid of the store a gateway's workers share (its own process group), if it runs one."""
+    m = gateway.find(r'"pid": ?(\d+)[^{}]*"event": ?"embedded_store_started"')
+    return int(m.group(1)) if m else None
+
+
+def router_cpu_seconds(router: Child) -> float:
+    """CPU of a router: its process group, and the embedded store its workers share."""
+    store = store_pid(router)
+    return group_cpu_seconds(router.pid) + (cpu_seconds(store) if store else 0.0)
+
+
 def group_cpu_seconds(pgid: int) -> float:
     """utime + stime of every live process in a process group."""
     total = 0
@@ -149,11 +161,12 @@ def start_gateway(
     env: Mapping[str, str] | None = None,
     timeout: float = 60.0,
     python: str = sys.executable,
+    extra_args: Sequence[str] = (),
 ) -> Child:
     """A gateway on a free loopback port; ``python`` is the interpreter it runs under (another
     checkout's venv runs that checkout's gateway)."""
     port = free_port()
-    cmd = [python, "-m", "prefixgate.cli", "gateway", "--port", str(port), "--policy", policy]
+    cmd = [python, "-m", "prefixgate.cli", "gateway", "--port", str(port), "--policy", policy, *extra_args]
     for flag, addrs in (("--monolithic", monolithic), ("--prefill", prefill), ("--decode", decode)):
         for a in addrs:
             cmd += [flag, a]

@@ -51,6 +51,7 @@ QUICK_SIZES = (2_048,)
 OUTPUT_TOKENS = 8
 TARGET_CPU_MS = 0.5
 BASELINE = "baseline"  # the --baseline-src gateway's target name
+WORKERS, WORKERS_GRPC = "prefixgate-workers", "prefixgate-grpc-workers"  # --workers N's targets
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,6 +356,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "commit) in the same run, interleaved with the current one",
     )
     p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also measure prefixgate with --workers N (over HTTP and grpc://) beside its default",
+    )
+    p.add_argument(
         "--profile-out",
         help="sample prefixgate's measured cells with py-spy and write, into this directory, the raw "
         "stacks and the CPU by stage of the request path (bench.stages) per cell",
@@ -451,7 +459,11 @@ def run(args: argparse.Namespace) -> int:
         "smg-grpc": "smg (grpc://)",
     }
     labels["litellm"] = "LiteLLM"
-    targets = ["direct", "prefixgate", *([BASELINE] if args.baseline_src else []), "prefixgate-grpc", *peers]
+    one = [WORKERS, WORKERS_GRPC] if args.workers else []
+    labels[WORKERS] = f"prefixgate --workers {args.workers}"
+    labels[WORKERS_GRPC] = f"prefixgate (grpc://) --workers {args.workers}"
+    baseline = [BASELINE] if args.baseline_src else []
+    targets = ["direct", "prefixgate", *baseline, "prefixgate-grpc", *one, *peers]
     targets += ["smg-grpc"] if "smg" in peers else []
     labels[BASELINE] = "prefixgate baseline"
     console.print(
@@ -478,6 +490,21 @@ def run(args: argparse.Namespace) -> int:
                     routers[target] = launch.start_gateway(
                         logs, monolithic=[f"grpc://{node.address}"], name=target, env=SHIPPED_TOKENIZER
                     )
+                elif target == WORKERS:
+                    routers[target] = launch.start_gateway(
+                        logs,
+                        monolithic=[node.address],
+                        name=target,
+                        extra_args=["--workers", str(args.workers)],
+                    )
+                elif target == WORKERS_GRPC:
+                    routers[target] = launch.start_gateway(
+                        logs,
+                        monolithic=[f"grpc://{node.address}"],
+                        name=target,
+                        env=SHIPPED_TOKENIZER,
+                        extra_args=["--workers", str(args.workers)],
+                    )
                 elif target == "smg-grpc":
                     routers[target] = launch.start_peer(
                         "smg", Path(args.peers_venv), [f"grpc://{node.address}"], logs
@@ -498,7 +525,7 @@ def run(args: argparse.Namespace) -> int:
                     url = router.url if router else node.url
                     headers = router.headers if router else {}
                     _loop_run(closed_loop(url, headers, cell, warmup, 1000, prompts, args.request_timeout))
-                    cpu0 = launch.group_cpu_seconds(router.pid) if router else None
+                    cpu0 = launch.router_cpu_seconds(router) if router else None
                     ncpu0 = launch.cpu_seconds(node.pid)
                     with _profiled(args.profile_out, target, cell, router, rnd) as sampler:
                         sample = _loop_run(
@@ -511,7 +538,7 @@ def run(args: argparse.Namespace) -> int:
                         profiles[key] = _write_profile(
                             sampler, Path(args.profile_out), len(sample.latencies) + sample.errors, console
                         )
-                    cpu = launch.group_cpu_seconds(router.pid) - cpu0 if router and cpu0 is not None else None
+                    cpu = launch.router_cpu_seconds(router) - cpu0 if router and cpu0 is not None else None
                     rows.append(cell_json(target, cell, sample, cpu, launch.cpu_seconds(node.pid) - ncpu0))
                     rows[-1]["round"] = rnd + 1
                     console.print(
@@ -543,6 +570,15 @@ def run(args: argparse.Namespace) -> int:
         f"(smg {vg['smg-grpc_stream_added_ttft_p50_ms_1_client']}); "
         f"req/s at 32 clients {vg['req_s_32_clients']} (smg {vg['smg-grpc_req_s_32_clients']})"
     )
+    if args.workers:
+        for ours, ref in ((WORKERS, "smg"), (WORKERS_GRPC, "smg-grpc")):
+            vw = verdicts(rows, reference=ref, ours=ours)
+            console.print(
+                f"{labels[ours]} vs {labels.get(ref, ref)}: req/s at 32 clients {vw['req_s_32_clients']} "
+                f"({ref} {vw[f'{ref}_req_s_32_clients']}); "
+                f"added p50 at 1 client {vw['added_p50_ms_1_client']} ms; "
+                f"CPU/request {vw['cpu_ms_per_req_small_prompts']} ms"
+            )
     report = {
         "config": {
             "engine_profile": "instant",
@@ -556,6 +592,7 @@ def run(args: argparse.Namespace) -> int:
             "quick": bool(args.quick),
             "rounds": args.rounds,
             "baseline_src": args.baseline_src,
+            "workers": args.workers,
             "peers": {t: launch.PEER_VERSIONS[t] for t in peers},
         },
         "cells": rows,

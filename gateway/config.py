@@ -49,8 +49,9 @@ class Settings:
     # --schedule-low-priority-values-first); "inverted" always, negated (SGLang run with
     # --enable-priority-scheduling alone, where higher values go first). docs/engines.md.
     engine_priority: str = "off"
-    # Gateway processes on one port (gateway.ops.supervisor); 0: one per core it may use.
-    workers: int = 0
+    # Gateway processes on one port (gateway.ops.supervisor, docs/workers.md); 0: one per core
+    # the process may use. 1 by default while the admin switches and cache view are per worker.
+    workers: int = 1
     redis: str = ""  # empty: embedded in-memory index (with several workers, a private store)
     redis_prefix: str = "prefixgate:"
     redis_layout: str = "zset"  # index key layout: zset (fastest writes) or packed (~6x less memory)

@@ -33,7 +33,7 @@ def _gateway_args(p: argparse.ArgumentParser, *, stack: bool) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="gateway processes sharing the port, index and state (default: one per core; 1: one process)",
+        help="gateway processes sharing the port, index and state (default 1; 0: one per core)",
     )
     p.add_argument("--model", default=None, help="served model name")
     p.add_argument("--block-size", type=int, default=None)

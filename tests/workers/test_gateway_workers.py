@@ -95,15 +95,19 @@ def test_a_prefix_routed_through_one_worker_is_a_hit_through_the_other(gateway: 
     first = gateway.chat(text, "question 0")
     assert first["predicted_cached_tokens"] == 0  # cold
     gateway.wait_indexed()  # the record is written after the answer, as between replicas
-    other = None
+    others = []
     for i in range(1, MAX_TRIES + 1):
         line = gateway.chat(text, f"question {i}")
         if line["worker"] != first["worker"]:
-            other = line
-            break
-    assert other is not None, f"every one of {MAX_TRIES} connections went to worker {first['worker']}"
+            others.append(line)
+            if line["predicted_cached_tokens"] or len(others) == 3:
+                break
+    assert others, f"every one of {MAX_TRIES} connections went to worker {first['worker']}"
+    # A lookup later than its 5 ms deadline (a busy machine) is routed on the worker's own
+    # mirror, as a replica's is; of three requests through the other worker, one is on time.
+    other = others[-1]
+    assert other["predicted_cached_tokens"] >= 2048, others  # the index, as the first worker left it
     assert other["decode_node"] == first["decode_node"]  # routed to where the prefix is
-    assert other["predicted_cached_tokens"] >= 2048  # the index, as the first worker left it
     assert other["cached_tokens"] > 0  # and the node did hold it
 
     # a text no worker has seen is cold through either
