@@ -23,7 +23,7 @@ from prefixgate.gateway.core.tenancy import engine_salt, namespace_salt
 from prefixgate.gateway.nodeclient import OpenAIBody
 from prefixgate.gateway.nodeclient.openai_body import engine_body
 from prefixgate.gateway.state.documents import DocumentStore
-from prefixgate.gateway.tokens import ChatEncoder, TemplateLimitError
+from prefixgate.gateway.tokens import TemplateLimitError, chat_encoder
 from prefixgate.gateway.toolcalls.support import ToolPlan, plan_tools
 from prefixgate.openai.normalize import (
     Document,
@@ -112,9 +112,10 @@ class Preparer:
                 chat_tools, req.tool_choice, req.needs, tokenizer, self.settings.tool_call_parser
             )
         try:
-            if req.kind == "chat" and isinstance(tokenizer, ChatEncoder):
+            encoder = chat_encoder(tokenizer) if req.kind == "chat" else None
+            if encoder is not None:
                 # the model's own chat template over the canonical messages (gateway.tokens)
-                layout, tokens = tokenizer.encode_chat(
+                layout, tokens = encoder.encode_chat(
                     req.messages, documents=docs, tools=tools.tools, normalize=normalize
                 )
             elif req.kind == "chat":
