@@ -366,5 +366,51 @@ class ResilientIndex:
             log.warning("index.on_resync_failed", error=repr(exc))
 
 
+class MirrorWrites:
+    """A ``ResilientIndex`` whose writes reach its mirror only: for a process that sees the same
+    writes as a sibling which makes them to the shared index (gateway workers of one supervisor
+    all follow the nodes' KV events; one of them writes them). Reads are the index's own."""
+
+    def __init__(self, index: ResilientIndex, mirror: IndexCore) -> None:
+        self.index = index
+        self.mirror = mirror
+        self.backend = index.backend
+
+    async def lookup(self, hashes: Sequence[int], nodes: Sequence[str] | None = None) -> dict[str, int]:
+        return await self.index.lookup(hashes, nodes)
+
+    async def store(self, ops: Sequence[StoreOp]) -> list[bool]:
+        return self.mirror.store(ops)
+
+    async def remove(self, node: str, hashes: Iterable[int]) -> int:
+        return self.mirror.remove(node, hashes)
+
+    async def clear_node(self, node: str) -> int:
+        return self.mirror.clear_node(node)
+
+    async def replace_node(self, node: str, chains: Sequence[Sequence[int]]) -> None:
+        self.mirror.replace_node(node, chains)
+
+    async def set_capacity(self, node: str, blocks: int) -> None:
+        self.mirror.set_capacity(node, blocks)
+
+    async def node_hashes(self, node: str) -> set[int]:
+        return await self.index.node_hashes(node)
+
+    async def stats(self) -> IndexStats:
+        return await self.index.stats()
+
+    async def close(self) -> None:
+        """The index is its owner's to close."""
+
+
+def mirror_writes(index: BlockIndex) -> BlockIndex:
+    """``index`` with writes to its local mirror only, or ``index`` itself when it has none (an
+    embedded index is no one else's; a shared index without a mirror gets every write)."""
+    if isinstance(index, ResilientIndex) and index.mirror is not None:
+        return MirrorWrites(index, index.mirror)
+    return index
+
+
 def _describe(exc: BaseException) -> str:
     return "deadline exceeded" if isinstance(exc, TimeoutError) else repr(exc)[:200]

@@ -11,7 +11,7 @@ from prefixgate import cachetier
 from prefixgate.cachetier.hashing import Namespace
 from prefixgate.cachetier.index import BlockIndex
 from prefixgate.cachetier.memory import MemoryIndex
-from prefixgate.cachetier.resilient import ResyncHook
+from prefixgate.cachetier.resilient import ResyncHook, mirror_writes
 from prefixgate.cachetier.tokenizer import Tokenizer
 from prefixgate.gateway import shutdown
 from prefixgate.gateway.cluster import workers
@@ -53,7 +53,11 @@ def open_index(settings: Settings, on_resync: ResyncHook | None = None) -> Block
 
 
 class GatewayService:
-    def __init__(self, settings: Settings, index: BlockIndex | None = None) -> None:
+    def __init__(
+        self, settings: Settings, index: BlockIndex | None = None, *, writes_node_events: bool = True
+    ) -> None:
+        """``writes_node_events`` False: the nodes' KV events are followed into this process's
+        mirror of the shared index only, a sibling worker writing them (``cachetier.resilient``)."""
         self.settings = s = settings
         self.metrics = Metrics()
         self.index = index if index is not None else open_index(settings, self._index_recovered)
@@ -96,7 +100,9 @@ class GatewayService:
             settings, self.pool, self.index, self.tokenizer, self.metrics, local_docs, self.model_tokenizers
         )
         self.pipeline.on_finished = self._count_usage
-        self.events = EventSync(self.pool, self.index, self.metrics)
+        self.events = EventSync(
+            self.pool, self.index if writes_node_events else mirror_writes(self.index), self.metrics
+        )
         self.pipeline.on_mispredict = self._resync_node
         self.metrics.bind_nodes(self.node_samples)
         # every front end serves requests through it

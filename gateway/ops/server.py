@@ -217,14 +217,17 @@ async def serve(
     sockets: list[socket.socket] | None = None,
     on_ready: Callable[[], None] | None = None,
     signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM),
+    writes_node_events: bool = True,
 ) -> int:
     """Serve until a signal; the exit status (``EXIT_WORK_CUT`` if the grace cut requests; 2 as
     ``prepared`` says). A gateway worker serves ``sockets`` (the listener its supervisor bound),
-    stops on SIGTERM alone (Ctrl-C is the supervisor's) and calls ``on_ready`` once it serves."""
+    stops on SIGTERM alone (Ctrl-C is the supervisor's), calls ``on_ready`` once it serves, and
+    all but one leave writing the nodes' KV events to the shared index to that one
+    (``writes_node_events``, ``GatewayService``)."""
     ready = await prepared(settings)
     if isinstance(ready, int):
         return ready
-    server, _ = make_server(ready)
+    server, _ = make_server(ready, GatewayService(ready, writes_node_events=writes_node_events))
     server.install_signal_handlers(signals)
     serving = asyncio.ensure_future(server.serve(sockets))
     if on_ready is not None:

@@ -104,7 +104,11 @@ def worker_main(settings: Settings, sock: socket.socket, ready: Connection, inde
         with contextlib.suppress(OSError):
             ready.send(os.getpid())
 
-    code = server.run(settings, lambda: server.serve(settings, [sock], on_ready, (signal.SIGTERM,)))
+    # worker 0 alone writes the nodes' KV events to the shared index; the others, following the
+    # same events, keep only their mirror of it current (docs/workers.md)
+    code = server.run(
+        settings, lambda: server.serve(settings, [sock], on_ready, (signal.SIGTERM,), index == 0)
+    )
     sys.exit(code)
 
 

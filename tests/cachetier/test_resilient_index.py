@@ -14,7 +14,7 @@ from prefixgate.cachetier import open_index
 from prefixgate.cachetier.index import StoreOp
 from prefixgate.cachetier.memory import MemoryIndex
 from prefixgate.cachetier.redis_index import RedisIndex
-from prefixgate.cachetier.resilient import ResilientIndex
+from prefixgate.cachetier.resilient import MirrorWrites, ResilientIndex, mirror_writes
 from tests.cachetier.support import TcpProxy, redis_url, test_prefix
 
 
@@ -142,3 +142,35 @@ async def test_redis_going_away_and_coming_back(proxy: TcpProxy) -> None:
     finally:
         await purge_directly(primary)
         await index.close()
+
+
+async def test_mirror_writes_reach_the_mirror_alone_and_read_the_shared_index(url: str) -> None:
+    """A gateway worker that leaves the nodes' KV events to a sibling: its writes keep its
+    mirror current, Redis sees only what the others write, and its lookups are Redis's."""
+    index = resilient(url)
+    view = mirror_writes(index)
+    assert isinstance(view, MirrorWrites) and view.backend == "redis"
+    primary = index.primary
+    assert isinstance(primary, RedisIndex)
+    try:
+        await view.set_capacity("n", 100)
+        assert await view.store([StoreOp("n", (1, 2, 3))]) == [True]
+        await view.replace_node("m", [[7, 8]])
+        assert await primary.lookup([1, 2, 3], ["n"]) == {"n": 0}  # nothing reached Redis
+        assert await primary.node_hashes("m") == set()
+        assert index.mirror is not None and index.mirror.lookup([1, 2, 3], ["n"]) == {"n": 3}
+        assert index.mirror.lookup([7, 8], ["m"]) == {"m": 2}
+
+        await index.store([StoreOp("n", (1, 2))])  # what the writing sibling put in Redis
+        assert await view.lookup([1, 2, 3], ["n"]) == {"n": 2}  # read from Redis, not the mirror
+        assert await view.remove("n", [3]) == 1 and await primary.lookup([1, 2], ["n"]) == {"n": 2}
+        assert await view.clear_node("m") == 2 and await view.node_hashes("n") == {1, 2}
+        await view.close()  # the index's owner closes it, not the view
+        assert await index.lookup([1], ["n"]) == {"n": 1}
+    finally:
+        await primary.purge()
+        await index.close()
+    assert mirror_writes(MemoryIndex()).__class__ is MemoryIndex  # embedded: every write is its own
+    no_mirror = resilient(url, mirror=False)
+    assert mirror_writes(no_mirror) is no_mirror
+    await no_mirror.close()
