@@ -13,9 +13,10 @@ normalization. The text is never cut before those. Matches are found leftmost-lo
 non-normalized added token, as the tokenizer finds them, so the cuts are real split points.
 
 Segment ids are kept in an LRU bounded by bytes, keyed by the segment's text: a system prefix or
-a document that comes again is not tokenized again. Segments not in the cache are tokenized one
-by one, each with the GIL released (``cachetier.tokenizer.hf_ids``), so a long cold document
-tokenized on a render thread does not hold up the event loop. Cutting pays even cold: encoding
+a document that comes again is not tokenized again. The segments not in the cache are tokenized
+in one batch, in parallel on the tokenizer's threads and with the GIL released
+(``cachetier.tokenizer.hf_ids_many``), so a long cold document tokenized on a render thread does
+not hold up the event loop. Cutting pays even cold: encoding
 the pieces costs less than encoding the whole text at once.
 """
 
@@ -29,7 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from prefixgate.cachetier.tokenizer import hf_ids, pack_ids
+from prefixgate.cachetier.tokenizer import hf_ids, hf_ids_many, pack_ids
 
 ENTRY_OVERHEAD = 160  # bytes an entry costs beyond its key and value (dict slot, node, objects)
 
@@ -162,11 +163,14 @@ class SegmentEncoder:
             return b""
         if not self.finder.active:
             return self.plain(text)
-        parts: list[bytes] = []
-        for segment in self.finder.split(text):
-            ids = self.cache.get(segment)
-            if ids is None:
-                ids = pack_ids(hf_ids(self._hf, segment))
-                self.cache.put(segment, ids)
-            parts.append(ids)
-        return b"".join(parts)
+        segments = self.finder.split(text)
+        parts: list[bytes | None] = [self.cache.get(segment) for segment in segments]
+        missing = list(dict.fromkeys(seg for seg, ids in zip(segments, parts, strict=True) if ids is None))
+        if missing:  # tokenized together: in parallel when they are long (``hf_ids_many``)
+            fresh = {
+                seg: pack_ids(ids) for seg, ids in zip(missing, hf_ids_many(self._hf, missing), strict=True)
+            }
+            for seg, ids in fresh.items():
+                self.cache.put(seg, ids)
+            parts = [fresh[seg] if ids is None else ids for seg, ids in zip(segments, parts, strict=True)]
+        return b"".join(p for p in parts if p is not None)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from prefixgate.backends.hftok import TOKENIZER_DIR
-from prefixgate.cachetier.tokenizer import RELEASED_FROM, hf_ids
+from prefixgate.cachetier.tokenizer import RELEASED_FROM, hf_ids, hf_ids_many
 
 HF = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
 PIECES = st.sampled_from(
@@ -25,6 +25,12 @@ PIECES = st.sampled_from(
 @given(st.lists(PIECES, min_size=1, max_size=400).map("".join))
 def test_the_same_ids_as_encode_on_both_sides_of_the_threshold(text: str) -> None:
     assert hf_ids(HF, text) == list(HF.encode(text, add_special_tokens=False).ids)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(PIECES, min_size=0, max_size=300).map("".join), min_size=0, max_size=6))
+def test_a_batch_gives_each_texts_own_ids(texts: list[str]) -> None:
+    assert hf_ids_many(HF, texts) == [hf_ids(HF, t) for t in texts]
 
 
 def _wakeups_while(work: Callable[[], object]) -> tuple[int, float]:
@@ -56,3 +62,10 @@ def test_a_long_text_is_tokenized_with_the_gil_released() -> None:
     # GIL released it wakes every millisecond or so
     assert held_s > 0.05 and released_s > 0.05, (held_s, released_s)
     assert held <= 3 and released >= 10, (held, released)
+
+
+def test_a_batch_of_long_texts_is_tokenized_with_the_gil_released() -> None:
+    rng = random.Random(8)
+    texts = [" ".join(f"word{rng.randrange(100_000)}" for _ in range(20_000)) for _ in range(4)]
+    released, released_s = _wakeups_while(lambda: hf_ids_many(HF, texts))
+    assert released_s > 0.02 and released >= 5, (released, released_s)
