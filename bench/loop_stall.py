@@ -7,6 +7,12 @@ every 10 ms. ``/healthz`` does no work of its own, so its latency is how long th
 was busy with something else. Each chat's text is new (random words), so neither the segment
 cache nor the index helps. Measured quiet (no chats) and loaded, for this checkout and, with
 ``--baseline-src``, another one, interleaved in rounds.
+
+``--clients N`` adds N clients streaming cold ~1K-token chats (``--think`` seconds apart) through
+the same gateway in both phases: their time to the first token, quiet and beside the long chats,
+is what every other user of a gateway sees while one long document passes. ``--workers N`` also
+measures this checkout with N gateway workers (the long chats' connection is one worker's; the
+other clients' connections go to whichever worker accepts them).
 """
 
 from __future__ import annotations
@@ -35,11 +41,15 @@ POLL_S = 0.010
 WORDS = ("alpha", "delta", "prefill", "decode", "gateway", "token", "cache", "section", "window", "page")
 
 
+SMALL_TOKENS = 1_000
+
+
 @dataclass
 class Run:
     healthz_ms: list[float] = field(default_factory=list)
     chats: int = 0
     chat_s: list[float] = field(default_factory=list)
+    ttft_ms: list[float] = field(default_factory=list)  # the small chats' first token
     errors: int = 0
 
 
@@ -102,14 +112,44 @@ async def chats(client: httpx.AsyncClient, url: str, until: float, bodies: list[
             out.errors += 1
 
 
-async def measure(url: str, seconds: float, bodies: list[bytes]) -> Run:
-    """``/healthz`` polled for ``seconds``, while ``bodies`` (if any) are sent one at a time."""
+async def small_chats(url: str, until: float, seed: int, think: float, out: Run) -> None:
+    """Streamed cold ~1K-token chats back to back (``think`` s apart) on a connection of their
+    own: the time to the first content chunk of each."""
+    rng = random.Random(seed)
+    async with httpx.AsyncClient(timeout=60) as client:
+        while time.monotonic() < until:
+            body = {
+                "model": launch.MODEL,
+                "messages": [{"role": "user", "content": chat_text(rng, SMALL_TOKENS)}],
+                "max_tokens": 4,
+                "stream": True,
+            }
+            t = time.perf_counter()
+            first = None
+            async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if first is None and line.startswith("data: {") and '"content"' in line:
+                        first = time.perf_counter() - t
+                ok = r.status_code == 200
+            if ok and first is not None:
+                out.ttft_ms.append(first * 1000)
+            else:
+                out.errors += 1
+            await asyncio.sleep(think)
+
+
+async def measure(
+    url: str, seconds: float, bodies: list[bytes], clients: int = 0, think: float = 0.1, seed: int = 0
+) -> Run:
+    """``/healthz`` polled for ``seconds``, while ``bodies`` (if any) are sent one at a time and
+    ``clients`` small chats' clients send theirs."""
     out = Run()
     until = time.monotonic() + seconds
     async with httpx.AsyncClient(timeout=30) as poller, httpx.AsyncClient(timeout=120) as sender:
         jobs = [poll(poller, url, until, out)]
         if bodies:
             jobs.append(chats(sender, url, until, bodies, out))
+        jobs += [small_chats(url, until, seed * 1000 + i, think, out) for i in range(clients)]
         await asyncio.gather(*jobs)
     return out
 
@@ -120,6 +160,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
     p.add_argument("--baseline-src", default="", help="another checkout's source to measure beside this one")
     p.add_argument("--json", default="", help="write the figures to this file")
+    p.add_argument(
+        "--clients", type=int, default=0, help="clients streaming cold ~1K-token chats meanwhile (default 0)"
+    )
+    p.add_argument("--think", type=float, default=0.1, help="seconds between a client's chats (0.1)")
+    p.add_argument("--workers", type=int, default=0, help="also measure this checkout with N gateway workers")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -132,6 +177,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         worker = [f"grpc://{node.address}"]
         targets["this checkout"] = launch.start_gateway(logs, monolithic=worker, env=SHIPPED_TOKENIZER)
+        if args.workers > 1:
+            targets[f"this checkout, {args.workers} workers"] = launch.start_gateway(
+                logs,
+                monolithic=worker,
+                name="workers",
+                env=SHIPPED_TOKENIZER,
+                extra_args=["--workers", str(args.workers)],
+            )
         if args.baseline_src:
             env = {**SHIPPED_TOKENIZER, "PYTHONPATH": args.baseline_src}
             targets["baseline"] = launch.start_gateway(logs, monolithic=worker, name="baseline", env=env)
@@ -142,7 +195,9 @@ def run(args: argparse.Namespace) -> int:
                     # more than one chat can be sent in the time (each takes 0.2 s or more)
                     count = int(args.seconds / 0.1) if loaded else 0
                     bodies = chat_bodies(count, args.tokens, seed=rnd * 7 + len(runs) + 1)
-                    r = asyncio.run(measure(child.url, args.seconds, bodies))
+                    r = asyncio.run(
+                        measure(child.url, args.seconds, bodies, args.clients, args.think, seed=rnd)
+                    )
                     runs.setdefault((name, loaded), []).append(r)
     finally:
         for child in targets.values():
@@ -150,7 +205,10 @@ def run(args: argparse.Namespace) -> int:
         node.stop()
     title = f"/healthz every 10 ms while one client sends cold ~{args.tokens // 1000}K-token chats"
     table = Table(title=title)
-    for col in ("gateway", "load", "healthz p50 ms", "p99 ms", "max ms", "chats", "chat p50 s", "errors"):
+    cols = ["gateway", "load", "healthz p50 ms", "p99 ms", "max ms", "chats", "chat p50 s"]
+    if args.clients:
+        cols += [f"{args.clients} clients' TTFT p50 ms", "p99 ms", "x quiet p99"]
+    for col in (*cols, "errors"):
         table.add_column(col, justify="left" if col == "gateway" else "right")
     rows: list[dict[str, Any]] = []
     for (name, loaded), rs in runs.items():
@@ -166,8 +224,7 @@ def run(args: argparse.Namespace) -> int:
             "chat_p50_s": round(statistics.median(chat_s), 3) if chat_s else None,
             "errors": sum(r.errors for r in rs),
         }
-        rows.append(row)
-        table.add_row(
+        cells = [
             name,
             "back to back" if loaded else "none",
             f"{row['healthz_p50_ms']:.2f}",
@@ -175,12 +232,27 @@ def run(args: argparse.Namespace) -> int:
             f"{row['healthz_max_ms']:.1f}",
             str(row["chats"]),
             "-" if row["chat_p50_s"] is None else f"{row['chat_p50_s']:.3f}",
-            str(row["errors"]),
-        )
+        ]
+        if args.clients:
+            ttft = sorted(x for r in rs for x in r.ttft_ms)
+            quiet = sorted(x for r in runs.get((name, False), []) for x in r.ttft_ms)
+            row["small_ttft_p50_ms"] = round(statistics.median(ttft), 2) if ttft else None
+            row["small_ttft_p99_ms"] = round(percentile(ttft, 99), 2) if ttft else None
+            row["small_ttft_p99_vs_quiet"] = (
+                round(percentile(ttft, 99) / percentile(quiet, 99), 2) if ttft and quiet else None
+            )
+            cells += [
+                f"{row['small_ttft_p50_ms']}",
+                f"{row['small_ttft_p99_ms']}",
+                f"{row['small_ttft_p99_vs_quiet']}",
+            ]
+        rows.append(row)
+        table.add_row(*cells, str(row["errors"]))
     console.print(table)
     console.print(f"logs in {logs}")
     if args.json:
-        write_json(args.json, {"rows": rows, "tokens": args.tokens, "seconds": args.seconds}, console)
+        figures = {"rows": rows, "tokens": args.tokens, "seconds": args.seconds, "clients": args.clients}
+        write_json(args.json, figures, console)
     return 0 if all(r["errors"] == 0 for r in rows) else 1
 
 

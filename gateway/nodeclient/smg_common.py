@@ -254,6 +254,7 @@ class Runtime(Protocol):
     name: str
     service: str
     features: frozenset[str]
+    generate_response: Any  # the class of Generate's responses
 
     def stub(self, channel: grpc.aio.Channel) -> Any: ...
 
@@ -342,6 +343,7 @@ class SmgNodeClient:
         self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self.runtime: Runtime | None = None
         self.stub: Any = None
+        self._generate_bytes: Any = None  # Generate taking serialized requests (``generate_call``)
         self.info: EngineInfo | None = None
         self._codec: Codec | None = None if self.options.codec_for else self.options.codec
         self._detect_lock = asyncio.Lock()
@@ -382,6 +384,11 @@ class SmgNodeClient:
                 runtime = await self._probe_runtimes(timeout)
                 stub = runtime.stub(self.channel)
                 info = await runtime.info(stub, timeout)
+                self._generate_bytes = self.channel.unary_stream(
+                    f"/{runtime.service}/Generate",
+                    request_serializer=None,  # bytes, sent as they are
+                    response_deserializer=runtime.generate_response.FromString,
+                )
                 self.runtime, self.stub, self.info = runtime, stub, info
                 log.info("smg_worker_detected", address=self._address, runtime=runtime.name, role=info.role)
         assert self.runtime is not None
@@ -412,6 +419,13 @@ class SmgNodeClient:
             )
         detail = f"neither SglangScheduler nor VllmEngine answers ({last!r})"
         raise NodeFailure(self._address, Stage.PROBE, FailureKind.INVALID, detail)
+
+    def generate_call(self, request: Any, timeout: float) -> Any:
+        """A Generate call of the detected runtime; ``request`` its message, or that message
+        serialized already (bytes: a long prompt's, serialized off the event loop)."""
+        if isinstance(request, bytes):
+            return self._generate_bytes(request, timeout=timeout)
+        return self.stub.Generate(request, timeout=timeout)
 
     def codec(self) -> Codec:
         """The engine's tokenizer: its model's (``codec_for``), given, or ``tokenizer.json`` under
@@ -712,8 +726,9 @@ class GenerateStream:
     def node_id(self) -> str:
         return self.client.address
 
-    async def _prepare(self) -> Any:
-        """Detect the runtime, build the request."""
+    async def _prepare(self, serialized: bool = False) -> Any:
+        """Detect the runtime, build the request (``serialized``: a long prompt's as the bytes
+        sent, made off the event loop; ``SmgNodeClient.generate_call``)."""
         runtime = await self.client.detect(min(self.timeout, 5.0))
         codec = self.client.codec()
         self.rid = self.rid or new_request_id(self.prompt)
@@ -724,6 +739,8 @@ class GenerateStream:
         stops += [t for t in stop_token_ids(codec, self.prompt.sampling.stop) if t not in stops]
         build = functools.partial(runtime.request, self.prompt, self.rid, stops, stream=self.engine_stream)
         if len(self.prompt.tokens) >= REQUEST_OFF_LOOP_BYTES:
+            if serialized:  # serializing a long prompt's message takes milliseconds too
+                return await asyncio.to_thread(lambda: build().SerializeToString())
             return await asyncio.to_thread(build)
         return build()
 
@@ -740,7 +757,7 @@ class GenerateStream:
 
     async def open(self) -> None:
         try:
-            request = await self._prepare()
+            request = await self._prepare(serialized=True)
         except (grpc.aio.AioRpcError, TimeoutError) as e:
             self._closed = True
             raise failure(self.node_id, self.stage, e) from e
@@ -748,7 +765,7 @@ class GenerateStream:
             self._closed = True
             raise NodeFailure(self.node_id, self.stage, e.kind, e.detail) from e
         assert self.client.runtime is not None
-        self.call = self.client.stub.Generate(request, timeout=self.timeout)
+        self.call = self.client.generate_call(request, self.timeout)
 
     async def read(self) -> Output | None:
         """The next response (None: the engine ended the stream)."""

@@ -94,6 +94,7 @@ def ask_logprobs(req: pb.GenerateRequest, prompt: Prompt) -> None:
 class SglangRuntime:
     name = "sglang"
     service = "sglang.grpc.scheduler.SglangScheduler"
+    generate_response = pb.GenerateResponse
     # SamplingParams has no seed: the engine samples each request at random, so a request's
     # choices (independent requests) differ, and a sampled request's ``seed`` is refused.
     features: frozenset[str] = frozenset(

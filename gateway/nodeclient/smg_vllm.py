@@ -124,6 +124,7 @@ def prefill_params(prompt: Prompt) -> pb.SamplingParams:
 class VllmRuntime:
     name = "vllm"
     service = "vllm.grpc.engine.VllmEngine"
+    generate_response = pb.GenerateResponse
     # SamplingParams.seed, .logprobs, .logit_bias
     # vLLM's structured outputs are always on
     features = frozenset(

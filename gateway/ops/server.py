@@ -240,9 +240,16 @@ async def serve(
     return EXIT_WORK_CUT if server.work_cut else 0
 
 
+#: How long a thread holding the GIL keeps it while another waits (CPython's default is 5 ms).
+#: A render thread's Python (chat template, segment cuts, hashing of a long prompt) would make
+#: the event loop wait that long at each turn, several turns a request.
+GIL_SWITCH_INTERVAL_S = 0.001
+
+
 def run(settings: Settings, main: Callable[[], Coroutine[Any, Any, int]] | None = None) -> int:
     """``serve`` (or ``main``) on uvloop; the loop's own teardown (cancelling the tasks left,
     the executor) is the last ``shutdown_stage``."""
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     factory: Callable[[], asyncio.AbstractEventLoop] = asyncio.new_event_loop
     with contextlib.suppress(ImportError):
         import uvloop

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -330,3 +331,40 @@ async def test_an_unreadable_status_is_a_failed_probe_and_the_probes_go_on() -> 
     finally:
         await pool.close()
         await server.stop(0)
+
+
+async def test_a_long_prompt_is_sent_serialized_off_the_loop_and_arrives_whole(
+    nodes: StartNode, client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt past ``REQUEST_OFF_LOOP_BYTES`` goes as bytes serialized on a worker thread (the
+    call without a serializer): the engine gets every id, and answers as it does directly."""
+    from prefixgate.gateway.nodeclient.smg_common import REQUEST_OFF_LOOP_BYTES
+
+    seen: list[list[int]] = []
+    original = SglangSchedulerService.Generate
+
+    async def recording(self: SglangSchedulerService, request: Any, context: Any) -> AsyncIterator[Any]:
+        seen.append(list(request.tokenized.input_ids))
+        async for msg in original(self, request, context):
+            yield msg
+
+    monkeypatch.setattr(SglangSchedulerService, "Generate", recording)  # before the node starts
+    ns = await nodes("monolithic")
+    ids = [1_000 + (i * 7919) % 20_000 for i in range(REQUEST_OFF_LOOP_BYTES // 4 + 500)]
+    expected = HF.decode(await direct_ids(ns, ids, 4))
+    c = client(ns)
+    sent: list[type] = []
+    call = c.generate_call
+
+    def spying(request: Any, timeout: float) -> Any:
+        sent.append(type(request))
+        return call(request, timeout)
+
+    monkeypatch.setattr(c, "generate_call", spying)
+    s = c.generate(prompt(ids, 4), timeout=30)
+    assert await collect(s) == (expected, "length", 4)
+    assert seen == [ids, ids]  # directly, then through the adapter
+    short = c.generate(prompt(LONG, 4), timeout=30)
+    await collect(short)
+    assert seen[-1] == LONG
+    assert sent == [bytes, pb.GenerateRequest]  # a short prompt goes as the message itself
