@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import socket
@@ -230,10 +231,14 @@ async def serve(
     server, _ = make_server(ready, GatewayService(ready, writes_node_events=writes_node_events))
     server.install_signal_handlers(signals)
     serving = asyncio.ensure_future(server.serve(sockets))
-    if on_ready is not None:
-        while not server.started and not serving.done():
-            await asyncio.sleep(0.02)
-        if server.started:
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.02)
+    if server.started:
+        # What the start made (tokenizers, templates, routes, metrics: some 75,000 objects with
+        # a model's tokenizer) lives as long as the gateway. Frozen, a full collection no longer
+        # walks it: one took 36 ms of the two-core benchmark machine, every request waiting.
+        gc.freeze()
+        if on_ready is not None:
             on_ready()
     await serving
     await shutdown.end_leftovers()
