@@ -26,7 +26,7 @@ import random
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import structlog
 
@@ -458,13 +458,15 @@ class Executor:
             if pnode is not None and handoff is not None:
                 prompt = _prompt(prep, pnode, dnode)
                 stream = handoff.start(prompt, pnode.client, dnode.client, timeout=timeout)
-                if isinstance(stream, PrefillWatched):  # the prefill node is free once it reports
+                # the prefill node is free once it reports (an attribute check: ``isinstance``
+                # against the runtime Protocol walks its members every request)
+                if hasattr(stream, "on_prefill"):
 
                     def prefill_done() -> None:
                         lease.release()
                         self.gate.pump_soon(prep.model)
 
-                    stream.on_prefill = prefill_done
+                    cast(PrefillWatched, stream).on_prefill = prefill_done
             else:
                 stream = dnode.client.generate(_prompt(prep, dnode), timeout=timeout)
             try:

@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from prefixgate.gateway.config import KEYLESS_TENANT
 from prefixgate.gateway.core.auth import KeyRing, check_admin
@@ -78,19 +78,30 @@ class Job(Protocol[Started]):
     async def close(self, started: Started) -> None: ...
 
 
-@runtime_checkable
 class Generates(Protocol):
     """A job that generates: the most output tokens it may produce (what the rate limits reserve)."""
 
     def max_output_tokens(self, prepared: Prepared) -> int: ...
 
 
-@runtime_checkable
 class Metered(Protocol):
     """What a started job generated so far (what the rate limits settle with)."""
 
     @property
     def completion_tokens(self) -> int: ...
+
+
+def generated_at_most(job: object, prepared: Prepared) -> int:
+    """``Generates.max_output_tokens`` of a job that generates, else 0. Attribute checks, as in
+    ``completion_tokens``: ``isinstance`` against a runtime Protocol walks its members each call."""
+    most = getattr(job, "max_output_tokens", None)
+    return int(most(prepared)) if callable(most) else 0
+
+
+def completion_tokens(started: object) -> int:
+    """``Metered.completion_tokens`` of a started job that counts them, else 0."""
+    n = getattr(started, "completion_tokens", 0)
+    return n if isinstance(n, int) else 0
 
 
 class Documents(Protocol):
@@ -209,7 +220,7 @@ class RequestRunner:
         limits, hold, output, used = self.limits, None, 0, prepared.prompt_tokens
         try:
             if limits is not None:
-                most = job.max_output_tokens(prepared) if isinstance(job, Generates) else 0
+                most = generated_at_most(job, prepared)
                 hold = await limits.reserve(prepared, most)
             try:
                 started = await job.start(prepared)
@@ -219,8 +230,7 @@ class RequestRunner:
             try:
                 yield started
             finally:
-                if isinstance(started, Metered):
-                    output = started.completion_tokens
+                output = completion_tokens(started)
                 await job.close(started)
         finally:
             release()
