@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 import uuid
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import orjson
@@ -38,6 +38,28 @@ def _with(fields: Mapping[str, Any]) -> structlog.typing.Processor:
     return add
 
 
+class _LossyPrintLogger(structlog.PrintLogger):
+    """structlog's PrintLogger, but a line the output cannot take (a pipe whose reader went
+    away, a closed file) is dropped: a log line is never worth a failed request or a shutdown
+    that cannot finish."""
+
+    def msg(self, message: str) -> None:
+        try:
+            super().msg(message)
+        except (OSError, ValueError):
+            pass
+
+    log = debug = info = warn = warning = msg
+    fatal = failure = err = error = critical = exception = msg
+
+
+def _lossy_factory(file: Any) -> Callable[..., _LossyPrintLogger]:
+    def make(*_args: Any) -> _LossyPrintLogger:
+        return _LossyPrintLogger(file)
+
+    return make
+
+
 def configure_logging(
     fmt: str = "auto", level: str = "info", every_line: Mapping[str, Any] | None = None
 ) -> None:
@@ -54,7 +76,7 @@ def configure_logging(
     structlog.configure(
         processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=_lossy_factory(sys.stderr),
         cache_logger_on_first_use=True,
     )
     handler = logging.StreamHandler(sys.stderr)
