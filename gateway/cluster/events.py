@@ -48,14 +48,29 @@ def snapshot_chains(event: KVEvent) -> list[list[int]]:
 
 
 class EventSync:
-    def __init__(self, pool: NodePool, index: BlockIndex, metrics: Metrics, retry_s: float = 0.5) -> None:
+    """Follows each node's events into ``index``. ``repair_index``: where the snapshot a
+    ``resync`` asks for goes when ``index`` is not the shared index itself (a gateway worker
+    that leaves the event stream to a sibling, ``cachetier.resilient.MirrorWrites``): a node
+    found out of step (mispredicted, lost by Redis) is put right in the shared index by
+    whichever worker found it, not only in that worker's mirror."""
+
+    def __init__(
+        self,
+        pool: NodePool,
+        index: BlockIndex,
+        metrics: Metrics,
+        retry_s: float = 0.5,
+        repair_index: BlockIndex | None = None,
+    ) -> None:
         self.pool = pool
         self.index = index
+        self.repair_index = repair_index
         self.metrics = metrics
         self.retry_s = retry_s
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.last_seq: dict[str, int] = {}
         self.instance: dict[str, str] = {}
+        self._repairing: set[str] = set()  # addresses whose next snapshot goes to ``repair_index``
         self.applied = 0
 
     def watch(self, node: Node) -> None:
@@ -68,7 +83,9 @@ class EventSync:
             task.cancel()
 
     def resync(self, node: Node) -> None:
-        """Force a fresh snapshot on the next (re)connection."""
+        """Force a fresh snapshot on the next (re)connection (to ``repair_index`` if there is one)."""
+        if self.repair_index is not None:
+            self._repairing.add(node.address)
         self.last_seq.pop(node.address, None)
         self.unwatch(node)
         self.watch(node)
@@ -78,6 +95,7 @@ class EventSync:
         self.unwatch(node)
         self.last_seq.pop(node.address, None)
         self.instance.pop(node.address, None)
+        self._repairing.discard(node.address)
 
     async def _follow(self, node: Node) -> None:
         if not node.client.capabilities.kv_events:
@@ -115,9 +133,12 @@ class EventSync:
         prev_instance = self.instance.get(node.address)
         last = self.last_seq.get(node.address)
         if ev.kind == EventKind.SNAPSHOT:
+            repair = self.repair_index is not None and node.address in self._repairing
+            target = self.repair_index if repair and self.repair_index is not None else self.index
             if node.status is not None and node.status.capacity_blocks:  # bound first, then fill
-                await self.index.set_capacity(node_id, index_capacity(node.status.capacity_blocks))
-            await self.index.replace_node(node_id, snapshot_chains(ev))
+                await target.set_capacity(node_id, index_capacity(node.status.capacity_blocks))
+            await target.replace_node(node_id, snapshot_chains(ev))
+            self._repairing.discard(node.address)
             self.metrics.resyncs.labels("snapshot").inc()
         elif prev_instance != ev.instance_id or last is None or ev.seq != last + 1:
             # Restart or gap: ask for a snapshot by reconnecting from zero.

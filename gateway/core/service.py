@@ -100,8 +100,12 @@ class GatewayService:
             settings, self.pool, self.index, self.tokenizer, self.metrics, local_docs, self.model_tokenizers
         )
         self.pipeline.on_finished = self._count_usage
+        events_index = self.index if writes_node_events else mirror_writes(self.index)
         self.events = EventSync(
-            self.pool, self.index if writes_node_events else mirror_writes(self.index), self.metrics
+            self.pool,
+            events_index,
+            self.metrics,
+            repair_index=None if events_index is self.index else self.index,
         )
         self.pipeline.on_mispredict = self._resync_node
         self.metrics.bind_nodes(self.node_samples)
