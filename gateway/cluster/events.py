@@ -133,8 +133,9 @@ class EventSync:
         prev_instance = self.instance.get(node.address)
         last = self.last_seq.get(node.address)
         if ev.kind == EventKind.SNAPSHOT:
-            repair = self.repair_index is not None and node.address in self._repairing
-            target = self.repair_index if repair and self.repair_index is not None else self.index
+            target = self.index
+            if self.repair_index is not None and node.address in self._repairing:
+                target = self.repair_index
             if node.status is not None and node.status.capacity_blocks:  # bound first, then fill
                 await target.set_capacity(node_id, index_capacity(node.status.capacity_blocks))
             await target.replace_node(node_id, snapshot_chains(ev))

@@ -78,28 +78,16 @@ class Job(Protocol[Started]):
     async def close(self, started: Started) -> None: ...
 
 
-class Generates(Protocol):
-    """A job that generates: the most output tokens it may produce (what the rate limits reserve)."""
-
-    def max_output_tokens(self, prepared: Prepared) -> int: ...
-
-
-class Metered(Protocol):
-    """What a started job generated so far (what the rate limits settle with)."""
-
-    @property
-    def completion_tokens(self) -> int: ...
-
-
 def generated_at_most(job: object, prepared: Prepared) -> int:
-    """``Generates.max_output_tokens`` of a job that generates, else 0. Attribute checks, as in
-    ``completion_tokens``: ``isinstance`` against a runtime Protocol walks its members each call."""
+    """A job's ``max_output_tokens(prepared)`` (what the rate limits reserve) if it generates, else
+    0. Attribute checks, here and in ``completion_tokens``: ``isinstance`` against a runtime
+    Protocol walks its members on every call."""
     most = getattr(job, "max_output_tokens", None)
     return int(most(prepared)) if callable(most) else 0
 
 
 def completion_tokens(started: object) -> int:
-    """``Metered.completion_tokens`` of a started job that counts them, else 0."""
+    """A started job's ``completion_tokens`` (what the rate limits settle with), else 0."""
     n = getattr(started, "completion_tokens", 0)
     return n if isinstance(n, int) else 0
 

@@ -242,7 +242,6 @@ class TokenStream(Protocol):
     async def aclose(self) -> None: ...
 
 
-@runtime_checkable
 class PrefillWatched(Protocol):
     """A split stream that tells when its prefill leg is done (``on_prefill``, called once, on
     the loop, right after ``prefill`` is set): the prefill node is free for other work then,

@@ -41,7 +41,7 @@ In a running gateway the instance is ``GatewayService.tokenizer`` (the same obje
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import Any, Protocol, cast
 
 from prefixgate.gateway.tokens.bundle import BundleCache, BundleError, default_cache_dir
 from prefixgate.gateway.tokens.engine import DEFAULT_SEGMENT_CACHE_BYTES, EngineTokenizer, TokenizerLoadError
@@ -50,7 +50,6 @@ from prefixgate.gateway.tokens.template import ChatTemplate, ChatTemplateError, 
 from prefixgate.openai.normalize import Document, Layout
 
 
-@runtime_checkable
 class ChatEncoder(Protocol):
     name: str
 

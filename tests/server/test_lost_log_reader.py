@@ -31,7 +31,6 @@ def test_a_gateway_without_a_log_reader_serves_and_stops(workers: int) -> None:
             stdout=write,
             stderr=write,
             cwd=REPO,
-            env={**os.environ, "PREFIXGATE_LOG_FORMAT": "json"},
         )
         os.close(write)
         base = f"http://127.0.0.1:{port}"
