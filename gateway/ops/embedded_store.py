@@ -106,29 +106,32 @@ class EmbeddedStore:
         directory = Path(tempfile.mkdtemp(prefix="prefixgate-store-"))  # mode 0700
         sock = directory / "store.sock"
         t0 = time.monotonic()
-        out = (directory / "store.log").open("wb")
-        try:
-            proc = subprocess.Popen(
-                [str(binary), "--unixsocket", str(sock), "--dir", str(directory), *VALKEY_ARGS],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                preexec_fn=_own_group_and_die_with_parent,
-            )
-        except OSError as e:
+        try:  # a failed start, or a stop asked for meanwhile (SIGTERM), leaves nothing behind
+            with (directory / "store.log").open("wb") as out:
+                proc = subprocess.Popen(
+                    [str(binary), "--unixsocket", str(sock), "--dir", str(directory), *VALKEY_ARGS],
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    preexec_fn=_own_group_and_die_with_parent,
+                )
+        except BaseException as e:
             shutil.rmtree(directory, ignore_errors=True)
-            raise EmbeddedStoreError(f"the embedded store did not start: {e}") from None
-        finally:
-            out.close()
+            if isinstance(e, OSError):
+                raise EmbeddedStoreError(f"the embedded store did not start: {e}") from None
+            raise
         store = cls(directory, proc)
-        while not _pong(sock):
-            if proc.poll() is not None or time.monotonic() - t0 > timeout:
-                tail = (directory / "store.log").read_text(errors="replace")[-2000:]
-                store.stop()
-                raise EmbeddedStoreError(f"the embedded store did not start:\n{tail}")
-            time.sleep(0.02)
-        seconds = round(time.monotonic() - t0, 3)
-        log.info("embedded_store_started", socket=str(sock), pid=proc.pid, seconds=seconds)
+        try:
+            while not _pong(sock):
+                if proc.poll() is not None or time.monotonic() - t0 > timeout:
+                    tail = (directory / "store.log").read_text(errors="replace")[-2000:]
+                    raise EmbeddedStoreError(f"the embedded store did not start:\n{tail}")
+                time.sleep(0.02)
+            seconds = round(time.monotonic() - t0, 3)
+            log.info("embedded_store_started", socket=str(sock), pid=proc.pid, seconds=seconds)
+        except BaseException:
+            store.stop()
+            raise
         return store
 
     def stop(self, timeout: float = 5.0) -> None:

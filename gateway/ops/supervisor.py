@@ -119,6 +119,7 @@ class Worker:
     ready_pipe: Connection
     ready: bool = False
     started_at: float = field(default_factory=time.monotonic)
+    stop_sent: bool = False
 
 
 @dataclass
@@ -157,13 +158,17 @@ class Supervisor:
         )
         proc.start()
         child.close()
-        self.workers[index] = Worker(index, proc, parent)
+        self.workers[index] = worker = Worker(index, proc, parent)
         log.info("worker_started", worker=index, pid=proc.pid)
+        if self.stopping:  # the stop came while it was being started: it is not missed
+            self._send_stop(worker)
 
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._signalled)
         for i in range(self.count):
+            if self.stopping:
+                break
             self.start_worker(i)
         deadline = time.monotonic() + READY_TIMEOUT_S
         while self.workers:
@@ -183,10 +188,17 @@ class Supervisor:
         self.stopping = sig
         log.info("workers_stopping", signal=signal.Signals(sig).name, workers=len(self.workers))
         for w in self.workers.values():
-            with contextlib.suppress(OSError):
-                if w.process.pid is not None:
-                    os.kill(w.process.pid, signal.SIGTERM)
+            self._send_stop(w)
         self.kill_after = time.monotonic() + self.settings.shutdown_grace_s + STOP_MARGIN_S
+
+    def _send_stop(self, w: Worker) -> None:
+        """One SIGTERM per worker: a second would cut its open requests (a forced exit)."""
+        if w.stop_sent:
+            return
+        w.stop_sent = True
+        with contextlib.suppress(OSError):
+            if w.process.pid is not None:
+                os.kill(w.process.pid, signal.SIGTERM)
 
     def _watch(self, timeout: float) -> None:
         by_fd: dict[Connection | int, Worker] = {}
@@ -233,8 +245,10 @@ class Supervisor:
         w.ready_pipe.close()
         _mark_dead(w.process.pid)
         if self.stopping:
-            if code == 4 or (code and not self.exit_code):
-                self.exit_code = code if code > 0 else 1
+            # ended by the SIGTERM we sent, before it could handle it (still starting): as asked
+            failed = 0 if code == -signal.SIGTERM else code
+            if failed == 4 or (failed and not self.exit_code):
+                self.exit_code = failed if failed > 0 else 1
             log.info("worker_stopped", worker=w.index, pid=w.process.pid, exit_code=code)
             return
         log.error("worker_exited", worker=w.index, pid=w.process.pid, exit_code=code, ready=w.ready)
@@ -260,12 +274,20 @@ def _mark_dead(pid: int | None) -> None:
     multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]
 
 
+def _exit_before_workers(sig: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)
+
+
 def run_workers(settings: Settings, on_ready: Callable[[int], None] | None = None) -> int:
     """Serve ``settings`` with ``worker_count(settings)`` workers until a signal; the exit
     status as one gateway's (4 if a worker's grace cut requests). ``on_ready`` gets the port
     once every worker serves."""
     from prefixgate.gateway.ops import server
 
+    # a stop asked for before the workers exist is a clean exit that still removes what was made
+    # (the store, its socket, the metrics directory): the ``finally`` below runs
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_before_workers)
     prepared = asyncio.run(server.prepared(settings))
     if isinstance(prepared, int):
         return prepared

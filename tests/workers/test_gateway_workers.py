@@ -178,3 +178,31 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+@pytest.mark.parametrize("stop_at", ["embedded_store_started", "worker_started"])
+def test_sigterm_while_the_gateway_starts_is_a_clean_stop(stop_at: str) -> None:
+    """A stop asked for while the gateway is still starting (a rollout that changes its mind,
+    ``systemctl stop`` right after start) is the stop asked for, not a failure: exit 0, and the
+    store, its socket and the workers are gone. Workers still starting end by the signal itself,
+    before their own handling of it is set up."""
+    node = start_node(MODEL)
+    proc = spawn(["gateway", "--port", str(free_port()), "--workers", "2", "--worker-urls", node.url])
+    try:
+        proc.wait_for(r'^\{.*"event": ?"' + stop_at + r'".*\}$')
+        if stop_at == "worker_started":
+            proc.wait_for(r'^(?=.*"event": ?"worker_started")(?=.*"worker": ?1\b)')  # both started
+        proc.send_signal(signal.SIGTERM)
+        assert proc.proc.wait(timeout=30) == 0, proc.tail()
+        gateway = Gateway(proc, "")
+        assert not gateway.events("worker_ready"), "the workers were ready: the stop came too late to test"
+        stopped = gateway.events("worker_stopped")
+        assert {e["exit_code"] for e in stopped} <= {0, -signal.SIGTERM}, stopped
+        if stop_at == "worker_started":
+            assert len(stopped) == 2, proc.tail()
+        store = json.loads(proc.wait_for(r'^\{.*"event": ?"embedded_store_started".*\}$').group(0))
+        assert not Path(store["socket"]).parent.exists()
+        for pid in [int(store["pid"]), *(int(e["pid"]) for e in gateway.events("worker_started"))]:
+            assert not Path(f"/proc/{pid}").exists() or _zombie(pid), f"process {pid} outlived the gateway"
+    finally:
+        processes.stop_all([proc, *([node.proc] if node.proc else [])])
