@@ -378,7 +378,7 @@ def _profiled(
     out: str | None, target: str, cell: Cell, router: processes.Child | None, rnd: int = 0
 ) -> Iterator[stages.Sampler | None]:
     """A py-spy sampler on a prefixgate gateway during one measured cell (``--profile-out``)."""
-    if not out or target not in ("prefixgate", BASELINE) or router is None:
+    if not out or target not in ("prefixgate", BASELINE, "prefixgate-grpc") or router is None:
         yield None
         return
     name = _slug(f"{target} {cell.name}") + (f"-r{rnd + 1}" if rnd else "")
