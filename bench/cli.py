@@ -12,12 +12,12 @@ def _tiny(args: argparse.Namespace) -> int:
     return int(tiny_bench.main(list(args.rest)) or 0)
 
 
-def add_bench_parser(sub: Any) -> None:
+def add_bench_parser(sub: Any, text: str) -> None:
     """Add the ``bench`` subcommands (replay, hotpath, index, toolcalls, detok, zmq-flood, tiny, peers,
     overhead, chaos, fairness, limits, loopstall)."""
     from prefixgate.bench import hotpath, replay
 
-    bench = sub.add_parser("bench", help="run a benchmark (prints a table; --json FILE writes the figures)")
+    bench = sub.add_parser("bench", help=text)
     inner = bench.add_subparsers(dest="bench", required=True)
 
     rp = inner.add_parser("replay", help="replay a trace or generated workload through the routing policies")

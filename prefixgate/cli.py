@@ -1,8 +1,10 @@
 """The ``prefixgate`` command: up, gateway, node, bench, admin.
 
-The composition root: the one module that imports every package (gateway, nodes, benchmarks,
-admin client) to mount its subcommand. Heavy imports a subcommand alone needs stay inside it, so
-``prefixgate node`` does not load the gateway's HTTP server.
+The composition root: the one module that reaches every package (gateway, nodes, benchmarks,
+admin client) to mount its subcommand. Only the command that runs is mounted whole, and what a
+subcommand alone needs is imported inside it, so ``prefixgate node`` loads neither the gateway,
+the benchmarks nor the Redis client (tests/surface/test_command_imports.py): every process of a
+cluster, and every worker a supervisor restarts, starts sooner.
 """
 
 from __future__ import annotations
@@ -10,14 +12,23 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prefixgate.backends.cli import add_node_arguments, run_node
-from prefixgate.bench.cli import add_bench_parser
-from prefixgate.gateway.cluster import workers
-from prefixgate.gateway.config import Settings, load_settings
-from prefixgate.gateway.ops.admin_cli import add_admin_parser
 from prefixgate.gateway.ops.smg_flags import SmgFlagRefused, add_smg_arguments, check_pd, smg_overrides
+
+if TYPE_CHECKING:
+    from prefixgate.gateway.config import Settings
+
+#: Each command's one line in ``prefixgate --help``. A command's flags, and the modules they come
+#: from, are loaded only for the command that runs (all of them for the top-level help): a node
+#: does not import the benchmarks or the gateway, and each process of a cluster starts sooner.
+COMMANDS = {
+    "up": "start gateway + simulated nodes locally",
+    "gateway": "run the gateway alone",
+    "node": "run one node",
+    "bench": "run a benchmark (prints a table; --json FILE writes the figures)",
+    "admin": "talk to the admin API",
+}
 
 
 def _gateway_args(p: argparse.ArgumentParser, *, stack: bool) -> None:
@@ -248,6 +259,8 @@ _GATEWAY_KEYS = (
 
 def _settings(args: argparse.Namespace, keys: Sequence[str]) -> Settings | None:
     """The settings, or None after saying on stderr which one is wrong."""
+    from prefixgate.gateway.config import load_settings
+
     try:
         return load_settings(args.config, _overrides(args, keys))
     except ValueError as e:
@@ -258,6 +271,9 @@ def _settings(args: argparse.Namespace, keys: Sequence[str]) -> Settings | None:
 def gateway_settings(args: argparse.Namespace) -> Settings:
     """``prefixgate gateway``'s settings from its parsed flags (smg launch's among them:
     ``gateway.ops.smg_flags``); ValueError says in one line what is wrong."""
+    from prefixgate.gateway.cluster import workers
+    from prefixgate.gateway.config import load_settings
+
     args.prefill = workers.flag_entries(args.prefill)
     args.worker_urls = workers.flat_urls(args.worker_urls)
     try:
@@ -329,11 +345,20 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or only ``command``'s flags beside the others' names."""
     parser = argparse.ArgumentParser(prog="prefixgate", description="Disaggregated LLM serving gateway")
     sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in COMMANDS.items():
+        if command is None or command == name:
+            _ADD[name](sub, text)
+        else:
+            sub.add_parser(name, help=text)
+    return parser
 
-    up = sub.add_parser("up", help="start gateway + simulated nodes locally")
+
+def _add_up(sub: Any, text: str) -> None:
+    up = sub.add_parser("up", help=text)
     _gateway_args(up, stack=True)
     up.add_argument("--prefill", type=int, default=2, help="prefill nodes (default 2)")
     up.add_argument("--decode", type=int, default=4, help="decode nodes (default 4)")
@@ -348,22 +373,48 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.set_defaults(func=cmd_up)
 
-    gw = sub.add_parser("gateway", help="run the gateway alone")
+
+def _add_gateway(sub: Any, text: str) -> None:
+    gw = sub.add_parser("gateway", help=text)
     _gateway_args(gw, stack=False)
     add_smg_arguments(gw)
     gw.set_defaults(func=cmd_gateway)
 
-    node = sub.add_parser("node", help="run one node")
+
+def _add_node(sub: Any, text: str) -> None:
+    from prefixgate.backends.cli import add_node_arguments, run_node
+
+    node = sub.add_parser("node", help=text)
     add_node_arguments(node)
     node.set_defaults(func=run_node)
-    add_bench_parser(sub)
-    add_admin_parser(sub)
-    return parser
+
+
+def _add_bench(sub: Any, text: str) -> None:
+    from prefixgate.bench.cli import add_bench_parser
+
+    add_bench_parser(sub, text)
+
+
+def _add_admin(sub: Any, text: str) -> None:
+    from prefixgate.gateway.ops.admin_cli import add_admin_parser
+
+    add_admin_parser(sub, text)
+
+
+_ADD = {"up": _add_up, "gateway": _add_gateway, "node": _add_node, "bench": _add_bench, "admin": _add_admin}
+
+
+def _command(argv: Sequence[str]) -> str | None:
+    """The command ``argv`` names first (its flags follow it), if it names one."""
+    for arg in argv:
+        if not arg.startswith("-"):
+            return arg if arg in COMMANDS else None
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(_command(sys.argv[1:] if argv is None else argv)).parse_args(argv)
     except SmgFlagRefused as e:  # one line naming the flag, as for every settings error
         print(f"prefixgate gateway: {e}", file=sys.stderr)
         return 2

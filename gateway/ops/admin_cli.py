@@ -519,12 +519,12 @@ def _request_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--user")
 
 
-def add_admin_parser(subparsers: Any) -> None:
+def add_admin_parser(subparsers: Any, text: str) -> None:
     common = _common()
     admin = subparsers.add_parser(
         "admin",
         parents=[common],
-        help="talk to the admin API",
+        help=text,
         description="The admin API from a terminal: tables, or the JSON answers with --json.",
     )
     sub = admin.add_subparsers(dest="admin_command", required=True, metavar="COMMAND")
