@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from prefixgate.cachetier.tasks import stop_task
+from prefixgate.gateway.cluster.workers import WorkerOptions
 from prefixgate.gateway.state.store import Member, StateStore
 
 if TYPE_CHECKING:
@@ -34,12 +35,15 @@ class Membership:
         self,
         state: StateStore,
         pool: NodePool,
-        add: Callable[[str, str], Awaitable[Node]],
+        add: Callable[[str, str, WorkerOptions | None], Awaitable[Node]],
         forget: Callable[[Node], Awaitable[None]],
         interval_s: float = 1.0,
+        options: Callable[[str], WorkerOptions | None] | None = None,
     ) -> None:
+        """``options(address)``: the options a worker was registered with (None: none)."""
         self.state = state
         self.pool = pool
+        self._options = options or (lambda _address: None)
         self._add = add
         self._forget = forget
         self.interval_s = interval_s
@@ -54,7 +58,9 @@ class Membership:
         """Record what an admin call did to ``node`` here, for the other replicas."""
         if not self.shared:
             return
-        member = Member(node.address, node.role, present, node.draining and present, time.time())
+        extra = self._options(node.address) if present else None
+        record = extra.to_record() if extra is not None else {}
+        member = Member(node.address, node.role, present, node.draining and present, time.time(), record)
         try:
             await self.state.member_put(member)
         except Exception as e:  # the change holds here; the others learn it when Redis is back
@@ -67,7 +73,8 @@ class Membership:
             node = self.pool.nodes.get(m.address)
             if m.present and node is None:
                 try:
-                    node = await self._add(m.role, m.address)
+                    extra = WorkerOptions.from_record(dict(m.options)) if m.options else None
+                    node = await self._add(m.role, m.address, extra)
                 except ValueError as e:
                     log.warning("membership_add_refused", address=m.address, error=str(e))
                     continue

@@ -17,7 +17,7 @@ gRPC decode workers, or the reverse) are refused by ``normalize``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +36,59 @@ NO_PORT = ("none", "")
 class WorkerSpec:
     url: str
     bootstrap_port: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerOptions:
+    """What a worker registered at runtime (``POST /workers``, smg's body) brings beyond its
+    address: a prefill worker's bootstrap port, its runtime (SGLang or vLLM, for split serving
+    and the SMG protocol), the key it wants, and what the operator said of it (model, priority,
+    cost, labels: kept and reported; routing goes by cache and load). Shared with the other
+    replicas in the membership record (``to_record``), the key included: a replica that adds
+    the worker must reach it as this one does."""
+
+    split: bool = False  # a prefill or decode worker (an http:// one hands KV its engine's way)
+    bootstrap_port: int | None = None
+    runtime: str = ""  # "sglang" | "vllm"; "": the gateway's --backend, else detected
+    api_key: str = ""
+    model_id: str = ""
+    priority: int = 50
+    cost: float = 1.0
+    labels: tuple[tuple[str, str], ...] = ()
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "split": self.split,
+            "bootstrap_port": self.bootstrap_port,
+            "runtime": self.runtime,
+            "api_key": self.api_key,
+            "model_id": self.model_id,
+            "priority": self.priority,
+            "cost": self.cost,
+            "labels": dict(self.labels),
+        }
+
+    @classmethod
+    def from_record(cls, rec: dict[str, Any]) -> WorkerOptions:
+        """A record ``to_record`` wrote; ValueError for one that is not (never applied)."""
+        try:
+            port = rec.get("bootstrap_port")
+            labels = rec.get("labels") or {}
+            return cls(
+                bool(rec.get("split", False)),
+                None if port is None else int(port),
+                str(rec.get("runtime", "")),
+                str(rec.get("api_key", "")),
+                str(rec.get("model_id", "")),
+                int(rec.get("priority", 50)),
+                float(rec.get("cost", 1.0)),
+                tuple(sorted((str(k), str(v)) for k, v in dict(labels).items())),
+            )
+        except (TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"worker options record {rec!r}: {e}") from None
+
+
+NO_OPTIONS = WorkerOptions()
 
 
 def parse_worker(entry: str) -> WorkerSpec:
@@ -160,6 +213,7 @@ def connector(
     codec: Any = None,
     *,
     codec_for: Callable[[str], Any] | None = None,
+    registered: Mapping[str, WorkerOptions] | None = None,
 ) -> Callable[[str], NodeClient]:
     """``NodePool``'s client factory for these settings.
 
@@ -167,7 +221,8 @@ def connector(
     tokenizer of their own, and the gateway may load it after it starts) names the namespace
     events are re-hashed into; ``codec_for(model)``, else ``codec``, is the engine's
     ``tokenizers.Tokenizer`` for detokenizing (None: from the ``tokenizer`` spec, else the
-    worker's ``tokenizer_path``)."""
+    worker's ``tokenizer_path``); ``registered``: the options of workers added at runtime, read
+    when each is connected."""
     from prefixgate.gateway import nodeclient
     from prefixgate.gateway.nodeclient.smg_common import SmgOptions
 
@@ -190,16 +245,22 @@ def connector(
 
     def connect(address: str) -> NodeClient:
         scheme, _target = nodeclient.split_address(address)
-        if scheme in HTTP_SCHEMES and address in split:
+        extra = (registered or {}).get(address, NO_OPTIONS)
+        backend = extra.runtime or settings.backend
+        port = extra.bootstrap_port if extra.bootstrap_port is not None else ports.get(address)
+        if scheme in HTTP_SCHEMES and (address in split or extra.split):
             from prefixgate.gateway.nodeclient.http_pd import HttpPDOptions
 
-            pd = HttpPDOptions(settings.backend, ports.get(address))
-            return nodeclient.connect(address, http_pd=pd, engine_priority=settings.engine_priority)
+            pd = HttpPDOptions(backend, port)
+            return nodeclient.connect(
+                address, http_pd=pd, engine_priority=settings.engine_priority, api_key=extra.api_key
+            )
         if scheme in HTTP_SCHEMES:
-            return nodeclient.connect(address, engine_priority=settings.engine_priority)
+            priority = settings.engine_priority
+            return nodeclient.connect(address, engine_priority=priority, api_key=extra.api_key)
         if scheme != "grpc":
             return nodeclient.connect(address)
-        options = SmgOptions(settings.backend, ports.get(address), bs, root_of, codec, codec_for)
+        options = SmgOptions(backend, port, bs, root_of, codec, codec_for)
         return nodeclient.connect(address, smg=options)
 
     return connect

@@ -19,6 +19,7 @@ from prefixgate.gateway.cluster.breaker import CircuitBreaker
 from prefixgate.gateway.cluster.events import EventSync
 from prefixgate.gateway.cluster.membership import Membership
 from prefixgate.gateway.cluster.nodes import Node, NodePool
+from prefixgate.gateway.cluster.workers import WorkerOptions
 from prefixgate.gateway.config import KEYLESS_TENANT, Settings
 from prefixgate.gateway.core.pipeline import Execution, Pipeline
 from prefixgate.gateway.core.rate_limits import LimitUse, RateLimiter, policy_of
@@ -63,6 +64,8 @@ class GatewayService:
         self.index = index if index is not None else open_index(settings, self._index_recovered)
         self.tokenizer = gateway_tokenizer(settings)
         self.model_tokenizers = model_tokenizers(settings)  # models whose workers take another
+        # workers registered at runtime with options (``POST /workers``), read when connected
+        self.worker_options: dict[str, WorkerOptions] = {}
         self.pool = NodePool(
             settings.stats_interval_s,
             connect=self._connector(),
@@ -116,7 +119,12 @@ class GatewayService:
         self.limits = RateLimiter(self.state, policy_of(s), self.metrics.registry)
         self.runner.limits = self.limits
         self.membership = Membership(
-            self.state, self.pool, self._add_node, self._forget_node, s.membership_interval_s
+            self.state,
+            self.pool,
+            self._add_node,
+            self._forget_node,
+            s.membership_interval_s,
+            self.worker_options.get,
         )
         self._started = False
 
@@ -135,6 +143,7 @@ class GatewayService:
             s,
             lambda model: tokenizer_of(model).name,
             codec_for=lambda model: getattr(tokenizer_of(model), "hf", None),
+            registered=self.worker_options,
         )
         dropped = self.metrics.kv_events_dropped
 
@@ -277,9 +286,16 @@ class GatewayService:
             )
         return out
 
-    async def _add_node(self, role: str, address: str) -> Node:
+    async def _add_node(self, role: str, address: str, options: WorkerOptions | None = None) -> Node:
         self._check_tenancy(address)
-        node = self.pool.add(role, address)
+        if options is not None:
+            self.worker_options[address] = options
+        try:
+            node = self.pool.add(role, address)
+        except BaseException:
+            if options is not None:
+                self.worker_options.pop(address, None)
+            raise
         self.events.watch(node)
         await self.pool.refresh(node, timeout=2.0)
         log.info("node_added", node=node.id, role=role, address=address, reachable=node.reachable)
@@ -288,15 +304,17 @@ class GatewayService:
     async def _forget_node(self, node: Node) -> None:
         self.events.forget(node)
         await self.pool.remove(node.address)
+        self.worker_options.pop(node.address, None)
         log.info("node_removed", node=node.id, role=node.role, address=node.address)
 
-    async def add_node(self, role: str, address: str) -> Node:
+    async def add_node(self, role: str, address: str, options: WorkerOptions | None = None) -> Node:
         """Register a node at runtime: poll its stats and follow its KV events; every replica
-        sharing this one's Redis does the same.
+        sharing this one's Redis does the same. ``options``: what an smg-style registration
+        says of the worker (``workers.WorkerOptions``).
 
         Raises ValueError for an unknown role or an address already registered.
         """
-        node = await self._add_node(role, address)
+        node = await self._add_node(role, address, options)
         await self.membership.record(node, present=True)
         return node
 

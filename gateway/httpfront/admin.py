@@ -60,7 +60,9 @@ def require_admin(handler: Handler) -> Handler:
 # -- request bodies ------------------------------------------------------------------------------
 
 
-async def _body(request: Request, limit: int = ADMIN_BODY_LIMIT, *, optional: bool = False) -> dict[str, Any]:
+async def json_body(
+    request: Request, limit: int = ADMIN_BODY_LIMIT, *, optional: bool = False
+) -> dict[str, Any]:
     raw = await read_body(request, limit)
     if optional and not raw.strip():
         return {}
@@ -242,7 +244,7 @@ async def list_nodes(request: Request) -> Response:
 
 async def add_node(request: Request) -> Response:
     svc = service_of(request)
-    body = await _body(request)
+    body = await json_body(request)
     role, address = body.get("role"), body.get("address")
     if role not in ROLES:
         raise invalid(f"'role' must be one of {list(ROLES)}", "role")
@@ -281,7 +283,7 @@ async def drain_node(request: Request) -> Response:
     """Drained: no new work; what runs on the node finishes. ``{"drain": false}`` undoes it."""
     svc = service_of(request)
     node = _node(svc, request.path_params["node_id"])
-    body = await _body(request, optional=True)
+    body = await json_body(request, optional=True)
     drain = body.get("drain", True)
     if not isinstance(drain, bool):
         raise invalid("'drain' must be true or false", "drain")
@@ -340,14 +342,14 @@ async def cache_view(request: Request) -> Response:
 
 async def cache_lookup(request: Request) -> Response:
     svc = service_of(request)
-    body = await _body(request, svc.settings.max_body_bytes)
+    body = await json_body(request, svc.settings.max_body_bytes)
     prep = await _prepare(svc, body, _admin_context(request))
     return ORJSONResponse(cache_json.explanation_json(await cache_ops.explain(svc, prep)))
 
 
 async def cache_evict(request: Request) -> Response:
     svc = service_of(request)
-    body = await _body(request, svc.settings.max_body_bytes)
+    body = await json_body(request, svc.settings.max_body_bytes)
     node_id = body.get("node")
     if node_id is not None and not isinstance(node_id, str):
         raise invalid("'node' must be a node id", "node")
@@ -387,7 +389,7 @@ async def cache_pin(request: Request) -> Response:
     """``POST /admin/cache/pin``: warm and pin a prefix on nodes the admin may name."""
     svc = service_of(request)
     context = svc.runner.enter(caller_of(request), Credentials.ADMIN)
-    body = await _body(request, svc.settings.max_body_bytes)
+    body = await json_body(request, svc.settings.max_body_bytes)
     prep = await _prepare(svc, body, context)
     pin_seconds = _pin_seconds(body, required=True)
     job = cache_ops.Warm(svc, _nodes_param(body), pin_seconds)
@@ -401,7 +403,7 @@ async def prefill_service(request: Request) -> Response:
     runner = svc.runner
     max_pin = min(svc.settings.pin_max_seconds, cache_ops.MAX_PIN_SECONDS)
     context = runner.enter(caller_of(request))
-    body = await _body(request, svc.settings.max_body_bytes)
+    body = await json_body(request, svc.settings.max_body_bytes)
     if body.get("nodes") is not None:
         raise Forbidden(
             "choosing nodes is for the admin API (POST /admin/cache/pin); a tenant's prefill goes "
@@ -428,7 +430,7 @@ async def get_switches(request: Request) -> Response:
 
 async def put_switches(request: Request) -> Response:
     svc = service_of(request)
-    body = await _body(request)
+    body = await json_body(request)
     unknown = set(body) - set(SWITCHES)
     if unknown:
         raise invalid(f"unknown switch(es) {sorted(unknown)}; known: {list(SWITCHES)}", sorted(unknown)[0])

@@ -36,6 +36,7 @@ from prefixgate.gateway.httpfront.common import (
 )
 from prefixgate.gateway.httpfront.headers import execution_headers
 from prefixgate.gateway.httpfront.metrics_listener import scrape
+from prefixgate.gateway.httpfront.smg_workers import smg_worker_routes
 from prefixgate.openai.errors import APIError
 from prefixgate.openai.schema import ParsedRequest, document_id, parse_request
 
@@ -226,7 +227,7 @@ def create_app(service: GatewayService) -> Starlette:
             await service.stop()
 
     app = Starlette(
-        routes=routes() + admin_routes(),
+        routes=routes() + admin_routes() + smg_worker_routes(),
         lifespan=lifespan,
         exception_handlers={404: _not_found, 405: _method_not_allowed},
     )

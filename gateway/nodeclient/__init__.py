@@ -53,9 +53,10 @@ def _http(address: str, target: str, options: dict[str, Any]) -> NodeClient:
 
     pd = options.get("http_pd")
     priority = str(options.get("engine_priority", "off"))
+    api_key = str(options.get("api_key", ""))
     if isinstance(pd, HttpPDOptions):  # a prefill or decode worker: split serving, its engine's way
-        return HttpPDClient(address, pd, priority)
-    return HttpOpenAIClient(address, priority)
+        return HttpPDClient(address, pd, priority, api_key)
+    return HttpOpenAIClient(address, priority, api_key)
 
 
 # One line a protocol: scheme -> adapter factory ``(address, HOST:PORT, options) -> NodeClient``.
@@ -85,7 +86,7 @@ def connect(address: str, **options: Any) -> NodeClient:
     (SGLang/vLLM over the SMG protocol; ``smg=SmgOptions(...)`` configures it) or
     ``http://HOST:PORT`` (an OpenAI-compatible HTTP worker; ``http_pd=HttpPDOptions(...)`` makes
     it a prefill or decode worker, ``http_pd``; ``engine_priority=`` how its bodies carry a
-    request's priority, ``openai_body.with_priority``)."""
+    request's priority, ``openai_body.with_priority``; ``api_key=`` the worker's own key)."""
     scheme, target = split_address(address)
     return ADAPTERS[scheme](address, target, options)
 

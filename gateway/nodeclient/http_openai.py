@@ -240,10 +240,16 @@ def parse_logprobs(raw: Any, chat: bool) -> tuple[TokenLogprob, ...]:
     return tuple(out)
 
 
+def _worker_headers(api_key: str) -> dict[str, str]:
+    return {"user-agent": "prefixgate", **({"authorization": f"Bearer {api_key}"} if api_key else {})}
+
+
 class HttpOpenAIClient:
     """One OpenAI-compatible HTTP worker (``http://HOST:PORT``, optionally ``.../v1``)."""
 
-    def __init__(self, address: str, engine_priority: str = "off") -> None:
+    def __init__(self, address: str, engine_priority: str = "off", api_key: str = "") -> None:
+        """``api_key``: sent to the worker as ``Authorization: Bearer KEY`` (a worker behind its
+        own key); never the client's credentials, which stay at the gateway."""
         url = httpx.URL(address)
         if url.scheme not in ("http", "https") or not url.host:
             raise ValueError(f"an HTTP worker address is http://HOST:PORT, got {address!r}")
@@ -262,7 +268,7 @@ class HttpOpenAIClient:
             timeout=httpx.Timeout(30.0, connect=CONNECT_TIMEOUT_S),
             trust_env=False,  # a worker on loopback is never reached through a proxy
             follow_redirects=False,
-            headers={"user-agent": "prefixgate"},
+            headers=_worker_headers(api_key),
         )
         self.models: tuple[str, ...] = ()
         self.inflight = 0

@@ -80,8 +80,10 @@ class HttpPDOptions:
 class HttpPDClient(HttpOpenAIClient):
     """An HTTP worker in a prefill or decode pool."""
 
-    def __init__(self, address: str, options: HttpPDOptions, engine_priority: str = "off") -> None:
-        super().__init__(address, engine_priority)
+    def __init__(
+        self, address: str, options: HttpPDOptions, engine_priority: str = "off", api_key: str = ""
+    ) -> None:
+        super().__init__(address, engine_priority, api_key)
         self.pd = options
         self.host = httpx.URL(address).host
         self._bootstrap_port: int | None = options.bootstrap_port

@@ -277,9 +277,15 @@ class RedisState:
     # -- membership ----------------------------------------------------------------------------
 
     async def member_put(self, member: Member) -> None:
-        record = orjson.dumps(
-            {"role": member.role, "present": member.present, "draining": member.draining, "at": member.at}
-        )
+        fields: dict[str, Any] = {
+            "role": member.role,
+            "present": member.present,
+            "draining": member.draining,
+            "at": member.at,
+        }
+        if member.options:
+            fields["options"] = dict(member.options)
+        record = orjson.dumps(fields)
         args = [member.address, record, self.membership_ttl_ms, MAX_MEMBERS]
         await self._run(state_lua.MEMBER_PUT, [self.nodes_key("members")], args)
 
@@ -290,6 +296,9 @@ class RedisState:
             address = raw[i].decode() if isinstance(raw[i], bytes) else raw[i]
             try:
                 rec = orjson.loads(raw[i + 1])
+                options = rec.get("options") or {}
+                if not isinstance(options, dict):
+                    continue
                 out.append(
                     Member(
                         address,
@@ -297,6 +306,7 @@ class RedisState:
                         bool(rec["present"]),
                         bool(rec["draining"]),
                         float(rec["at"]),
+                        options,
                     )
                 )
             except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from prefixgate.gateway.scheduling.token_limits import Check, Outcome
 from prefixgate.gateway.state.documents import DocumentLimits
@@ -58,6 +58,8 @@ class Member:
     present: bool
     draining: bool = False
     at: float = 0.0
+    # a worker registered with options (``workers.WorkerOptions.to_record``); {}: none
+    options: Mapping[str, Any] = field(default_factory=dict)
 
 
 USAGE_FIELDS = ("requests", "prompt_tokens", "cached_tokens", "output_tokens")

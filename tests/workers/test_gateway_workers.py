@@ -206,3 +206,36 @@ def test_sigterm_while_the_gateway_starts_is_a_clean_stop(stop_at: str) -> None:
             assert not Path(f"/proc/{pid}").exists() or _zombie(pid), f"process {pid} outlived the gateway"
     finally:
         processes.stop_all([proc, *([node.proc] if node.proc else [])])
+
+
+def test_a_worker_registered_through_one_worker_serves_through_both(gateway: Gateway) -> None:
+    """smg's ``POST /workers`` taken by one worker reaches the other through the shared store,
+    with what the body said of the worker (its labels here): both route to it."""
+    extra = start_node("m-w2")
+    try:
+        body = {"url": extra.url, "worker_type": "regular", "labels": {"rack": "r7"}}
+        with httpx.Client(base_url=gateway.base, timeout=30, trust_env=False) as c:
+            r = c.post("/workers", json=body)
+        assert r.status_code == 202, r.text
+        worker_id = r.json()["worker_id"]
+        chat = {"model": "m-w2", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+        served: set[int] = set()
+        deadline = time.monotonic() + 30
+        while len(served) < 2 and time.monotonic() < deadline:
+            with httpx.Client(base_url=gateway.base, timeout=30, trust_env=False) as c:
+                answer = c.post("/v1/chat/completions", json=chat, headers={"connection": "close"})
+                listed = c.get("/workers", headers={"connection": "close"}).json()["workers"]
+            if answer.status_code != 200:  # the other worker has not read the record yet (1 s)
+                assert answer.status_code in (404, 503), answer.text
+                time.sleep(0.2)
+                continue
+            assert answer.headers["x-prefixgate-decode-node"] == worker_id
+            line = gateway.served(answer.headers["x-prefixgate-request-id"])
+            served.add(int(line["worker"]))
+            mine = [w for w in listed if w["id"] == worker_id]
+            assert not mine or mine[0]["metadata"] == {"rack": "r7"}, listed
+        assert served == {0, 1}, served
+        with httpx.Client(base_url=gateway.base, timeout=30, trust_env=False) as c:
+            assert c.delete(f"/workers/{worker_id}").status_code == 202
+    finally:
+        processes.stop_all([extra.proc] if extra.proc else [])
