@@ -71,6 +71,7 @@ from prefixgate.backends.http_requests import (
 from prefixgate.backends.http_wire import DONE, JSON, Answer, Wire, api_error, sse
 from prefixgate.backends.node import Node
 from prefixgate.cachetier.tokenizer import pack_ids, unpack_ids
+from prefixgate.gateway import tracing
 from prefixgate.gateway.core.errors import GatewayError, invalid
 from prefixgate.openai.errors import APIError, from_domain
 from prefixgate.openai.schema import ParsedRequest, parse_json, parse_request
@@ -82,6 +83,7 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 def _guard(handler: Handler) -> Handler:
     async def wrapped(request: Request) -> Response:
+        tracing.received(request.headers.get(tracing.TRACEPARENT_KEY, ""), path=request.url.path)
         try:
             return await handler(request)
         except APIError as e:

@@ -68,6 +68,7 @@ from prefixgate.backends.node import (
 from prefixgate.backends.profiles import get_profile
 from prefixgate.backends.stats import stats_message
 from prefixgate.backends.transfer import WirePage
+from prefixgate.gateway import tracing
 from prefixgate.v1 import node_pb2, node_pb2_grpc
 
 if TYPE_CHECKING:
@@ -93,6 +94,7 @@ def _bind(context: Any, request_id: str, node_id: str) -> str:
     rid = request_id or _metadata(context, REQUEST_ID_KEY)
     structlog.contextvars.clear_contextvars()
     structlog.contextvars.bind_contextvars(request_id=rid, node_id=node_id)
+    tracing.received(_metadata(context, tracing.TRACEPARENT_KEY))
     return rid
 
 

@@ -57,6 +57,7 @@ from prefixgate.backends.smg_convert import (
     sampling_from_sglang,
     token_map,
 )
+from prefixgate.gateway import tracing
 
 log = structlog.get_logger("prefixgate.node")
 
@@ -194,6 +195,10 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
         rid = request.request_id or f"gen-{uuid.uuid4().hex}"
         structlog.contextvars.clear_contextvars()
         structlog.contextvars.bind_contextvars(request_id=rid, node_id=self.node.node_id)
+        traceparent = next(
+            (str(v) for k, v in context.invocation_metadata() or () if k == tracing.TRACEPARENT_KEY), ""
+        )
+        tracing.received(traceparent)
         abort = self._abort_event(rid)
         try:
             if not request.HasField("tokenized") or not request.tokenized.input_ids:

@@ -22,6 +22,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from prefixgate.gateway import tracing
 from prefixgate.gateway.core.auth import valid_request_id
 from prefixgate.gateway.core.errors import GatewayError, InvalidRequest, TooLarge
 from prefixgate.gateway.core.runner import Caller, RequestRunner
@@ -128,7 +129,7 @@ class Endpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive, send)
-        bind_request(request_id_of(request), path=scope["path"])
+        rid = bind_request(request_id_of(request), path=scope["path"])
         started = False
 
         async def respond(response: Response) -> None:
@@ -136,15 +137,20 @@ class Endpoint:
             started = True
             await response(scope, receive, send)
 
-        try:
-            await self.handler(request, respond)
-        except ClientDisconnect:
-            log.info("client_disconnected", path=scope["path"])
-        except Exception as e:
-            if started:
-                log.error("response_failed", path=scope["path"], exc_info=e)
-                return
-            await error_response(request, e)(scope, receive, send)
+        with tracing.request(
+            "prefixgate.request",
+            request.headers,
+            **{"http.route": scope["path"], "prefixgate.request_id": rid},
+        ):
+            try:
+                await self.handler(request, respond)
+            except ClientDisconnect:
+                log.info("client_disconnected", path=scope["path"])
+            except Exception as e:
+                if started:
+                    log.error("response_failed", path=scope["path"], exc_info=e)
+                    return
+                await error_response(request, e)(scope, receive, send)
 
 
 class EventStream(Response):

@@ -36,6 +36,7 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefixgate.cachetier.tokenizer import unpack_ids
+from prefixgate.gateway import tracing
 from prefixgate.gateway.nodeclient import reported
 from prefixgate.gateway.nodeclient.base import (
     Capabilities,
@@ -391,6 +392,7 @@ class HttpOpenAIClient:
                 "content-type": "application/json",
                 "accept": "text/event-stream",
                 "x-request-id": prompt.request_id,
+                **dict(tracing.CONTEXT.get()),  # the engine joins the request's trace
             },
             timeout=httpx.Timeout(timeout, connect=min(CONNECT_TIMEOUT_S, timeout)),
         )
@@ -421,7 +423,11 @@ class HttpOpenAIClient:
                 "POST",
                 PATHS.get(req.kind, PATHS["completion"]),
                 content=orjson.dumps(req.body),
-                headers={"content-type": "application/json", "x-request-id": request_id},
+                headers={
+                    "content-type": "application/json",
+                    "x-request-id": request_id,
+                    **dict(tracing.CONTEXT.get()),
+                },
                 timeout=httpx.Timeout(timeout, connect=min(CONNECT_TIMEOUT_S, timeout)),
             ) as r:
                 if r.status_code != 200:

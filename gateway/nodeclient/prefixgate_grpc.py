@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 
 from prefixgate.backends.stats import node_status
+from prefixgate.gateway import tracing
 from prefixgate.gateway.nodeclient.base import (
     Capabilities,
     FailedStream,
@@ -150,7 +151,8 @@ def kv_event(msg: node_pb2.KVEvent) -> KVEvent:
 
 
 def _metadata(request_id: str) -> tuple[tuple[str, str], ...]:
-    return ((REQUEST_ID_KEY, request_id),)
+    """The request's id and its trace context (``gateway.tracing``: the engine joins the trace)."""
+    return ((REQUEST_ID_KEY, request_id), *tracing.CONTEXT.get())
 
 
 class _ChunkStream:

@@ -28,6 +28,7 @@ import grpc
 import structlog
 
 from prefixgate.cachetier.tokenizer import unpack_ids
+from prefixgate.gateway import tracing
 from prefixgate.gateway.nodeclient import reported
 from prefixgate.gateway.nodeclient.base import (
     Capabilities,
@@ -423,9 +424,10 @@ class SmgNodeClient:
     def generate_call(self, request: Any, timeout: float) -> Any:
         """A Generate call of the detected runtime; ``request`` its message, or that message
         serialized already (bytes: a long prompt's, serialized off the event loop)."""
+        metadata = tracing.CONTEXT.get() or None  # the engine joins the request's trace
         if isinstance(request, bytes):
-            return self._generate_bytes(request, timeout=timeout)
-        return self.stub.Generate(request, timeout=timeout)
+            return self._generate_bytes(request, timeout=timeout, metadata=metadata)
+        return self.stub.Generate(request, timeout=timeout, metadata=metadata)
 
     def codec(self) -> Codec:
         """The engine's tokenizer: its model's (``codec_for``), given, or ``tokenizer.json`` under

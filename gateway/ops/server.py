@@ -24,7 +24,7 @@ from typing import Any
 import structlog
 import uvicorn
 
-from prefixgate.gateway import shutdown
+from prefixgate.gateway import shutdown, tracing
 from prefixgate.gateway.cluster.workers import tenancy_refusal
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.core.service import GatewayService
@@ -228,6 +228,7 @@ async def serve(
     ready = await prepared(settings)
     if isinstance(ready, int):
         return ready
+    tracing.configure()  # OpenTelemetry traces when the OTEL_* variables name an endpoint
     server, _ = make_server(ready, GatewayService(ready, writes_node_events=writes_node_events))
     server.install_signal_handlers(signals)
     serving = asyncio.ensure_future(server.serve(sockets))
@@ -242,6 +243,7 @@ async def serve(
             on_ready()
     await serving
     await shutdown.end_leftovers()
+    await asyncio.to_thread(tracing.shutdown)  # the spans left are exported (bounded)
     return EXIT_WORK_CUT if server.work_cut else 0
 
 

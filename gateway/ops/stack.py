@@ -169,7 +169,7 @@ def run_stack_workers(settings: Settings, opts: StackOptions) -> int:
 
 
 async def run_stack(settings: Settings, opts: StackOptions) -> int:
-    from prefixgate.gateway import shutdown
+    from prefixgate.gateway import shutdown, tracing
     from prefixgate.gateway.ops.server import EXIT_WORK_CUT, make_server
 
     t0 = time.perf_counter()
@@ -178,6 +178,7 @@ async def run_stack(settings: Settings, opts: StackOptions) -> int:
         _stack_settings(settings, opts, nodes)
         if settings.port == 0:
             settings.port = free_port(settings.host)
+        tracing.configure()  # OpenTelemetry traces when the OTEL_* variables name an endpoint
         server, _svc = make_server(settings)
         server.install_signal_handlers()
         serve_task = asyncio.create_task(server.serve())
@@ -188,6 +189,7 @@ async def run_stack(settings: Settings, opts: StackOptions) -> int:
         _ready_lines(settings, nodes, time.perf_counter() - t0)
         await serve_task
         await shutdown.end_leftovers()
+        await asyncio.to_thread(tracing.shutdown)
         return EXIT_WORK_CUT if server.work_cut else 0
     finally:
         stop_nodes(nodes)
