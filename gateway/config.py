@@ -193,6 +193,15 @@ class Settings:
     document_ttl_s: float = 7 * 24 * 3600.0
     membership_interval_s: float = 1.0  # how often a replica applies changes made elsewhere
     membership_ttl_s: float = 60.0
+    # Workers found at run time (``gateway.cluster.discovery``): a file of smg worker bodies,
+    # re-read when it changes; DNS names (``ROLE=NAME:PORT`` A/AAAA, ``ROLE=_svc._proto.NAME``
+    # SRV), re-resolved; both every ``discovery_interval_s``. A worker gone from them is
+    # forgotten, its index entries kept ``discovery_forget_s`` for it to come back.
+    discovery_file: str = ""
+    discovery_dns: list[str] = field(default_factory=list)
+    discovery_dns_server: str = ""  # HOST[:PORT] of the resolver to ask ("": the system's)
+    discovery_interval_s: float = 2.0
+    discovery_forget_s: float = 300.0
     usage_flush_s: float = 1.0  # how often a replica adds its usage counts to the shared figures
     usage_ttl_s: float = 90 * 24 * 3600.0
     # Tenant accounting: prices per million tokens (defaults: the reference revenue model, input
@@ -367,6 +376,8 @@ _AT_LEAST: dict[str, float] = {
     "grpc_keepalive_time_s": 0.001,
     "grpc_keepalive_timeout_s": 0.001,
     "grpc_min_ping_interval_s": 0,
+    "discovery_interval_s": 0.05,
+    "discovery_forget_s": 0,
     "tenant_tokens_per_minute": 0,
     "tenant_requests_per_minute": 0,
     "key_tokens_per_minute": 0,

@@ -297,9 +297,16 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from prefixgate.gateway.ops.server import run
 
     configure_logging(settings.log_format, settings.log_level)
-    if not (settings.decode or settings.monolithic or settings.worker_urls):
+    if not (
+        settings.decode
+        or settings.monolithic
+        or settings.worker_urls
+        or settings.discovery_file
+        or settings.discovery_dns
+    ):
         print(
-            "prefixgate gateway: give at least one --decode or --monolithic node or --worker-urls",
+            "prefixgate gateway: give at least one --decode or --monolithic node or --worker-urls"
+            " (or a discovery_file or discovery_dns to find them)",
             file=sys.stderr,
         )
         return 2

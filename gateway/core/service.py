@@ -16,6 +16,7 @@ from prefixgate.cachetier.tokenizer import Tokenizer
 from prefixgate.gateway import shutdown
 from prefixgate.gateway.cluster import workers
 from prefixgate.gateway.cluster.breaker import CircuitBreaker
+from prefixgate.gateway.cluster.discovery import Discovery
 from prefixgate.gateway.cluster.events import EventSync
 from prefixgate.gateway.cluster.membership import Membership
 from prefixgate.gateway.cluster.nodes import Node, NodePool
@@ -118,6 +119,17 @@ class GatewayService:
         )
         self.limits = RateLimiter(self.state, policy_of(s), self.metrics.registry)
         self.runner.limits = self.limits
+        self.discovery = Discovery(
+            s.discovery_file,
+            s.discovery_dns,
+            s.discovery_dns_server,
+            s.discovery_interval_s,
+            s.discovery_forget_s,
+            present=lambda: set(self.pool.nodes),
+            add=lambda f: self._add_node(f.role, f.address, f.options),
+            forget=self._forget_discovered,
+            clear=self.index.clear_node,
+        )
         self.membership = Membership(
             self.state,
             self.pool,
@@ -239,6 +251,12 @@ class GatewayService:
             except Exception as e:
                 log.warning("membership_sync_failed", error=repr(e)[:200])
         self.membership.start()
+        if self.discovery.configured:  # the workers it finds join before the gateway says it started
+            try:
+                await self.discovery.sync()
+            except Exception as e:
+                log.warning("discovery_sync_failed", error=repr(e)[:200])
+            self.discovery.start()
         self.usage.start()
         tenants = len(set(s.api_key_map().values()))
         log.info(
@@ -307,6 +325,15 @@ class GatewayService:
         self.worker_options.pop(node.address, None)
         log.info("node_removed", node=node.id, role=node.role, address=node.address)
 
+    async def _forget_discovered(self, address: str) -> str | None:
+        """A discovered worker gone from its source: out of the pool, its index entries kept for
+        it to come back (``cluster.discovery``); its id."""
+        node = self.pool.nodes.get(address)
+        if node is None:
+            return None
+        await self._forget_node(node)
+        return node.id
+
     async def add_node(self, role: str, address: str, options: WorkerOptions | None = None) -> Node:
         """Register a node at runtime: poll its stats and follow its KV events; every replica
         sharing this one's Redis does the same. ``options``: what an smg-style registration
@@ -339,6 +366,7 @@ class GatewayService:
         answer must not keep the process from exiting, and the log names the part that was slow."""
         self.runner.close()
         stages: tuple[tuple[str, Callable[[], Awaitable[None]], float], ...] = (
+            ("discovery", self.discovery.close, CLOSE_TIMEOUT_S),
             ("membership", self.membership.close, CLOSE_TIMEOUT_S),
             ("usage", self.usage.close, CLOSE_TIMEOUT_S),
             ("rate_limits", self.limits.close, CLOSE_TIMEOUT_S),

@@ -87,7 +87,10 @@ _ADMISSION = (
     "its own queue (--queue-size, --queue-timeout-secs; classes: priority_classes) and answers 429 beyond"
 )
 _MM = "prefixgate serves text; image parts are refused with a 400"
-_DISCOVERY = "prefixgate takes its workers from flags, the config file or POST /admin/nodes; no discovery"
+_DISCOVERY = (
+    "prefixgate finds workers by DNS name (discovery_dns: a headless Service's pods) or in a file"
+    " (discovery_file), not by label selector; or register them with POST /workers"
+)
 _HISTORY = "prefixgate stores no conversations or responses (no Responses API)"
 _TLS = "prefixgate speaks plain HTTP and gRPC; put a TLS proxy in front, or use a mesh"
 _AUTH = "prefixgate authenticates clients with --api-key KEY[=TENANT] and the admin API with --admin-token"
