@@ -73,6 +73,7 @@ from prefixgate.backends.node import Node
 from prefixgate.cachetier.tokenizer import pack_ids, unpack_ids
 from prefixgate.gateway import tracing
 from prefixgate.gateway.core.errors import GatewayError, invalid
+from prefixgate.openai.embeddings import parse_embeddings, response_body
 from prefixgate.openai.errors import APIError, from_domain
 from prefixgate.openai.schema import ParsedRequest, parse_json, parse_request
 
@@ -309,6 +310,34 @@ class NodeAPI:
         }
         return JSON(out if kind == "chat" else [out])
 
+    async def embeddings(self, request: Request) -> Response:
+        """OpenAI's ``/v1/embeddings`` from the engine's ``embed`` (the tiny engine's pooled
+        hidden states); an engine without one refuses."""
+        req = parse_embeddings(await self._json(request), self.options.model)
+        engine = self.node.engine
+        embed = getattr(engine, "embed", None)
+        if embed is None:
+            raise invalid(
+                f"the {engine.name} engine serves no embeddings", "model", code="embeddings_unsupported"
+            )
+        width = int(getattr(engine, "embedding_width", 0))
+        if req.dimensions is not None and req.dimensions != width:
+            raise invalid(f"'dimensions': this model's embeddings have {width}", "dimensions")
+        vectors: list[list[float]] = []
+        tokens = 0
+        for i, item in enumerate(req.inputs):
+            packed = self.renderer.text_tokens(item) if isinstance(item, str) else pack_ids(list(item))
+            count = len(packed) // 4
+            if count > self.node.context_tokens:
+                raise invalid(
+                    f"'input[{i}]' is {count} tokens; this model's context is {self.node.context_tokens}",
+                    "input",
+                    code="context_length_exceeded",
+                )
+            tokens += count
+            vectors.append(await embed(packed))
+        return JSON(response_body(req.model, vectors, req.encoding_format, tokens))
+
     async def tokenize(self, request: Request) -> Response:
         body = await self._json(request)
         if "messages" in body:
@@ -403,6 +432,7 @@ class NodeAPI:
             Route("/v1/chat/completions/render", g(self.render), methods=["POST"]),
             Route("/v1/completions/render", g(self.render), methods=["POST"]),
             Route("/tokenize", g(self.tokenize), methods=["POST"]),
+            Route("/v1/embeddings", g(self.embeddings), methods=["POST"]),
             Route("/flush_cache", g(self.flush_cache), methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             *(Route(p, self.health, methods=["GET"]) for p in ("/health", "/health_generate", "/ping")),

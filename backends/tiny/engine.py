@@ -30,7 +30,7 @@ from prefixgate.backends.tiny.config import TinyConfig, parse_engine_spec
 from prefixgate.backends.tiny.kvcache import PAGE_LAYOUT
 from prefixgate.backends.tiny.model import TinyModel, load_model
 from prefixgate.backends.tiny.runs import DecodeRun, PrefillRun
-from prefixgate.backends.tiny.vocab import EOS_TOKEN, token_text
+from prefixgate.backends.tiny.vocab import EOS_TOKEN, embedding_rows, token_ids, token_text
 
 SLICE_S = 0.02  # compute between turns on the engine thread
 MAX_GROUP = 16  # tokens per decode group at most (the first group is one token)
@@ -97,6 +97,16 @@ class TinyEngine:
             if tokens:
                 yield tokens
             group = min(MAX_GROUP, group * 2)
+
+    async def embed(self, tokens: bytes) -> list[float]:
+        """The embedding of packed tokens (``TinyModel.embed``), on the engine's thread."""
+        rows = embedding_rows(token_ids(tokens), self.config.vocab)
+        vector = await self._run(self.model.embed, rows)
+        return [float(v) for v in vector]
+
+    @property
+    def embedding_width(self) -> int:
+        return self.config.d_model
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

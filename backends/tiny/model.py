@@ -86,6 +86,9 @@ def init_weights(cfg: TinyConfig) -> Weights:
     return Weights(embed, layers, final_norm, head.astype(F32))
 
 
+EMBED_SLICE = 512  # positions an embedding computes at a time (the attention's scores bounded)
+
+
 class TinyModel:
     """Weights plus the forward pass; shared by every engine in a process with the same config."""
 
@@ -153,9 +156,27 @@ class TinyModel:
 
     # -- forward -------------------------------------------------------------------------------
 
-    def forward(self, rows: NDArray[np.int64], cache: KVCache, start: int, *, logits: bool) -> Array | None:
+    def embed(self, rows: NDArray[np.int64]) -> Array:
+        """A sequence's embedding: its last layer's hidden states, normalized (the final norm)
+        and mean-pooled, of unit length; ``d_model`` floats. Computed on a cache of its own,
+        in slices of at most ``EMBED_SLICE`` positions."""
+        cache = KVCache(self.cfg, len(rows))
+        total = np.zeros(self.cfg.d_model, dtype=np.float64)
+        for s in range(0, len(rows), EMBED_SLICE):
+            hidden = self.forward(rows[s : s + EMBED_SLICE], cache, s, logits=False, hidden=True)
+            assert hidden is not None
+            total += hidden.sum(axis=0, dtype=np.float64)
+        mean = total / max(1, len(rows))
+        norm = float(np.linalg.norm(mean))
+        out: Array = (mean / norm if norm > 0 else mean).astype(F32)
+        return out
+
+    def forward(
+        self, rows: NDArray[np.int64], cache: KVCache, start: int, *, logits: bool, hidden: bool = False
+    ) -> Array | None:
         """Run tokens (embedding rows) at positions start.. through the model, writing their KV
-        into ``cache``; returns the last position's output logits when asked."""
+        into ``cache``; returns the last position's output logits when asked (``hidden``: every
+        position's final-normed hidden state instead)."""
         cfg, w = self.cfg, self.weights
         t = len(rows)
         hd, h, kvh = cfg.head_dim, cfg.heads, cfg.kv_heads
@@ -177,6 +198,9 @@ class TinyModel:
             act = gate / (F32(1.0) + np.exp(-gate)) * up  # SiLU(gate) * up
             x = x + act @ lw.w_down
         cache.length = max(cache.length, start + t)
+        if hidden:
+            normed: Array = self._rmsnorm(x, w.final_norm)
+            return normed
         if not logits:
             return None
         last = self._rmsnorm(x[-1:], w.final_norm)

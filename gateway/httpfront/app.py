@@ -19,6 +19,7 @@ from starlette.routing import Route
 
 from prefixgate.gateway.config import KEYLESS_TENANT
 from prefixgate.gateway.core import choices
+from prefixgate.gateway.core import embeddings as core_embeddings
 from prefixgate.gateway.core.errors import NotFound, invalid
 from prefixgate.gateway.core.service import GatewayService
 from prefixgate.gateway.httpfront import responses
@@ -37,6 +38,7 @@ from prefixgate.gateway.httpfront.common import (
 from prefixgate.gateway.httpfront.headers import execution_headers
 from prefixgate.gateway.httpfront.metrics_listener import scrape
 from prefixgate.gateway.httpfront.smg_workers import smg_worker_routes
+from prefixgate.openai.embeddings import parse_embeddings
 from prefixgate.openai.errors import APIError
 from prefixgate.openai.schema import ParsedRequest, document_id, parse_request
 
@@ -122,6 +124,27 @@ async def list_models(request: Request) -> Response:
     return ORJSONResponse({"object": "list", "data": data})
 
 
+async def embeddings(request: Request) -> Response:
+    """``POST /v1/embeddings``: checked here, answered by a worker that serves them
+    (``gateway.core.embeddings``), its answer passed on as it gave it."""
+    svc = service_of(request)
+    ctx = svc.runner.enter(caller_of(request))
+    body = await svc.runner.parse_body(await read_body(request, svc.settings.max_body_bytes))
+    models = svc.models
+    default = next(iter(models)) if len(models) == 1 else svc.settings.default_model
+    req = parse_embeddings(body, default)
+    if req.model not in models:
+        raise NotFound(f"the model {req.model!r} does not exist", param="model", code="model_not_found")
+    node, answer = await core_embeddings.embed(
+        svc.pool.nodes, req, {**body, "model": req.model}, ctx.request_id, svc.settings.retry_max_attempts
+    )
+    usage = answer.get("usage")
+    tokens = usage.get("prompt_tokens", 0) if isinstance(usage, dict) else 0
+    svc.usage.record(ctx.tenant, req.model, int(tokens) if isinstance(tokens, int) else 0, 0, 0)
+    headers = {"x-prefixgate-request-id": ctx.request_id, "x-prefixgate-node": node.id}
+    return ORJSONResponse(dict(answer), headers=headers)
+
+
 async def openapi(request: Request) -> Response:
     from prefixgate.gateway.httpfront.openapi import openapi_spec
 
@@ -193,6 +216,7 @@ def routes() -> list[Route]:
     return [
         *(Route(path, endpoint, methods=["POST"]) for path, endpoint in COMPLETION_ENDPOINTS.items()),
         Route("/v1/models", guard(list_models), methods=["GET"]),
+        Route("/v1/embeddings", guard(embeddings), methods=["POST"]),
         Route("/v1/documents", guard(documents_create), methods=["POST"]),
         Route("/v1/documents/{doc_id:str}", guard(documents_get), methods=["GET"]),
         Route("/v1/documents/{doc_id:str}", guard(documents_delete), methods=["DELETE"]),

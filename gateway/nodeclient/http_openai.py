@@ -450,6 +450,35 @@ class HttpOpenAIClient:
             raise NodeFailure(self._address, stage, FailureKind.INTERNAL, str(message)[:300])
         return obj
 
+    async def embeddings(
+        self, body: Mapping[str, Any], request_id: str, timeout: float
+    ) -> tuple[int, Mapping[str, Any]]:
+        """``POST /v1/embeddings`` with ``body`` as is: the status and the JSON answer (an error
+        body of the worker's included). A transport failure is this worker's NodeFailure."""
+        stage = Stage.GENERATE
+        try:
+            async with self._http.stream(
+                "POST",
+                "/v1/embeddings",
+                content=orjson.dumps(body),
+                headers={
+                    "content-type": "application/json",
+                    "x-request-id": request_id,
+                    **dict(tracing.CONTEXT.get()),
+                },
+                timeout=httpx.Timeout(timeout, connect=min(CONNECT_TIMEOUT_S, timeout)),
+            ) as r:
+                limit = MAX_JSON_BYTES if r.status_code == 200 else MAX_ERROR_BYTES
+                obj = orjson.loads(await _read_bounded(r, limit))
+                status = r.status_code
+        except (httpx.HTTPError, TimeoutError) as e:
+            raise _transport_failure(self._address, stage, e) from e
+        except (ValueError, _TooLarge) as e:
+            raise NodeFailure(self._address, stage, FailureKind.INTERNAL, f"bad answer: {e}"[:300]) from e
+        if not isinstance(obj, Mapping):
+            raise NodeFailure(self._address, stage, FailureKind.INTERNAL, "the answer is not a JSON object")
+        return status, obj
+
     async def kv_events(self, since_seq: int) -> AsyncGenerator[KVEvent, None]:
         """None: an HTTP worker publishes no KV events over this wire."""
         none: tuple[KVEvent, ...] = ()
