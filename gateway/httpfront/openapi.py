@@ -104,6 +104,32 @@ _MESSAGE = {
     },
 }
 
+_TOKENS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+_EMBEDDINGS = {
+    "type": "object",
+    "required": ["input"],
+    "additionalProperties": False,
+    "properties": {
+        "model": {"type": "string"},
+        "input": {
+            "oneOf": [
+                {"type": "string", "minLength": 1},
+                {
+                    "type": "array",
+                    "minItems": 1,
+                    "maxItems": 2048,
+                    "items": {"type": "string", "minLength": 1},
+                },
+                _TOKENS,
+                {"type": "array", "minItems": 1, "maxItems": 2048, "items": _TOKENS},
+            ]
+        },
+        "encoding_format": {"type": "string", "enum": ["float", "base64"]},
+        "dimensions": {"type": "integer", "minimum": 1},
+        "user": {"type": "string"},
+    },
+}
+
 _USAGE = {
     "type": "object",
     "properties": {
@@ -171,6 +197,35 @@ def openapi_spec(models: list[str]) -> dict[str, Any]:
                                 }
                             },
                         }
+                    },
+                }
+            },
+            "/v1/embeddings": {
+                "post": {
+                    "summary": "Embeddings, from a worker that serves them",
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": _EMBEDDINGS}},
+                    },
+                    "responses": {
+                        "200": {
+                            "description": "one embedding per input, in order",
+                            "content": {
+                                "application/json": {
+                                    "schema": {
+                                        "type": "object",
+                                        "required": ["data"],
+                                        "properties": {
+                                            "object": {"type": "string"},
+                                            "data": {"type": "array", "items": {"type": "object"}},
+                                            "model": {"type": "string"},
+                                            "usage": {"type": "object"},
+                                        },
+                                    }
+                                }
+                            },
+                        },
+                        **_errors(400, 401, 404, 413, 429, 503),
                     },
                 }
             },
