@@ -202,6 +202,12 @@ class Settings:
     discovery_dns_server: str = ""  # HOST[:PORT] of the resolver to ask ("": the system's)
     discovery_interval_s: float = 2.0
     discovery_forget_s: float = 300.0
+    # Pods by label selector (``gateway.cluster.k8s_discovery``): ``ROLE=SELECTOR`` entries
+    discovery_kubernetes: list[str] = field(default_factory=list)
+    discovery_kubernetes_namespace: str = ""  # "": the gateway pod's own
+    discovery_kubernetes_api: str = ""  # "": from inside the cluster (service account)
+    discovery_kubernetes_scheme: str = "grpc"  # grpc (SGLang/vLLM) | http | prefixgate
+    discovery_kubernetes_port: int = 8000  # a pod's port without a prefixgate.io/port annotation
     usage_flush_s: float = 1.0  # how often a replica adds its usage counts to the shared figures
     usage_ttl_s: float = 90 * 24 * 3600.0
     # Tenant accounting: prices per million tokens (defaults: the reference revenue model, input

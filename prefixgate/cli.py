@@ -303,10 +303,11 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         or settings.worker_urls
         or settings.discovery_file
         or settings.discovery_dns
+        or settings.discovery_kubernetes
     ):
         print(
             "prefixgate gateway: give at least one --decode or --monolithic node or --worker-urls"
-            " (or a discovery_file or discovery_dns to find them)",
+            " (or discovery_file, discovery_dns or discovery_kubernetes to find them)",
             file=sys.stderr,
         )
         return 2

@@ -5,6 +5,8 @@
   ``worker_spec``, as ``POST /workers`` reads it). Re-read when it changes (its size, time or
   inode: a Kubernetes ConfigMap is swapped in whole); a file that does not parse leaves the
   workers as they were and is said once.
+- **Kubernetes** (``discovery_kubernetes``): pods by label selector, listed and watched
+  (``cluster.k8s_discovery``).
 - **DNS** (``discovery_dns``): ``ROLE=[SCHEME://]NAME:PORT [BOOTSTRAP_PORT]`` takes every A/AAAA
   address of NAME (a headless Service: one per ready pod), ``ROLE=[SCHEME://]_svc._proto.NAME``
   its SRV targets and ports; re-resolved every ``discovery_interval_s``. A name that no longer
@@ -29,7 +31,7 @@ import time
 import tomllib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -45,6 +47,16 @@ log = structlog.get_logger("prefixgate.discovery")
 MAX_FILE_BYTES = 1 << 20
 MAX_WORKERS = 4096
 DNS_TIMEOUT_S = 2.0
+
+
+class KubernetesPods(Protocol):
+    """Pods watched in Kubernetes (``cluster.k8s_discovery.KubernetesSource``)."""
+
+    def start(self) -> None: ...
+
+    def found(self) -> dict[str, Found]: ...
+
+    async def close(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,9 +208,11 @@ class Discovery:
         add: Callable[[Found], Awaitable[object]],
         forget: Callable[[str], Awaitable[str | None]],
         clear: Callable[[str], Awaitable[int]],
+        kubernetes: KubernetesPods | None = None,
     ) -> None:
         """``forget(address)``: out of the pool, its node id (None: not there); ``clear(id)``:
-        its index entries dropped."""
+        its index entries dropped; ``kubernetes``: pods watched (``cluster.k8s_discovery``)."""
+        self.kubernetes = kubernetes
         self.file = file
         self.entries = [parse_dns_entry(e) for e in dns_entries]
         self.resolver = DnsResolver(dns_server) if self.entries else None
@@ -214,7 +228,7 @@ class Discovery:
 
     @property
     def configured(self) -> bool:
-        return bool(self.file or self.entries)
+        return bool(self.file or self.entries or self.kubernetes)
 
     def _read_file(self) -> dict[str, Found]:
         try:
@@ -250,6 +264,8 @@ class Discovery:
                 if hosts is not None:
                     self._from_dns[i] = found_at(entry, hosts)
                 out.update(self._from_dns.get(i, {}))
+        if self.kubernetes is not None:
+            out.update(self.kubernetes.found())
         return out
 
     async def sync(self) -> tuple[int, int]:
@@ -295,8 +311,12 @@ class Discovery:
 
     def start(self) -> None:
         if self.configured and self._task is None:
+            if self.kubernetes is not None:
+                self.kubernetes.start()
             self._task = asyncio.create_task(self._loop(), name="discovery")
 
     async def close(self) -> None:
         task, self._task = self._task, None
         await stop_task(task)
+        if self.kubernetes is not None:
+            await self.kubernetes.close()

@@ -18,6 +18,7 @@ from prefixgate.gateway.cluster import workers
 from prefixgate.gateway.cluster.breaker import CircuitBreaker
 from prefixgate.gateway.cluster.discovery import Discovery
 from prefixgate.gateway.cluster.events import EventSync
+from prefixgate.gateway.cluster.k8s_discovery import kubernetes_source
 from prefixgate.gateway.cluster.membership import Membership
 from prefixgate.gateway.cluster.nodes import Node, NodePool
 from prefixgate.gateway.cluster.workers import WorkerOptions
@@ -129,6 +130,7 @@ class GatewayService:
             add=lambda f: self._add_node(f.role, f.address, f.options),
             forget=self._forget_discovered,
             clear=self.index.clear_node,
+            kubernetes=kubernetes_source(s),
         )
         self.membership = Membership(
             self.state,

@@ -193,18 +193,11 @@ REFUSED: dict[str, str] = {
     "--rdma-slot-ttl-s": _MM,
     "--log-mm-timing": _MM,
     "--log-dir": _LOGS,
-    "--service-discovery": _DISCOVERY,
-    "--discovery-provider": _DISCOVERY,
     "--discovery-file": _DISCOVERY,
     "--discovery-check-interval-secs": _DISCOVERY,
-    "--selector": _DISCOVERY,
-    "--service-discovery-port": _DISCOVERY,
-    "--service-discovery-namespace": _DISCOVERY,
     "--kv-connector-annotation": _DISCOVERY,
     "--kv-engine-id-annotation": _DISCOVERY,
     "--encode-selector": _DISCOVERY,
-    "--prefill-selector": _DISCOVERY,
-    "--decode-selector": _DISCOVERY,
     "--router-selector": _DISCOVERY,
     "--model-id-from": _DISCOVERY,
     "--model-alias": "prefixgate serves the model names its nodes report, or --model",
@@ -342,6 +335,23 @@ TAKEN: dict[str, tuple[str, dict[str, Any], str]] = {
     "--log-level": ("smg_log_level", {"choices": ["debug", "info", "warn", "warning", "error"]}, "log_level"),
     "--log-json": ("smg_log_json", {"action": "store_true"}, "log_format json"),
     "--model-path": ("tokenizer_path", {"metavar": "DIR"}, "tokenizer_path"),
+    # Kubernetes discovery (gateway.cluster.k8s_discovery): the selectors become
+    # discovery_kubernetes entries, the pods reached over HTTP as smg reaches them
+    "--service-discovery": ("smg_discovery", {"action": "store_true"}, "discovery_kubernetes"),
+    "--discovery-provider": (
+        "smg_discovery_provider",
+        {"choices": ["kubernetes", "file"]},
+        "kubernetes only",
+    ),
+    "--selector": (
+        "smg_selector",
+        {"nargs": "+", "metavar": "KEY=VALUE"},
+        "discovery_kubernetes regular=...",
+    ),
+    "--prefill-selector": ("smg_prefill_selector", {"nargs": "+", "metavar": "KEY=VALUE"}, "prefill=..."),
+    "--decode-selector": ("smg_decode_selector", {"nargs": "+", "metavar": "KEY=VALUE"}, "decode=..."),
+    "--service-discovery-port": ("discovery_kubernetes_port", {"type": int}, "discovery_kubernetes_port"),
+    "--service-discovery-namespace": ("discovery_kubernetes_namespace", {}, "discovery_kubernetes_namespace"),
 }
 
 # The settings the taken flags set under the setting's own name (the others are converted below).
@@ -366,6 +376,35 @@ def _policy(flag: str, name: str) -> str:
             f"{flag} {name}: smg's {name} policy is not in prefixgate ({POLICY_REFUSED[name]})"
         )
     return POLICY_MAP.get(name) or name
+
+
+def _discovery(args: argparse.Namespace) -> dict[str, Any]:
+    """smg's Kubernetes discovery flags as ``discovery_kubernetes`` entries (pods over HTTP)."""
+    provider = args.smg_discovery_provider
+    if provider == "file":
+        raise SmgFlagRefused(
+            "--discovery-provider file: prefixgate's discovery file is a list of smg worker bodies"
+            " (discovery_file, docs/workers.md), not smg's file; set discovery_file instead"
+        )
+    selectors = {
+        "regular": args.smg_selector,
+        "prefill": args.smg_prefill_selector,
+        "decode": args.smg_decode_selector,
+    }
+    on = args.smg_discovery or provider == "kubernetes"
+    given = {role: labels for role, labels in selectors.items() if labels}
+    if given and not on:
+        raise SmgFlagRefused(
+            f"--{next(iter(given))}-selector needs --service-discovery".replace("--regular-", "--")
+        )
+    if not on:
+        return {}
+    if not given:
+        raise SmgFlagRefused(
+            "--service-discovery needs --selector (or --prefill-selector and --decode-selector)"
+        )
+    entries = [f"{role}={','.join(labels)}" for role, labels in given.items()]
+    return {"discovery_kubernetes": entries, "discovery_kubernetes_scheme": "http"}
 
 
 def smg_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -428,11 +467,17 @@ def smg_overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["log_level"] = "warning" if args.smg_log_level == "warn" else args.smg_log_level
     if args.smg_log_json:
         out["log_format"] = "json"
+    out.update(_discovery(args))
     return out
 
 
 def check_pd(args: argparse.Namespace, prefill: Sequence[str], decode: Sequence[str]) -> str | None:
-    """With ``--pd-disaggregation``, as in smg, prefill and decode workers are required."""
-    if args.smg_pd and not (prefill and decode):
-        return "--pd-disaggregation needs at least one --prefill and one --decode worker"
+    """With ``--pd-disaggregation``, as in smg, prefill and decode workers are required (or
+    the selectors that find them)."""
+    found = bool(args.smg_prefill_selector and args.smg_decode_selector)
+    if args.smg_pd and not (prefill and decode) and not found:
+        return (
+            "--pd-disaggregation needs at least one --prefill and one --decode worker"
+            " (or --service-discovery with --prefill-selector and --decode-selector)"
+        )
     return None

@@ -105,6 +105,27 @@ def test_defaults_stay_when_no_smg_flag_is_given() -> None:
         (["--model-path", str(TOKENIZER_DIR)], "tokenizer_path", str(TOKENIZER_DIR)),
         (["--queue-size", "64"], "scheduler_queue_requests", 64),
         (["--queue-timeout-secs", "2.5"], "scheduler_max_wait_s", 2.5),
+        (
+            ["--service-discovery", "--selector", "app=sglang", "tier=gpu"],
+            "discovery_kubernetes",
+            ["regular=app=sglang,tier=gpu"],
+        ),
+        (
+            ["--discovery-provider", "kubernetes", "--prefill-selector", "r=p", "--decode-selector", "r=d"],
+            "discovery_kubernetes",
+            ["prefill=r=p", "decode=r=d"],
+        ),
+        (["--service-discovery", "--selector", "a=b"], "discovery_kubernetes_scheme", "http"),
+        (
+            ["--service-discovery", "--selector", "a=b", "--service-discovery-port", "30000"],
+            "discovery_kubernetes_port",
+            30000,
+        ),
+        (
+            ["--service-discovery", "--selector", "a=b", "--service-discovery-namespace", "llm"],
+            "discovery_kubernetes_namespace",
+            "llm",
+        ),
     ],
 )
 def test_switches_and_combinations(argv: list[str], name: str, value: object) -> None:
@@ -154,6 +175,9 @@ def test_refused_policies_name_themselves(capsys: pytest.CaptureFixture[str]) ->
         (["--tenant-api-key", "no-colon"], "--tenant-api-key 'no-colon': use TENANT_ID:KEY"),
         (["--retry-max-retries", "0"], "setting 'retry_max_attempts': 0 is below 1"),
         (["--model-path", "Qwen/Qwen3-8B"], "'Qwen/Qwen3-8B' is not a directory"),
+        (["--selector", "a=b"], "--selector needs --service-discovery"),
+        (["--service-discovery"], "--service-discovery needs --selector"),
+        (["--discovery-provider", "file"], "--discovery-provider file: prefixgate's discovery file"),
     ],
 )
 def test_values_without_the_same_meaning_are_refused(
