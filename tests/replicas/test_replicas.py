@@ -357,6 +357,7 @@ def test_usage_sums_across_replicas_per_tenant(deployment: Deployment) -> None:
 #: Every stage a replica's shutdown logs (docs/faults.md, Shutdown), in order.
 SHUTDOWN_STAGES = [
     "http",
+    "discovery",
     "membership",
     "usage",
     "rate_limits",
