@@ -141,6 +141,17 @@ _USAGE = {
 }
 
 
+def _list_response(description: str, **extra: Any) -> dict[str, Any]:
+    """A 200 whose body is an OpenAI list: ``object``, ``data`` (and ``extra`` properties)."""
+    properties = {
+        "object": {"type": "string"},
+        "data": {"type": "array", "items": {"type": "object"}},
+        **extra,
+    }
+    schema = {"type": "object", "required": ["data"], "properties": properties}
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
 def _errors(*codes: int) -> dict[str, Any]:
     return {
         str(c): {
@@ -181,23 +192,7 @@ def openapi_spec(models: list[str]) -> dict[str, Any]:
             "/v1/models": {
                 "get": {
                     "summary": "Served models",
-                    "responses": {
-                        "200": {
-                            "description": "models",
-                            "content": {
-                                "application/json": {
-                                    "schema": {
-                                        "type": "object",
-                                        "required": ["data"],
-                                        "properties": {
-                                            "object": {"type": "string"},
-                                            "data": {"type": "array", "items": {"type": "object"}},
-                                        },
-                                    }
-                                }
-                            },
-                        }
-                    },
+                    "responses": {"200": _list_response("models")},
                 }
             },
             "/v1/embeddings": {
@@ -208,23 +203,11 @@ def openapi_spec(models: list[str]) -> dict[str, Any]:
                         "content": {"application/json": {"schema": _EMBEDDINGS}},
                     },
                     "responses": {
-                        "200": {
-                            "description": "one embedding per input, in order",
-                            "content": {
-                                "application/json": {
-                                    "schema": {
-                                        "type": "object",
-                                        "required": ["data"],
-                                        "properties": {
-                                            "object": {"type": "string"},
-                                            "data": {"type": "array", "items": {"type": "object"}},
-                                            "model": {"type": "string"},
-                                            "usage": {"type": "object"},
-                                        },
-                                    }
-                                }
-                            },
-                        },
+                        "200": _list_response(
+                            "one embedding per input, in order",
+                            model={"type": "string"},
+                            usage={"type": "object"},
+                        ),
                         **_errors(400, 401, 404, 413, 429, 503),
                     },
                 }

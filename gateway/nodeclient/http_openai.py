@@ -241,6 +241,11 @@ def parse_logprobs(raw: Any, chat: bool) -> tuple[TokenLogprob, ...]:
     return tuple(out)
 
 
+def _json_headers(request_id: str) -> dict[str, str]:
+    """A JSON call's headers: its request id and trace context (the engine joins the trace)."""
+    return {"content-type": "application/json", "x-request-id": request_id, **dict(tracing.CONTEXT.get())}
+
+
 def _worker_headers(api_key: str) -> dict[str, str]:
     return {"user-agent": "prefixgate", **({"authorization": f"Bearer {api_key}"} if api_key else {})}
 
@@ -423,11 +428,7 @@ class HttpOpenAIClient:
                 "POST",
                 PATHS.get(req.kind, PATHS["completion"]),
                 content=orjson.dumps(req.body),
-                headers={
-                    "content-type": "application/json",
-                    "x-request-id": request_id,
-                    **dict(tracing.CONTEXT.get()),
-                },
+                headers=_json_headers(request_id),
                 timeout=httpx.Timeout(timeout, connect=min(CONNECT_TIMEOUT_S, timeout)),
             ) as r:
                 if r.status_code != 200:
@@ -438,12 +439,9 @@ class HttpOpenAIClient:
                     detail = f"HTTP {r.status_code}: {_error_message(raw)}"
                     raise NodeFailure(self._address, stage, _status_kind(r.status_code), detail)
                 obj = orjson.loads(await _read_bounded(r, MAX_JSON_BYTES))
-        except (httpx.HTTPError, TimeoutError) as e:
-            raise _transport_failure(self._address, stage, e) from e
-        except (ValueError, _TooLarge) as e:
-            raise NodeFailure(self._address, stage, FailureKind.INTERNAL, f"bad answer: {e}"[:300]) from e
-        if not isinstance(obj, Mapping):
-            raise NodeFailure(self._address, stage, FailureKind.INTERNAL, "the answer is not a JSON object")
+        except (httpx.HTTPError, TimeoutError, ValueError, _TooLarge) as e:
+            raise self._call_failure(stage, e) from e
+        obj = self._json_object(obj, stage)
         err = obj.get("error")
         if err:
             message = err.get("message") if isinstance(err, Mapping) else err
@@ -461,23 +459,26 @@ class HttpOpenAIClient:
                 "POST",
                 "/v1/embeddings",
                 content=orjson.dumps(body),
-                headers={
-                    "content-type": "application/json",
-                    "x-request-id": request_id,
-                    **dict(tracing.CONTEXT.get()),
-                },
+                headers=_json_headers(request_id),
                 timeout=httpx.Timeout(timeout, connect=min(CONNECT_TIMEOUT_S, timeout)),
             ) as r:
                 limit = MAX_JSON_BYTES if r.status_code == 200 else MAX_ERROR_BYTES
                 obj = orjson.loads(await _read_bounded(r, limit))
                 status = r.status_code
-        except (httpx.HTTPError, TimeoutError) as e:
-            raise _transport_failure(self._address, stage, e) from e
-        except (ValueError, _TooLarge) as e:
-            raise NodeFailure(self._address, stage, FailureKind.INTERNAL, f"bad answer: {e}"[:300]) from e
+        except (httpx.HTTPError, TimeoutError, ValueError, _TooLarge) as e:
+            raise self._call_failure(stage, e) from e
+        return status, self._json_object(obj, stage)
+
+    def _call_failure(self, stage: Stage, e: Exception) -> NodeFailure:
+        """A call's failure as this worker's: the transport's, or an answer that is not JSON."""
+        if isinstance(e, httpx.HTTPError | TimeoutError):
+            return _transport_failure(self._address, stage, e)
+        return NodeFailure(self._address, stage, FailureKind.INTERNAL, f"bad answer: {e}"[:300])
+
+    def _json_object(self, obj: Any, stage: Stage) -> Mapping[str, Any]:
         if not isinstance(obj, Mapping):
             raise NodeFailure(self._address, stage, FailureKind.INTERNAL, "the answer is not a JSON object")
-        return status, obj
+        return obj
 
     async def kv_events(self, since_seq: int) -> AsyncGenerator[KVEvent, None]:
         """None: an HTTP worker publishes no KV events over this wire."""
