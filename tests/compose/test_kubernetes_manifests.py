@@ -1,15 +1,20 @@
 """deploy/kubernetes, checked without a cluster: every object against the Kubernetes API's own
 schemas (``kubernetes-validate``, strict: an unknown field is an error), the kustomization as
-``kubectl kustomize`` renders it (when kubectl is installed; a client-side ``--dry-run`` needs an
-API server to map kinds, which this test has none of), and the parts agreeing with each other
+``kubectl kustomize`` renders it and every object as ``kubectl create --dry-run=client`` renders
+it (when kubectl is installed; the kinds' discovery it asks first served from loopback), and the
+parts agreeing with each other
 and with prefixgate: the settings file loads as the gateway loads it, the nodes it lists are the
 StatefulSets' pods, ports, probes and scrape annotations name what the gateway serves, the
 containers' command lines parse, and the pods outlive the gateway's own shutdown grace."""
 
 from __future__ import annotations
 
+import http.server
+import json
+import os
 import shutil
 import subprocess
+import threading
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -148,3 +153,82 @@ def test_every_containers_command_line_parses() -> None:
         assert argv[0] == "prefixgate"
         args = parser.parse_args(argv[1:])
         assert args.command in ("gateway", "node")
+
+
+#: What ``kubectl create --dry-run=client`` asks the API before rendering: which resource each
+#: kind is (discovery). Served from loopback for the kinds the manifests use, as an API server
+#: would; kubectl then renders every object itself, sending nothing.
+_DISCOVERY: dict[str, dict[str, Any]] = {
+    "/api": {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": []},
+    "/apis": {
+        "kind": "APIGroupList",
+        "apiVersion": "v1",
+        "groups": [
+            {
+                "name": g,
+                "versions": [{"groupVersion": f"{g}/v1", "version": "v1"}],
+                "preferredVersion": {"groupVersion": f"{g}/v1", "version": "v1"},
+            }
+            for g in ("apps", "policy")
+        ],
+    },
+}
+_RESOURCES = {
+    "/api/v1": [("configmaps", "ConfigMap"), ("services", "Service")],
+    "/apis/apps/v1": [("deployments", "Deployment"), ("statefulsets", "StatefulSet")],
+    "/apis/policy/v1": [("poddisruptionbudgets", "PodDisruptionBudget")],
+}
+for _path, _kinds in _RESOURCES.items():
+    _DISCOVERY[_path] = {
+        "kind": "APIResourceList",
+        "groupVersion": _path.removeprefix("/apis/").removeprefix("/api/"),
+        "resources": [
+            {"name": n, "singularName": k.lower(), "namespaced": True, "kind": k, "verbs": ["create", "get"]}
+            for n, k in _kinds
+        ],
+    }
+
+
+class _DiscoveryHandler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = _DISCOVERY.get(self.path.split("?")[0])
+        raw = json.dumps(body).encode() if body is not None else b"{}"
+        self.send_response(200 if body is not None else 404)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+def test_kubectl_renders_every_object_with_a_client_dry_run(tmp_path: Path) -> None:
+    rendered = subprocess.run(
+        ["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    (tmp_path / "all.yaml").write_text(rendered)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _DiscoveryHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        # --validate=false: kubectl would download the API's OpenAPI document to validate against;
+        # kubernetes-validate checks the same schemas above
+        argv = ["kubectl", "create", "--dry-run=client", "--validate=false", "-o", "json"]
+        argv += ["-f", str(tmp_path / "all.yaml"), "--server", f"http://127.0.0.1:{server.server_address[1]}"]
+        env = {"KUBECONFIG": os.devnull, "PATH": os.environ.get("PATH", "")}
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert out.returncode == 0, out.stderr
+    items, text, at = [], out.stdout, 0  # one JSON document per object, one after another
+    decoder = json.JSONDecoder()
+    while text[at:].strip():
+        at += len(text[at:]) - len(text[at:].lstrip())
+        item, at = decoder.raw_decode(text, at)
+        items.append(item)
+    assert sorted((i["kind"], i["metadata"]["name"]) for i in items) == sorted(
+        (o["kind"], o["metadata"]["name"]) for o in OBJECTS
+    )
