@@ -172,15 +172,38 @@ def received(traceparent: str, **fields: Any) -> str:
     return trace_id
 
 
+def failed_attempt(start_s: float, attempt: int, node: str, stage: str, kind: str, detail: str) -> None:
+    """A failed attempt (one that was retried, or the last one) as a child span of the request's,
+    from ``start_s`` (perf_counter seconds) to now, its status the error."""
+    tracing, span = _TRACING, _SPAN.get()
+    if tracing is None or span is None or not span.is_recording():
+        return
+    from opentelemetry.trace import Status, StatusCode, set_span_in_context
+
+    attributes: dict[str, Any] = {
+        "prefixgate.attempt": attempt,
+        "prefixgate.node": node,
+        "prefixgate.stage": stage,
+        "prefixgate.failure": kind,
+    }
+    child = tracing.tracer.start_span(
+        "prefixgate.attempt",
+        context=set_span_in_context(span),
+        start_time=tracing.wall_ns(start_s),
+        attributes=attributes,
+    )
+    child.set_status(Status(StatusCode.ERROR, detail[:300]))
+    child.end()
+
+
 def stages(
     start_s: float,
     segments: Sequence[tuple[str, float]],
     attributes: Mapping[str, Any],
-    failures: Sequence[tuple[str, str]] = (),
 ) -> None:
     """The request's stages as child spans of its span, laid end to end from ``start_s``
     (perf_counter seconds): ``segments`` are (name, seconds); ``attributes`` go on the request's
-    span; ``failures`` (stage, what) are events on it (each a failed attempt that was retried)."""
+    span."""
     tracing, span = _TRACING, _SPAN.get()
     if tracing is None or span is None or not span.is_recording():
         return
@@ -195,5 +218,3 @@ def stages(
         child = tracing.tracer.start_span(name, context=context, start_time=tracing.wall_ns(at))
         at += seconds
         child.end(end_time=tracing.wall_ns(at))
-    for stage, what in failures:
-        span.add_event("attempt_failed", {"stage": stage, "error": what[:300]})

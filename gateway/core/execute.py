@@ -30,6 +30,7 @@ from typing import Any, cast
 
 import structlog
 
+from prefixgate.gateway import tracing
 from prefixgate.gateway.cluster.breaker import OPEN
 from prefixgate.gateway.cluster.nodes import Node, NodePool
 from prefixgate.gateway.config import Settings
@@ -385,10 +386,15 @@ class Executor:
                 return None
             run.attempts += 1
             run.notes.update(decision_notes(target.decision))
+            began = time.perf_counter()
             outcome = await self._attempt(run, target)
             if isinstance(outcome, Execution):
                 return outcome
             self._failed(outcome, run)
+            e = outcome.error
+            tracing.failed_attempt(
+                began, run.attempts, outcome.node.id, e.stage.value, e.kind.value, e.detail
+            )
             if not _worth_retrying(outcome.error):
                 return None
             excluded.add(outcome.node.id)
