@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any
 
 import grpc
@@ -29,6 +29,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from prefixgate.gateway import tracing
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.core import choices
 from prefixgate.gateway.core.auth import valid_request_id
@@ -159,6 +160,13 @@ def request_body(req: gateway_pb2.CompletionRequest) -> tuple[dict[str, Any], st
     return body, "completion"
 
 
+def _traced(context: grpc.aio.ServicerContext, rpc: str) -> AbstractContextManager[None]:
+    """The call's span (``gateway.tracing``), a child of the client's ``traceparent`` metadata."""
+    return tracing.request(
+        "prefixgate.request", _metadata(context), **{"rpc.system": "grpc", "rpc.method": rpc}
+    )
+
+
 def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
     out: dict[str, str] = {}
     for key, value in context.invocation_metadata() or ():
@@ -237,7 +245,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Generate(
         self, request: gateway_pb2.CompletionRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.CompletionChunk]:
-        with self.inflight.track("grpc") as call:
+        with self.inflight.track("grpc") as call, _traced(context, "Generate"):
             try:
                 async with self._run(await self._prepare(request, context, "Generate")) as ch:
                     await self._headers(context, ch)
@@ -266,7 +274,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Complete(
         self, request: gateway_pb2.CompletionRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.CompletionResponse:
-        with self.inflight.track("grpc") as call:
+        with self.inflight.track("grpc") as call, _traced(context, "Complete"):
             try:
                 async with self._run(await self._prepare(request, context, "Complete")) as ch:
                     await self._headers(context, ch)

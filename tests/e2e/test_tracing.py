@@ -182,3 +182,56 @@ def test_without_an_endpoint_the_clients_context_is_passed_on_unchanged() -> Non
         assert len(_lines(procs[0], "trace_context_received")) == 1
     finally:
         processes.stop_all(reversed(procs))
+
+
+def test_a_call_to_the_grpc_front_end_is_traced_too(collector: str) -> None:
+    import grpc
+
+    from prefixgate.v1 import gateway_pb2, gateway_pb2_grpc
+
+    trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+    procs: list[Child] = []
+    try:
+        p, paddr = _node("prefill")
+        d, daddr = _node("decode")
+        procs += [p, d]
+        port, grpc_port = free_port(), free_port()
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": collector, "OTEL_BSP_SCHEDULE_DELAY": "100"}  # as above
+        g = spawn(
+            [
+                "gateway",
+                "--port",
+                str(port),
+                "--grpc-port",
+                str(grpc_port),
+                "--prefill",
+                paddr,
+                "--decode",
+                daddr,
+            ],
+            env=env,
+        )
+        procs.append(g)
+        g.wait_until(processes.answers_http(f"http://127.0.0.1:{port}/readyz"), 60)
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            done = gateway_pb2_grpc.GatewayStub(channel).Complete(
+                gateway_pb2.CompletionRequest(model="prefixgate-sim", prompt="trace me " * 200, max_tokens=3),
+                metadata=(("traceparent", f"00-{trace_id}-{client_span}-01"),),
+                timeout=30,
+            )
+        assert done.route == "disaggregated"
+        deadline = time.monotonic() + 15
+        spans: list[Any] = []
+        while time.monotonic() < deadline:
+            spans = [s for _, s in _Collector.spans if s.trace_id.hex() == trace_id]
+            if any(s.name == "prefixgate.request" for s in spans) and len(spans) >= 3:
+                break
+            time.sleep(0.1)
+        root = next(s for s in spans if s.name == "prefixgate.request")
+        assert root.parent_span_id.hex() == client_span
+        attrs = {a.key: a.value for a in root.attributes}
+        assert attrs["rpc.method"].string_value == "Complete"
+        assert attrs["prefixgate.route"].string_value == "disaggregated"
+        assert {"prefixgate.prefill", "prefixgate.first_token"} <= {s.name for s in spans}
+    finally:
+        processes.stop_all(reversed(procs))
