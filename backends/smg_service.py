@@ -413,6 +413,26 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
     async def HealthCheck(self, request: Any, context: Any) -> Any:
         return pb.HealthCheckResponse(healthy=True, message="ok")
 
+    async def Embed(self, request: Any, context: Any) -> Any:
+        """The engine's embedding of the token ids (the tiny engine's pooled hidden states);
+        UNIMPLEMENTED for an engine without embeddings."""
+        embed = getattr(self.node.engine, "embed", None)
+        if embed is None:
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED, f"the {self.node.engine.name} engine serves no embeddings"
+            )
+            return pb.EmbedResponse()  # not reached: abort raises
+        ids = list(request.tokenized.input_ids)
+        if not ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tokenized.input_ids is required")
+        if self.max_context and len(ids) > self.max_context:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the input is {len(ids)} tokens; this model's context is {self.max_context}",
+            )
+        vector = await embed(pack_ids(ids))
+        return pb.EmbedResponse(embedding_dim=len(vector), embedding=vector, prompt_tokens=len(ids))
+
     async def FlushCache(self, request: Any, context: Any) -> Any:
         evicted = self.node.evict(everything=True)
         return common_pb2.FlushCacheResponse(success=True, message=f"evicted {len(evicted)} blocks")

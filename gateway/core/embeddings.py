@@ -1,7 +1,8 @@
 """``/v1/embeddings``: to a worker that serves them, for the model, the least loaded first; a
 worker that fails is not asked again for the request, and the next one is (bounded by
 ``retry_max_attempts``). Embeddings go to ``http://`` workers as their own ``/v1/embeddings``
-(passed through, checked first); workers of other protocols do not take them.
+(passed through, checked first) and to ``grpc://`` ones as the SMG protocol's ``Embed`` call; a
+node of prefixgate's own protocol (no such call) does not take them.
 
 ``candidates`` is pure: the order the workers are asked in."""
 

@@ -19,7 +19,7 @@ import contextlib
 import functools
 import json
 import uuid
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -47,6 +47,7 @@ from prefixgate.gateway.nodeclient.base import (
 from prefixgate.gateway.nodeclient.smg_events import ChainRehasher, Overflow
 from prefixgate.gateway.tokens.detokenize import Detokenizer, vocabulary
 from prefixgate.gateway.vocab import EventKind, FailureKind, Stage
+from prefixgate.openai.embeddings import parse_embeddings, response_body
 from prefixgate.openai.features import Feature
 
 log = structlog.get_logger("prefixgate.nodeclient.smg")
@@ -267,6 +268,8 @@ class Runtime(Protocol):
 
     def request(self, prompt: Prompt, rid: str, stop_token_ids: Sequence[int], *, stream: bool) -> Any: ...
 
+    def embed_request(self, rid: str, text: str, ids: Sequence[int]) -> Any: ...
+
     def parse(self, msg: Any, completion_so_far: int) -> Output: ...
 
     async def abort(self, stub: Any, rid: str) -> None: ...
@@ -428,6 +431,50 @@ class SmgNodeClient:
         if isinstance(request, bytes):
             return self._generate_bytes(request, timeout=timeout, metadata=metadata)
         return self.stub.Generate(request, timeout=timeout, metadata=metadata)
+
+    async def embeddings(
+        self, body: Mapping[str, Any], request_id: str, timeout: float
+    ) -> tuple[int, Mapping[str, Any]]:
+        """OpenAI's ``/v1/embeddings`` over the runtime's ``Embed`` call, one call an input (text
+        tokenized with the engine's tokenizer): the status and the OpenAI answer. An engine that
+        has no embeddings, or refuses the input, is the client's 400; the rest this worker's."""
+        req = parse_embeddings(body)
+        runtime = self.runtime
+        if runtime is None:
+            raise NodeFailure(self._address, Stage.GENERATE, FailureKind.UNAVAILABLE, "not probed yet")
+        codec = self.codec()
+        vectors: list[list[float]] = []
+        tokens = 0
+        metadata = tracing.CONTEXT.get() or None
+        for i, item in enumerate(req.inputs):
+            text = item if isinstance(item, str) else ""
+            ids = (
+                list(codec.encode(item, add_special_tokens=False).ids)
+                if isinstance(item, str)
+                else list(item)
+            )
+            message = runtime.embed_request(f"{request_id}-{i}", text, ids)
+            try:
+                resp = await self.stub.Embed(message, timeout=timeout, metadata=metadata)
+            except grpc.aio.AioRpcError as e:
+                refused = {grpc.StatusCode.INVALID_ARGUMENT: "input", grpc.StatusCode.UNIMPLEMENTED: "model"}
+                param = refused.get(e.code())
+                if param is None:
+                    raise failure(self._address, Stage.GENERATE, e) from e
+                code = "embeddings_unsupported" if param == "model" else None
+                error = {"message": e.details() or e.code().name, "type": "invalid_request_error"}
+                return 400, {"error": {**error, "param": param, "code": code}}
+            except TimeoutError as e:
+                raise failure(self._address, Stage.GENERATE, e) from e
+            vectors.append(list(resp.embedding))
+            tokens += int(resp.prompt_tokens) or len(ids)
+        width = len(vectors[0]) if vectors else 0
+        if req.dimensions is not None and req.dimensions != width:
+            message = f"'dimensions': this model's embeddings have {width}"
+            return 400, {
+                "error": {"message": message, "type": "invalid_request_error", "param": "dimensions"}
+            }
+        return 200, response_body(req.model, vectors, req.encoding_format, tokens)
 
     def codec(self) -> Codec:
         """The engine's tokenizer: its model's (``codec_for``), given, or ``tokenizer.json`` under

@@ -147,6 +147,9 @@ class SglangRuntime:
     async def loads(self, stub: Any, timeout: float) -> Any:
         return await stub.GetLoads(pb.GetLoadsRequest(include=["core", "memory"]), timeout=timeout)
 
+    def embed_request(self, rid: str, text: str, ids: Sequence[int]) -> Any:
+        return pb.EmbedRequest(request_id=rid, tokenized=pb.TokenizedInput(original_text=text, input_ids=ids))
+
     def request(self, prompt: Prompt, rid: str, stop_token_ids: Sequence[int], *, stream: bool) -> Any:
         req = pb.GenerateRequest(
             request_id=rid,

@@ -40,10 +40,17 @@ class Stack:
 
 
 def _node(model: str, engine: str) -> tuple[Child, str]:
+    proc, http_url, _grpc = _node_both(model, engine)
+    return proc, http_url
+
+
+def _node_both(model: str, engine: str) -> tuple[Child, str, str]:
+    """The node, its HTTP endpoint's URL and its gRPC address (both protocols on one port)."""
     http = ["--http-port", "0", "--http-model", model]
     proc = spawn(["node", "--role", "monolithic", "--port", "0", *http, "--engine", engine, "--ready-line"])
     m = proc.wait_for(r'^\{"event": "node_ready".*"http_address".*\}$', timeout=120)
-    return proc, f"http://{json.loads(m.group(0))['http_address']}"
+    ready = json.loads(m.group(0))
+    return proc, f"http://{ready['http_address']}", str(ready["address"])
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +133,32 @@ def test_bad_requests_are_refused_in_openais_format(
 def test_the_openai_client_sees_an_error_as_such(stack: Stack) -> None:
     with pytest.raises(openai.BadRequestError):
         stack.client(stack.base).embeddings.create(model=MODEL, input="x", dimensions=3)
+
+
+def test_over_the_smg_protocol_the_engines_embed_call_serves_them() -> None:
+    """A ``grpc://`` worker: the gateway tokenizes with the engine's tokenizer and asks its
+    ``Embed`` call; the vectors equal the node's own HTTP answer for the same texts."""
+    procs: list[Child] = []
+    try:
+        proc, http_url, grpc_address = _node_both(MODEL, "tiny")
+        procs.append(proc)
+        port = free_port()
+        procs.append(spawn(["gateway", "--port", str(port), "--worker-urls", f"grpc://{grpc_address}"]))
+        base = f"http://127.0.0.1:{port}"
+        procs[-1].wait_until(processes.answers_http(base + "/readyz"), 60)
+        served = httpx.get(base + "/v1/models", timeout=10, trust_env=False).json()["data"]
+        assert len(served) == 1, served  # the engine's own model name, as its GetModelInfo gives it
+        model = served[0]["id"]
+        texts = ["alpha beta", "a second, longer text about prefix caches"]
+        via = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60).embeddings.create(
+            model=model, input=texts
+        )
+        direct = OpenAI(
+            base_url=http_url + "/v1", api_key="unused", max_retries=0, timeout=60
+        ).embeddings.create(model=MODEL, input=texts)
+        assert [len(d.embedding) for d in via.data] == [WIDTH, WIDTH]
+        for got, want in zip(via.data, direct.data, strict=True):
+            assert got.embedding == pytest.approx(want.embedding, rel=1e-6, abs=1e-7)
+        assert via.usage.prompt_tokens == direct.usage.prompt_tokens
+    finally:
+        processes.stop_all(reversed(procs))
