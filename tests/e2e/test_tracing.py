@@ -106,6 +106,18 @@ def _chat(base: str, traceparent: str, route: str = "disaggregated") -> str:
     return str(raw.headers["x-prefixgate-request-id"])
 
 
+def _trace(trace_id: str, timeout: float = 15.0) -> list[Any]:
+    """The spans received of one trace, once its request span and two more are in."""
+    deadline = time.monotonic() + timeout
+    spans: list[Any] = []
+    while time.monotonic() < deadline:
+        spans = [s for _, s in _Collector.spans if s.trace_id.hex() == trace_id]
+        if any(s.name == "prefixgate.request" for s in spans) and len(spans) >= 3:
+            break
+        time.sleep(0.1)
+    return spans
+
+
 def _lines(proc: Child, event: str, timeout: float = 10.0) -> list[dict[str, Any]]:
     deadline = time.monotonic() + timeout
     while True:
@@ -127,13 +139,7 @@ def test_a_request_is_one_trace_that_reaches_the_nodes(collector: str, protocol:
     nodes, gateway = procs[:-1], procs[-1]
     try:
         request_id = _chat(base, f"00-{trace_id}-{client_span}-01", ROUTES[protocol])
-        deadline = time.monotonic() + 15
-        spans: list[Any] = []
-        while time.monotonic() < deadline:
-            spans = [s for _, s in _Collector.spans if s.trace_id.hex() == trace_id]
-            if any(s.name == "prefixgate.request" for s in spans) and len(spans) >= 3:
-                break
-            time.sleep(0.1)
+        spans = _trace(trace_id)
         by_name = {s.name: s for s in spans}
         root = by_name["prefixgate.request"]
         assert root.parent_span_id.hex() == client_span  # a child of the client's span
@@ -220,13 +226,7 @@ def test_a_call_to_the_grpc_front_end_is_traced_too(collector: str) -> None:
                 timeout=30,
             )
         assert done.route == "disaggregated"
-        deadline = time.monotonic() + 15
-        spans: list[Any] = []
-        while time.monotonic() < deadline:
-            spans = [s for _, s in _Collector.spans if s.trace_id.hex() == trace_id]
-            if any(s.name == "prefixgate.request" for s in spans) and len(spans) >= 3:
-                break
-            time.sleep(0.1)
+        spans = _trace(trace_id)
         root = next(s for s in spans if s.name == "prefixgate.request")
         assert root.parent_span_id.hex() == client_span
         attrs = {a.key: a.value for a in root.attributes}
