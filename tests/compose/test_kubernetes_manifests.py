@@ -139,6 +139,16 @@ def test_the_gateway_pod_serves_what_its_probes_service_and_scrape_name(tmp_path
     assert pdb["spec"]["minAvailable"] < deployment["spec"]["replicas"]  # a drain can proceed
 
 
+def test_the_gateways_account_may_read_the_pods_and_nothing_more() -> None:
+    account = _one("ServiceAccount", "prefixgate-gateway")["metadata"]["name"]
+    pod = _one("Deployment", "prefixgate-gateway")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == account
+    binding = _one("RoleBinding", "prefixgate-gateway-pod-reader")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]
+    role = _one("Role", binding["roleRef"]["name"])
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+
+
 def test_every_containers_command_line_parses() -> None:
     """The commands are prefixgate's own (``$(POD_NAME)`` as Kubernetes fills it in)."""
     parser = build_parser()
@@ -169,14 +179,15 @@ _DISCOVERY: dict[str, dict[str, Any]] = {
                 "versions": [{"groupVersion": f"{g}/v1", "version": "v1"}],
                 "preferredVersion": {"groupVersion": f"{g}/v1", "version": "v1"},
             }
-            for g in ("apps", "policy")
+            for g in ("apps", "policy", "rbac.authorization.k8s.io")
         ],
     },
 }
 _RESOURCES = {
-    "/api/v1": [("configmaps", "ConfigMap"), ("services", "Service")],
+    "/api/v1": [("configmaps", "ConfigMap"), ("services", "Service"), ("serviceaccounts", "ServiceAccount")],
     "/apis/apps/v1": [("deployments", "Deployment"), ("statefulsets", "StatefulSet")],
     "/apis/policy/v1": [("poddisruptionbudgets", "PodDisruptionBudget")],
+    "/apis/rbac.authorization.k8s.io/v1": [("roles", "Role"), ("rolebindings", "RoleBinding")],
 }
 for _path, _kinds in _RESOURCES.items():
     _DISCOVERY[_path] = {
