@@ -172,6 +172,13 @@ def received(traceparent: str, **fields: Any) -> str:
     return trace_id
 
 
+def recording() -> bool:
+    """Whether this request's span records (tracing on, the request sampled): what a caller
+    checks before it builds a span's arguments on the request path."""
+    span = _SPAN.get()
+    return _TRACING is not None and span is not None and span.is_recording()
+
+
 def failed_attempt(start_s: float, attempt: int, node: str, stage: str, kind: str, detail: str) -> None:
     """A failed attempt (one that was retried, or the last one) as a child span of the request's,
     from ``start_s`` (perf_counter seconds) to now, its status the error."""

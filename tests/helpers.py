@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import http.server
 import random
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from prefixgate.bench import drill_cluster
 from prefixgate.gateway.ops import processes
@@ -38,3 +43,32 @@ def wait_answered(base: str, proc: Child, model: str, *, timeout: float = 60.0) 
     """Until a one-token chat through the gateway or router at ``base`` is answered (it is up and
     routes to a worker), or raise with the tail of its output (it exited or never routed)."""
     proc.wait_until(processes.routes_chat(base, model), timeout, f"routing to {base}")
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    """A loopback test server's handler: ``reply`` sends a whole body; nothing is logged."""
+
+    def reply(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+        self.send_response(status)
+        self.send_header("content-type", content_type)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@contextmanager
+def serve_http(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A real HTTP server for ``handler`` on a free loopback port (a thread per request), its base
+    URL; stopped, its requests left to end, when the block ends."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

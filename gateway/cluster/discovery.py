@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import structlog
 
 from prefixgate.cachetier.tasks import stop_task
-from prefixgate.gateway.cluster.worker_spec import WORKER_TYPES, parse_worker_body
+from prefixgate.gateway.cluster.worker_spec import ROLE_NAMES, parse_worker_body
 from prefixgate.gateway.cluster.workers import WorkerOptions
 from prefixgate.gateway.core.errors import GatewayError
 from prefixgate.gateway.vocab import Role
@@ -103,7 +103,7 @@ class DnsEntry:
 def parse_dns_entry(entry: str) -> DnsEntry:
     """``ROLE=[SCHEME://]NAME:PORT [BOOTSTRAP_PORT]`` or ``ROLE=[SCHEME://]_svc._proto.NAME``."""
     role, sep, rest = entry.partition("=")
-    kinds = {**WORKER_TYPES, **{r.value: r.value for r in Role}}
+    kinds = ROLE_NAMES
     if not sep or role.strip() not in kinds:
         raise ValueError(f"discovery_dns {entry!r}: expected ROLE=NAME:PORT, ROLE one of {', '.join(kinds)}")
     parts = rest.split()
@@ -124,18 +124,19 @@ def parse_dns_entry(entry: str) -> DnsEntry:
     return DnsEntry(kinds[role.strip()], scheme, name.rstrip("."), int(port), bootstrap)
 
 
+def discovered(role: str, scheme: str, host: str, port: int, bootstrap_port: int | None = None) -> Found:
+    """A worker found at ``host:port`` (an IPv6 address bracketed), for ``role``; a bootstrap port
+    counts for a prefill worker only."""
+    shown = f"[{host}]" if ":" in host else host
+    bootstrap = bootstrap_port if role == Role.PREFILL.value else None
+    options = WorkerOptions(split=role != Role.MONOLITHIC.value, bootstrap_port=bootstrap)
+    return Found(role, f"{scheme}{shown}:{port}", options)
+
+
 def found_at(entry: DnsEntry, hosts: Sequence[tuple[str, int]]) -> dict[str, Found]:
     """The workers of one name's answer: (address, port) pairs."""
-    out: dict[str, Found] = {}
-    split = entry.role != Role.MONOLITHIC.value
-    options = WorkerOptions(
-        split=split, bootstrap_port=entry.bootstrap_port if entry.role == "prefill" else None
-    )
-    for host, port in hosts[:MAX_WORKERS]:
-        shown = f"[{host}]" if ":" in host else host
-        address = f"{entry.scheme}{shown}:{port}"
-        out[address] = Found(entry.role, address, options)
-    return out
+    found = [discovered(entry.role, entry.scheme, h, p, entry.bootstrap_port) for h, p in hosts[:MAX_WORKERS]]
+    return {f.address: f for f in found}
 
 
 def plan(found: Mapping[str, Found], managed: set[str], present: set[str]) -> tuple[list[Found], list[str]]:

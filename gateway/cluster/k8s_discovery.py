@@ -31,10 +31,8 @@ import httpx
 import structlog
 
 from prefixgate.cachetier.tasks import stop_task
-from prefixgate.gateway.cluster.discovery import MAX_WORKERS, Found
-from prefixgate.gateway.cluster.worker_spec import WORKER_TYPES
-from prefixgate.gateway.cluster.workers import WorkerOptions
-from prefixgate.gateway.vocab import Role
+from prefixgate.gateway.cluster.discovery import MAX_WORKERS, Found, discovered
+from prefixgate.gateway.cluster.worker_spec import ROLE_NAMES
 
 if TYPE_CHECKING:
     from prefixgate.gateway.config import Settings
@@ -58,7 +56,7 @@ class Selector:
 
 def parse_selector(entry: str) -> Selector:
     role, sep, labels = entry.partition("=")
-    kinds = {**WORKER_TYPES, **{r.value: r.value for r in Role}}
+    kinds = ROLE_NAMES
     if not sep or role.strip() not in kinds or not labels.strip():
         raise ValueError(
             f"discovery_kubernetes {entry!r}: expected ROLE=LABEL_SELECTOR, ROLE one of {', '.join(kinds)}"
@@ -88,10 +86,7 @@ def pod_worker(pod: Mapping[str, Any], role: str, scheme: str, default_port: int
         return None
     annotations = meta.get("annotations") or {}
     port = _int(annotations.get(PORT_ANNOTATION)) or default_port
-    bootstrap = _int(annotations.get(BOOTSTRAP_ANNOTATION)) if role == Role.PREFILL.value else None
-    host = f"[{ip}]" if ":" in ip else ip
-    options = WorkerOptions(split=role != Role.MONOLITHIC.value, bootstrap_port=bootstrap)
-    return Found(role, f"{scheme}{host}:{port}", options)
+    return discovered(role, scheme, ip, port, _int(annotations.get(BOOTSTRAP_ANNOTATION)))
 
 
 def apply_event(pods: dict[str, Mapping[str, Any]], event: Mapping[str, Any]) -> str | None:

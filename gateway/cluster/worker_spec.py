@@ -17,6 +17,8 @@ from prefixgate.gateway.vocab import Role
 #: smg's worker types, as prefixgate's roles.
 WORKER_TYPES = {"regular": Role.MONOLITHIC.value, "prefill": Role.PREFILL.value, "decode": Role.DECODE.value}
 TYPE_OF_ROLE = {role: kind for kind, role in WORKER_TYPES.items()}
+#: A role as configuration spells it: smg's worker types or prefixgate's roles.
+ROLE_NAMES = {**WORKER_TYPES, **{r.value: r.value for r in Role}}
 #: Runtimes prefixgate speaks to; "" (and smg's "unspecified"): detected (SMG protocol) or the
 #: gateway's ``--backend``. ``external``: any OpenAI-compatible server (``http://`` only).
 RUNTIMES = ("sglang", "vllm", "external", "unspecified", "")

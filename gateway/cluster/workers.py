@@ -126,7 +126,7 @@ def normalize(settings: Settings) -> Settings:
     """Settings with worker entries resolved: checked, ports split out, worker URLs pooled."""
     if settings.backend and settings.backend not in BACKENDS:
         raise ValueError(f"setting 'backend': use one of {', '.join(BACKENDS)}, got {settings.backend!r}")
-    ports = dict(_port_entry(p) for p in settings.bootstrap_ports)
+    ports = bootstrap_ports(settings)
     prefill: list[str] = []
     for entry in settings.prefill:
         spec = parse_worker(entry)
@@ -191,6 +191,11 @@ def _single(entry: str, flag: str) -> str:
     return spec.url
 
 
+def bootstrap_ports(settings: Settings) -> dict[str, int]:
+    """Each prefill worker's bootstrap port from ``bootstrap_ports`` (``URL=PORT`` entries)."""
+    return dict(_port_entry(p) for p in settings.bootstrap_ports)
+
+
 def _port_entry(entry: str) -> tuple[str, int]:
     url, sep, port = entry.rpartition("=")
     if not sep or not port.isdigit():
@@ -226,7 +231,7 @@ def connector(
     from prefixgate.gateway import nodeclient
     from prefixgate.gateway.nodeclient.smg_common import SmgOptions
 
-    ports = dict(_port_entry(p) for p in settings.bootstrap_ports)
+    ports = bootstrap_ports(settings)
     bs = settings.block_size
     unnamed = settings.default_model
     codec = codec if codec is not None else _codec(settings.tokenizer)

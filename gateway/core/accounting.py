@@ -101,28 +101,29 @@ class Accounting:
             total_ms=round((time.perf_counter() - t.start) * 1000, 2),
             reason=ex.reason,
         )
-        first_token = max(0.0, ttft - node_t.queue_s - node_t.prefill_s - node_t.transfer_s)
-        tracing.stages(
-            t.start,
-            (
-                ("prefixgate.queue", node_t.queue_s),
-                ("prefixgate.prefill", node_t.prefill_s),
-                ("prefixgate.kv_transfer", node_t.transfer_s),
-                ("prefixgate.first_token", first_token),
-            ),
-            {
-                "prefixgate.route": ex.route,
-                "prefixgate.prefill_node": ex.prefill_node.id if ex.prefill_node else "",
-                "prefixgate.decode_node": ex.decode_node.id,
-                "prefixgate.prompt_tokens": ex.prompt_tokens,
-                "prefixgate.cached_tokens": ex.engine_cached_tokens,
-                "prefixgate.predicted_cached_tokens": ex.predicted_tokens,
-                "prefixgate.completion_tokens": ex.completion_tokens,
-                "prefixgate.attempts": ex.attempts,
-                "prefixgate.migrations": ex.migrations,
-                "prefixgate.outcome": ex.outcome,
-            },
-        )
+        if tracing.recording():  # nothing is built for spans when none records
+            first_token = max(0.0, ttft - node_t.queue_s - node_t.prefill_s - node_t.transfer_s)
+            tracing.stages(
+                t.start,
+                (
+                    ("prefixgate.queue", node_t.queue_s),
+                    ("prefixgate.prefill", node_t.prefill_s),
+                    ("prefixgate.kv_transfer", node_t.transfer_s),
+                    ("prefixgate.first_token", first_token),
+                ),
+                {
+                    "prefixgate.route": ex.route,
+                    "prefixgate.prefill_node": ex.prefill_node.id if ex.prefill_node else "",
+                    "prefixgate.decode_node": ex.decode_node.id,
+                    "prefixgate.prompt_tokens": ex.prompt_tokens,
+                    "prefixgate.cached_tokens": ex.engine_cached_tokens,
+                    "prefixgate.predicted_cached_tokens": ex.predicted_tokens,
+                    "prefixgate.completion_tokens": ex.completion_tokens,
+                    "prefixgate.attempts": ex.attempts,
+                    "prefixgate.migrations": ex.migrations,
+                    "prefixgate.outcome": ex.outcome,
+                },
+            )
         if self.on_finished is not None:
             self.on_finished(ex)
 

@@ -19,7 +19,7 @@ from starlette.routing import Route
 
 from prefixgate.gateway.cluster.nodes import Node
 from prefixgate.gateway.cluster.worker_spec import TYPE_OF_ROLE, WORKER_TYPES, parse_worker_body
-from prefixgate.gateway.cluster.workers import NO_OPTIONS
+from prefixgate.gateway.cluster.workers import NO_OPTIONS, bootstrap_ports
 from prefixgate.gateway.core.errors import Conflict, NotFound, invalid
 from prefixgate.gateway.core.service import GatewayService
 from prefixgate.gateway.httpfront.admin import json_body, require_admin
@@ -49,14 +49,7 @@ def worker_info(svc: GatewayService, node: Node) -> dict[str, Any]:
         info["runtime_type"] = runtime
     port = extra.bootstrap_port
     if port is None:
-        port = next(
-            (
-                int(p)
-                for u, _, p in (e.rpartition("=") for e in svc.settings.bootstrap_ports)
-                if u == node.address
-            ),
-            None,
-        )
+        port = bootstrap_ports(svc.settings).get(node.address)
     if port is not None:
         info["bootstrap_port"] = port
     return info

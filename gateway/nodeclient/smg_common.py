@@ -48,6 +48,7 @@ from prefixgate.gateway.nodeclient.smg_events import ChainRehasher, Overflow
 from prefixgate.gateway.tokens.detokenize import Detokenizer, vocabulary
 from prefixgate.gateway.vocab import EventKind, FailureKind, Stage
 from prefixgate.openai.embeddings import parse_embeddings, response_body
+from prefixgate.openai.errors import APIError
 from prefixgate.openai.features import Feature
 
 log = structlog.get_logger("prefixgate.nodeclient.smg")
@@ -462,8 +463,7 @@ class SmgNodeClient:
                 if param is None:
                     raise failure(self._address, Stage.GENERATE, e) from e
                 code = "embeddings_unsupported" if param == "model" else None
-                error = {"message": e.details() or e.code().name, "type": "invalid_request_error"}
-                return 400, {"error": {**error, "param": param, "code": code}}
+                return 400, APIError(400, e.details() or e.code().name, param=param, code=code).body()
             except TimeoutError as e:
                 raise failure(self._address, Stage.GENERATE, e) from e
             vectors.append(list(resp.embedding))
@@ -471,9 +471,7 @@ class SmgNodeClient:
         width = len(vectors[0]) if vectors else 0
         if req.dimensions is not None and req.dimensions != width:
             message = f"'dimensions': this model's embeddings have {width}"
-            return 400, {
-                "error": {"message": message, "type": "invalid_request_error", "param": "dimensions"}
-            }
+            return 400, APIError(400, message, param="dimensions").body()
         return 200, response_body(req.model, vectors, req.encoding_format, tokens)
 
     def codec(self) -> Codec:

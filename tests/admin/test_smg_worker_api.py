@@ -9,9 +9,7 @@ token: loopback clients are the admin).
 from __future__ import annotations
 
 import copy
-import http.server
 import json
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -22,7 +20,7 @@ from openai import OpenAI
 
 from prefixgate.gateway.ops import processes
 from prefixgate.gateway.ops.processes import Child
-from tests.helpers import free_port, spawn
+from tests.helpers import Handler, free_port, serve_http, spawn
 from tests.httpworkers.conftest import Worker, start_node, wait_models
 
 MODEL = "m-smg"
@@ -171,7 +169,7 @@ def test_what_cannot_be_honoured_is_refused_naming_the_field(
     assert [w["url"] for w in gateway.workers()] == [gateway.first.url]  # nothing half-registered
 
 
-class _Recorder(http.server.BaseHTTPRequestHandler):
+class _Recorder(Handler):
     """An OpenAI-compatible server that wants a key: what it was sent is kept."""
 
     seen: ClassVar[list[str | None]] = []
@@ -179,22 +177,11 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         type(self).seen.append(self.headers.get("authorization"))
         body = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
-        self.send_response(200 if self.path.startswith("/v1/models") else 404)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: Any) -> None:
-        pass
+        self.reply(200 if self.path.startswith("/v1/models") else 404, body)
 
 
 def test_a_workers_own_api_key_is_sent_to_it(gateway: Gateway) -> None:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
+    with serve_http(_Recorder) as url:
         with gateway.http() as c:
             r = c.post("/workers", json=copy.deepcopy(SMG_DOCS_BODY) | {"url": url})
         assert r.status_code == 202, r.text
@@ -202,6 +189,3 @@ def test_a_workers_own_api_key_is_sent_to_it(gateway: Gateway) -> None:
         while not _Recorder.seen and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _Recorder.seen and set(_Recorder.seen) == {"Bearer optional-key"}, _Recorder.seen
-    finally:
-        server.shutdown()
-        server.server_close()

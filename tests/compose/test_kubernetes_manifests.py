@@ -9,12 +9,10 @@ containers' command lines parse, and the pods outlive the gateway's own shutdown
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import shutil
 import subprocess
-import threading
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ import yaml
 from prefixgate.cli import build_parser
 from prefixgate.gateway.config import load_settings
 from prefixgate.gateway.ops.supervisor import STOP_MARGIN_S
-from tests.helpers import REPO
+from tests.helpers import REPO, Handler, serve_http
 
 K8S = REPO / "deploy" / "kubernetes"
 #: The oldest Kubernetes the manifests are for: native gRPC probes are GA from 1.27 and the
@@ -200,18 +198,10 @@ for _path, _kinds in _RESOURCES.items():
     }
 
 
-class _DiscoveryHandler(http.server.BaseHTTPRequestHandler):
+class _DiscoveryHandler(Handler):
     def do_GET(self) -> None:
         body = _DISCOVERY.get(self.path.split("?")[0])
-        raw = json.dumps(body).encode() if body is not None else b"{}"
-        self.send_response(200 if body is not None else 404)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(raw)))
-        self.end_headers()
-        self.wfile.write(raw)
-
-    def log_message(self, *args: Any) -> None:
-        pass
+        self.reply(200 if body is not None else 404, json.dumps(body).encode() if body is not None else b"{}")
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
@@ -220,19 +210,13 @@ def test_kubectl_renders_every_object_with_a_client_dry_run(tmp_path: Path) -> N
         ["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=60, check=True
     ).stdout
     (tmp_path / "all.yaml").write_text(rendered)
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _DiscoveryHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serve_http(_DiscoveryHandler) as url:
         # --validate=false: kubectl would download the API's OpenAPI document to validate against;
         # kubernetes-validate checks the same schemas above
         argv = ["kubectl", "create", "--dry-run=client", "--validate=false", "-o", "json"]
-        argv += ["-f", str(tmp_path / "all.yaml"), "--server", f"http://127.0.0.1:{server.server_address[1]}"]
+        argv += ["-f", str(tmp_path / "all.yaml"), "--server", url]
         env = {"KUBECONFIG": os.devnull, "PATH": os.environ.get("PATH", "")}
         out = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
-    finally:
-        server.shutdown()
-        server.server_close()
     assert out.returncode == 0, out.stderr
     items, text, at = [], out.stdout, 0  # one JSON document per object, one after another
     decoder = json.JSONDecoder()

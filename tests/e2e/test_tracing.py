@@ -10,10 +10,8 @@ configured nothing is set up, and the client's context reaches the nodes unchang
 
 from __future__ import annotations
 
-import http.server
 import json
 import secrets
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -24,10 +22,10 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from prefixgate.gateway.ops import processes
 from prefixgate.gateway.ops.processes import Child
-from tests.helpers import free_port, spawn
+from tests.helpers import Handler, free_port, serve_http, spawn
 
 
-class _Collector(http.server.BaseHTTPRequestHandler):
+class _Collector(Handler):
     spans: ClassVar[list[Any]] = []
 
     def do_POST(self) -> None:
@@ -39,27 +37,14 @@ class _Collector(http.server.BaseHTTPRequestHandler):
             for ss in rs.scope_spans:
                 type(self).spans.extend((service, s) for s in ss.spans)
         out = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
-        self.send_response(200 if self.path == "/v1/traces" else 404)
-        self.send_header("content-type", "application/x-protobuf")
-        self.send_header("content-length", str(len(out)))
-        self.end_headers()
-        self.wfile.write(out)
-
-    def log_message(self, *args: Any) -> None:
-        pass
+        self.reply(200 if self.path == "/v1/traces" else 404, out, "application/x-protobuf")
 
 
 @pytest.fixture
 def collector() -> Iterator[str]:
     _Collector.spans = []
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serve_http(_Collector) as url:
+        yield url
 
 
 def _node(role: str) -> tuple[Child, str]:

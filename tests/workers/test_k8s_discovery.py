@@ -25,7 +25,7 @@ import pytest
 from prefixgate.gateway.cluster.k8s_discovery import apply_event, pod_worker
 from prefixgate.gateway.ops import processes
 from prefixgate.gateway.ops.processes import Child
-from tests.helpers import free_port, spawn
+from tests.helpers import Handler, free_port, serve_http, spawn
 from tests.httpworkers.conftest import start_node
 
 MODEL = "m-k8s"
@@ -82,7 +82,7 @@ def _matches(pod: dict[str, Any], selector: str) -> bool:
 
 
 def _handler(api: _API) -> type[http.server.BaseHTTPRequestHandler]:
-    class Handler(http.server.BaseHTTPRequestHandler):
+    class API(Handler):
         def do_GET(self) -> None:
             url = urlsplit(self.path)
             q = {k: v[0] for k, v in parse_qs(url.query).items()}
@@ -99,7 +99,7 @@ def _handler(api: _API) -> type[http.server.BaseHTTPRequestHandler]:
                         "apiVersion": "v1",
                         "metadata": {"resourceVersion": str(api.version)},
                     }
-                    self._send(json.dumps({**body, "items": items}).encode())
+                    self.reply(200, json.dumps({**body, "items": items}).encode())
                 return
             self.send_response(200)
             self.send_header("content-type", "application/json")
@@ -124,13 +124,6 @@ def _handler(api: _API) -> type[http.server.BaseHTTPRequestHandler]:
                             since = version
                     api.cond.wait(0.2)
 
-        def _send(self, body: bytes) -> None:
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
         def _line(self, event: dict[str, Any]) -> None:
             try:
                 self.wfile.write(json.dumps(event).encode() + b"\n")
@@ -138,24 +131,14 @@ def _handler(api: _API) -> type[http.server.BaseHTTPRequestHandler]:
             except OSError:
                 pass
 
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    return Handler
+    return API
 
 
 @pytest.fixture
 def api() -> Iterator[tuple[_API, str]]:
     state = _API()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(state))
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield state, f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serve_http(_handler(state)) as url:
+        yield state, url
 
 
 def _nodes(base: str) -> set[str]:
