@@ -2,7 +2,7 @@
 
 One client sends cold chats of about ``--tokens`` tokens back to back through a gateway in front
 of one ``grpc://`` worker (the SMG engine protocol: the gateway renders the chat template and
-tokenizes with the engine's tokenizer, the shipped one here), while ``GET /healthz`` is polled
+tokenizes with the engine's tokenizer, which it fetches from the engine), while ``GET /healthz`` is polled
 every 10 ms. ``/healthz`` does no work of its own, so its latency is how long the event loop
 was busy with something else. Each chat's text is new (random words), so neither the segment
 cache nor the index helps. Measured quiet (no chats) and loaded, for this checkout and, with
@@ -33,7 +33,6 @@ from rich.table import Table
 
 from prefixgate.backends.hftok import TOKENIZER_DIR
 from prefixgate.bench import launch
-from prefixgate.bench.overhead import SHIPPED_TOKENIZER
 from prefixgate.bench.report import percentile, write_json
 from prefixgate.gateway.ops import processes
 
@@ -175,19 +174,16 @@ def run(args: argparse.Namespace) -> int:
     node = launch.start_nodes(1, node_opts, logs)[0]
     targets: dict[str, processes.Child] = {}
     try:
-        worker = [f"grpc://{node.address}"]
-        targets["this checkout"] = launch.start_gateway(logs, monolithic=worker, env=SHIPPED_TOKENIZER)
+        # the worker flag and nothing else: the gateway fetches the engine's tokenizer itself
+        worker = ["--worker-urls", f"grpc://{node.address}"]
+        targets["this checkout"] = launch.start_gateway(logs, extra_args=worker)
         if args.workers > 1:
             targets[f"this checkout, {args.workers} workers"] = launch.start_gateway(
-                logs,
-                monolithic=worker,
-                name="workers",
-                env=SHIPPED_TOKENIZER,
-                extra_args=["--workers", str(args.workers)],
+                logs, name="workers", extra_args=[*worker, "--workers", str(args.workers)]
             )
         if args.baseline_src:
-            env = {**SHIPPED_TOKENIZER, "PYTHONPATH": args.baseline_src}
-            targets["baseline"] = launch.start_gateway(logs, monolithic=worker, name="baseline", env=env)
+            env = {"PYTHONPATH": args.baseline_src}
+            targets["baseline"] = launch.start_gateway(logs, name="baseline", env=env, extra_args=worker)
         runs: dict[tuple[str, bool], list[Run]] = {}
         for rnd in range(args.rounds):
             for name, child in targets.items():
