@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -52,27 +53,69 @@ def went_down(was_up: bool, up: bool) -> bool:
     return was_up and not up
 
 
-class Departure:
-    """Wakes whoever waits on a node when it is declared gone: one ``asyncio.Event`` per spell the
-    node is up, set when the spell ends and replaced by a fresh one, so an attempt started after
-    the node came back waits on the new spell's."""
+class Spell:
+    """One spell a node is up: ended once, when the node is declared gone, calling back whoever
+    watches it then. A callback on the spell instead of a task awaiting an event: every attempt
+    and every stream that may migrate watches its nodes, and a task each cost more than the
+    rest of their bookkeeping."""
+
+    __slots__ = ("_watchers", "ended")
 
     def __init__(self) -> None:
-        self._event = asyncio.Event()
+        self.ended = False
+        self._watchers: dict[int, Callable[[], None]] = {}
+
+    def watch(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` when the spell ends (at once when it has); the function returned
+        stops watching. Callbacks must not raise: they wake a waiter, nothing more."""
+        if self.ended:
+            callback()
+            return _nothing
+        key = next(_WATCH_KEYS)
+        self._watchers[key] = callback
+
+        def unwatch() -> None:
+            self._watchers.pop(key, None)
+
+        return unwatch
+
+    def end(self) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        watchers, self._watchers = self._watchers, {}
+        for callback in watchers.values():
+            callback()
+
+
+def _nothing() -> None:
+    return None
+
+
+_WATCH_KEYS = itertools.count()
+
+
+class Departure:
+    """Wakes whoever waits on a node when it is declared gone: one ``Spell`` per spell the node
+    is up, ended when the spell ends and replaced by a fresh one, so an attempt started after the
+    node came back watches the new spell's."""
+
+    def __init__(self) -> None:
+        self._spell = Spell()
         self._up = True
 
     @property
-    def event(self) -> asyncio.Event:
-        """The current spell's: set once the node goes down."""
-        return self._event
+    def spell(self) -> Spell:
+        """The current spell's: ended once the node goes down."""
+        return self._spell
 
     def observe(self, up: bool) -> bool:
-        """The node's state now; True when that declares it gone (its waiters are woken)."""
+        """The node's state now; True when that declares it gone (its watchers are called)."""
         down = went_down(self._up, up)
         self._up = up
         if down:
-            self._event.set()
-            self._event = asyncio.Event()
+            spell, self._spell = self._spell, Spell()
+            spell.end()
         return down
 
 
@@ -135,10 +178,10 @@ class Node:
         return self.node_id or self.address
 
     @property
-    def gone(self) -> asyncio.Event:
-        """Set when the node is next declared gone (its breaker opens): what an attempt waiting for
-        its first token here awaits beside it."""
-        return self.departure.event
+    def gone(self) -> Spell:
+        """Ended when the node is next declared gone (its breaker opens): what an attempt waiting
+        for its first token here, and a stream that may migrate from it, watch."""
+        return self.departure.spell
 
     def settle(self) -> None:
         """After the breaker or the probe changed the node's state: a breaker that opened wakes

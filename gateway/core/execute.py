@@ -10,7 +10,7 @@ generation migrates, a continuation executed here again (``gateway.core.migratio
 An attempt's prefill (split; served whole, its first token) has the time the gateway predicts for
 it on its node, with a margin (``routing.deadline``): a hung node costs a short request seconds
 while a long prefill keeps the time it needs; every first token within ``first_token_timeout_s``.
-It also waits beside the ``Node.gone`` events of its nodes: one declared gone (its breaker
+It also watches the ``Node.gone`` spells of its nodes: one declared gone (its breaker
 opened: failed probes, failed requests) while the attempt still needs it ends the attempt at
 once, retried like any failure (``FailureKind.GONE``).
 
@@ -26,13 +26,13 @@ import random
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
-from typing import Any, cast
+from typing import cast
 
 import structlog
 
 from prefixgate.gateway import tracing
 from prefixgate.gateway.cluster.breaker import OPEN
-from prefixgate.gateway.cluster.nodes import Node, NodePool
+from prefixgate.gateway.cluster.nodes import Node, NodePool, Spell
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.core import context, migration
 from prefixgate.gateway.core.accounting import Accounting
@@ -100,34 +100,75 @@ async def _first_delta(stream: TokenStream) -> TokenDelta:
 
 
 async def _first_unless_gone(
-    stream: TokenStream, t: Target, events: dict[Node, asyncio.Event], until: Callable[[bool], float]
+    stream: TokenStream, t: Target, spells: dict[Node, Spell], until: Callable[[bool], float]
 ) -> TokenDelta:
-    """The stream's first delta, raced against the nodes' ``gone`` events and ``until`` (the
-    monotonic time by which it must come, given whether the prefill has reported: TimeoutError
-    then): the attempt fails (``abandoned``) as soon as a node it still needs is declared gone,
-    or already is (its breaker opened while the attempt waited to start). The first delta's wait
-    is cancelled then, which ends the stream's legs by their abort rule."""
-    first = asyncio.ensure_future(_first_delta(stream))
-    waits: dict[asyncio.Future[Any], Node] = {asyncio.ensure_future(ev.wait()): n for n, ev in events.items()}
-    gone = {n for n in t.nodes if n.breaker.state == OPEN}
-    try:
-        while (failure := abandoned(t, gone, stream.prefill is not None)) is None:
-            left = until(stream.prefill is not None) - time.monotonic()
-            if left <= 0:
-                raise TimeoutError
-            done, _ = await asyncio.wait({first, *waits}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-            if first in done:
-                return first.result()
-            gone.update(waits.pop(w) for w in [w for w in waits if w in done])
+    """The stream's first delta, unless a node it still needs is declared gone first, or
+    ``until`` (the monotonic time by which it must come, given whether the prefill has reported)
+    passes: TimeoutError then. The attempt fails (``abandoned``) as soon as a node it needs is
+    declared gone, or already is (its breaker opened while the attempt waited to start).
+
+    The delta is awaited in the request's own task; a timer and the nodes' spells (``spells``,
+    taken when the attempt began) cancel that wait, and the cancellation becomes the failure. A
+    task for the delta and one for each node's event cost more than the rest of the attempt's
+    bookkeeping. The caller closes the stream, which ends its legs by their abort rule."""
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    gone = {n for n in t.nodes if n.breaker.state == OPEN or spells[n].ended}
+    why: list[BaseException] = []  # what ended the wait: the failure raised instead of the cancel
+
+    def stop(reason: BaseException) -> None:
+        if not why:
+            why.append(reason)
+            task.cancel()
+
+    def check() -> None:
+        failure = abandoned(t, gone, stream.prefill is not None)
+        if failure is not None:
+            stop(failure)
+
+    def departed(node: Node) -> Callable[[], None]:
+        def note() -> None:
+            gone.add(node)
+            check()
+
+        return note
+
+    timer: asyncio.TimerHandle | None = None
+
+    def due() -> None:
+        nonlocal timer
+        left = until(stream.prefill is not None) - time.monotonic()
+        if left <= 0:
+            timer = None
+            stop(TimeoutError())
+        else:  # the prefill reported meanwhile: the first token's own deadline now
+            timer = loop.call_later(left, due)
+
+    failure = abandoned(t, gone, stream.prefill is not None)
+    if failure is not None:
         raise failure
+    left = until(stream.prefill is not None) - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    cancelling = task.cancelling()
+    unwatch = [spell.watch(departed(node)) for node, spell in spells.items()]
+    timer = loop.call_later(left, due)
+    try:
+        return await _first_delta(stream)
+    except asyncio.CancelledError:
+        if why and task.uncancel() <= cancelling:
+            raise why[0] from None
+        raise  # cancelled from outside (client gone, shutdown)
+    except BaseException:
+        if why and task.cancelling() > cancelling:  # the stream turned our cancel into an error
+            task.uncancel()
+        raise
     finally:
-        for w in waits:
-            w.cancel()
-        if not first.done():
-            first.cancel()
-            await asyncio.wait({first})
-        if not first.cancelled():
-            first.exception()  # retrieved: a failure after the node was given up on is no news
+        if timer is not None:
+            timer.cancel()
+        for stop_watching in unwatch:
+            stop_watching()
 
 
 def _blamed(e: NodeFailure, nodes: tuple[Node, ...]) -> Node:
@@ -455,7 +496,7 @@ class Executor:
         uncached = max(0, prep.prompt_tokens - predicted)
         timings = Timings()
         prefill_limit = self._prefill_limit_s(run, t, uncached, prep.prompt_tokens - uncached)
-        gone = {n: n.gone for n in nodes}  # taken before anything awaits: no departure is missed
+        spells = {n: n.gone for n in nodes}  # taken before anything awaits: no departure is missed
         for n in nodes:
             n.breaker.on_dispatch()
         with computing.load(uncached) as lease, dnode.dispatched(), self.gate.freeing(prep.model):
@@ -476,7 +517,7 @@ class Executor:
             else:
                 stream = dnode.client.generate(_prompt(prep, dnode), timeout=timeout)
             try:
-                first = await self._first(stream, run.deadline, t, gone, prefill_limit)
+                first = await self._first(stream, run.deadline, t, spells, prefill_limit)
                 served = True
             except NodeFailure as e:
                 await stream.aclose()
@@ -559,13 +600,13 @@ class Executor:
         stream: TokenStream,
         deadline: float,
         t: Target,
-        gone: dict[Node, asyncio.Event],
+        spells: dict[Node, Spell],
         prefill_limit: float,
     ) -> TokenDelta:
         """The attempt's first delta: its prefill within ``prefill_limit`` seconds (the prediction,
         ``_prefill_limit_s``), the first delta within ``first_token_timeout_s``, both within the
         request deadline, unless a node it still needs is declared gone first (``abandoned``;
-        ``gone``: the nodes' events, taken when the attempt began). Served whole, the first
+        ``spells``: the nodes' spells, taken when the attempt began). Served whole, the first
         delta is the prefill's end.
 
         A silent attempt is charged to the node still computing: the prefill node while its leg
@@ -584,7 +625,7 @@ class Executor:
             return first_by if prefill_reported else prefill_by
 
         try:
-            return await _first_unless_gone(stream, t, gone, until)
+            return await _first_unless_gone(stream, t, spells, until)
         except TimeoutError:
             limit = until(stream.prefill is not None) - start
             if (

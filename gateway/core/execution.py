@@ -96,7 +96,7 @@ class Execution:
         self.sent_ids: list[int] = []  # the output token ids relayed (what a migration continues from)
         self._cached_at_start: int | None = None  # the first stream's cached tokens, once migrated
         self._failed_nodes: set[str] = set()
-        self._gone_watch: asyncio.Future[object] | None = None
+        self._unwatch_gone_spell: Callable[[], None] | None = None
         self._gone_checked = False  # whether the node's departure is watched (when it may migrate)
         self._gone = False
 
@@ -236,7 +236,7 @@ class Execution:
                 self._watch_gone()
         if self._gone:
             raise self._gone_failure()
-        if self._stall_timeout_s <= 0 and self._gone_watch is None:
+        if self._stall_timeout_s <= 0 and self._unwatch_gone_spell is None:
             return await self._stream.__anext__()
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
@@ -275,12 +275,10 @@ class Execution:
         if node.breaker.state == OPEN:  # declared gone before the watch began
             self._gone = True
             return
-        watch: asyncio.Future[object] = asyncio.ensure_future(node.gone.wait())
-        watch.add_done_callback(self._on_gone)
-        self._gone_watch = watch
+        self._unwatch_gone_spell = node.gone.watch(self._on_gone)
 
-    def _on_gone(self, fut: asyncio.Future[object]) -> None:
-        if fut.cancelled() or self._done:
+    def _on_gone(self) -> None:
+        if self._done:
             return
         self._gone = True
         if self._waiter is not None:
@@ -289,9 +287,9 @@ class Execution:
     def _unwatch_gone(self) -> None:
         self._gone = False
         self._gone_checked = False
-        if self._gone_watch is not None:
-            self._gone_watch.cancel()
-            self._gone_watch = None
+        if self._unwatch_gone_spell is not None:
+            self._unwatch_gone_spell()
+            self._unwatch_gone_spell = None
 
     def _watch(self) -> None:
         """Cancel the wait in progress if it has lasted the stall timeout, else watch it on."""

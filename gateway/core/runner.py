@@ -22,8 +22,12 @@ render, tokenize, hash: bounded by the message, part and value limits) runs on a
 thread; at most ``HEAVY_CONCURRENCY`` requests at a time do either. Clients sending huge bodies
 queue behind each other instead of stalling the event loop that serves every other request and
 the health checks. A model's own chat template (``gateway.tokens``) is code that came with the
-model: whatever the body's size, a request that may render one is prepared on one of
-``RENDER_THREADS`` threads, where the template's bounds (time, output) stop it if it runs away.
+model: a request that may render one is prepared on one of ``RENDER_THREADS`` threads, where the
+template's bounds (time, output) stop it if it runs away, unless its body is under
+``INLINE_BYTES``: a chat that small renders and tokenizes in a fraction of a millisecond, less
+than the hand-off to a thread and back costs, so it is prepared on the event loop, for as long
+as no such request has taken more than ``INLINE_LIMIT_S`` there (a template that is slow on small
+chats is rendered off the loop from then on, and says so once).
 """
 
 from __future__ import annotations
@@ -31,12 +35,15 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+import structlog
 
 from prefixgate.gateway.config import KEYLESS_TENANT
 from prefixgate.gateway.core.auth import KeyRing, check_admin
@@ -50,11 +57,17 @@ if TYPE_CHECKING:
     from prefixgate.gateway.core.rate_limits import RateLimiter
     from prefixgate.openai.schema import ParsedRequest
 
+log = structlog.get_logger("prefixgate.runner")
+
 T = TypeVar("T")
 Started = TypeVar("Started")
 OFFLOAD_BYTES = 1024 * 1024  # more than the text of a prompt of max_prompt_tokens (bytes4)
 HEAVY_CONCURRENCY = 2
 RENDER_THREADS = 4  # CPU work under one interpreter lock: more threads would not render faster
+# A body under this is prepared on the event loop even when a chat template renders it: some
+# 4,000 tokens at most, rendered, tokenized and hashed in about a millisecond.
+INLINE_BYTES = 16 * 1024
+INLINE_LIMIT_S = 0.005  # an inline preparation longer than this sends every later one to a thread
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +132,7 @@ class RequestRunner:
         self._heavy = asyncio.Semaphore(HEAVY_CONCURRENCY)
         self.bodies = BodyParser(limits.max_json_values, workers=HEAVY_CONCURRENCY)
         self._render = ThreadPoolExecutor(RENDER_THREADS, thread_name_prefix="prefixgate-render")
+        self.inline_renders = True  # small bodies rendered on the loop (``compute``) until one is slow
         self.limits: RateLimiter | None = None  # tenants' and keys' tokens/requests per minute
 
     def close(self) -> None:
@@ -163,16 +177,27 @@ class RequestRunner:
         async with self._heavy:
             return await self.bodies.parse(raw)
 
-    async def compute(self, work: Callable[[], T], size: int) -> T:
+    async def compute(self, work: Callable[[], T], size: int, *, sized: bool = True) -> T:
         """Run request-sized CPU work: inline when small, else on a worker thread, bounded; on
-        a render thread when it may run a model's chat template."""
+        a render thread when it may run a model's chat template, unless the body is small
+        (``INLINE_BYTES``; ``sized``: ``size`` bounds the work, which it does not when registered
+        documents join the prompt)."""
         if size >= OFFLOAD_BYTES:
             async with self._heavy:
                 return await asyncio.to_thread(work)
-        if self.pipeline.renders_templates:
-            call = functools.partial(contextvars.copy_context().run, work)
-            return await asyncio.get_running_loop().run_in_executor(self._render, call)
-        return work()
+        if not self.pipeline.renders_templates:
+            return work()
+        if sized and size < INLINE_BYTES and self.inline_renders:
+            started = time.perf_counter()
+            try:
+                return work()
+            finally:
+                took = time.perf_counter() - started
+                if took > INLINE_LIMIT_S:
+                    self.inline_renders = False
+                    log.warning("inline_render_slow", body_bytes=size, ms=round(took * 1000, 2))
+        call = functools.partial(contextvars.copy_context().run, work)
+        return await asyncio.get_running_loop().run_in_executor(self._render, call)
 
     async def prepare(
         self,
@@ -196,7 +221,7 @@ class RequestRunner:
         req, prep = await self.compute(first, size)
         if prep is None:
             await self.documents.resolve(context.tenant, req)
-            prep = await self.compute(lambda: pipeline.prepare(req, context, body=body), size)
+            prep = await self.compute(lambda: pipeline.prepare(req, context, body=body), size, sized=False)
         return req, prep
 
     @asynccontextmanager

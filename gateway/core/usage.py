@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter
@@ -31,6 +32,7 @@ log = structlog.get_logger("prefixgate.usage")
 MAX_PENDING = 10_000
 MAX_TENANT_LABELS = 1_000  # Prometheus series per tenant; beyond, "_other"
 OTHER = "_other"
+MAX_SERIES = 4 * MAX_TENANT_LABELS  # (tenant, model) pairs whose metric children are remembered
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +102,7 @@ class UsageLedger:
         self._task: asyncio.Task[None] | None = None
         self._flushing = asyncio.Lock()
         self._labels: set[str] = set()
+        self._series: dict[UsageKey, tuple[Any, ...]] = {}  # ``_series_of``
         labels = ["tenant", "model"]
         self.m_requests = Counter(
             "prefixgate_tenant_requests", "Requests per tenant and model", labels, registry=registry
@@ -152,15 +155,36 @@ class UsageLedger:
                 self._pending[key] = counts
         else:
             held.add(counts)
-        t = self._label(tenant)
-        self.m_requests.labels(t, model).inc(counts.requests)
-        self.m_prompt.labels(t, model).inc(counts.prompt_tokens)
-        self.m_cached.labels(t, model).inc(counts.cached_tokens)
-        self.m_computed.labels(t, model).inc(counts.computed_tokens)
-        self.m_output.labels(t, model).inc(counts.output_tokens)
-        for part, v in self.prices.value(counts).parts().items():
+        series = self._series.get((tenant, model))
+        if series is None:
+            series = self._series_of(tenant, model)
+        m_requests, m_prompt, m_cached, m_computed, m_output, m_miss, m_hit, m_out = series
+        m_requests.inc(counts.requests)
+        m_prompt.inc(counts.prompt_tokens)
+        m_cached.inc(counts.cached_tokens)
+        m_computed.inc(counts.computed_tokens)
+        m_output.inc(counts.output_tokens)
+        value = self.prices.value(counts)
+        for child, v in ((m_miss, value.input_miss), (m_hit, value.input_hit), (m_out, value.output)):
             if v:
-                self.m_value.labels(t, model, part).inc(v)
+                child.inc(v)
+
+    def _series_of(self, tenant: str, model: str) -> tuple[Any, ...]:
+        """The metric children a (tenant, model) pair's requests count into, made once: ``labels``
+        takes a lock and builds a key on every call. Bounded as the labels are (``_label``):
+        tenants past ``MAX_TENANT_LABELS`` share the ``_other`` series and are not remembered."""
+        t = self._label(tenant)
+        series = (
+            self.m_requests.labels(t, model),
+            self.m_prompt.labels(t, model),
+            self.m_cached.labels(t, model),
+            self.m_computed.labels(t, model),
+            self.m_output.labels(t, model),
+            *(self.m_value.labels(t, model, part) for part in ("input_miss", "input_hit", "output")),
+        )
+        if t == tenant and len(self._series) < MAX_SERIES:
+            self._series[(tenant, model)] = series
+        return series
 
     async def flush(self) -> None:
         """Add what this replica counted to the shared figures; kept for the next try on failure."""

@@ -20,16 +20,24 @@ pytestmark = pytest.mark.timeout(10)
 TIMEOUT = Fail(FailureKind.TIMEOUT)
 
 
-def test_only_the_end_of_an_up_spell_declares_a_node_gone_and_each_spell_has_its_own_event() -> None:
+def test_only_the_end_of_an_up_spell_declares_a_node_gone_and_each_spell_has_its_own_watchers() -> None:
     assert went_down(True, False) and not went_down(False, False) and not went_down(False, True)
     d = Departure()
-    spell = d.event
-    assert not d.observe(True) and not spell.is_set()
-    assert d.observe(False) and spell.is_set()
-    after = d.event
-    assert after is not spell and not after.is_set()
-    assert not d.observe(False) and not after.is_set()  # still down: no second departure
-    assert not d.observe(True) and d.observe(False) and after.is_set()
+    spell = d.spell
+    calls: list[str] = []
+    spell.watch(lambda: calls.append("first"))
+    unwatch = spell.watch(lambda: calls.append("unwatched"))
+    unwatch()
+    assert not d.observe(True) and not spell.ended and calls == []
+    assert d.observe(False) and spell.ended and calls == ["first"]
+    spell.watch(lambda: calls.append("late"))  # an ended spell calls back at once
+    assert calls == ["first", "late"]
+    after = d.spell
+    after.watch(lambda: calls.append("after"))
+    assert after is not spell and not after.ended
+    assert not d.observe(False) and not after.ended  # still down: no second departure
+    assert calls == ["first", "late"]
+    assert not d.observe(True) and d.observe(False) and after.ended and calls[-1] == "after"
 
 
 def _node(address: str, role: str) -> Node:

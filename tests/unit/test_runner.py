@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass, field
 
 import pytest
 
+from prefixgate.backends.hftok import TOKENIZER_DIR
 from prefixgate.gateway.config import KEYLESS_TENANT, Settings
 from prefixgate.gateway.core import choices
 from prefixgate.gateway.core.auth import key_id
 from prefixgate.gateway.core.errors import Draining, GatewayError, Overloaded, Unauthenticated
 from prefixgate.gateway.core.pipeline import Prepared
 from prefixgate.gateway.core.request import Credentials, RequestContext
-from prefixgate.gateway.core.runner import OFFLOAD_BYTES, Caller
+from prefixgate.gateway.core.runner import INLINE_BYTES, INLINE_LIMIT_S, OFFLOAD_BYTES, Caller
 from prefixgate.gateway.core.service import GatewayService
 from prefixgate.openai.errors import APIError
 from prefixgate.openai.schema import ParsedRequest, parse_request
@@ -140,3 +142,23 @@ async def test_large_work_runs_off_the_event_loop() -> None:
     loop_thread = threading.get_ident()
     assert await svc.runner.compute(threading.get_ident, 10) == loop_thread
     assert await svc.runner.compute(threading.get_ident, OFFLOAD_BYTES) != loop_thread
+
+
+async def test_a_chat_template_renders_small_bodies_on_the_loop_until_one_is_slow() -> None:
+    # the engine's own tokenizer (and chat template), as over grpc:// workers
+    svc = _service(tokenizer_path=str(TOKENIZER_DIR))
+    assert svc.pipeline.renders_templates
+    runner, loop_thread = svc.runner, threading.get_ident()
+    assert await runner.compute(threading.get_ident, INLINE_BYTES - 1) == loop_thread
+    assert await runner.compute(threading.get_ident, INLINE_BYTES) != loop_thread
+    # registered documents join the prompt: the body's size does not bound the work
+    assert await runner.compute(threading.get_ident, 10, sized=False) != loop_thread
+
+    def slow() -> int:
+        time.sleep(2 * INLINE_LIMIT_S)
+        return threading.get_ident()
+
+    assert await runner.compute(slow, 10) == loop_thread  # it ran on the loop, and was slow there
+    assert not runner.inline_renders
+    assert await runner.compute(threading.get_ident, 10) != loop_thread  # from now on, off the loop
+    runner.close()
