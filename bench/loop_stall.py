@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import functools
+import multiprocessing
 import random
 import statistics
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,20 +140,68 @@ async def small_chats(url: str, until: float, seed: int, think: float, out: Run)
             await asyncio.sleep(think)
 
 
-async def measure(
+async def _polled(url: str, seconds: float) -> Run:
+    out = Run()
+    async with httpx.AsyncClient(timeout=30) as poller:
+        await poll(poller, url, time.monotonic() + seconds, out)
+    return out
+
+
+async def _sent(url: str, seconds: float, bodies: list[bytes]) -> Run:
+    out = Run()
+    async with httpx.AsyncClient(timeout=120) as sender:
+        await chats(sender, url, time.monotonic() + seconds, bodies, out)
+    return out
+
+
+async def _small(url: str, seconds: float, clients: int, think: float, seed: int) -> Run:
+    out = Run()
+    until = time.monotonic() + seconds
+    await asyncio.gather(*(small_chats(url, until, seed * 1000 + i, think, out) for i in range(clients)))
+    return out
+
+
+def _in_process(job: str, *args: Any) -> Run:
+    """One part of a measurement, in a process of its own (``measure``)."""
+    jobs: dict[str, Callable[..., Coroutine[Any, Any, Run]]] = {
+        "poll": _polled,
+        "chats": _sent,
+        "small": _small,
+    }
+    return asyncio.run(jobs[job](*args))
+
+
+def measure(
     url: str, seconds: float, bodies: list[bytes], clients: int = 0, think: float = 0.1, seed: int = 0
 ) -> Run:
     """``/healthz`` polled for ``seconds``, while ``bodies`` (if any) are sent one at a time and
-    ``clients`` small chats' clients send theirs."""
+    ``clients`` small chats' clients send theirs. Each of the three runs in a process of its
+    own: on one event loop, the small chats' clients (making and reading their requests) and the
+    sender delay the poller's own reads, which would count as the gateway's latency."""
+    parts: list[tuple[str, tuple[Any, ...]]] = [("poll", (url, seconds))]
+    if bodies:
+        parts.append(("chats", (url, seconds, bodies)))
+    if clients:
+        parts.append(("small", (url, seconds, clients, think, seed)))
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(len(parts), mp_context=context) as pool:
+        # every process started and warm (imports done) before any part begins
+        list(pool.map(_warm, range(len(parts))))
+        futures = [pool.submit(_in_process, job, *args) for job, args in parts]
+        results = [f.result() for f in futures]
     out = Run()
-    until = time.monotonic() + seconds
-    async with httpx.AsyncClient(timeout=30) as poller, httpx.AsyncClient(timeout=120) as sender:
-        jobs = [poll(poller, url, until, out)]
-        if bodies:
-            jobs.append(chats(sender, url, until, bodies, out))
-        jobs += [small_chats(url, until, seed * 1000 + i, think, out) for i in range(clients)]
-        await asyncio.gather(*jobs)
+    for r in results:
+        out.healthz_ms += r.healthz_ms
+        out.chats += r.chats
+        out.chat_s += r.chat_s
+        out.ttft_ms += r.ttft_ms
+        out.errors += r.errors
     return out
+
+
+def _warm(_: int) -> None:
+    tokens_a_word()  # the small chats' text needs it: loaded before the measurement
+    time.sleep(0.5)  # long enough for the pool to start every process before the work is handed out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -191,9 +242,7 @@ def run(args: argparse.Namespace) -> int:
                     # more than one chat can be sent in the time (each takes 0.2 s or more)
                     count = int(args.seconds / 0.1) if loaded else 0
                     bodies = chat_bodies(count, args.tokens, seed=rnd * 7 + len(runs) + 1)
-                    r = asyncio.run(
-                        measure(child.url, args.seconds, bodies, args.clients, args.think, seed=rnd)
-                    )
+                    r = measure(child.url, args.seconds, bodies, args.clients, args.think, seed=rnd)
                     runs.setdefault((name, loaded), []).append(r)
     finally:
         for child in targets.values():
