@@ -49,11 +49,14 @@ class NodeBlocks:
                     blocks.move_to_end(h, last=False)
             return self._evict_over(protect=0)
         # A chain from the root: touch in reverse so the parent stays more recent than every child.
-        for h in reversed(keep):
-            if h in blocks:
-                blocks.move_to_end(h)
-            else:
-                blocks[h] = None
+        if blocks.keys().isdisjoint(keep):  # all new (a cold prompt): added in one call, in C
+            blocks.update(dict.fromkeys(reversed(keep)))
+        else:
+            for h in reversed(keep):
+                if h in blocks:
+                    blocks.move_to_end(h)
+                else:
+                    blocks[h] = None
         return self._evict_over(protect=len(keep))
 
     def _evict_over(self, protect: int) -> list[int]:

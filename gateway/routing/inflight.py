@@ -14,6 +14,11 @@ the leading run of a prompt's blocks that routed chains cover; ``merge_hits`` co
 the index's answer. A node serves its queue in order, so a request sent behind one computing its
 prefix finds that prefix cached when its own turn comes.
 
+Chains are kept whole, filed by node and first block: holding and letting go of one costs the
+same whatever its length (a 128K-token prompt is 2,000 blocks, each counted in and out one by
+one before, on the event loop), and a lookup compares the prompt with the chains of its first
+block only. Block hashes are chained, so two chains agree up to a point and differ from there on.
+
 Pure: no I/O, the caller passes the clock. The live gateway and the trace simulator both use it.
 """
 
@@ -58,7 +63,8 @@ class InflightPrefixes:
     stats: InflightStats = field(default_factory=InflightStats)
     _entries: dict[int, _Entry] = field(default_factory=dict)
     _order: list[tuple[float, int]] = field(default_factory=list)  # heap of (expiry, ticket)
-    _held: dict[str, dict[int, int]] = field(default_factory=dict)  # node -> block -> chains holding it
+    # node -> first block -> ticket -> chain: the chains a prompt starting with that block may share
+    _held: dict[str, dict[int, dict[int, tuple[int, ...]]]] = field(default_factory=dict)
     _next: int = 1
 
     def __len__(self) -> int:
@@ -78,9 +84,7 @@ class InflightPrefixes:
         entry = _Entry(node, tuple(hashes), now + self.ttl_s)
         self._entries[ticket] = entry
         heapq.heappush(self._order, (entry.expires, ticket))
-        held = self._held.setdefault(node, {})
-        for h in entry.hashes:
-            held[h] = held.get(h, 0) + 1
+        self._held.setdefault(node, {}).setdefault(entry.hashes[0], {})[ticket] = entry.hashes
         self.stats.added += 1
         return ticket
 
@@ -108,23 +112,22 @@ class InflightPrefixes:
     def hits(self, hashes: Sequence[int], now: float) -> dict[str, int]:
         """Per node holding routed chains, the leading run of ``hashes`` they cover (0s left out).
 
-        Block hashes are chained (each covers its whole prefix), so a node covers the first ``k``
-        blocks exactly when it holds block ``k - 1``: a binary search.
+        Block hashes are chained (each covers its whole prefix), so a chain covers the first
+        ``k`` blocks exactly when its block ``k - 1`` is the prompt's: a binary search per chain
+        that starts with the prompt's first block; a node covers the longest of its chains' runs.
         """
         self.expire(now)
         out: dict[str, int] = {}
         if not hashes:
             return out
-        for node, held in self._held.items():
-            lo, hi = 0, len(hashes)  # covers hashes[:lo]; not hashes[:hi + 1]
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if hashes[mid - 1] in held:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            if lo:
-                out[node] = lo
+        first = hashes[0]
+        for node, roots in self._held.items():
+            chains = roots.get(first)
+            if not chains:
+                continue
+            best = max(_shared(chain, hashes) for chain in chains.values())
+            if best:
+                out[node] = best
         return out
 
     def forget(self, node: str, hashes: Collection[int] | None = None) -> int:
@@ -143,17 +146,33 @@ class InflightPrefixes:
         entry = self._entries.pop(ticket, None)
         if entry is None:
             return False
-        held = self._held.get(entry.node)
-        if held is not None:
-            for h in entry.hashes:
-                c = held.get(h, 0) - 1
-                if c > 0:
-                    held[h] = c
-                else:
-                    held.pop(h, None)
-            if not held:
+        roots = self._held.get(entry.node)
+        if roots is not None:
+            root = entry.hashes[0]
+            chains = roots.get(root)
+            if chains is not None:
+                chains.pop(ticket, None)
+                if not chains:
+                    del roots[root]
+            if not roots:
                 del self._held[entry.node]
         return True
+
+
+def _shared(chain: Sequence[int], hashes: Sequence[int]) -> int:
+    """How many leading blocks ``chain`` and ``hashes`` share (chained hashes: once they differ,
+    they differ at every later block)."""
+    n = min(len(chain), len(hashes))
+    if n and chain[n - 1] == hashes[n - 1]:
+        return n
+    lo, hi = 0, n  # they share [:lo]; they do not share [:hi + 1]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if chain[mid - 1] == hashes[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def follows_inflight(policy: Policy) -> bool:

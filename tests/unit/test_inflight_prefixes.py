@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from prefixgate.bench.peers import parse_variant
 from prefixgate.gateway.routing import parse_policy
@@ -97,3 +99,47 @@ def test_forget_drops_the_chains_holding_evicted_blocks_of_that_node_only() -> N
     assert t.forget("a") == 1
     assert t.hits([7, 8], 0.1) == {}
     assert len(t) == 1
+
+
+def _chain(*labels: int) -> list[int]:
+    """Chained hashes: block ``i``'s hash names the whole prefix up to it (as block hashes do)."""
+    out, h = [], 0
+    for label in labels:
+        h = hash((h, label)) & 0xFFFFFFFFFFFF
+        out.append(h)
+    return out
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["n1", "n2"]), st.lists(st.integers(0, 2), min_size=1, max_size=12)),
+        max_size=8,
+    ),
+    st.lists(st.integers(0, 2), min_size=1, max_size=12),
+)
+def test_a_node_covers_the_longest_run_any_of_its_chains_shares_with_the_prompt(
+    routed: list[tuple[str, list[int]]], prompt: list[int]
+) -> None:
+    t = InflightPrefixes()
+    for node, labels in routed:
+        t.add(node, _chain(*labels), now=0.0)
+    query = _chain(*prompt)
+    expected: dict[str, int] = {}
+    for node, labels in routed:  # by brute force: leading blocks equal, position by position
+        chain = _chain(*labels)
+        k = 0
+        while k < min(len(chain), len(query)) and chain[k] == query[k]:
+            k += 1
+        if k > expected.get(node, 0):
+            expected[node] = k
+    assert t.hits(query, now=0.1) == expected
+
+
+def test_a_long_chain_is_held_and_released_whole() -> None:
+    t = InflightPrefixes()
+    chain = _chain(*range(2000))
+    ticket = t.add("n1", chain, now=0.0)
+    assert t.hits(chain, now=0.1) == {"n1": 2000}
+    assert t.hits(chain[:1500] + _chain(*range(9, 509)), now=0.1) == {"n1": 1500}
+    t.done(ticket, now=0.2, served=False)
+    assert t.hits(chain, now=0.2) == {} and len(t) == 0
