@@ -215,7 +215,8 @@ def test_kubectl_renders_every_object_with_a_client_dry_run(tmp_path: Path) -> N
         # kubernetes-validate checks the same schemas above
         argv = ["kubectl", "create", "--dry-run=client", "--validate=false", "-o", "json"]
         argv += ["-f", str(tmp_path / "all.yaml"), "--server", url]
-        env = {"KUBECONFIG": os.devnull, "PATH": os.environ.get("PATH", "")}
+        # HOME: kubectl keeps its discovery cache under $HOME/.kube (without one, in the checkout)
+        env = {"KUBECONFIG": os.devnull, "PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path)}
         out = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     items, text, at = [], out.stdout, 0  # one JSON document per object, one after another
