@@ -26,8 +26,9 @@ model: a request that may render one is prepared on one of ``RENDER_THREADS`` th
 template's bounds (time, output) stop it if it runs away, unless its body is under
 ``INLINE_BYTES``: a chat that small renders and tokenizes in a fraction of a millisecond, less
 than the hand-off to a thread and back costs, so it is prepared on the event loop, for as long
-as no such request has taken more than ``INLINE_LIMIT_S`` there (a template that is slow on small
-chats is rendered off the loop from then on, and says so once).
+as no such request has taken more than ``INLINE_LIMIT_S`` there: a render stops at that budget
+(``tokens.template.budget``) and is done again on a render thread, and from then on every
+template is rendered off the loop (said once).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from prefixgate.gateway.core.bodyparse import BodyParser
 from prefixgate.gateway.core.errors import Draining, Overloaded
 from prefixgate.gateway.core.request import Credentials, RequestContext
 from prefixgate.gateway.scheduling.classes import slo_ms
+from prefixgate.gateway.tokens import template
 
 if TYPE_CHECKING:
     from prefixgate.gateway.core.pipeline import Pipeline, Prepared
@@ -190,7 +192,10 @@ class RequestRunner:
         if sized and size < INLINE_BYTES and self.inline_renders:
             started = time.perf_counter()
             try:
-                return work()
+                with template.budget(INLINE_LIMIT_S):  # a template that runs longer stops here
+                    return work()
+            except template.RenderOverBudget:
+                pass  # rendered again below, off the loop, with the template's whole time
             finally:
                 took = time.perf_counter() - started
                 if took > INLINE_LIMIT_S:

@@ -24,6 +24,7 @@ render up to its bound never holds the gateway's other requests.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -85,12 +86,31 @@ class TemplateLimitError(RuntimeError):
     away, whatever the chat; the server's configuration is at fault, not the request."""
 
 
+class RenderOverBudget(Exception):
+    """A render ran past the budget of the thread it runs on (``budget``): not the template's
+    fault yet, only too long for that thread; the caller renders it again where it may take its
+    whole time."""
+
+
 _render = threading.local()  # the running render's deadline, per thread (renders run on many)
+
+
+@contextlib.contextmanager
+def budget(seconds: float) -> Iterator[None]:
+    """Renders on this thread inside the block stop with ``RenderOverBudget`` past ``seconds``
+    (when that is shorter than their own bound): a render on the event loop must be short."""
+    _render.budget = seconds
+    try:
+        yield
+    finally:
+        _render.budget = None
 
 
 def _check_deadline() -> None:
     deadline: float | None = getattr(_render, "deadline", None)
     if deadline is not None and time.monotonic() > deadline:
+        if getattr(_render, "budgeted", False):
+            raise RenderOverBudget(f"the chat template ran past {_render.budget:g} s on this thread")
         raise TemplateLimitError(f"the chat template ran for more than {_render.timeout_s:g} s")
 
 
@@ -298,7 +318,10 @@ class ChatTemplate:
         ``ChatTemplateError`` when the template refuses the chat, ``TemplateLimitError`` past the
         bounds."""
         values = {**self.variables, **kwargs}
-        _render.deadline = time.monotonic() + self.timeout_s
+        allowed: float | None = getattr(_render, "budget", None)
+        _render.budgeted = allowed is not None and allowed < self.timeout_s
+        limit = allowed if allowed is not None and _render.budgeted else self.timeout_s
+        _render.deadline = time.monotonic() + limit
         _render.timeout_s, _render.max_chars = self.timeout_s, self.max_chars
         try:
             out: list[str] = []
@@ -316,7 +339,7 @@ class ChatTemplate:
                 out.append(piece)
             _check_deadline()
             return "".join(out)
-        except (ChatTemplateError, TemplateLimitError):
+        except (ChatTemplateError, TemplateLimitError, RenderOverBudget):
             raise
         except RecursionError:
             raise TemplateLimitError("the chat template recurses without end") from None
