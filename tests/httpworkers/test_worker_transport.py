@@ -13,6 +13,7 @@ import asyncio
 import gc
 import json
 import logging
+import select
 import socket
 import struct
 import threading
@@ -145,6 +146,27 @@ class Worker(Handler):
         self.start_stream()
         self.chunk(token("Hel"))
         time.sleep(3)
+        self.close_connection = True
+
+    def script_hold(self) -> None:
+        """No answer: wait (5 s at most) for the client to close the connection."""
+        self.wait_gone()
+
+    def script_hold_body(self) -> None:
+        """The answer's headers, then no body: wait for the client to close the connection."""
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", "100")
+        self.end_headers()
+        self.wfile.flush()
+        self.wait_gone()
+
+    def wait_gone(self) -> None:
+        for _ in range(500):
+            readable, _, _ = select.select([self.connection], [], [], 0.01)
+            if readable and not self.connection.recv(1, socket.MSG_PEEK):
+                type(self).gone.set()
+                break
         self.close_connection = True
 
     def script_redirect(self) -> None:
@@ -323,3 +345,25 @@ async def test_close_ends_the_pool_and_its_connections_without_a_warning(
         gc.collect()
         await asyncio.sleep(0.05)
     assert not [r for r in caplog.records if "nclosed" in r.getMessage()]
+
+
+@pytest.mark.parametrize("model", ["hold", "hold-body"])  # before the answer's headers, or its body
+async def test_a_cancelled_call_closes_its_connection(served: tuple[type[Worker], str], model: str) -> None:
+    """How a prefill leg is aborted: its non-streamed call cancelled while the engine works."""
+    cls, url = served
+    client = client_of(url)
+    try:
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": False}
+        call = asyncio.create_task(client.answer(OpenAIBody("chat", body), "r1", Stage.PREFILL, 10))
+        for _ in range(250):
+            if cls.seen:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)  # the headers of hold-body are read: the call waits for its body
+        assert cls.seen and not call.done()
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert await asyncio.to_thread(cls.gone.wait, 5)  # the worker saw its client go
+    finally:
+        await client.close()
