@@ -18,22 +18,29 @@ count on the worker.
 Capabilities are what the wire allows: no KV events (the index learns the worker's blocks from
 routing alone), no eviction, pinning or warming, no split serving (``http_pd`` workers take part in it).
 
-One ``httpx.AsyncClient`` per worker: pooled keep-alive connections (bounded), every call
-bounded in time, every answer in size (an SSE line or event, ``MAX_SSE_LINE_BYTES``; a whole JSON
-answer, ``MAX_JSON_BYTES``): past a bound the attempt fails as the worker's fault. Usage counts
-and finish reasons are read through ``reported`` (never trusted as sent).
+One ``aiohttp.ClientSession`` per worker (with its C HTTP parser a call costs a third of the CPU
+of a pure-Python client, on a hop every request crosses): pooled keep-alive connections
+(bounded), every call bounded in time, every answer in size (an SSE line or event,
+``MAX_SSE_LINE_BYTES``; a whole JSON answer, ``MAX_JSON_BYTES``): past a bound the attempt fails
+as the worker's fault. A response read to its end gives its connection back to the pool; one
+closed before its end closes its connection, which is how the engine learns of an abort. Usage
+counts and finish reasons are read through ``reported`` (never trusted as sent).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import ssl
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import Any
 
-import httpx
+import aiohttp
 import orjson
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client.parser import text_string_to_metric_families
+from yarl import URL
 
 from prefixgate.cachetier.tokenizer import unpack_ids
 from prefixgate.gateway import tracing
@@ -76,9 +83,15 @@ NOMINAL_PROFILE = CostProfile(
 )
 ENGINE = "openai-http"
 MAX_CONNECTIONS = 1024  # per worker: one per streaming request, the rest waits for the pool
-MAX_KEEPALIVE = 64
-KEEPALIVE_S = 30.0
+KEEPALIVE_S = 30.0  # an idle connection is closed after this long (none is kept past it)
 CONNECT_TIMEOUT_S = 5.0
+DEFAULT_TIMEOUT_S = 30.0  # a call that names no timeout of its own
+# The longest header line of an answer: a header block up to 16 KiB is read whole, whatever its
+# lines (a common HTTP client bound).
+MAX_HEADER_BYTES = 16 * 1024
+# What a connection reads ahead of its reader: past twice this much the socket is left unread
+# until the reader catches up (so a stream buffers at most that much here).
+READ_BUFFER_BYTES = 64 * 1024
 MAX_PROBE_BYTES = 4 * 1024 * 1024  # /metrics of a busy engine included
 MAX_ERROR_BYTES = 64 * 1024
 MAX_JSON_BYTES = 32 * 1024 * 1024  # a whole (non-streamed) answer, from a server ignoring ``stream``
@@ -96,6 +109,8 @@ LOAD_GAUGES = {
     "sglang:num_queue_reqs": "waiting",
 }
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+# A generation's headers besides its request id and trace context (``_worker_headers`` too).
+SSE_HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
 
 
 class _TooLarge(ValueError):
@@ -131,23 +146,63 @@ def _error_message(raw: bytes) -> str:
     return str(obj)[:300]
 
 
+# What a call to a worker raises when the transport fails: aiohttp's errors (refused, reset, a
+# worker closing mid-answer, an answer that is not HTTP, timeouts), and an OSError or a
+# TimeoutError that reaches us unwrapped.
+TRANSPORT_ERRORS: tuple[type[Exception], ...] = (aiohttp.ClientError, HttpProcessingError, OSError)
+# A call's failures: the transport's, and an answer past its bound or not JSON (``_TooLarge`` and
+# orjson's errors are ValueErrors).
+CALL_ERRORS: tuple[type[Exception], ...] = (*TRANSPORT_ERRORS, ValueError)
+
+
 def _transport_failure(address: str, stage: Stage, e: Exception) -> NodeFailure:
-    if isinstance(e, httpx.TimeoutException | TimeoutError):
+    if isinstance(e, TimeoutError):  # aiohttp's timeouts included
         return NodeFailure(address, stage, FailureKind.TIMEOUT, f"no answer in time ({type(e).__name__})")
-    if isinstance(e, httpx.ConnectError):
+    if isinstance(e, aiohttp.ClientConnectorError):
         return NodeFailure(address, stage, FailureKind.UNAVAILABLE, f"cannot connect: {e}"[:300])
     return NodeFailure(address, stage, FailureKind.UNAVAILABLE, f"{type(e).__name__}: {e}"[:300])
 
 
-async def _read_bounded(response: httpx.Response, limit: int) -> bytes:
+def _finish(response: aiohttp.ClientResponse) -> None:
+    """Done with ``response``: a body read to its end leaves its connection in the pool (it went
+    back there at the end); one not read to its end takes its connection with it, so no half-read
+    connection is ever reused and the engine sees the request go."""
+    if response.content.at_eof():
+        response.release()
+    else:
+        response.close()
+
+
+async def _read_bounded(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body, at most ``limit`` bytes: past the bound nothing more is read."""
+    declared = response.content_length
+    if declared is not None and declared > limit:
+        raise _TooLarge(f"{response.url.path}: body over {limit} bytes")
     parts: list[bytes] = []
     size = 0
-    async for chunk in response.aiter_bytes():
+    content = response.content
+    while chunk := await content.readany():
         size += len(chunk)
         if size > limit:
-            raise _TooLarge(f"{response.request.url.path}: body over {limit} bytes")
+            raise _TooLarge(f"{response.url.path}: body over {limit} bytes")
         parts.append(chunk)
-    return b"".join(parts)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+@functools.lru_cache(maxsize=64)
+def _probe_timeout(seconds: float) -> aiohttp.ClientTimeout:
+    """A probe's bounds: ``seconds`` to connect (a free pool slot included) and between reads
+    (probe timeouts are few distinct values: cached)."""
+    return aiohttp.ClientTimeout(total=None, connect=seconds, sock_connect=seconds, sock_read=seconds)
+
+
+def _call_timeout(seconds: float) -> aiohttp.ClientTimeout:
+    """A request's bounds: ``seconds`` (what is left of its deadline) for a free pool slot and
+    the connection, at most ``CONNECT_TIMEOUT_S`` for the connect itself, ``seconds`` between
+    reads. Not a total: a stream that keeps coming is never cut by this client."""
+    return aiohttp.ClientTimeout(
+        total=None, connect=seconds, sock_connect=min(CONNECT_TIMEOUT_S, seconds), sock_read=seconds
+    )
 
 
 def parse_models(raw: bytes) -> tuple[str, ...]:
@@ -247,7 +302,22 @@ def _json_headers(request_id: str) -> dict[str, str]:
 
 
 def _worker_headers(api_key: str) -> dict[str, str]:
-    return {"user-agent": "prefixgate", **({"authorization": f"Bearer {api_key}"} if api_key else {})}
+    """What every call to a worker carries: who calls, the worker's own key, and that answers
+    come uncompressed (nothing is decompressed here, and a bound on a body is a bound on what
+    the worker sent)."""
+    return {
+        "user-agent": "prefixgate",
+        "accept-encoding": "identity",
+        **({"authorization": f"Bearer {api_key}"} if api_key else {}),
+    }
+
+
+def _tls_context() -> ssl.SSLContext:
+    """How an ``https://`` worker is verified: against certifi's CA bundle, the same wherever the
+    gateway runs (not the host's store, not SSL_CERT_FILE)."""
+    import certifi
+
+    return ssl.create_default_context(cafile=certifi.where())
 
 
 class HttpOpenAIClient:
@@ -256,30 +326,61 @@ class HttpOpenAIClient:
     def __init__(self, address: str, engine_priority: str = "off", api_key: str = "") -> None:
         """``api_key``: sent to the worker as ``Authorization: Bearer KEY`` (a worker behind its
         own key); never the client's credentials, which stay at the gateway."""
-        url = httpx.URL(address)
-        if url.scheme not in ("http", "https") or not url.host:
+        try:
+            url = URL(address)
+        except ValueError:
+            url = URL()
+        if url.scheme not in ("http", "https") or not url.raw_host:
             raise ValueError(f"an HTTP worker address is http://HOST:PORT, got {address!r}")
         self._address = address
         self.engine_priority = engine_priority  # how bodies carry priority (``with_priority``)
         path = url.path.rstrip("/").removesuffix("/v1")
-        authority = url.netloc.decode("ascii")
+        authority = url.host_port_subcomponent or ""  # IPv6 bracketed, a default port left out
         self.node_id = authority + path
-        self._http = httpx.AsyncClient(
-            base_url=f"{url.scheme}://{authority}{path}",
-            limits=httpx.Limits(
-                max_connections=MAX_CONNECTIONS,
-                max_keepalive_connections=MAX_KEEPALIVE,
-                keepalive_expiry=KEEPALIVE_S,
-            ),
-            timeout=httpx.Timeout(30.0, connect=CONNECT_TIMEOUT_S),
-            trust_env=False,  # a worker on loopback is never reached through a proxy
-            follow_redirects=False,
-            headers=_worker_headers(api_key),
-        )
+        self._base = f"{url.scheme}://{authority}{path}"
+        self._tls = url.scheme == "https"
+        self._headers = _worker_headers(api_key)
+        self._urls: dict[str, URL] = {}
+        # Made on the loop, at the first call (an aiohttp session belongs to the loop it was
+        # made on); None again once closed.
+        self._http: aiohttp.ClientSession | None = None
+        self._closed = False
         self.models: tuple[str, ...] = ()
         self.inflight = 0
         self._load_path: str | None = None  # None: not probed yet; "": the engine reports none
         self._instance = uuid.uuid4().hex[:16]
+
+    def _url(self, path: str) -> URL:
+        """The worker's URL for ``path`` (parsed once a path)."""
+        url = self._urls.get(path)
+        if url is None:
+            url = self._urls[path] = URL(self._base + path)
+        return url
+
+    def _session(self) -> aiohttp.ClientSession:
+        """The worker's pool, made on the running loop at the first call."""
+        session = self._http
+        if session is None:
+            if self._closed:
+                raise RuntimeError(f"the client of worker {self._address} is closed")
+            session = self._http = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(
+                    limit=MAX_CONNECTIONS,
+                    limit_per_host=0,  # one host: ``limit`` is the bound
+                    keepalive_timeout=KEEPALIVE_S,
+                    use_dns_cache=False,  # a name is resolved at each new connection
+                    ssl=_tls_context() if self._tls else True,
+                ),
+                headers=self._headers,
+                timeout=_call_timeout(DEFAULT_TIMEOUT_S),
+                cookie_jar=aiohttp.DummyCookieJar(),  # a worker's cookies are not kept or sent
+                trust_env=False,  # no proxy, no netrc: a worker is reached directly
+                auto_decompress=False,  # asked for identity (``_worker_headers``)
+                max_line_size=MAX_HEADER_BYTES,
+                max_field_size=MAX_HEADER_BYTES,
+                read_bufsize=READ_BUFFER_BYTES,
+            )
+        return session
 
     @property
     def address(self) -> str:
@@ -299,8 +400,12 @@ class HttpOpenAIClient:
         return self._load_path or "in-flight"
 
     async def _get(self, path: str, timeout: float) -> tuple[int, bytes]:
-        async with self._http.stream("GET", path, timeout=timeout) as r:
-            return r.status_code, await _read_bounded(r, MAX_PROBE_BYTES)
+        """``GET path``: the status and the body (at most ``MAX_PROBE_BYTES``)."""
+        r = await self._session().get(self._url(path), timeout=_probe_timeout(timeout), allow_redirects=False)
+        try:
+            return r.status, await _read_bounded(r, MAX_PROBE_BYTES)
+        finally:
+            _finish(r)
 
     async def _engine_load(self, timeout: float) -> tuple[int, int] | None:
         """The engine's (running, waiting), from the first source that works (remembered)."""
@@ -314,7 +419,7 @@ class HttpOpenAIClient:
                     load = parse_get_load(raw) if path == "/get_load" else parse_metrics(raw.decode())
                     self._load_path = path
                     return load
-            except (httpx.HTTPError, _TooLarge, ValueError):
+            except CALL_ERRORS:
                 if self._load_path is not None:
                     raise  # a source that worked and fails now: the probe fails
         self._load_path = ""
@@ -339,7 +444,7 @@ class HttpOpenAIClient:
                 load = await self._engine_load(timeout)
         except NodeFailure:
             raise
-        except (httpx.HTTPError, TimeoutError) as e:
+        except TRANSPORT_ERRORS as e:  # TimeoutError (an OSError) included
             raise _transport_failure(self._address, Stage.PROBE, e) from e
         except (_TooLarge, ValueError) as e:
             raise NodeFailure(self._address, Stage.PROBE, FailureKind.INTERNAL, str(e)[:300]) from e
@@ -386,36 +491,46 @@ class HttpOpenAIClient:
         body = prompt.openai or self.fallback_body(prompt)
         return with_priority(body, prompt.priority, self.engine_priority)
 
-    async def open(self, prompt: Prompt, timeout: float) -> httpx.Response:
-        """Send the request; the response (streaming) once its status is 200."""
+    async def open(self, prompt: Prompt, timeout: float) -> aiohttp.ClientResponse:
+        """Send the request; the response (its body not read yet) once its status is 200."""
         req = self.request_body(prompt)
-        request = self._http.build_request(
-            "POST",
-            PATHS.get(req.kind, PATHS["completion"]),
-            content=orjson.dumps(req.body),
-            headers={
-                "content-type": "application/json",
-                "accept": "text/event-stream",
-                "x-request-id": prompt.request_id,
-                **dict(tracing.CONTEXT.get()),  # the engine joins the request's trace
-            },
-            timeout=httpx.Timeout(timeout, connect=min(CONNECT_TIMEOUT_S, timeout)),
+        headers = {**SSE_HEADERS, "x-request-id": prompt.request_id}
+        context = tracing.CONTEXT.get()
+        if context:
+            headers.update(context)  # the engine joins the request's trace
+        response = await self._session().post(
+            self._url(PATHS.get(req.kind, PATHS["completion"])),
+            data=orjson.dumps(req.body),
+            headers=headers,
+            timeout=_call_timeout(timeout),
+            allow_redirects=False,
         )
-        response = await self._http.send(request, stream=True)
-        if response.status_code != 200:
+        if response.status != 200:
             try:
                 raw = await _read_bounded(response, MAX_ERROR_BYTES)
             except _TooLarge:
                 raw = b"(error body too large)"
             finally:
-                await response.aclose()
+                _finish(response)
             raise NodeFailure(
                 self._address,
                 Stage.GENERATE,
-                _status_kind(response.status_code),
-                f"HTTP {response.status_code}: {_error_message(raw)}",
+                _status_kind(response.status),
+                f"HTTP {response.status}: {_error_message(raw)}",
             )
         return response
+
+    async def _post_json(
+        self, path: str, body: Mapping[str, Any], request_id: str, timeout: float
+    ) -> aiohttp.ClientResponse:
+        """``POST path`` with ``body`` as JSON: the response, its body not read yet."""
+        return await self._session().post(
+            self._url(path),
+            data=orjson.dumps(body),
+            headers=_json_headers(request_id),
+            timeout=_call_timeout(timeout),
+            allow_redirects=False,
+        )
 
     async def answer(
         self, req: OpenAIBody, request_id: str, stage: Stage, timeout: float
@@ -424,22 +539,19 @@ class HttpOpenAIClient:
         are this worker's, at ``stage``; cancelling the call closes the connection (the engine
         aborts the request)."""
         try:
-            async with self._http.stream(
-                "POST",
-                PATHS.get(req.kind, PATHS["completion"]),
-                content=orjson.dumps(req.body),
-                headers=_json_headers(request_id),
-                timeout=httpx.Timeout(timeout, connect=min(CONNECT_TIMEOUT_S, timeout)),
-            ) as r:
-                if r.status_code != 200:
+            r = await self._post_json(PATHS.get(req.kind, PATHS["completion"]), req.body, request_id, timeout)
+            try:
+                if r.status != 200:
                     try:
                         raw = await _read_bounded(r, MAX_ERROR_BYTES)
                     except _TooLarge:
                         raw = b"(error body too large)"
-                    detail = f"HTTP {r.status_code}: {_error_message(raw)}"
-                    raise NodeFailure(self._address, stage, _status_kind(r.status_code), detail)
+                    detail = f"HTTP {r.status}: {_error_message(raw)}"
+                    raise NodeFailure(self._address, stage, _status_kind(r.status), detail)
                 obj = orjson.loads(await _read_bounded(r, MAX_JSON_BYTES))
-        except (httpx.HTTPError, TimeoutError, ValueError, _TooLarge) as e:
+            finally:
+                _finish(r)
+        except CALL_ERRORS as e:
             raise self._call_failure(stage, e) from e
         obj = self._json_object(obj, stage)
         err = obj.get("error")
@@ -455,23 +567,20 @@ class HttpOpenAIClient:
         body of the worker's included). A transport failure is this worker's NodeFailure."""
         stage = Stage.GENERATE
         try:
-            async with self._http.stream(
-                "POST",
-                "/v1/embeddings",
-                content=orjson.dumps(body),
-                headers=_json_headers(request_id),
-                timeout=httpx.Timeout(timeout, connect=min(CONNECT_TIMEOUT_S, timeout)),
-            ) as r:
-                limit = MAX_JSON_BYTES if r.status_code == 200 else MAX_ERROR_BYTES
+            r = await self._post_json("/v1/embeddings", body, request_id, timeout)
+            try:
+                limit = MAX_JSON_BYTES if r.status == 200 else MAX_ERROR_BYTES
                 obj = orjson.loads(await _read_bounded(r, limit))
-                status = r.status_code
-        except (httpx.HTTPError, TimeoutError, ValueError, _TooLarge) as e:
+                status = r.status
+            finally:
+                _finish(r)
+        except CALL_ERRORS as e:
             raise self._call_failure(stage, e) from e
         return status, self._json_object(obj, stage)
 
     def _call_failure(self, stage: Stage, e: Exception) -> NodeFailure:
         """A call's failure as this worker's: the transport's, or an answer that is not JSON."""
-        if isinstance(e, httpx.HTTPError | TimeoutError):
+        if isinstance(e, TRANSPORT_ERRORS):
             return _transport_failure(self._address, stage, e)
         return NodeFailure(self._address, stage, FailureKind.INTERNAL, f"bad answer: {e}"[:300])
 
@@ -499,7 +608,11 @@ class HttpOpenAIClient:
         raise self._cannot("pin blocks")
 
     async def close(self) -> None:
-        await self._http.aclose()
+        """Close the pool and its connections (a call after this raises RuntimeError)."""
+        self._closed = True
+        session, self._http = self._http, None
+        if session is not None:
+            await session.close()
 
 
 class SSEStream:
@@ -517,7 +630,7 @@ class SSEStream:
         self._prompt = prompt
         self._timeout = timeout
         self._chat = (prompt.openai.kind if prompt.openai else "completion") == "chat"
-        self._response: httpx.Response | None = None
+        self._response: aiohttp.ClientResponse | None = None
         self._events: AsyncIterator[str] | None = None
         self._whole: TokenDelta | None = None  # a server that answered JSON, not a stream
         self._counted = False
@@ -545,7 +658,7 @@ class SSEStream:
         except (NodeFailure, StopAsyncIteration):
             await self.aclose()
             raise
-        except (httpx.HTTPError, TimeoutError) as e:
+        except TRANSPORT_ERRORS as e:  # TimeoutError (an OSError) included
             await self.aclose()
             raise _transport_failure(address, Stage.GENERATE, e) from e
         except (ValueError, _TooLarge, EventTooLarge) as e:
@@ -562,8 +675,10 @@ class SSEStream:
                 orjson.loads(await _read_bounded(self._response, MAX_JSON_BYTES))
             )
         elif "text/event-stream" in ctype:
+            # Lines are split here, not by aiohttp's reader (whose lines stop at twice its read
+            # buffer, ``READ_BUFFER_BYTES``): each chunk as it comes, a line held up to its bound.
             self._events = event_data(
-                self._response.aiter_bytes(), max_line=MAX_SSE_LINE_BYTES, max_event=MAX_SSE_EVENT_BYTES
+                self._response.content.iter_any(), max_line=MAX_SSE_LINE_BYTES, max_event=MAX_SSE_EVENT_BYTES
             )
         else:
             raise ValueError(f"the answer is neither JSON nor an event stream ({ctype[:80]!r})")
@@ -692,14 +807,17 @@ class SSEStream:
                 return TokenDelta(text, "", self._completion, lps, tool_calls=calls)
 
     async def _drain(self) -> None:
-        """After the finish: read on to the usage chunk and the end of the stream (bounded)."""
+        """After the finish: read on to the usage chunk and the end of the stream (bounded by
+        ``USAGE_WAIT_S``; the call's own read timeout still fails the attempt)."""
+        wait = asyncio.timeout(USAGE_WAIT_S)
         try:
-            async with asyncio.timeout(USAGE_WAIT_S):
+            async with wait:
                 while await self._event() is not None:
                     pass
                 await self._to_the_end()
         except TimeoutError:
-            pass
+            if not wait.expired():
+                raise
 
     async def _to_the_end(self) -> None:
         """Read the body to its end, so its keep-alive connection goes back to the pool (a
@@ -709,11 +827,12 @@ class SSEStream:
             pass
 
     async def aclose(self) -> None:
-        """Close the connection (the engine aborts a request whose connection is gone)."""
+        """Close the connection unless the stream was read to its end (the engine aborts a
+        request whose connection is gone)."""
         self._done = True
         if self._counted:
             self._counted = False
             self._client.inflight -= 1
         response, self._response = self._response, None
         if response is not None:
-            await response.aclose()
+            _finish(response)

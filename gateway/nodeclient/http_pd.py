@@ -28,8 +28,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import orjson
+from yarl import URL
 
 from prefixgate.gateway.nodeclient import reported
 from prefixgate.gateway.nodeclient.base import (
@@ -49,11 +49,10 @@ from prefixgate.gateway.nodeclient.handoff import (
     RelayHandoff,
 )
 from prefixgate.gateway.nodeclient.http_openai import (
-    MAX_PROBE_BYTES,
+    CALL_ERRORS,
     RELAYED,
     HttpOpenAIClient,
     SSEStream,
-    _read_bounded,
 )
 from prefixgate.gateway.vocab import FailureKind, Stage
 
@@ -85,7 +84,7 @@ class HttpPDClient(HttpOpenAIClient):
     ) -> None:
         super().__init__(address, engine_priority, api_key)
         self.pd = options
-        self.host = httpx.URL(address).host
+        self.host = URL(address).host or ""
         self._bootstrap_port: int | None = options.bootstrap_port
 
     @property
@@ -102,13 +101,13 @@ class HttpPDClient(HttpOpenAIClient):
         default."""
         if self._bootstrap_port is None:
             port = 0
-            with contextlib.suppress(httpx.HTTPError, ValueError, TimeoutError):
-                async with self._http.stream("GET", "/server_info", timeout=timeout) as r:
-                    if r.status_code == 200:
-                        info = orjson.loads(await _read_bounded(r, MAX_PROBE_BYTES))
-                        if isinstance(info, Mapping):
-                            value = info.get("disaggregation_bootstrap_port")
-                            port = value if type(value) is int and 0 < value < 65536 else 0
+            with contextlib.suppress(*CALL_ERRORS):
+                code, raw = await self._get("/server_info", timeout)
+                if code == 200:
+                    info = orjson.loads(raw)
+                    if isinstance(info, Mapping):
+                        value = info.get("disaggregation_bootstrap_port")
+                        port = value if type(value) is int and 0 < value < 65536 else 0
             self._bootstrap_port = port or DEFAULT_BOOTSTRAP_PORT
         return self._bootstrap_port
 

@@ -31,7 +31,7 @@ NODE_BLOCK = 16
 MOCK_SCRIPT = Path(
     os.environ.get("PREFIXGATE_MOCK_WORKER", REPO.parent / "shared" / "peers" / "mock_worker.py")
 )
-MOCK_PYTHON = Path(sys.executable)  # aiohttp, orjson, uvloop, httpx: all in the dev extras
+MOCK_PYTHON = Path(sys.executable)  # aiohttp, orjson, uvloop, httpx: all dependencies of the package
 
 
 @dataclass
