@@ -40,7 +40,7 @@ import struct
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import structlog
@@ -388,8 +388,7 @@ class _Link(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's are no asyncio.Transport
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -522,7 +521,7 @@ class IndexPeers:
         while not self._closed:
             try:
                 link = await asyncio.wait_for(self._connect(role), CONNECT_TIMEOUT_S)
-            except (OSError, TimeoutError, ProtocolError, RespError) as e:
+            except Exception as e:  # refused, absent, silent, or not speaking the protocol
                 if not failing:
                     log.warning("index_peers_unreachable", link=role, error=repr(e)[:200])
                 failing = True

@@ -238,6 +238,22 @@ async def test_a_subscriber_that_falls_behind_is_dropped_by_the_server_and_carri
         admin.close()
 
 
+def test_on_uvloop_as_the_gateway_runs(store: EmbeddedStore) -> None:
+    import uvloop
+
+    async def scenario() -> None:
+        a, b = ReplicatedIndex(store.url, "uv"), ReplicatedIndex(store.url, "uv")
+        try:
+            assert await a.start() and await b.start()
+            await a.store([StoreOp("n1", (1, 2))])
+            await until(lambda: b.core.lookup([1, 2]) == {"n1": 2})
+        finally:
+            await a.close()
+            await b.close()
+
+    uvloop.run(scenario())
+
+
 async def test_without_a_store_writes_stay_local_and_are_counted(store: EmbeddedStore) -> None:
     index = ReplicatedIndex(f"unix://{store.directory}/nothing.sock", "x")
     try:
