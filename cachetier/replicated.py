@@ -11,10 +11,16 @@ siblings' this way:
 - the nodes' KV events: each worker applies them to its own core (``ReplicatedIndex.local``,
   not published);
 - the writes a worker makes on its own (its routing predictions, admin evictions and clears,
-  node removal, capacities, pins): applied to its core and **published** to the others, one
-  ``PUBLISH`` per write batch on the store's pub/sub, in a compact binary message that names
-  its sender, so a worker skips its own;
+  node removal, capacities, pins): applied to its core and **published** to the others on the
+  store's pub/sub, one compact binary message per write batch, which names its sender;
 - what the others publish: applied as it arrives (``ReplicatedIndex._received``).
+
+Each worker listens on a channel of its own (``P`` + ``index-ops:`` + its number among the
+supervisor's workers, which a replacement keeps), and a message is published to each sibling's
+channel (one ``PUBLISH`` for two workers), never to the sender's: receiving its own messages
+only to skip them cost a worker as much as applying a sibling's (a wakeup of its event loop,
+some 170,000 instructions a request under callgrind). A message from its own sender id is
+still skipped (two gateways given one prefix and store by mistake).
 
 Pub/sub is at most once: a message lost (a reconnection, a subscriber the server disconnected
 for falling behind) loses predictions, which are hints; the nodes' events, followed by every
@@ -421,42 +427,54 @@ class _Link(asyncio.Protocol):
 
 
 class IndexPeers:
-    """Publishes messages on ``channel`` of the store at ``url`` (``unix://PATH`` or
-    ``redis://HOST:PORT``) and hands every message published there to ``on_message``, its own
-    included: one connection for each, each re-made with backoff when it ends.
+    """Publishes messages to each of the ``tell`` channels of the store at ``url``
+    (``unix://PATH`` or ``redis://HOST:PORT``) and hands every message published on ``listen``
+    to ``on_message``: one connection for each, each re-made with backoff when it ends.
 
     ``publish`` never waits: it writes to the publishing connection, or drops (and counts) the
     messages when there is none or too much is still waiting to be sent."""
 
-    def __init__(self, url: str, channel: str, on_message: Callable[[bytes], None], name: str = "") -> None:
+    def __init__(
+        self,
+        url: str,
+        listen: str,
+        tell: Sequence[str],
+        on_message: Callable[[bytes], None],
+        name: str = "",
+    ) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("unix", "redis") or parts.username or parts.password:
             raise ValueError(f"index peers take unix://PATH or redis://HOST:PORT (no credentials): {url!r}")
         self._path = parts.path if parts.scheme == "unix" else ""
         self._host, self._port = parts.hostname or "127.0.0.1", parts.port or 6379
-        self.channel = channel.encode()
+        self.channel = listen.encode()
         self.on_message = on_message
         self.name = name or secrets.token_hex(4)
         self.stats = PeerStats()
         self.subscribed = asyncio.Event()
         self._publisher: asyncio.Transport | None = None
         self.links: dict[str, _Link] = {}  # the connections up now, by role
-        self._publish_head = b"*3\r\n$7\r\nPUBLISH\r\n$%d\r\n%s\r\n" % (len(self.channel), self.channel)
+        self._heads = [
+            b"*3\r\n$7\r\nPUBLISH\r\n$%d\r\n%s\r\n" % (len(c), c) for c in (t.encode() for t in tell)
+        ]
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
 
     # -- publishing ------------------------------------------------------------------------
 
     def publish(self, messages: Sequence[bytes]) -> bool:
-        """Send ``messages`` (each one PUBLISH); False when they were dropped."""
+        """Send ``messages`` (one PUBLISH each to each sibling); False when they were dropped."""
+        if not self._heads:
+            return True  # no sibling to tell
         t = self._publisher
         if t is None or t.is_closing() or t.get_write_buffer_size() > MAX_PUBLISH_BACKLOG:
             self.stats.publish_dropped += len(messages)
             return False
-        head = self._publish_head
         frames: list[bytes] = []
         for m in messages:
-            frames += (head, b"$%d\r\n" % len(m), m, b"\r\n")
+            size = b"$%d\r\n" % len(m)
+            for head in self._heads:
+                frames += (head, size, m, b"\r\n")
         t.write(b"".join(frames))
         self.stats.published += len(messages)
         return True
@@ -567,6 +585,15 @@ def _ignore(reply: Any) -> None:
 # -- the index -----------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerSlot:
+    """A worker's place among its supervisor's: number ``index`` of ``count`` (a worker started
+    to replace a dead one takes its number, and so its channel)."""
+
+    index: int
+    count: int
+
+
 class ReplicatedIndex:
     """``BlockIndex`` on this worker's own ``IndexCore``: lookups local; the writes made through
     it are applied here and published to the sibling workers (``IndexPeers``), whose writes
@@ -578,16 +605,22 @@ class ReplicatedIndex:
     def __init__(
         self,
         url: str,
-        channel: str,
+        prefix: str,
+        slot: WorkerSlot,
         *,
         default_capacity: int = DEFAULT_CAPACITY_BLOCKS,
         sender: int | None = None,
     ) -> None:
         self.core = IndexCore(default_capacity)
         self.local = MemoryIndex(core=self.core)
+        self.slot = slot
         self.sender = sender if sender is not None else secrets.randbits(63) + 1
         self._own = _U64.pack(self.sender)
-        self.peers = IndexPeers(url, channel, self._received, name=f"{self.sender:016x}")
+        siblings = [channel_of(prefix, i) for i in range(slot.count) if i != slot.index]
+        listen = channel_of(prefix, slot.index)
+        self.peers = IndexPeers(
+            url, listen, siblings, self._received, name=f"{slot.index}-{self.sender:016x}"
+        )
 
     async def start(self, wait: float = CONNECT_TIMEOUT_S) -> bool:
         """Connect to the store; True once subscribed (within ``wait``), else it goes on trying."""
@@ -666,6 +699,6 @@ class ReplicatedIndex:
         await self.peers.close()
 
 
-def channel_of(prefix: str) -> str:
-    """The pub/sub channel of the workers sharing ``prefix`` in one store."""
-    return prefix + CHANNEL_SUFFIX
+def channel_of(prefix: str, worker: int) -> str:
+    """The pub/sub channel worker number ``worker`` listens on, of the workers sharing ``prefix``."""
+    return f"{prefix}{CHANNEL_SUFFIX}:{worker}"

@@ -11,7 +11,7 @@ from prefixgate import cachetier
 from prefixgate.cachetier.hashing import Namespace
 from prefixgate.cachetier.index import BlockIndex
 from prefixgate.cachetier.memory import MemoryIndex
-from prefixgate.cachetier.replicated import ReplicatedIndex, channel_of
+from prefixgate.cachetier.replicated import ReplicatedIndex, WorkerSlot
 from prefixgate.cachetier.resilient import ResyncHook, mirror_writes
 from prefixgate.cachetier.tokenizer import Tokenizer
 from prefixgate.gateway import shutdown
@@ -48,15 +48,15 @@ KEYLESS_NOTICE = (
 
 
 def open_index(
-    settings: Settings, on_resync: ResyncHook | None = None, *, replicated: bool = False
+    settings: Settings, on_resync: ResyncHook | None = None, *, replicated: WorkerSlot | None = None
 ) -> BlockIndex:
     """Embedded index, the shared Redis one behind its degraded-mode wrapper, or (``replicated``:
     a gateway worker on its supervisor's store) this worker's own, kept the same as its
     siblings' through the store's pub/sub (``cachetier.replicated``)."""
     if not settings.redis:
         return MemoryIndex()
-    if replicated:
-        return ReplicatedIndex(settings.redis, channel_of(settings.redis_prefix))
+    if replicated is not None:
+        return ReplicatedIndex(settings.redis, settings.redis_prefix, replicated)
     return cachetier.open_index(
         settings.redis, prefix=settings.redis_prefix, layout=settings.redis_layout, on_resync=on_resync
     )
@@ -69,12 +69,12 @@ class GatewayService:
         index: BlockIndex | None = None,
         *,
         writes_node_events: bool = True,
-        replicated_index: bool = False,
+        replicated_index: WorkerSlot | None = None,
     ) -> None:
         """``writes_node_events`` False: the nodes' KV events are followed into this process's
         mirror of the shared index only, a sibling worker writing them (``cachetier.resilient``).
-        ``replicated_index``: a gateway worker on its supervisor's store, routing on an index of
-        its own that the sibling workers keep the same (``cachetier.replicated``)."""
+        ``replicated_index``: this gateway worker's place among its supervisor's, on whose store
+        it routes on an index of its own that its siblings keep the same (``cachetier.replicated``)."""
         self.settings = s = settings
         self.metrics = Metrics()
         if index is None:

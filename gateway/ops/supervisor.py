@@ -95,12 +95,13 @@ def _die_with_parent() -> None:
 
 
 def worker_main(
-    settings: Settings, sock: socket.socket, ready: Connection, index: int, replicated_index: bool = False
+    settings: Settings, sock: socket.socket, ready: Connection, index: int, count: int, replicated_index: bool
 ) -> None:
-    """One worker: a whole gateway serving the supervisor's listener (runs in the child);
-    ``replicated_index``: on the supervisor's own store (docs/workers.md)."""
+    """Worker ``index`` of ``count``: a whole gateway serving the supervisor's listener (runs in
+    the child); ``replicated_index``: on the supervisor's own store (docs/workers.md)."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from prefixgate.cachetier.replicated import WorkerSlot
     from prefixgate.gateway.logging import configure_logging
     from prefixgate.gateway.ops import server
 
@@ -113,10 +114,11 @@ def worker_main(
     # on the embedded store every worker applies the nodes' KV events to its own index; on a
     # user's Redis worker 0 alone writes them to the shared index, the others keep only their
     # mirror of it current (docs/workers.md)
+    slot = WorkerSlot(index, count) if replicated_index else None
     code = server.run(
         settings,
         lambda: server.serve(
-            settings, [sock], on_ready, (signal.SIGTERM,), index == 0, replicated_index=replicated_index
+            settings, [sock], on_ready, (signal.SIGTERM,), index == 0, replicated_index=slot
         ),
     )
     sys.exit(code)
@@ -164,7 +166,14 @@ class Supervisor:
         parent, child = self.ctx.Pipe(duplex=False)
         proc = self.ctx.Process(
             target=worker_main,
-            args=(self.worker_settings(index), self.listener, child, index, self.replicated_index),
+            args=(
+                self.worker_settings(index),
+                self.listener,
+                child,
+                index,
+                self.count,
+                self.replicated_index,
+            ),
             name=f"prefixgate-worker-{index}",
             daemon=False,
         )

@@ -26,6 +26,7 @@ from prefixgate.cachetier.replicated import (
     ReplicatedIndex,
     RespError,
     RespReader,
+    WorkerSlot,
     apply,
     channel_of,
     command,
@@ -147,8 +148,9 @@ def store() -> Iterator[EmbeddedStore]:
 
 @pytest.fixture
 async def pair(store: EmbeddedStore) -> AsyncIterator[tuple[ReplicatedIndex, ReplicatedIndex]]:
-    channel = channel_of(f"prefixgate-test-{time.monotonic_ns()}:")
-    a, b = ReplicatedIndex(store.url, channel), ReplicatedIndex(store.url, channel)
+    prefix = f"prefixgate-test-{time.monotonic_ns()}:"
+    a = ReplicatedIndex(store.url, prefix, WorkerSlot(0, 2))
+    b = ReplicatedIndex(store.url, prefix, WorkerSlot(1, 2))
     try:
         assert await a.start() and await b.start()
         yield a, b
@@ -182,10 +184,27 @@ async def test_writes_through_one_worker_reach_the_other(pair: Pair) -> None:
     await a.clear_node("n1")
     await until(lambda: not b.core.nodes["n1"].blocks)
     assert a.core.stats() == b.core.stats()
-    # each applies only the other's messages, and skips its own
+    # each receives the other's messages alone (on a channel of its own)
     assert a.peers.stats.received == b.peers.stats.published == 2
     assert b.peers.stats.received == a.peers.stats.published == 3
     assert (await a.stats()).backend == "replicated"
+
+
+async def test_three_workers_tell_each_other_and_not_themselves(store: EmbeddedStore) -> None:
+    prefix = f"prefixgate-test-{time.monotonic_ns()}:"
+    workers = [ReplicatedIndex(store.url, prefix, WorkerSlot(i, 3)) for i in range(3)]
+    try:
+        for w in workers:
+            assert await w.start()
+        assert workers[1].peers.channel == channel_of(prefix, 1).encode() == f"{prefix}index-ops:1".encode()
+        await workers[1].store([StoreOp("n1", (1, 2))])
+        await until(lambda: all(w.core.lookup([1, 2]) == {"n1": 2} for w in workers))
+        await asyncio.sleep(0.05)
+        assert [w.peers.stats.received for w in workers] == [1, 0, 1]
+        assert workers[1].peers.stats.published == 1
+    finally:
+        for w in workers:
+            await w.close()
 
 
 async def test_the_nodes_events_are_applied_locally_not_published(
@@ -227,7 +246,7 @@ async def test_a_subscriber_that_falls_behind_is_dropped_by_the_server_and_carri
         for i in range(100):  # 1.6 MB of messages
             await a.store([StoreOp(f"n{i}", chain)])
             await asyncio.sleep(0)
-        await until(lambda: admin.pubsub_numsub(b.peers.channel)[0][1] == 1)  # b's is gone
+        await until(lambda: admin.pubsub_numsub(b.peers.channel)[0][1] == 0)  # b's is gone
         link.transport.resume_reading()  # it reads what it has, then the end of the connection
         await until(lambda: b.peers.stats.disconnects == 1 and b.peers.subscribed.is_set())
         await a.store([StoreOp("late", (5,))])
@@ -242,7 +261,10 @@ def test_on_uvloop_as_the_gateway_runs(store: EmbeddedStore) -> None:
     import uvloop
 
     async def scenario() -> None:
-        a, b = ReplicatedIndex(store.url, "uv"), ReplicatedIndex(store.url, "uv")
+        a, b = (
+            ReplicatedIndex(store.url, "uv:", WorkerSlot(0, 2)),
+            ReplicatedIndex(store.url, "uv:", WorkerSlot(1, 2)),
+        )
         try:
             assert await a.start() and await b.start()
             await a.store([StoreOp("n1", (1, 2))])
@@ -255,7 +277,7 @@ def test_on_uvloop_as_the_gateway_runs(store: EmbeddedStore) -> None:
 
 
 async def test_without_a_store_writes_stay_local_and_are_counted(store: EmbeddedStore) -> None:
-    index = ReplicatedIndex(f"unix://{store.directory}/nothing.sock", "x")
+    index = ReplicatedIndex(f"unix://{store.directory}/nothing.sock", "x:", WorkerSlot(0, 2))
     try:
         assert not await index.start(wait=0.2)
         assert await index.store([StoreOp("n1", (1,))]) == [True]
