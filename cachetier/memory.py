@@ -156,8 +156,11 @@ class MemoryIndex:
 
     backend = "memory"
 
-    def __init__(self, default_capacity: int = DEFAULT_CAPACITY_BLOCKS) -> None:
-        self.core = IndexCore(default_capacity)
+    def __init__(
+        self, default_capacity: int = DEFAULT_CAPACITY_BLOCKS, *, core: IndexCore | None = None
+    ) -> None:
+        """``core``: an existing one to read and write (a replicated index's, ``cachetier.replicated``)."""
+        self.core = core if core is not None else IndexCore(default_capacity)
 
     async def lookup(self, hashes: Sequence[int], nodes: Sequence[str] | None = None) -> dict[str, int]:
         return self.core.lookup(hashes, nodes)

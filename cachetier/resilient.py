@@ -369,7 +369,8 @@ class ResilientIndex:
 class MirrorWrites:
     """A ``ResilientIndex`` whose writes reach its mirror only: for a process that sees the same
     writes as a sibling which makes them to the shared index (gateway workers of one supervisor
-    all follow the nodes' KV events; one of them writes them). Reads are the index's own."""
+    on a user's Redis all follow the nodes' KV events; one of them writes them; on their own
+    store they use ``cachetier.replicated`` instead). Reads are the index's own."""
 
     def __init__(self, index: ResilientIndex, mirror: IndexCore) -> None:
         self.index = index

@@ -11,6 +11,7 @@ from prefixgate import cachetier
 from prefixgate.cachetier.hashing import Namespace
 from prefixgate.cachetier.index import BlockIndex
 from prefixgate.cachetier.memory import MemoryIndex
+from prefixgate.cachetier.replicated import ReplicatedIndex, WorkerSlot
 from prefixgate.cachetier.resilient import ResyncHook, mirror_writes
 from prefixgate.cachetier.tokenizer import Tokenizer
 from prefixgate.gateway import shutdown
@@ -46,10 +47,16 @@ KEYLESS_NOTICE = (
 )
 
 
-def open_index(settings: Settings, on_resync: ResyncHook | None = None) -> BlockIndex:
-    """Embedded index, or the shared Redis one behind its degraded-mode wrapper."""
+def open_index(
+    settings: Settings, on_resync: ResyncHook | None = None, *, replicated: WorkerSlot | None = None
+) -> BlockIndex:
+    """Embedded index, the shared Redis one behind its degraded-mode wrapper, or (``replicated``:
+    a gateway worker on its supervisor's store) this worker's own, kept the same as its
+    siblings' through the store's pub/sub (``cachetier.replicated``)."""
     if not settings.redis:
         return MemoryIndex()
+    if replicated is not None:
+        return ReplicatedIndex(settings.redis, settings.redis_prefix, replicated)
     return cachetier.open_index(
         settings.redis, prefix=settings.redis_prefix, layout=settings.redis_layout, on_resync=on_resync
     )
@@ -57,13 +64,22 @@ def open_index(settings: Settings, on_resync: ResyncHook | None = None) -> Block
 
 class GatewayService:
     def __init__(
-        self, settings: Settings, index: BlockIndex | None = None, *, writes_node_events: bool = True
+        self,
+        settings: Settings,
+        index: BlockIndex | None = None,
+        *,
+        writes_node_events: bool = True,
+        replicated_index: WorkerSlot | None = None,
     ) -> None:
         """``writes_node_events`` False: the nodes' KV events are followed into this process's
-        mirror of the shared index only, a sibling worker writing them (``cachetier.resilient``)."""
+        mirror of the shared index only, a sibling worker writing them (``cachetier.resilient``).
+        ``replicated_index``: this gateway worker's place among its supervisor's, on whose store
+        it routes on an index of its own that its siblings keep the same (``cachetier.replicated``)."""
         self.settings = s = settings
         self.metrics = Metrics()
-        self.index = index if index is not None else open_index(settings, self._index_recovered)
+        if index is None:
+            index = open_index(settings, self._index_recovered, replicated=replicated_index)
+        self.index = index
         self.tokenizer = gateway_tokenizer(settings)
         self.model_tokenizers = model_tokenizers(settings)  # models whose workers take another
         # workers registered at runtime with options (``POST /workers``), read when connected
@@ -105,13 +121,17 @@ class GatewayService:
             settings, self.pool, self.index, self.tokenizer, self.metrics, local_docs, self.model_tokenizers
         )
         self.pipeline.on_finished = self._count_usage
-        events_index = self.index if writes_node_events else mirror_writes(self.index)
-        self.events = EventSync(
-            self.pool,
-            events_index,
-            self.metrics,
-            repair_index=None if events_index is self.index else self.index,
-        )
+        # Every worker follows every node's events: with a replicated index each applies them to
+        # its own copy alone (none published); with a shared one, one worker writes them.
+        repair: BlockIndex | None = None
+        if isinstance(self.index, ReplicatedIndex):
+            events_index: BlockIndex = self.index.local
+        elif writes_node_events:
+            events_index = self.index
+        else:
+            events_index = mirror_writes(self.index)
+            repair = None if events_index is self.index else self.index
+        self.events = EventSync(self.pool, events_index, self.metrics, repair_index=repair)
         self.pipeline.on_mispredict = self._resync_node
         self.metrics.bind_nodes(self.node_samples)
         # every front end serves requests through it
@@ -244,6 +264,8 @@ class GatewayService:
         if engine_tok is not None:
             self.tokenizer = self.pipeline.tokenizer = engine_tok
             log.info("tokenizer_loaded", tokenizer=engine_tok.name, origin=engine_tok.origin)
+        if isinstance(self.index, ReplicatedIndex) and not await self.index.start():
+            log.warning("index_peers_not_subscribed", detail="routing on this worker's own writes until then")
         for node in self.pool.nodes.values():
             self.events.watch(node)
         await self.pool.wait_ready(timeout=5.0)

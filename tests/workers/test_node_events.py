@@ -1,72 +1,122 @@
-"""Two gateway workers in front of a node that streams KV events: both follow the events, one
-writes them to the shared store.
+"""Two gateway workers in front of one of our nodes, which streams KV events: every worker
+applies every event to its own index, and nothing of the index goes through the store per
+request but one message of the routing worker's prediction.
 
-Every worker follows every node's events (its local mirror of the index stays current for a
-lookup that misses its deadline), but a node's blocks are the same whoever applies them: written
-by each worker, N workers would cost the store N times the writes. Counted at the embedded
-store itself: per request, the routing worker's record of what it predicted and one write of
-the node's STORED event (two workers writing it: three).
+Each worker routes on an index of its own (``cachetier.replicated``): the nodes' events reach
+every worker anyway, so each applies them itself, and the writes a worker makes on its own (its
+predictions) are published to the others through the store's pub/sub. Counted at the embedded
+store itself (``MONITOR``): no index lookup, no index write, one PUBLISH per request at most. A
+worker killed and replaced routes on what the node holds again: its event stream starts with
+the node's snapshot.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from hashlib import sha1
 
 import httpx
-import redis
+import pytest
 
+from prefixgate.cachetier import redis_scripts_zset as zset
 from prefixgate.gateway.ops import processes
 from tests.helpers import document, free_port, spawn
+from tests.workers.support import Gateway, Monitor
 
 REQUESTS = 30
+PUBLISHED_S = 0.5  # a prediction recorded (within 5 ms of the answer) and sent to the other worker
+STORED = 'prefixgate_kv_events_total\\{kind="stored"[^}]*\\}'
+SNAPSHOTS = 'prefixgate_index_resyncs_total\\{reason="snapshot"\\}'
 
 
-def test_a_nodes_kv_events_are_written_to_the_store_once() -> None:
+@pytest.fixture(scope="module")
+def gateway() -> Iterator[Gateway]:
     node = spawn(["node", "--role", "monolithic", "--port", "0", "--profile", "instant", "--ready-line"])
-    gateway = None
+    proc = None
     try:
         ready = json.loads(node.wait_for(r'^\{"event": "node_ready".*\}$', timeout=60).group(0))
         port = free_port()
         # --workers 2: two workers whatever this machine's core count
-        gateway = spawn(["gateway", "--port", str(port), "--workers", "2", "--monolithic", ready["address"]])
-        gateway.wait_for(r'"event": ?"workers_ready"', timeout=90)
-        store_line = gateway.wait_for(r'^\{.*"event": ?"embedded_store_started".*\}$').group(0)
-        store = redis.Redis(unix_socket_path=json.loads(store_line)["socket"])
-        base = f"http://127.0.0.1:{port}"
+        proc = spawn(["gateway", "--port", str(port), "--workers", "2", "--monolithic", ready["address"]])
+        proc.wait_for(r'"event": ?"workers_ready"', timeout=90)
+        yield Gateway(proc, f"http://127.0.0.1:{port}")
+    finally:
+        processes.stop_all([*([proc] if proc else []), node])
 
-        def chat(seed: int) -> None:
-            body = {
-                "model": "prefixgate-sim",
-                "max_tokens": 4,
-                "messages": [{"role": "user", "content": document(seed, 600)}],
-            }
-            with httpx.Client(base_url=base, timeout=30, trust_env=False) as c:  # a connection each
-                r = c.post("/v1/chat/completions", json=body, headers={"connection": "close"})
-            assert r.status_code == 200, r.text
 
-        def transactions() -> int:
-            return int(store.info("commandstats").get("cmdstat_exec", {}).get("calls", 0))
+def test_a_prefix_served_through_one_worker_is_a_hit_through_the_other(gateway: Gateway) -> None:
+    text = document(7, 3000)
+    here, first_worker = gateway.connect_to()
+    there, _ = gateway.connect_to(avoid=first_worker)
+    try:
+        first = gateway.chat_on(here, text, "question 0")
+        assert first["predicted_cached_tokens"] == 0
+        time.sleep(PUBLISHED_S)
+        other = gateway.chat_on(there, text, "question 1")
+    finally:
+        here.close()
+        there.close()
+    assert other["worker"] != first["worker"]
+    assert other["predicted_cached_tokens"] >= 2048, (first, other)
+    assert other["cached_tokens"] >= 2048
 
-        def applied() -> float:
-            text = httpx.get(base + "/metrics", timeout=10, trust_env=False).text
-            return sum(
-                float(line.rsplit(" ", 1)[1])
-                for line in text.splitlines()
-                if line.startswith('prefixgate_kv_events_total{kind="stored"')
-            )
 
-        chat(10_000)  # both workers connected to the node's event stream and the store
-        time.sleep(1.0)
-        before_tx, before_applied = transactions(), applied()
+def test_the_store_sees_no_index_traffic_per_request(gateway: Gateway) -> None:
+    store = gateway.store()
+    index_scripts = {
+        sha1(text.encode()).hexdigest() for text in (zset.LOOKUP_LUA, zset.STORE_LUA, zset.EPOCH_LUA)
+    }
+
+    def chat(seed: int) -> None:
+        body = {
+            "model": gateway.model,
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": document(seed, 600)}],
+        }
+        with httpx.Client(base_url=gateway.base, timeout=30, trust_env=False) as c:  # a connection each
+            r = c.post("/v1/chat/completions", json=body, headers={"connection": "close"})
+        assert r.status_code == 200, r.text
+
+    chat(10_000)  # both workers connected to the node's event stream and the store
+    time.sleep(1.0)
+    before_applied = gateway.metric(STORED)
+    with Monitor(store) as monitor:
         for i in range(REQUESTS):
             chat(i)
         deadline = time.monotonic() + 20
-        while applied() - before_applied < 2 * REQUESTS and time.monotonic() < deadline:
+        while gateway.metric(STORED) - before_applied < 2 * REQUESTS and time.monotonic() < deadline:
             time.sleep(0.1)  # the events of the last requests are still on their way
-        assert applied() - before_applied >= 2 * REQUESTS  # each worker followed every event
-        per_request = (transactions() - before_tx) / REQUESTS
-        assert per_request <= 2.2, per_request  # prediction + one event write (3 with both writing)
-        store.close()
+        time.sleep(PUBLISHED_S)
+    store.close()
+    assert gateway.metric(STORED) - before_applied >= 2 * REQUESTS  # each worker applied every event
+    names = monitor.names()
+    assert 0 < names["PUBLISH"] <= REQUESTS, names  # a prediction each, some batched together
+    # no index lookup (script), no index write (MULTI/EXEC of scripts), no index key read: what is
+    # left is each worker's once-a-second state (membership, usage), whatever the requests
+    assert not [c for c in monitor.commands if len(c) > 1 and c[1].strip('"') in index_scripts]
+    assert not [c for c in monitor.commands if any('"prefixgate:nodes"' == a for a in c)]
+    assert names["EXEC"] <= names["PUBLISH"] // 3, names
+
+
+def test_a_worker_killed_and_replaced_routes_on_the_nodes_snapshot(gateway: Gateway) -> None:
+    text = document(8, 3000)
+    first = gateway.chat(text, "question 0")  # the node holds it, both workers know
+    time.sleep(PUBLISHED_S)
+    victim = 1 - int(first["worker"])
+    snapshots = gateway.metric(SNAPSHOTS)
+    gateway.kill_worker(victim)
+    deadline = time.monotonic() + 20
+    while gateway.metric(SNAPSHOTS) <= snapshots and time.monotonic() < deadline:
+        time.sleep(0.1)  # the new worker's event stream starts with the node's snapshot
+    assert gateway.metric(SNAPSHOTS) > snapshots
+    client, _ = gateway.connect_to(victim)
+    try:
+        # nothing routed this text since the new worker started: it knows it from the snapshot
+        line = gateway.chat_on(client, text, "question 1")
     finally:
-        processes.stop_all([*([gateway] if gateway else []), node])
+        client.close()
+    assert line["worker"] == victim
+    assert line["predicted_cached_tokens"] >= 2048, line
+    assert line["cached_tokens"] >= 2048
