@@ -48,6 +48,14 @@ LATENCY_BUCKETS = (
 
 #: Set by the gateway workers' supervisor: where the workers' metric files are summed from.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# The series the admin cache view's counts are summed from under gateway workers (``hit_counts``):
+# a request observes the node's prefill once, so its count is the node's requests.
+_HIT_FIELDS = {
+    "prefixgate_prompt_tokens_total": "prompt",
+    "prefixgate_cached_tokens_total": "cached",
+    "prefixgate_predicted_cached_tokens_total": "predicted",
+    "prefixgate_prefill_seconds_count": "requests",
+}
 
 BREAKER_STATES = {"closed": 0, "half_open": 1, "open": 2}
 
@@ -359,6 +367,30 @@ class Metrics:
         if t.prompt:
             child(self.hit_ratio, "reported").set(t.ratio(t.cached))
             child(self.hit_ratio, "predicted").set(t.ratio(t.predicted))
+
+    def hit_counts(self) -> tuple[dict[str, HitCounts], HitCounts]:
+        """Per node and in all, the prompt tokens routed, cached and predicted, and the
+        requests: this process's, or under gateway workers every worker's (summed from their
+        metric files, as a scrape sums them), so the admin cache view is the gateway's whichever
+        worker answers it."""
+        path = os.environ.get(MULTIPROC_ENV)
+        if not path:
+            return self.per_node, self.totals
+        per: dict[str, HitCounts] = {}
+        for family in multiprocess.MultiProcessCollector(None, path).collect():  # type: ignore[no-untyped-call]
+            for sample in family.samples:
+                field = _HIT_FIELDS.get(sample.name)
+                node = sample.labels.get("node")
+                if field and node:
+                    counts = per.setdefault(node, HitCounts())
+                    setattr(counts, field, getattr(counts, field) + int(sample.value))
+        totals = HitCounts()
+        for c in per.values():
+            totals.prompt += c.prompt
+            totals.cached += c.cached
+            totals.predicted += c.predicted
+            totals.requests += c.requests
+        return per, totals
 
     def refresh_index(self, stats: IndexStats) -> None:
         """Set the index occupancy gauges; nodes the index forgot disappear from the output."""

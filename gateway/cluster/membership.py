@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 import structlog
@@ -39,8 +39,11 @@ class Membership:
         forget: Callable[[Node], Awaitable[None]],
         interval_s: float = 1.0,
         options: Callable[[str], WorkerOptions | None] | None = None,
+        also: Sequence[Callable[[], Awaitable[object]]] = (),
     ) -> None:
-        """``options(address)``: the options a worker was registered with (None: none)."""
+        """``options(address)``: the options a worker was registered with (None: none); ``also``:
+        other admin changes every replica follows on the same beat (the runtime switches)."""
+        self.also = tuple(also)
         self.state = state
         self.pool = pool
         self._options = options or (lambda _address: None)
@@ -96,6 +99,8 @@ class Membership:
         while True:
             try:
                 await self.sync()
+                for follow in self.also:
+                    await follow()
                 if failing:
                     failing = False
                     log.info("membership_sync_recovered")

@@ -22,6 +22,7 @@ from prefixgate.gateway.cluster.events import EventSync
 from prefixgate.gateway.cluster.k8s_discovery import kubernetes_source
 from prefixgate.gateway.cluster.membership import Membership
 from prefixgate.gateway.cluster.nodes import Node, NodePool
+from prefixgate.gateway.cluster.switches import SharedSwitches
 from prefixgate.gateway.cluster.workers import WorkerOptions
 from prefixgate.gateway.config import KEYLESS_TENANT, Settings
 from prefixgate.gateway.core.pipeline import Execution, Pipeline
@@ -152,6 +153,7 @@ class GatewayService:
             clear=self.index.clear_node,
             kubernetes=kubernetes_source(s),
         )
+        self.switches = SharedSwitches(self.state, self.pipeline.switches)
         self.membership = Membership(
             self.state,
             self.pool,
@@ -159,6 +161,7 @@ class GatewayService:
             self._forget_node,
             s.membership_interval_s,
             self.worker_options.get,
+            also=(self.switches.sync,),
         )
         self._started = False
 
@@ -272,6 +275,7 @@ class GatewayService:
         if self.membership.shared:  # changes made through other replicas before this one started
             try:
                 await self.membership.sync()
+                await self.switches.sync()
             except Exception as e:
                 log.warning("membership_sync_failed", error=repr(e)[:200])
         self.membership.start()

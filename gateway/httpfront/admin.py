@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from prefixgate.gateway.cluster import switches
 from prefixgate.gateway.cluster.nodes import ROLES, Node
 from prefixgate.gateway.config import KEYLESS_TENANT
 from prefixgate.gateway.core import cache_ops
@@ -40,7 +41,7 @@ from prefixgate.gateway.metrics import HitCounts
 from prefixgate.gateway.scheduling.classes import PRIORITY_CLASS_HEADER, TTFT_SLO_HEADER, slo_ms
 from prefixgate.openai.schema import ParsedRequest, parse_request
 
-SWITCHES = ("disaggregation", "prefix_routing", "normalization")
+SWITCHES = switches.NAMES
 ADMIN_BODY_LIMIT = 64 * 1024
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):\d{1,5}$")
 _HTTP_WORKER = re.compile(r"^https?://(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):\d{1,5}(/v1)?/?$")
@@ -295,7 +296,7 @@ async def drain_node(request: Request) -> Response:
 async def cache_view(request: Request) -> Response:
     svc = service_of(request)
     stats = await svc.index.stats()
-    hits = svc.metrics.per_node
+    hits, totals = svc.metrics.hit_counts()  # every worker's
     rows: list[dict[str, Any]] = []
     seen: set[str] = set()
     for node in sorted(svc.pool.nodes.values(), key=lambda n: (ROLES.index(n.role), n.id)):
@@ -334,7 +335,7 @@ async def cache_view(request: Request) -> Response:
                 "degraded": stats.degraded,
             },
             "block_size": svc.settings.block_size,
-            "totals": _hits_json(svc.metrics.totals),
+            "totals": _hits_json(totals),
             "nodes": rows,
         }
     )
@@ -424,8 +425,7 @@ async def prefill_service(request: Request) -> Response:
 
 
 async def get_switches(request: Request) -> Response:
-    sw = service_of(request).pipeline.switches
-    return ORJSONResponse({name: getattr(sw, name) for name in SWITCHES})
+    return ORJSONResponse(service_of(request).switches.values())
 
 
 async def put_switches(request: Request) -> Response:
@@ -437,10 +437,7 @@ async def put_switches(request: Request) -> Response:
     for name, value in body.items():
         if not isinstance(value, bool):
             raise invalid(f"switch '{name}' must be true or false", name)
-    sw = svc.pipeline.switches
-    for name, value in body.items():
-        setattr(sw, name, value)
-    return ORJSONResponse({name: getattr(sw, name) for name in SWITCHES})
+    return ORJSONResponse(await svc.switches.change(body))  # every replica and worker follows
 
 
 async def cache_pins(request: Request) -> Response:

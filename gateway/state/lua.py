@@ -249,6 +249,20 @@ if #all > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
 return all
 """
 
+# Runtime switches. KEYS: 1 the record (JSON). ARGV: record, ttl ms. Kept alive by the replicas
+# reading it (SWITCHES_GET), as the membership records are.
+SWITCHES_PUT = """
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+# ARGV: ttl ms.
+SWITCHES_GET = """
+local record = redis.call('GET', KEYS[1])
+if record then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
+return record
+"""
+
 # Usage. KEYS: 1 tenants (SET). ARGV: key prefix of tenant keys, ttl ms, max tenants, then
 # (tenant, model, requests, prompt, cached, output) groups -> groups refused (too many tenants).
 USAGE_ADD = """

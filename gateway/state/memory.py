@@ -32,6 +32,7 @@ class MemoryState:
         self.documents = DocumentStore()
         self._pins = PinLedger()
         self._members: dict[str, Member] = {}
+        self._switches: tuple[dict[str, bool], float] | None = None
         self._usage: dict[UsageKey, UsageCounts] = {}
         self.dropped_usage = 0
         self._windows = WindowSet()
@@ -85,6 +86,12 @@ class MemoryState:
 
     async def members(self) -> list[Member]:
         return list(self._members.values())
+
+    async def switches_put(self, values: Mapping[str, bool], at: float) -> None:
+        self._switches = (dict(values), at)
+
+    async def switches_get(self) -> tuple[dict[str, bool], float] | None:
+        return None if self._switches is None else (dict(self._switches[0]), self._switches[1])
 
     async def usage_add(self, batch: Mapping[UsageKey, UsageCounts]) -> None:
         for key, counts in batch.items():

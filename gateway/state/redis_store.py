@@ -9,7 +9,8 @@ slot and its Lua scripts, ``gateway.state.lua``, are atomic):
 - pins: ``P{pins}:t:<tenant>`` (``node|hash`` -> until), ``P{pins}:tenants``; a pin's entry
   goes when the pin ends, a tenant's key when its last pin does;
 - membership: ``P{nodes}:members`` (address -> JSON); kept alive by the replicas reading it,
-  gone ``membership_ttl_s`` after the last one stopped;
+  gone ``membership_ttl_s`` after the last one stopped; the runtime switches, ``P{nodes}:switches``
+  (JSON: the values and the time of the change), likewise;
 - usage: ``P{usage}:t:<tenant>`` (``model|counter`` -> count), ``P{usage}:tenants``;
   ``usage_ttl_s`` after the last write;
 - rate limits: ``P{rl:<digest of tenant>}:<counter>`` (second -> amount, one hash per counter,
@@ -313,6 +314,24 @@ class RedisState:
                 continue  # not ours: skipped, never applied
         return out
 
+    # -- runtime switches ----------------------------------------------------------------------
+
+    async def switches_put(self, values: Mapping[str, bool], at: float) -> None:
+        record = orjson.dumps({"values": dict(values), "at": at})
+        key = self.nodes_key("switches")
+        await self._run(state_lua.SWITCHES_PUT, [key], [record, self.membership_ttl_ms])
+
+    async def switches_get(self) -> tuple[dict[str, bool], float] | None:
+        raw = await self._run(state_lua.SWITCHES_GET, [self.nodes_key("switches")], [self.membership_ttl_ms])
+        if raw is None:
+            return None
+        try:
+            rec = orjson.loads(raw)
+            values = {str(k): bool(v) for k, v in dict(rec["values"]).items() if isinstance(v, bool)}
+            return values, float(rec["at"])
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            return None  # not a record this gateway wrote: as if none
+
     # -- usage ---------------------------------------------------------------------------------
 
     async def usage_add(self, batch: Mapping[UsageKey, UsageCounts]) -> None:
@@ -381,6 +400,8 @@ _SCRIPTS = (
     state_lua.PIN_LIST,
     state_lua.MEMBER_PUT,
     state_lua.MEMBERS_GET,
+    state_lua.SWITCHES_PUT,
+    state_lua.SWITCHES_GET,
     state_lua.USAGE_ADD,
     state_lua.USAGE_READ,
     state_lua.LIMIT_RESERVE,

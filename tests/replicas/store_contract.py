@@ -87,6 +87,13 @@ async def membership_last_change_wins(state: StateStore) -> None:
     assert got["127.0.0.1:2"] == Member("127.0.0.1:2", "prefill", True, True, 2.0)
 
 
+async def switches_read_back_the_last_change(state: StateStore) -> None:
+    assert await state.switches_get() is None  # none made: the settings' switches stand
+    await state.switches_put({"disaggregation": False, "prefix_routing": True}, 10.0)
+    await state.switches_put({"disaggregation": True, "prefix_routing": False}, 11.5)
+    assert await state.switches_get() == ({"disaggregation": True, "prefix_routing": False}, 11.5)
+
+
 async def usage_sums_per_tenant(state: StateStore) -> None:
     await state.usage_add(
         {("tenant-a", "m"): UsageCounts(1, 100, 40, 5), ("tenant-b", "m"): UsageCounts(1, 7, 0, 1)}
@@ -104,5 +111,6 @@ CONTRACT = (
     documents_are_per_tenant_and_bounded,
     pins_hold_quota_and_expire,
     membership_last_change_wins,
+    switches_read_back_the_last_change,
     usage_sums_per_tenant,
 )

@@ -284,6 +284,25 @@ def test_a_node_added_through_one_replica_is_routed_to_by_the_others(deployment:
     assert chat(g0, doc_body(13, tokens=600)).headers["x-prefixgate-decode-node"] == "decode-1"
 
 
+def _switched(url: str, on: bool) -> bool:
+    """Whether ``prefix_routing`` is ``on`` at ``url``."""
+    r = httpx.get(url + "/admin/switches", headers=ADMIN, timeout=5)
+    assert r.status_code == 200, r.text
+    return bool(r.json()["prefix_routing"]) is on
+
+
+def test_switches_set_through_one_replica_hold_on_all(deployment: Deployment) -> None:
+    g0, g1, g2 = deployment.urls
+    r = httpx.put(g1 + "/admin/switches", json={"prefix_routing": False}, headers=ADMIN, timeout=5)
+    assert r.status_code == 200 and r.json()["prefix_routing"] is False
+    for url in (g0, g2):
+        _wait(partial(_switched, url, False), f"prefix_routing still on at {url}")
+    r = httpx.put(g2 + "/admin/switches", json={"prefix_routing": True}, headers=ADMIN, timeout=5)
+    assert r.status_code == 200
+    for url in (g0, g1):  # the last change wins
+        _wait(partial(_switched, url, True), f"prefix_routing still off at {url}")
+
+
 def _usage(url: str, tenant: str) -> dict[str, Any]:
     r = httpx.get(url + "/admin/usage", params={"tenant": tenant}, headers=ADMIN, timeout=5)
     assert r.status_code == 200, r.text

@@ -68,6 +68,47 @@ def test_a_prefix_routed_through_one_worker_is_a_hit_through_the_other(gateway: 
     assert cold["predicted_cached_tokens"] == 0
 
 
+def test_switches_set_through_one_worker_hold_on_the_other(gateway: Gateway) -> None:
+    here, first_worker = gateway.connect_to()
+    there, _ = gateway.connect_to(avoid=first_worker)
+
+    def seen_there(value: bool) -> bool:
+        deadline = time.monotonic() + 5.0  # the membership beat, membership_interval_s (1 s)
+        while time.monotonic() < deadline:
+            if there.get("/admin/switches").json()["normalization"] is value:
+                return True
+            time.sleep(0.1)
+        return False
+
+    try:
+        assert there.get("/admin/switches").json()["normalization"] is True
+        r = here.put("/admin/switches", json={"normalization": False})
+        assert r.status_code == 200 and r.json()["normalization"] is False
+        assert seen_there(False)
+        here.put("/admin/switches", json={"normalization": True})
+        assert seen_there(True)
+    finally:
+        here.close()
+        there.close()
+
+
+def test_the_admin_cache_view_counts_every_workers_requests(gateway: Gateway) -> None:
+    here, first_worker = gateway.connect_to()
+    there, _ = gateway.connect_to(avoid=first_worker)
+    try:
+        before = here.get("/admin/cache").json()["totals"]
+        gateway.chat_on(here, document(300, 200), "hi")
+        gateway.chat_on(there, document(301, 200), "hi")
+        seen_here = here.get("/admin/cache").json()["totals"]
+        seen_there = there.get("/admin/cache").json()["totals"]
+    finally:
+        here.close()
+        there.close()
+    assert seen_here == seen_there  # whichever worker answers
+    assert seen_here["requests"] == before["requests"] + 2
+    assert seen_here["prompt_tokens"] > before["prompt_tokens"]
+
+
 def test_metrics_count_every_workers_requests(gateway: Gateway) -> None:
     def total() -> float:
         r = httpx.get(gateway.base + "/metrics", timeout=10, trust_env=False)
