@@ -33,8 +33,11 @@ longer than a message keeps its leading blocks, a valid chain), what waits to be
 (one message being read; the server disconnects one that falls behind its output-buffer limit),
 and the reconnection backoff (``BACKOFF_MIN_S`` doubling to ``BACKOFF_MAX_S``).
 
-The codec and the RESP reader are pure; ``IndexPeers`` is the thin shell around two
-connections (one publishes, one is subscribed), each re-made with backoff.
+The codec is pure. ``IndexPeers`` is the thin shell around two connections (one publishes, one
+is subscribed), each re-made with backoff; commands are packed and replies read by hiredis (the
+C protocol reader redis-py uses). Not redis-py's own clients: its pub/sub and its commands await
+every reply, and a publish that waits for its answer (how many received it, which nothing here
+reads) is the round trip a request must not pay; the publishing connection has its replies off.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, cast
 from urllib.parse import urlsplit
 
+import hiredis
 import structlog
 
 from prefixgate.cachetier.index import DEFAULT_CAPACITY_BLOCKS, IndexStats, StoreOp
@@ -278,94 +282,13 @@ def decode(message: bytes) -> tuple[int, list[IndexOp]]:
 
 
 class ProtocolError(Exception):
-    """The store said something this reader does not take (or more than its bounds allow)."""
-
-
-class RespError(Exception):
-    """An error reply (``-ERR ...``)."""
+    """The store sent more than this side takes at once (a reply past its bound)."""
 
 
 def command(*args: bytes) -> bytes:
-    """One command in the Redis protocol."""
-    parts = [b"*%d\r\n" % len(args)]
-    for a in args:
-        parts += (b"$%d\r\n" % len(a), a, b"\r\n")
-    return b"".join(parts)
-
-
-_INCOMPLETE = object()
-
-
-class RespReader:
-    """Reads replies from a byte stream as they complete: arrays, bulk and simple strings,
-    integers, errors (as ``RespError`` values). Bounded: a bulk string longer than ``max_bulk``,
-    an array longer than ``max_items`` or nested deeper than one level is a ``ProtocolError``,
-    so what it holds is at most one reply being read."""
-
-    def __init__(self, max_bulk: int, max_items: int = 8) -> None:
-        self.max_bulk = max_bulk
-        self.max_items = max_items
-        self._buf = bytearray()
-
-    def feed(self, data: bytes) -> list[Any]:
-        """The replies ``data`` completes, in order."""
-        buf = self._buf
-        buf += data
-        out: list[Any] = []
-        pos = 0
-        while pos < len(buf):
-            value, end = self._value(buf, pos, 0)
-            if value is _INCOMPLETE:
-                break
-            out.append(value)
-            pos = end
-        if pos:
-            del buf[:pos]
-        return out
-
-    def _value(self, buf: bytearray, pos: int, depth: int) -> tuple[Any, int]:
-        if pos >= len(buf):
-            return _INCOMPLETE, pos
-        eol = buf.find(b"\r\n", pos)
-        if eol < 0:
-            if len(buf) - pos > 64:
-                raise ProtocolError("a reply's first line is too long")
-            return _INCOMPLETE, pos
-        kind = buf[pos]
-        line = bytes(buf[pos + 1 : eol])
-        nxt = eol + 2
-        try:
-            if kind == 0x24:  # $ bulk string
-                n = int(line)
-                if n < 0:
-                    return None, nxt
-                if n > self.max_bulk:
-                    raise ProtocolError(f"a {n}-byte string, more than {self.max_bulk}")
-                if len(buf) < nxt + n + 2:
-                    return _INCOMPLETE, pos
-                return bytes(buf[nxt : nxt + n]), nxt + n + 2
-            if kind == 0x2A:  # * array
-                n = int(line)
-                if n < 0:
-                    return None, nxt
-                if n > self.max_items or depth > 0:
-                    raise ProtocolError(f"an array of {n} items at depth {depth}")
-                items = []
-                for _ in range(n):
-                    item, nxt = self._value(buf, nxt, depth + 1)
-                    if item is _INCOMPLETE:
-                        return _INCOMPLETE, pos
-                    items.append(item)
-                return items, nxt
-            if kind == 0x3A:  # : integer
-                return int(line), nxt
-            if kind == 0x2B:  # + simple string
-                return line, nxt
-            if kind == 0x2D:  # - error
-                return RespError(line.decode(errors="replace")), nxt
-        except ValueError:
-            raise ProtocolError(f"not a length: {line[:20]!r}") from None
-        raise ProtocolError(f"unexpected reply type {chr(kind)!r}")
+    """One command in the Redis protocol (hiredis packs it)."""
+    packed: bytes = hiredis.pack_command(cast(Any, args))  # its stub types a 1-tuple only
+    return packed
 
 
 # -- the shell: two connections to the store ------------------------------------------------
@@ -383,11 +306,14 @@ class PeerStats:
 
 class _Link(asyncio.Protocol):
     """One connection: its first ``expect`` replies answer the handshake, the rest go to
-    ``on_reply``; ``ended`` resolves when the connection does."""
+    ``on_reply``; ``ended`` resolves when the connection does. Replies are parsed by hiredis's
+    reader (the C parser redis-py uses); what it holds is bounded by ``max_bulk``: one reply
+    being read, its framing included."""
 
     def __init__(self, expect: int, on_reply: Callable[[Any], None], max_bulk: int) -> None:
         loop = asyncio.get_running_loop()
-        self.reader = RespReader(max_bulk)
+        self.reader = hiredis.Reader()
+        self.max_buffered = max_bulk + 256
         self.expect = expect
         self.on_reply = on_reply
         self.handshake: asyncio.Future[None] = loop.create_future()
@@ -398,21 +324,24 @@ class _Link(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are no asyncio.Transport
 
     def data_received(self, data: bytes) -> None:
+        reader = self.reader
+        reader.feed(data)
         try:
-            replies = self.reader.feed(data)
-        except ProtocolError as e:
+            while (reply := reader.gets()) is not False:
+                if self.expect:
+                    self.expect -= 1
+                    if isinstance(reply, hiredis.ReplyError):
+                        self._fail(reply)
+                        return
+                    if not self.expect and not self.handshake.done():
+                        self.handshake.set_result(None)
+                else:
+                    self.on_reply(reply)
+        except hiredis.ProtocolError as e:
             self._fail(e)
             return
-        for reply in replies:
-            if self.expect:
-                self.expect -= 1
-                if isinstance(reply, RespError):
-                    self._fail(reply)
-                    return
-                if not self.expect and not self.handshake.done():
-                    self.handshake.set_result(None)
-            else:
-                self.on_reply(reply)
+        if reader.len() > self.max_buffered:
+            self._fail(ProtocolError(f"a reply of more than {self.max_buffered} bytes"))
 
     def _fail(self, error: Exception) -> None:
         if not self.handshake.done():

@@ -1,12 +1,15 @@
-"""The gateway workers' replicated index: its message codec and RESP reader, then two indexes on
+"""The gateway workers' replicated index: its message codec and its connection's reading of the
+store's replies, then two indexes on
 one real Valkey server (the embedded store the supervisor runs) kept the same through its
 pub/sub, through a dropped subscriber and a slow one the server disconnects."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -21,12 +24,10 @@ from prefixgate.cachetier.replicated import (
     ClearOp,
     IndexOp,
     MalformedMessage,
-    ProtocolError,
     RemoveOp,
     ReplicatedIndex,
-    RespError,
-    RespReader,
     WorkerSlot,
+    _Link,
     apply,
     channel_of,
     command,
@@ -109,29 +110,53 @@ def test_applied_ops_give_the_publishers_index() -> None:
 # -- the protocol reader -------------------------------------------------------------------
 
 
-def test_replies_are_read_whole_whatever_the_cuts() -> None:
+async def _served(tmp_path: Path, pieces: list[bytes], link: _Link) -> None:
+    """``link`` connected to a server on a Unix socket that sends ``pieces`` one at a time."""
+
+    async def serve(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for piece in pieces:
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(5)
+
+    path = str(tmp_path / "s")
+    server = await asyncio.start_unix_server(serve, path)
+    try:
+        await asyncio.get_running_loop().create_unix_connection(lambda: link, path)
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(asyncio.shield(link.ended), 0.5)
+    finally:
+        if link.transport is not None:
+            link.transport.close()
+        server.close()
+
+
+async def test_replies_are_read_whole_whatever_the_cuts(tmp_path: Path) -> None:
     stream = (
         b"+OK\r\n"
         + b"*3\r\n$9\r\nsubscribe\r\n$2\r\nch\r\n:1\r\n"
         + b"*3\r\n$7\r\nmessage\r\n$2\r\nch\r\n$5\r\nhe\r\no\r\n"
-        + b"-ERR no\r\n$-1\r\n"
+        + b"$-1\r\n"
     )
-    for cut in range(1, 8):
-        reader = RespReader(max_bulk=100)
-        out = []
-        for i in range(0, len(stream), cut):
-            out += reader.feed(stream[i : i + cut])
-        assert out[:4] == [b"OK", [b"subscribe", b"ch", 1], [b"message", b"ch", b"he\r\no"], out[3]]
-        assert isinstance(out[3], RespError) and out[4] is None
+    for cut in (1, 3, 7):
+        replies: list[object] = []
+        link = _Link(2, replies.append, max_bulk=100)
+        await _served(tmp_path, [stream[i : i + cut] for i in range(0, len(stream), cut)], link)
+        assert link.handshake.done() and link.handshake.exception() is None
+        assert replies == [[b"message", b"ch", b"he\r\no"], None]
     assert command(b"PING") == b"*1\r\n$4\r\nPING\r\n"
 
 
-@pytest.mark.parametrize(
-    "data", [b"$101\r\n", b"*9\r\n", b"*1\r\n*1\r\n", b"!x\r\n", b"$x\r\n", b"+" + b"a" * 70]
-)
-def test_what_the_reader_does_not_take(data: bytes) -> None:
-    with pytest.raises(ProtocolError):
-        RespReader(max_bulk=100).feed(data)
+async def test_a_refused_handshake_or_a_reply_past_the_bound_ends_the_link(tmp_path: Path) -> None:
+    refused = _Link(1, list().append, max_bulk=100)
+    await _served(tmp_path, [b"-ERR unknown command\r\n"], refused)
+    assert refused.ended.done() and refused.handshake.exception() is not None
+    replies: list[object] = []
+    big = _Link(1, replies.append, max_bulk=100)
+    pieces = [b"+OK\r\n", b"$1000\r\n" + b"x" * 500, b"x" * 500 + b"\r\n", b":1\r\n"]
+    await _served(tmp_path, pieces, big)
+    assert big.ended.done() and replies == []  # held past its bound: the link ends, nothing more read
 
 
 # -- two workers' indexes on a real store --------------------------------------------------------
