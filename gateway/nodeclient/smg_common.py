@@ -852,7 +852,10 @@ class GenerateStream:
             elif self._items:  # the whole answer was read
                 return None
             else:
-                msg = await self.call
+                # shielded: a request closed while it waits (its task cancelled) has the engine's
+                # work aborted before the call is cancelled, not the call cancelled with the wait
+                # (``aclose``; docs/engines.md, Aborts)
+                msg = await asyncio.shield(self.call)
         except (grpc.aio.AioRpcError, TimeoutError) as e:
             await self.aclose()
             raise failure(self.node_id, self.stage, e) from e

@@ -211,3 +211,19 @@ async def test_a_client_gone_before_a_split_whole_answer_aborts_the_decode_leg_a
             await asyncio.sleep(0.05)
     when, running = next((t, r) for role, t, r in aborted if role == "decode")
     assert running and when - gone < 2.5, (when - gone, running)
+
+
+async def test_a_client_gone_before_a_whole_answer_aborts_the_engines_work(
+    nodes: StartNode, aborted: list[tuple[str, float, bool]]
+) -> None:
+    ns = await nodes("monolithic", time_scale=3.0)  # ~6 s of decoding
+    async with gateway("--worker-urls", f"grpc://{ns.address}") as base:
+        async with httpx.AsyncClient(base_url=base, timeout=1.0) as http:
+            with pytest.raises(httpx.ReadTimeout):  # the client goes after 1 s
+                await http.post("/v1/completions", json=body(max_tokens=500))
+            gone = time.monotonic()
+        deadline = gone + 8
+        while not aborted and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+    assert [(role, running) for role, _, running in aborted] == [("monolithic", True)]
+    assert aborted[0][1] - gone < 2.5
