@@ -542,8 +542,10 @@ class Executor:
                 self.planner.release_prefix(ticket, served)
         for n in nodes:
             n.breaker.on_success()
-        # a node stating no speed is timed here: its first-token deadlines follow what it did
-        computing.in_time(prep.prompt_tokens - stream.cached_tokens, time.perf_counter() - timings.start)
+        # a node stating no speed is timed here: its first-token deadlines follow what it did (not
+        # by a whole answer, whose wait was the whole generation)
+        if not getattr(stream, "whole_answer", False):
+            computing.in_time(prep.prompt_tokens - stream.cached_tokens, time.perf_counter() - timings.start)
         st = stream.timings
         timings.node = StageTimings(st.queue_s, st.prefill_s, st.transfer_s if pnode is not None else 0.0)
         if pnode is not None:
@@ -620,6 +622,11 @@ class Executor:
         cap = self.settings.first_token_timeout_s
         first_by = min(deadline, start + cap) if cap > 0 else deadline
         prefill_by = min(first_by, start + prefill_limit)
+        if getattr(stream, "whole_answer", False):
+            # the first delta is the whole answer: only the request's deadline bounds it, and the
+            # prefill's limit only where the prefill reports apart (a split's prefill leg)
+            first_by = deadline
+            prefill_by = prefill_by if prefill_node is not None else deadline
 
         def until(prefill_reported: bool) -> float:
             return first_by if prefill_reported else prefill_by

@@ -188,10 +188,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.svc = svc
         self.inflight = inflight
 
-    def _parse(self, req: gateway_pb2.CompletionRequest) -> ParsedRequest:
+    def _parse(self, req: gateway_pb2.CompletionRequest, *, stream: bool) -> ParsedRequest:
+        """``stream``: the call streams its answer (Generate), so the nodes stream it too."""
         s = self.svc.settings
         check_message_count(len(req.messages), s.max_messages)  # before any per-message work
         body, kind = request_body(req)
+        body["stream"] = stream
         return parse_request(
             body,
             kind,
@@ -220,7 +222,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         runner = self.svc.runner
         entered = runner.enter(self._caller(context, rpc))
         _parsed, prep = await runner.prepare(
-            lambda: self._parse(request), entered.with_body(request.ByteSize())
+            lambda: self._parse(request, stream=rpc == "Generate"), entered.with_body(request.ByteSize())
         )
         if prep.tool_parser:  # parsed tool calls have no field in this API's answers
             raise invalid("tool calls are served on the HTTP API (/v1/chat/completions)", "tools_json")

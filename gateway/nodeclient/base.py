@@ -228,7 +228,9 @@ class TokenStream(Protocol):
     Iteration raises ``NodeFailure`` when the node fails (before or after the first token: the
     caller decides what that means). ``cached_tokens`` and ``timings`` are filled in as the node
     reports them; ``prefill`` is set by a handoff once its prefill leg is done. ``aclose`` cancels
-    the node's work if it is still running and is idempotent.
+    the node's work if it is still running and is idempotent. A stream with a true
+    ``whole_answer`` attribute gets its answer in one message (a prompt whose ``Sampling.stream``
+    is false): its first delta is the last, and its wait is the whole generation's.
     """
 
     cached_tokens: int

@@ -258,6 +258,9 @@ class Runtime(Protocol):
     service: str
     features: frozenset[str]
     generate_response: Any  # the class of Generate's responses
+    # The engine is sent the request's stop strings and stops on them itself (vLLM); else only
+    # single-token ones reach it, as stop token ids (SGLang).
+    matches_stop_strings: bool
 
     def stub(self, channel: grpc.aio.Channel) -> Any: ...
 
@@ -333,6 +336,15 @@ def requested_stop_ids(prompt: Prompt) -> list[int]:
     return [int(t) for t in getattr(prompt.sampling, "stop_token_ids", None) or ()]
 
 
+def streams(runtime: Runtime | None, prompt: Prompt) -> bool:
+    """Whether the engine is asked to stream ``prompt``'s output: when the client takes it as it
+    comes, and when the gateway must see it as it comes to end it at a stop string the engine
+    does not apply (SGLang is sent none: docs/engines.md, Stop strings). A worker not detected
+    yet streams."""
+    s = prompt.sampling
+    return s.stream or runtime is None or (bool(s.stop) and not runtime.matches_stop_strings)
+
+
 def new_request_id(prompt: Prompt) -> str:
     """Unique per dispatch (a retry on another node is another dispatch): ``{rid}-{uuid}``."""
     return f"{prompt.request_id}-{uuid.uuid4().hex[:16]}"
@@ -348,7 +360,9 @@ class SmgNodeClient:
         self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self.runtime: Runtime | None = None
         self.stub: Any = None
-        self._generate_bytes: Any = None  # Generate taking serialized requests (``generate_call``)
+        # Generate on serialized requests (``generate_call``): streamed, and answered whole
+        self._generate_stream: Any = None
+        self._generate_whole: Any = None
         self.info: EngineInfo | None = None
         self._codec: Codec | None = None if self.options.codec_for else self.options.codec
         self._detect_lock = asyncio.Lock()
@@ -389,10 +403,16 @@ class SmgNodeClient:
                 runtime = await self._probe_runtimes(timeout)
                 stub = runtime.stub(self.channel)
                 info = await runtime.info(stub, timeout)
-                self._generate_bytes = self.channel.unary_stream(
-                    f"/{runtime.service}/Generate",
-                    request_serializer=None,  # bytes, sent as they are
-                    response_deserializer=runtime.generate_response.FromString,
+                path, answer = f"/{runtime.service}/Generate", runtime.generate_response.FromString
+                # requests go as bytes (serialized once, a long prompt's off the event loop), on
+                # the channel's registered call handle; a whole answer (``stream=false``: one
+                # ``complete``) is read as a unary call, one batch of operations instead of one
+                # per message, status and metadata
+                self._generate_stream = self.channel.unary_stream(
+                    path, request_serializer=None, response_deserializer=answer, _registered_method=True
+                )
+                self._generate_whole = self.channel.unary_unary(
+                    path, request_serializer=None, response_deserializer=answer, _registered_method=True
                 )
                 self.runtime, self.stub, self.info = runtime, stub, info
                 log.info("smg_worker_detected", address=self._address, runtime=runtime.name, role=info.role)
@@ -425,13 +445,13 @@ class SmgNodeClient:
         detail = f"neither SglangScheduler nor VllmEngine answers ({last!r})"
         raise NodeFailure(self._address, Stage.PROBE, FailureKind.INVALID, detail)
 
-    def generate_call(self, request: Any, timeout: float) -> Any:
-        """A Generate call of the detected runtime; ``request`` its message, or that message
-        serialized already (bytes: a long prompt's, serialized off the event loop)."""
-        metadata = tracing.CONTEXT.get() or None  # the engine joins the request's trace
-        if isinstance(request, bytes):
-            return self._generate_bytes(request, timeout=timeout, metadata=metadata)
-        return self.stub.Generate(request, timeout=timeout, metadata=metadata)
+    def generate_call(self, request: bytes, timeout: float, *, whole: bool, traced: bool = True) -> Any:
+        """A Generate call of the detected runtime on the serialized ``request``: streamed (read
+        with ``read()``), or ``whole`` (the engine answers one ``complete``: awaited). ``traced``:
+        the engine joins the request's trace."""
+        metadata = (tracing.CONTEXT.get() or None) if traced else None
+        call = self._generate_whole if whole else self._generate_stream
+        return call(request, timeout=timeout, metadata=metadata)
 
     async def embeddings(
         self, body: Mapping[str, Any], request_id: str, timeout: float
@@ -741,6 +761,10 @@ class GenerateStream:
     finish and usage (its ids repeat the last chunk's); when the engine answers one ``complete``
     (``stream=false``) its ids are the output. A stop string the gateway matches ends the choice
     at once ("stop"); closing before the finish aborts the engine's work (``aclose``).
+
+    The engine answers whole (``whole_answer``) when the client takes the answer whole
+    (``Sampling.stream`` false) and the engine applies every stop string itself: then the first
+    delta is the last, and nothing needs the increments (docs/engines.md, Whole answers).
     """
 
     def __init__(self, client: SmgNodeClient, prompt: Prompt, timeout: float, stage: Stage) -> None:
@@ -763,7 +787,7 @@ class GenerateStream:
         self._closed = False
         self._pending: list[TokenDelta] = []
         self._oov_logged = False
-        self.engine_stream = True
+        self.engine_stream = streams(client.runtime, prompt)
         self._held_ids: list[int] = []  # ids pushed whose text is held back: on the next delta
 
     def __aiter__(self) -> GenerateStream:
@@ -772,6 +796,11 @@ class GenerateStream:
     @property
     def node_id(self) -> str:
         return self.client.address
+
+    @property
+    def whole_answer(self) -> bool:
+        """The engine answers in one message: the first delta is the last (``base.TokenStream``)."""
+        return not self.engine_stream
 
     async def _prepare(self, serialized: bool = False) -> Any:
         """Detect the runtime, build the request (``serialized``: a long prompt's as the bytes
@@ -789,7 +818,7 @@ class GenerateStream:
             if serialized:  # serializing a long prompt's message takes milliseconds too
                 return await asyncio.to_thread(lambda: build().SerializeToString())
             return await asyncio.to_thread(build)
-        return build()
+        return build().SerializeToString() if serialized else build()
 
     def detokenizer(self, codec: Codec) -> Detokenizer:
         keep = bool(getattr(self.prompt.sampling, "keep_special_tokens", False))
@@ -812,13 +841,21 @@ class GenerateStream:
             self._closed = True
             raise NodeFailure(self.node_id, self.stage, e.kind, e.detail) from e
         assert self.client.runtime is not None
-        self.call = self.client.generate_call(request, self.timeout)
+        self.call = self.client.generate_call(request, self.timeout, whole=not self.engine_stream)
 
     async def read(self) -> Output | None:
         """The next response (None: the engine ended the stream)."""
         assert self.client.runtime is not None
         try:
-            msg = await self.call.read()
+            if self.engine_stream:
+                msg = await self.call.read()
+            elif self._items:  # the whole answer was read
+                return None
+            else:
+                # shielded: a request closed while it waits (its task cancelled) has the engine's
+                # work aborted before the call is cancelled, not the call cancelled with the wait
+                # (``aclose``; docs/engines.md, Aborts)
+                msg = await asyncio.shield(self.call)
         except (grpc.aio.AioRpcError, TimeoutError) as e:
             await self.aclose()
             raise failure(self.node_id, self.stage, e) from e
@@ -864,7 +901,9 @@ class GenerateStream:
             return TokenDelta(text, "", self.completion, lps, token_ids=ids)
         self._finished = True
         text, lps = "", ()
+        past = False
         if self._chunks == 0 and out.ids:  # stream=false: the ids are the whole output
+            past = self._past_max_tokens(out)
             text, lps, stopped = self._push(out)
             if stopped:
                 return self._finish(text, "stop", lps)
@@ -873,6 +912,8 @@ class GenerateStream:
         reason = (
             "stop" if tail.stopped else (reported.finish_reason(out.finish_reason, self.node_id) or "stop")
         )
+        if past and not tail.stopped and reason not in reported.FAILED:
+            reason = "length"
         if reason in reported.FAILED:
             self._closed = True
             detail = (
@@ -880,6 +921,25 @@ class GenerateStream:
             )
             raise NodeFailure(self.node_id, self.stage, FailureKind.INTERNAL, detail)
         return self._finish(text, reason, lps)
+
+    def _past_max_tokens(self, out: Output) -> bool:
+        """A whole answer of more ids than ``max_tokens``: the engine went on past the limit; its
+        ids and count are cut there (as ``Execution`` cuts a stream: docs/engines.md, The response
+        stream)."""
+        limit = self.prompt.sampling.max_tokens
+        if not 0 < limit < len(out.ids):
+            return False
+        log.warning(
+            "engine_past_max_tokens",
+            request_id=self.prompt.request_id,
+            node=self.node_id,
+            max_tokens=limit,
+            completion_tokens=len(out.ids),
+        )
+        del out.ids[limit:]
+        del out.logprobs[limit:]
+        self._completion = limit
+        return True
 
     def cached_of(self, out: Output) -> int:
         """``out``'s cached tokens, at most the prompt sent (the ids the engine was given)."""

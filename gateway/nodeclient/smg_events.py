@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from prefixgate.cachetier.hashing import block_hashes
 from prefixgate.cachetier.tokenizer import pack_ids
@@ -35,16 +36,13 @@ class Change:
     hashes: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class _Entry:
-    """An engine block as the gateway sees it: the last full gateway block at or before its end
-    (``last``; the namespace root when none yet), the tokens after that (``tail``), the gateway
-    blocks its tokens completed (``made``) and the root of its namespace."""
-
-    last: int
-    tail: bytes
-    made: tuple[int, ...]
-    root: int
+# An engine block as the gateway sees it: the last full gateway block at or before its end (the
+# namespace root when none yet), the tokens after that (packed), the gateway blocks its tokens
+# completed, and the root of its namespace. A tuple: engines with small pages (SGLang's default is
+# one token) store hundreds of these a request, and a tuple is made several times faster than a
+# dataclass instance.
+_Entry = tuple[int, bytes, tuple[int, ...], int]
+_NONE: tuple[int, ...] = ()
 
 
 class Overflow(Exception):
@@ -72,55 +70,73 @@ class ChainRehasher:
         return Change(EventKind.CLEARED)
 
     def stored(self, msg: object) -> list[Change]:
-        """A ``KvBlocksStored``: its blocks form a chain after ``parent_block_hash``."""
-        m: object = msg
-        tier = getattr(m, "tier", 0) if m.HasField("tier") else 0  # type: ignore[attr-defined]
-        loc = getattr(m, "locality", 0) if m.HasField("locality") else 0  # type: ignore[attr-defined]
-        kind = m.kv_cache_spec_kind if m.HasField("kv_cache_spec_kind") else ""  # type: ignore[attr-defined]
-        blocks = list(m.blocks)  # type: ignore[attr-defined]
+        """A ``KvBlocksStored``: its blocks form a chain after ``parent_block_hash``.
+
+        The chain's tokens are packed and hashed in one go (one ``block_hashes`` over all of
+        them), then each engine block gets its entry: hashing block by block cost tens of
+        microseconds a request with 64-token pages and milliseconds with one-token pages."""
+        m: Any = msg
+        tier = m.tier if m.HasField("tier") else 0
+        loc = m.locality if m.HasField("locality") else 0
+        kind = m.kv_cache_spec_kind if m.HasField("kv_cache_spec_kind") else ""
+        blocks = m.blocks
         if tier not in _DEVICE_TIERS or loc not in _LOCAL or kind not in _MAIN_ATTENTION:
             self.skipped += len(blocks)
             return []
-        lora = m.lora_name if m.HasField("lora_name") else ""  # type: ignore[attr-defined]
-        salt = m.cache_salt if m.HasField("cache_salt") else ""  # type: ignore[attr-defined]
-        if m.HasField("parent_block_hash"):  # type: ignore[attr-defined]
-            parent = self._blocks.get(m.parent_block_hash)  # type: ignore[attr-defined]
+        if m.HasField("parent_block_hash"):
+            parent = self._blocks.get(m.parent_block_hash)
             if parent is None:  # its prefix is unknown: its blocks cannot be named
                 self.skipped += len(blocks)
                 return []
-            state = parent
+            last, tail, _made, root = parent
         else:
-            root = self._root_of(lora, salt)
-            if root is None:
+            lora = m.lora_name if m.HasField("lora_name") else ""
+            salt = m.cache_salt if m.HasField("cache_salt") else ""
+            found = self._root_of(lora, salt)
+            if found is None:
                 self.skipped += len(blocks)
                 return []
-            state = _Entry(root, b"", (), root)
-        first_parent = state.last
-        made: list[int] = []
+            last, tail, root = found, b"", found
+        chain: list[int] = []  # the blocks' token ids (a slice of a repeated field is the fastest copy)
+        ends: list[int] = []  # each engine block's end, in tokens from the start of ``tail``
+        handles: list[int] = []
+        end = len(tail) // 4
         for b in blocks:
-            ids = list(b.token_ids)
-            if b.block_size and len(ids) != b.block_size:  # a partial page is not cached
+            ids = b.token_ids
+            n = len(ids)
+            if b.block_size and n != b.block_size:  # a partial page is not cached
                 self.skipped += 1
                 break
-            tail = state.tail + pack_ids(ids)
-            full = len(tail) // (4 * self.block_size)
-            new = tuple(block_hashes(tail, self.block_size, state.last)) if full else ()
-            rest = tail[full * 4 * self.block_size :]
-            state = _Entry(new[-1] if new else state.last, rest, new, state.root)
-            if len(self._blocks) >= MAX_TRACKED_BLOCKS and b.block_hash not in self._blocks:
+            chain += ids[:]
+            end += n
+            ends.append(end)
+            handles.append(b.block_hash)
+        tokens = tail + pack_ids(chain)
+        bs = self.block_size
+        made = block_hashes(tokens, bs, last)
+        entries = self._blocks
+        done = 0  # gateway blocks completed by the engine blocks so far
+        for handle, end in zip(handles, ends, strict=True):
+            full = end // bs
+            if len(entries) >= MAX_TRACKED_BLOCKS and handle not in entries:
                 raise Overflow
-            self._blocks[b.block_hash] = state
-            made.extend(new)
+            entries[handle] = (
+                made[full - 1] if full else last,
+                tokens[full * bs * 4 : end * 4],
+                tuple(made[done:full]) if full > done else _NONE,
+                root,
+            )
+            done = full
         if not made:
             return []
-        return [Change(EventKind.STORED, 0 if first_parent == state.root else first_parent, tuple(made))]
+        return [Change(EventKind.STORED, 0 if last == root else last, tuple(made))]
 
     def removed(self, engine_hashes: Iterable[int]) -> list[Change]:
         gone: list[int] = []
         for h in engine_hashes:
             e = self._blocks.pop(h, None)
             if e is not None:
-                gone.extend(e.made)
+                gone.extend(e[2])
         return [Change(EventKind.REMOVED, 0, tuple(gone))] if gone else []
 
     def batch(self, events: Iterable[object]) -> list[Change]:

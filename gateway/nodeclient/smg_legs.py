@@ -14,7 +14,14 @@ import grpc
 
 from prefixgate.gateway.nodeclient.base import NodeClient, NodeFailure, Prompt
 from prefixgate.gateway.nodeclient.handoff import PairFactory, PrefillAnswer
-from prefixgate.gateway.nodeclient.smg_common import GenerateStream, Output, Runtime, SmgNodeClient, failure
+from prefixgate.gateway.nodeclient.smg_common import (
+    REQUEST_OFF_LOOP_BYTES,
+    GenerateStream,
+    Output,
+    Runtime,
+    SmgNodeClient,
+    failure,
+)
 from prefixgate.gateway.vocab import FailureKind, Stage
 
 DETECT_TIMEOUT_S = 5.0
@@ -22,13 +29,22 @@ DETECT_TIMEOUT_S = 5.0
 
 class SmgPrefillLeg:
     """A prefill leg read to its ``complete`` (a relay's one token, a bootstrap's end after the
-    hand-off): the prefix it reused, and the transfer parameters it returned."""
+    hand-off): the prefix it reused, and the transfer parameters it returned. ``request``: the
+    leg's serialized request; ``whole``: it asks for one ``complete`` (``stream=false``)."""
 
     def __init__(
-        self, client: SmgNodeClient, request: Any, rid: str, timeout: float, sent_prompt: int
+        self,
+        client: SmgNodeClient,
+        request: bytes,
+        rid: str,
+        timeout: float,
+        sent_prompt: int,
+        *,
+        whole: bool,
     ) -> None:
         self.client, self.request, self.rid, self.timeout = client, request, rid, timeout
         self.sent_prompt = sent_prompt
+        self.whole = whole
         self.call: Any = None
         self._task: asyncio.Task[PrefillAnswer] | None = None
         self._done = False  # the engine ended the call, or it was aborted: nothing to abort
@@ -38,7 +54,7 @@ class SmgPrefillLeg:
         return self.client.address
 
     def start(self) -> asyncio.Future[PrefillAnswer]:
-        self.call = self.client.stub.Generate(self.request, timeout=self.timeout)
+        self.call = self.client.generate_call(self.request, self.timeout, whole=self.whole, traced=False)
         self._task = asyncio.ensure_future(self._drain())
         return self._task
 
@@ -47,10 +63,14 @@ class SmgPrefillLeg:
         assert runtime is not None
         complete: Output | None = None
         try:
-            async for msg in self.call:
-                out = runtime.parse(msg, 0)
-                if out.complete:
-                    complete = out
+            if self.whole:
+                out = runtime.parse(await self.call, 0)
+                complete = out if out.complete else None
+            else:
+                async for msg in self.call:
+                    out = runtime.parse(msg, 0)
+                    if out.complete:
+                        complete = out
         except (grpc.aio.AioRpcError, TimeoutError) as e:
             self._done = True
             raise failure(self.node_id, Stage.PREFILL, e) from e
@@ -71,14 +91,16 @@ class SmgPrefillLeg:
 
 class SmgDecodeLeg(GenerateStream):
     """A decode leg: a generation on the decode node whose first response is read ahead (its
-    first item: the KV is there), then streamed as any generation is."""
+    first item: the KV is there), then streamed as any generation is. ``request``: its
+    serialized request, set by the pair before ``start``."""
 
     def __init__(self, client: SmgNodeClient, prompt: Prompt, timeout: float) -> None:
         super().__init__(client, prompt, timeout, Stage.DECODE)
-        self.request: Any = None
+        self.request = b""
 
     def start(self) -> asyncio.Future[None]:
-        self.call = self.client.stub.Generate(self.request, timeout=self.timeout)
+        whole = not self.engine_stream
+        self.call = self.client.generate_call(self.request, self.timeout, whole=whole, traced=False)
         self._reader = asyncio.ensure_future(self._read_first())
         return self._reader
 
@@ -94,16 +116,32 @@ class SmgDecodeLeg(GenerateStream):
         await self.aclose()
 
 
+async def serialized(request: Any, prompt: Prompt) -> bytes:
+    """``request`` as sent; a long prompt's serialized off the event loop (it takes milliseconds)."""
+    if len(prompt.tokens) >= REQUEST_OFF_LOOP_BYTES:
+        return await asyncio.to_thread(request.SerializeToString)
+    data: bytes = request.SerializeToString()
+    return data
+
+
 async def prepared(
-    prefill: SmgNodeClient, decode: SmgNodeClient, prompt: Prompt, timeout: float, runtime: Runtime
+    prefill: SmgNodeClient,
+    decode: SmgNodeClient,
+    prompt: Prompt,
+    timeout: float,
+    runtime: Runtime,
+    *,
+    stream: bool,
 ) -> tuple[Any, SmgDecodeLeg]:
     """Both workers detected, the request built (the decode node's tokenizer, a fresh request
-    id for both legs), and the decode leg that will send it; both must run ``runtime``."""
+    id for both legs), and the decode leg that will send it; both must run ``runtime``.
+    ``stream``: whether the decode leg streams (else it asks for one ``complete``)."""
     try:
         await prefill.detect(min(timeout, DETECT_TIMEOUT_S))
     except NodeFailure as e:
         raise NodeFailure(prefill.address, Stage.PREFILL, e.kind, e.detail) from e
     leg = SmgDecodeLeg(decode, prompt, timeout)
+    leg.engine_stream = stream
     try:
         request = await leg._prepare()
     except (grpc.aio.AioRpcError, TimeoutError) as e:

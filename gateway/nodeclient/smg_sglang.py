@@ -32,8 +32,15 @@ from prefixgate.gateway.nodeclient.smg_common import (
     SmgNodeClient,
     engine_output,
     packed_ids,
+    streams,
 )
-from prefixgate.gateway.nodeclient.smg_legs import SmgDecodeLeg, SmgPrefillLeg, prepared, smg_pairs
+from prefixgate.gateway.nodeclient.smg_legs import (
+    SmgDecodeLeg,
+    SmgPrefillLeg,
+    prepared,
+    serialized,
+    smg_pairs,
+)
 from prefixgate.openai.constraint import Constraint
 from prefixgate.openai.features import Feature, parse_features
 
@@ -95,6 +102,7 @@ class SglangRuntime:
     name = "sglang"
     service = "sglang.grpc.scheduler.SglangScheduler"
     generate_response = pb.GenerateResponse
+    matches_stop_strings = False  # string stops are never sent (single-token ones as ids)
     # SamplingParams has no seed: the engine samples each request at random, so a request's
     # choices (independent requests) differ, and a sampled request's ``seed`` is refused.
     features: frozenset[str] = frozenset(
@@ -184,20 +192,28 @@ def with_bootstrap(request: Any, host: str, port: int, room: int) -> None:
 
 
 class SmgBootstrapPair:
-    """One request's two SGLang legs: the decode node's request, with the bootstrap room, to both."""
+    """One request's two SGLang legs: the decode node's request, with the bootstrap room, to both
+    (serialized once). Not streamed when the client takes the answer whole (``whole_answer``):
+    both legs then ask for one ``complete``, and the prefill leg's end, after the hand-off, tells
+    that no KV is in flight to the decode leg any more (docs/engines.md, Aborts)."""
 
     room_limit = GRPC_ROOM_LIMIT
 
     def __init__(self, prefill: SmgNodeClient, decode: SmgNodeClient, prompt: Prompt, timeout: float) -> None:
         self.p, self.d, self.prompt, self.timeout = prefill, decode, prompt, timeout
+        self.whole_answer = not streams(SGLANG, prompt)
 
     async def legs(self, room: int) -> tuple[SmgPrefillLeg, SmgDecodeLeg]:
-        request, decode = await prepared(self.p, self.d, self.prompt, self.timeout, SGLANG)
+        request, decode = await prepared(
+            self.p, self.d, self.prompt, self.timeout, SGLANG, stream=not self.whole_answer
+        )
         assert self.p.info is not None
         port = self.p.options.bootstrap_port or self.p.info.bootstrap_port or DEFAULT_BOOTSTRAP_PORT
         with_bootstrap(request, self.p.host, port, room)
-        decode.request = request
-        prefill = SmgPrefillLeg(self.p, request, decode.rid, self.timeout, self.prompt.token_count)
+        decode.request = data = await serialized(request, self.prompt)
+        prefill = SmgPrefillLeg(
+            self.p, data, decode.rid, self.timeout, self.prompt.token_count, whole=self.whole_answer
+        )
         return prefill, decode
 
 

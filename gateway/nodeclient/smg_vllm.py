@@ -34,7 +34,13 @@ from prefixgate.gateway.nodeclient.smg_common import (
     engine_output,
     packed_ids,
 )
-from prefixgate.gateway.nodeclient.smg_legs import SmgDecodeLeg, SmgPrefillLeg, prepared, smg_pairs
+from prefixgate.gateway.nodeclient.smg_legs import (
+    SmgDecodeLeg,
+    SmgPrefillLeg,
+    prepared,
+    serialized,
+    smg_pairs,
+)
 from prefixgate.gateway.vocab import FailureKind, Stage
 from prefixgate.openai.constraint import Constraint
 from prefixgate.openai.features import Feature
@@ -125,6 +131,7 @@ class VllmRuntime:
     name = "vllm"
     service = "vllm.grpc.engine.VllmEngine"
     generate_response = pb.GenerateResponse
+    matches_stop_strings = True  # ``stop`` is sent (the gateway matches them on the output too)
     # SamplingParams.seed, .logprobs, .logit_bias
     # vLLM's structured outputs are always on
     features = frozenset(
@@ -207,15 +214,19 @@ class SmgRelayPair:
         self._decode: SmgDecodeLeg | None = None
 
     async def prefill_leg(self) -> SmgPrefillLeg:
-        self._request, self._decode = await prepared(self.p, self.d, self.prompt, self.timeout, VLLM)
-        leg = prefill_request(self._request, self.prompt)
-        return SmgPrefillLeg(self.p, leg, self._decode.rid, self.timeout, self.prompt.token_count)
+        # the decode leg streams whatever the client takes: it fetches the KV once it has
+        # started, and only its first item tells that the fetch is over (docs/engines.md, Aborts)
+        self._request, self._decode = await prepared(
+            self.p, self.d, self.prompt, self.timeout, VLLM, stream=True
+        )
+        leg = await serialized(prefill_request(self._request, self.prompt), self.prompt)
+        return SmgPrefillLeg(self.p, leg, self._decode.rid, self.timeout, self.prompt.token_count, whole=True)
 
     def decode_leg(self, answer: PrefillAnswer) -> SmgDecodeLeg:
         assert self._decode is not None
         if answer.transfer_params is not None:
             self._request.kv_transfer_params_json = answer.transfer_params
-        self._decode.request = self._request
+        self._decode.request = self._request.SerializeToString()  # on the loop: the leg starts now
         return self._decode
 
 

@@ -3,22 +3,26 @@
 Engines that speak the SMG protocol return token ids only; the gateway turns them into text.
 Two pieces, used together by ``Detokenizer``:
 
-- ``IncrementalDecoder``: the prefix-window method (HF ``DecodeStream``, SMG's ``sequence.rs``):
-  the text of new ids is ``decode(window + new)`` minus ``decode(window)``; it is held back while
-  it ends in U+FFFD (a character whose bytes are not all out yet), so no chunk ever carries half
-  a UTF-8 character. Decoding is the ``tokenizers`` library's own. The ids held back are bounded
-  (``PENDING_LIMIT``), so every id costs about the same whatever the engine sends: skipped special
-  ids never enter the window (a full decode drops them too), and a tail that stays incomplete is
-  settled once ids enough follow it for its bytes to be decided (U+FFFD where they never formed a
-  character, as a full decode shows them).
+- ``IncrementalDecoder``: the prefix-window method (SMG's ``sequence.rs``): the text of new ids
+  is ``decode(window + new)`` minus ``decode(window)``; it is held back while it ends in U+FFFD (a
+  character whose bytes are not all out yet), so no chunk ever carries half a UTF-8 character.
+  The step itself is the ``tokenizers`` library's ``DecodeStream`` (the same method, with both
+  decodes in Rust and one call an id); the rest is kept here, around it. The ids held back are
+  bounded (``PENDING_LIMIT``), so every id costs about the same whatever the engine sends: skipped
+  special ids never enter the window (a full decode drops them too), and a tail that stays
+  incomplete is settled once ids enough follow it for its bytes to be decided (U+FFFD where they
+  never formed a character, as a full decode shows them). ``DecodeStream`` alone would hold
+  every id that adds no text, unbounded, and has no end: so the window's ids are mirrored here,
+  a held tail is settled and the stream flushed by the window method, and the library's stream
+  then starts again from the window (``ids=``, its context).
 - ``StopMatcher``: stop strings matched over the emitted text, across chunk boundaries. Text that
   could still be the start of a stop string is held back ("jailed") until it is known not to be;
   on a match the text before it is emitted and the rest dropped.
 
 Ids outside the tokenizer's vocabulary (an engine fault: a padded output layer, a mismatched
 tokenizer) show as U+FFFD where they stand and are counted (``out_of_vocabulary``), never
-dropped in silence and never raising. ``tokenizers`` itself skips ids it does not know, and
-``DecodeStream`` holds every id that adds no text, so neither is used as is.
+dropped in silence and never raising (``tokenizers`` itself skips ids it does not know): they
+never reach the library's stream.
 
 Stop token ids end the text too (hidden): an engine normally stops on them itself, but whatever
 follows one is never shown.
@@ -27,10 +31,11 @@ follows one is never shown.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 REPLACEMENT = "\ufffd"
 PENDING_LIMIT = 8  # ids held back at most: twice the bytes of the longest UTF-8 character
@@ -83,8 +88,37 @@ def _read_vocabulary(tokenizer: Decoder) -> Vocabulary:
     )
 
 
+@functools.cache
+def native_stream() -> Any:
+    """The ``tokenizers`` library's incremental decoder (``decoders.DecodeStream``) when it can
+    start from a given context (``ids=``, 0.22 on), else None: decoding then goes by windows."""
+    try:
+        from tokenizers.decoders import DecodeStream
+
+        DecodeStream(skip_special_tokens=True, ids=[])
+    except (ImportError, TypeError):
+        return None
+    return DecodeStream
+
+
+def _is_tokenizers(tokenizer: Decoder) -> bool:
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return False
+    return isinstance(tokenizer, Tokenizer)
+
+
 class IncrementalDecoder:
-    """Decodes a growing id sequence into text deltas that never split a character."""
+    """Decodes a growing id sequence into text deltas that never split a character.
+
+    With a ``tokenizers.Tokenizer`` the library's own ``DecodeStream`` does the common step (one
+    call an id, both decodes in Rust); this class keeps what it does not: the ids of its window
+    (``_ids``: the ids whose text was shown last, then those held back), mirrored after each
+    step, so that it can bound what is held (``_settle``), end the stream (``flush``) and break it
+    at an unknown id, restarting the library's stream from the window each time (``_restart``).
+    Any other decoder goes by windows alone (``_advance_window``), with the same results.
+    """
 
     def __init__(self, tokenizer: Decoder, *, skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
@@ -94,8 +128,17 @@ class IncrementalDecoder:
         self._ids: list[int] = []  # the window: the ids emitted last (for context), then those held
         self._read = 0  # end of the text already emitted
         self._before: str | None = ""  # decode(ids[:read]), kept while the window stays put
+        self._native = native_stream() if _is_tokenizers(tokenizer) else None
+        self._stream: Any = None
+        if self._native is not None:
+            self._stream = self._native(skip_special_tokens=skip_special_tokens)
         self.out_of_vocabulary = 0  # ids the tokenizer does not know, each shown as U+FFFD
         self.first_out_of_vocabulary: int | None = None
+
+    @property
+    def held(self) -> int:
+        """Ids whose text is held back (at most ``PENDING_LIMIT``)."""
+        return len(self._ids) - self._read
 
     def _decode(self, ids: list[int]) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=self._skip))
@@ -105,11 +148,17 @@ class IncrementalDecoder:
             self._before = self._decode(self._ids[: self._read])
         return self._before
 
-    def step(self, ids: Iterable[int]) -> str:
+    def step(self, ids: Sequence[int]) -> str:
         """The text the new ``ids`` complete (possibly empty while a character is incomplete)."""
+        drop, size, added = self._drop, self._vocab.size, self._vocab.added
+        if len(ids) == 1:  # one id a step: a streaming engine's usual chunk
+            t = ids[0]
+            if t in drop:
+                return ""
+            if 0 <= t < size or t in added:
+                return self._advance([t])
         out: list[str] = []
         run: list[int] = []
-        drop, size, added = self._drop, self._vocab.size, self._vocab.added
         for t in ids:
             if t in drop:
                 continue  # a skipped special token: a full decode drops it too
@@ -129,6 +178,27 @@ class IncrementalDecoder:
     def _advance(self, new: list[int]) -> str:
         if not new:
             return ""
+        stream = self._stream
+        if stream is None:  # by windows (until the library's stream can start again)
+            return self._advance_window(new) + self._restart()
+        ids = self._ids
+        try:
+            text = stream.step(self._tok, new[0] if len(new) == 1 else new)
+        except Exception:  # a decoder whose text of more ids does not begin with that of fewer
+            ids.extend(new)
+            self._stream = None
+            return self._emit(self._decode(ids), self._context(), len(ids)) + self._restart()
+        ids.extend(new)
+        if text is not None:  # the library's window is now the ids since the text before
+            del ids[: self._read]
+            self._read, self._before = len(ids), None
+            return str(text)
+        if len(ids) - self._read <= PENDING_LIMIT:
+            return ""
+        self._stream = None
+        return self._settle(self._decode(ids), self._context(), len(ids)) + self._restart()
+
+    def _advance_window(self, new: list[int]) -> str:
         self._ids.extend(new)
         n = len(self._ids)
         before = self._context()
@@ -138,6 +208,31 @@ class IncrementalDecoder:
         if n - self._read <= PENDING_LIMIT:
             return ""
         return self._settle(full, before, n)
+
+    def _restart(self) -> str:
+        """The library's stream started again from the window: the ids whose text was shown last
+        as its context, then the held ids (their text returned if they complete it). Not while
+        that text ends in a broken character: the stream would take the context for held ids,
+        and without it a decoder that drops a leading space would drop the next one; the window
+        goes on until its text moves past it."""
+        if self._native is None or self._stream is not None:
+            return ""
+        if self._read and self._context().endswith(REPLACEMENT):
+            return ""
+        stream = self._native(skip_special_tokens=self._skip, ids=self._ids[: self._read])
+        held = self._ids[self._read :]
+        text = None
+        if held:
+            try:
+                text = stream.step(self._tok, held)
+            except Exception:  # as in ``_advance``: the window goes on
+                return ""
+        self._stream = stream
+        if text is None:
+            return ""
+        del self._ids[: self._read]
+        self._read, self._before = len(self._ids), None
+        return str(text)
 
     def _settle(self, full: str, before: str, n: int) -> str:
         """Too many ids held: emit up to a boundary ``SETTLE`` ids or more back, where the text so
@@ -165,6 +260,8 @@ class IncrementalDecoder:
         self._ids.clear()
         self._read = 0
         self._before = ""
+        if self._native is not None:
+            self._stream = self._native(skip_special_tokens=self._skip)
         return out
 
 
@@ -211,10 +308,10 @@ class StopMatcher:
         return out
 
 
-@dataclass(frozen=True, slots=True)
-class Piece:
+class Piece(NamedTuple):
     """What one step of the engine's output becomes: text to show, and whether it ended the
-    choice (``finish_reason`` "stop", with the string or token that matched)."""
+    choice (``finish_reason`` "stop", with the string or token that matched). A named tuple: one
+    is made for every chunk an engine streams."""
 
     text: str
     stopped: bool = False
@@ -256,8 +353,9 @@ class Detokenizer:
             return Piece("", True, self.matched_stop)
         if self._hidden:
             ids = [t for t in ids if t not in self._hidden]
-        cut = next((i for i, t in enumerate(ids) if t in self._stop_ids), -1)
-        if cut >= 0:
+        stop_ids = self._stop_ids
+        if stop_ids and not stop_ids.isdisjoint(ids):
+            cut = next(i for i, t in enumerate(ids) if t in stop_ids)
             text = self._decoder.step(ids[:cut]) + self._decoder.flush()
             shown = self._stops.feed(text)
             self.stopped = True

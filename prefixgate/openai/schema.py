@@ -49,6 +49,9 @@ class Sampling:
     # What the output must match (``response_format``, or a forced tool call): the engine's
     # constrained decoding.
     constraint: Constraint | None = None
+    # The client takes the output as it is made (SSE, the gRPC API's Generate); False: it takes
+    # the answer whole, so a node may answer in one message (docs/engines.md, Whole answers).
+    stream: bool = True
 
 
 def choice_seed(seed: int, choice: int) -> int:
@@ -386,6 +389,7 @@ def parse_request(
     top_p = _float(body, "top_p", 0.0, 1.0)
     seed = _int(body, "seed", -MAX_SEED, MAX_SEED)
     needs: dict[Feature, str] = {}
+    stream = _bool(body, "stream")
     sampling = Sampling(
         max_tokens=max_tokens or default_max_tokens,
         temperature=1.0 if temperature is None else temperature,
@@ -393,6 +397,7 @@ def parse_request(
         seed=seed,
         stop=_stop(body),
         logit_bias=_logit_bias(body),
+        stream=stream,
     )
     if sampling.logit_bias:
         needs[Feature.LOGIT_BIAS] = "logit_bias"
@@ -403,7 +408,6 @@ def parse_request(
     if response_format is not None:
         needs[Feature.RESPONSE_FORMAT] = "response_format"
         sampling.constraint = from_response_format(response_format)
-    stream = _bool(body, "stream")
     opts = body.get("stream_options")
     include_usage = False
     if opts is not None:

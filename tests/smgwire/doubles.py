@@ -131,7 +131,8 @@ class VllmOverOurNode(vpb_grpc.VllmEngineServicer):  # type: ignore[misc]
         return vpb.AbortResponse()
 
     async def _seeded(self, request: Any) -> AsyncIterator[Any]:
-        """A whole seeded request on the node, under its seed (wire ids out, deltas counted)."""
+        """A whole seeded request on the node, under its seed (wire ids out, deltas counted;
+        not streamed: one complete with every id)."""
         assert self.node is not None
         p = request.sampling_params
         tok = load_tokenizer()
@@ -148,14 +149,17 @@ class VllmOverOurNode(vpb_grpc.VllmEngineServicer):  # type: ignore[misc]
             new = [wire.wire(t) for t in c.token_ids if t != eos]
             out += new
             finish = c.finish_reason or finish
-            if new:
+            if new and request.stream:
                 yield vpb.GenerateResponse(
                     chunk=vpb.GenerateStreamChunk(
                         token_ids=new, prompt_tokens=len(ids), completion_tokens=len(new)
                     )
                 )
         done = vpb.GenerateComplete(
-            output_ids=out[-1:], finish_reason=finish, prompt_tokens=len(ids), completion_tokens=len(out)
+            output_ids=out[-1:] if request.stream else out,
+            finish_reason=finish,
+            prompt_tokens=len(ids),
+            completion_tokens=len(out),
         )
         yield vpb.GenerateResponse(complete=done)
 
@@ -164,7 +168,7 @@ class VllmOverOurNode(vpb_grpc.VllmEngineServicer):  # type: ignore[misc]
         if request.HasField("kv_transfer_params_json"):
             self.params_seen.append(request.kv_transfer_params_json)
         p = request.sampling_params
-        if p.HasField("seed") and self.node is not None and request.stream:
+        if p.HasField("seed") and self.node is not None:
             async for m in self._seeded(request):
                 yield m
             return

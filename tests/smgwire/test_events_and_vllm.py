@@ -212,6 +212,38 @@ async def test_vllm_relay_hands_the_prefills_params_to_decode_verbatim(vllm: Any
     assert s.relayed and s.prefill is not None
 
 
+async def test_vllm_relay_streams_the_decode_leg_of_a_whole_answer(vllm: Any) -> None:
+    """The client takes the answer whole: the prefill leg answers one ``complete`` as always,
+    and the decode leg still streams, since only its first item tells that its fetch of the KV
+    is over (docs/engines.md, Aborts)."""
+    pre, p, _ = await vllm("kv_producer")
+    dec, d, dns = await vllm("kv_consumer")
+    await p.status(timeout=5)
+    await d.status(timeout=5)
+    assert p.handoff is not None
+    s = p.handoff.start(prompt(LONG, 12, stream=False), p, d, timeout=30)
+    assert not getattr(s, "whole_answer", False)
+    text, finish, _ = await collect(s)
+    assert (text, finish) == (HF.decode(await direct_ids(dns, LONG, 12)), "length")
+    assert [r.stream for r in pre.requests] == [False] and [r.stream for r in dec.requests] == [True]
+
+
+async def test_vllm_whole_answer_with_stop_strings_is_cut_as_the_streamed_one(vllm: Any) -> None:
+    """vLLM is sent the stop strings and stops on them itself: a whole answer is asked whole,
+    and the gateway cuts its text where it cuts the streamed one."""
+    servicer, c, ns = await vllm()
+    await c.status(timeout=5)
+    full = HF.decode(await direct_ids(ns, LONG, 16))
+    ids = HF.encode(full, add_special_tokens=False).ids
+    stop = HF.decode(ids[5:7])
+    assert len(stop) > 1 and stop in full
+    whole = await collect(c.generate(prompt(LONG, 16, stop=(stop,), stream=False), timeout=30))
+    streamed = await collect(c.generate(prompt(LONG, 16, stop=(stop,)), timeout=30))
+    assert whole[:2] == streamed[:2] == (full[: full.index(stop)], "stop")
+    assert [r.stream for r in servicer.requests] == [False, True]
+    assert [list(r.sampling_params.stop) for r in servicer.requests] == [[stop], [stop]]
+
+
 async def test_vllm_prefill_failure_is_the_prefill_nodes(vllm: Any, nodes: StartNode) -> None:
     _, p, pns = await vllm("kv_producer")
     _, d, _ = await vllm("kv_consumer")

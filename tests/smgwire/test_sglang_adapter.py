@@ -6,6 +6,7 @@ from ``SubscribeKvEvents``."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -27,6 +28,7 @@ from prefixgate.gateway.metrics import Metrics
 from prefixgate.gateway.nodeclient import NodeFailure, Prompt, TokenStream
 from prefixgate.gateway.nodeclient.handoff import BootstrapStream
 from prefixgate.gateway.nodeclient.smg_common import SmgNodeClient, SmgOptions
+from prefixgate.gateway.nodeclient.smg_sglang import SGLANG
 from prefixgate.gateway.vocab import FailureKind, Stage
 from prefixgate.openai.schema import Sampling
 from tests.smgwire import doubles
@@ -35,11 +37,13 @@ from tests.smgwire.conftest import BS, HF, MODEL, Client, StartNode, chat_ids, r
 LONG = chat_ids("Tell me everything about prefix caches, KV pages and the tokens they hold. " * 4)
 
 
-def prompt(ids: list[int], max_tokens: int = 12, stop: tuple[str, ...] = (), rid: str = "r") -> Prompt:
+def prompt(
+    ids: list[int], max_tokens: int = 12, stop: tuple[str, ...] = (), rid: str = "r", stream: bool = True
+) -> Prompt:
     tokens = pack_ids(ids)
     root = root_of(MODEL, "", "")
     assert root is not None
-    sampling = Sampling(max_tokens=max_tokens, temperature=0.0, stop=list(stop))
+    sampling = Sampling(max_tokens=max_tokens, temperature=0.0, stop=list(stop), stream=stream)
     return Prompt(rid, tokens, block_hashes(tokens, BS, root), sampling)
 
 
@@ -336,8 +340,9 @@ async def test_an_unreadable_status_is_a_failed_probe_and_the_probes_go_on() -> 
 async def test_a_long_prompt_is_sent_serialized_off_the_loop_and_arrives_whole(
     nodes: StartNode, client: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A prompt past ``REQUEST_OFF_LOOP_BYTES`` goes as bytes serialized on a worker thread (the
-    call without a serializer): the engine gets every id, and answers as it does directly."""
+    """A prompt past ``REQUEST_OFF_LOOP_BYTES`` is built and serialized on a worker thread, a
+    short one on the event loop; both go as bytes (the call without a serializer): the engine
+    gets every id, and answers as it does directly."""
     from prefixgate.gateway.nodeclient.smg_common import REQUEST_OFF_LOOP_BYTES
 
     seen: list[list[int]] = []
@@ -354,17 +359,23 @@ async def test_a_long_prompt_is_sent_serialized_off_the_loop_and_arrives_whole(
     expected = HF.decode(await direct_ids(ns, ids, 4))
     c = client(ns)
     sent: list[type] = []
-    call = c.generate_call
+    built_on: list[bool] = []  # each request built on the event loop's thread?
+    call, build = c.generate_call, SGLANG.request
 
-    def spying(request: Any, timeout: float) -> Any:
+    def spying(request: Any, timeout: float, **kw: Any) -> Any:
         sent.append(type(request))
-        return call(request, timeout)
+        return call(request, timeout, **kw)
+
+    def building(*args: Any, **kw: Any) -> Any:
+        built_on.append(threading.current_thread() is threading.main_thread())
+        return build(*args, **kw)
 
     monkeypatch.setattr(c, "generate_call", spying)
+    monkeypatch.setattr(SGLANG, "request", building)
     s = c.generate(prompt(ids, 4), timeout=30)
     assert await collect(s) == (expected, "length", 4)
     assert seen == [ids, ids]  # directly, then through the adapter
     short = c.generate(prompt(LONG, 4), timeout=30)
     await collect(short)
     assert seen[-1] == LONG
-    assert sent == [bytes, pb.GenerateRequest]  # a short prompt goes as the message itself
+    assert sent == [bytes, bytes] and built_on == [False, True]

@@ -30,7 +30,9 @@ HTTP_ROOM_LIMIT = (1 << 63) - 1
 
 
 class BootstrapPair(Protocol):
-    """A transport's two legs of one request, built for one bootstrap room."""
+    """A transport's two legs of one request, built for one bootstrap room. A pair whose decode
+    leg answers in one message says so with a true ``whole_answer`` attribute (absent: it
+    streams)."""
 
     @property
     def room_limit(self) -> int: ...
@@ -44,7 +46,7 @@ class BootstrapStream(SplitStream):
     """Both legs at once; the stream is the decode leg's."""
 
     def __init__(self, pair: BootstrapPair) -> None:
-        super().__init__()
+        super().__init__(whole_answer=bool(getattr(pair, "whole_answer", False)))
         self.pair = pair
         self._run: asyncio.Future[PrefillAnswer] | None = None
 
@@ -71,8 +73,14 @@ class BootstrapStream(SplitStream):
         return delta
 
     def _prefill_done(self, run: asyncio.Future[PrefillAnswer]) -> None:
-        if not run.cancelled() and run.exception() is None and self.prefill is None:
+        if run.cancelled() or run.exception() is not None:
+            return
+        if self.prefill is None:
             self._report(run.result())
+        if self.whole_answer:
+            # the prefill leg ends once the KV is handed over: nothing is in flight to the decode
+            # leg, whose first item, the whole answer, comes only at its end
+            self._in_flight = False
 
     async def _blame_prefill_first(self) -> None:
         """The decode leg failed before its first item: when the prefill leg fails too (within

@@ -39,9 +39,11 @@ class PairFactory(Protocol[P_co]):
 
 
 class SplitStream:
-    """One split request as a TokenStream (``aclose`` is idempotent)."""
+    """One split request as a TokenStream (``aclose`` is idempotent). ``whole_answer``: the
+    decode leg answers in one message (``base.TokenStream``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, whole_answer: bool = False) -> None:
+        self.whole_answer = whole_answer
         self.cached_tokens = 0
         self.timings = StageTimings()
         self.prefill: PrefillReport | None = None
