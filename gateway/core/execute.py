@@ -542,10 +542,14 @@ class Executor:
                 self.planner.release_prefix(ticket, served)
         for n in nodes:
             n.breaker.on_success()
-        # a node stating no speed is timed here: its first-token deadlines follow what it did (not
-        # by a whole answer, whose wait was the whole generation)
+        # a node stating no speed is timed here: its first-token deadlines follow what it did; a
+        # whole answer's wait was the whole generation, so it times a prefill node by its leg's
+        # end (the KV handed over) and a node serving it whole not at all
+        computed = prep.prompt_tokens - stream.cached_tokens
         if not getattr(stream, "whole_answer", False):
-            computing.in_time(prep.prompt_tokens - stream.cached_tokens, time.perf_counter() - timings.start)
+            computing.in_time(computed, time.perf_counter() - timings.start)
+        elif pnode is not None and stream.prefill is not None and stream.prefill.prefill_s > 0:
+            computing.in_time(computed, stream.prefill.prefill_s)
         st = stream.timings
         timings.node = StageTimings(st.queue_s, st.prefill_s, st.transfer_s if pnode is not None else 0.0)
         if pnode is not None:

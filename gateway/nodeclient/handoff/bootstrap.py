@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from typing import Any, Protocol
 
 from prefixgate.gateway.nodeclient.base import NodeFailure, TokenDelta
@@ -49,8 +50,10 @@ class BootstrapStream(SplitStream):
         super().__init__(whole_answer=bool(getattr(pair, "whole_answer", False)))
         self.pair = pair
         self._run: asyncio.Future[PrefillAnswer] | None = None
+        self._began = 0.0
 
     async def _begin(self) -> TokenDelta:
+        self._began = time.perf_counter()
         prefill, decode = await self.pair.legs(secrets.randbelow(self.pair.room_limit))
         run = self._run = self._start_prefill(prefill)
         run.add_done_callback(self._prefill_done)
@@ -76,7 +79,10 @@ class BootstrapStream(SplitStream):
         if run.cancelled() or run.exception() is not None:
             return
         if self.prefill is None:
-            self._report(run.result())
+            # a whole answer's first item is its end: the prefill leg's end (its KV handed over) is
+            # what times the prefill node then (``PrefillReport.prefill_s``)
+            took = time.perf_counter() - self._began if self.whole_answer and self._began else 0.0
+            self._report(run.result(), prefill_s=took)
         if self.whole_answer:
             # the prefill leg ends once the KV is handed over: nothing is in flight to the decode
             # leg, whose first item, the whole answer, comes only at its end
