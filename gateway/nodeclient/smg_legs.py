@@ -15,13 +15,13 @@ import grpc
 from prefixgate.gateway.nodeclient.base import NodeClient, NodeFailure, Prompt
 from prefixgate.gateway.nodeclient.handoff import PairFactory, PrefillAnswer
 from prefixgate.gateway.nodeclient.smg_common import (
-    REQUEST_OFF_LOOP_BYTES,
     GenerateStream,
     Output,
     Runtime,
     SmgNodeClient,
     failure,
 )
+from prefixgate.gateway.nodeclient.smg_prompt import EngineRequest
 from prefixgate.gateway.vocab import FailureKind, Stage
 
 DETECT_TIMEOUT_S = 5.0
@@ -116,14 +116,6 @@ class SmgDecodeLeg(GenerateStream):
         await self.aclose()
 
 
-async def serialized(request: Any, prompt: Prompt) -> bytes:
-    """``request`` as sent; a long prompt's serialized off the event loop (it takes milliseconds)."""
-    if len(prompt.tokens) >= REQUEST_OFF_LOOP_BYTES:
-        return await asyncio.to_thread(request.SerializeToString)
-    data: bytes = request.SerializeToString()
-    return data
-
-
 async def prepared(
     prefill: SmgNodeClient,
     decode: SmgNodeClient,
@@ -132,7 +124,7 @@ async def prepared(
     runtime: Runtime,
     *,
     stream: bool,
-) -> tuple[Any, SmgDecodeLeg]:
+) -> tuple[EngineRequest, SmgDecodeLeg]:
     """Both workers detected, the request built (the decode node's tokenizer, a fresh request
     id for both legs), and the decode leg that will send it; both must run ``runtime``.
     ``stream``: whether the decode leg streams (else it asks for one ``complete``)."""

@@ -31,14 +31,12 @@ from prefixgate.gateway.nodeclient.smg_common import (
     Output,
     SmgNodeClient,
     engine_output,
-    packed_ids,
     streams,
 )
 from prefixgate.gateway.nodeclient.smg_legs import (
     SmgDecodeLeg,
     SmgPrefillLeg,
     prepared,
-    serialized,
     smg_pairs,
 )
 from prefixgate.openai.constraint import Constraint
@@ -159,9 +157,9 @@ class SglangRuntime:
         return pb.EmbedRequest(request_id=rid, tokenized=pb.TokenizedInput(original_text=text, input_ids=ids))
 
     def request(self, prompt: Prompt, rid: str, stop_token_ids: Sequence[int], *, stream: bool) -> Any:
+        """The request without its prompt ids (``smg_prompt.EngineRequest`` adds them)."""
         req = pb.GenerateRequest(
             request_id=rid,
-            tokenized=pb.TokenizedInput(input_ids=packed_ids(prompt)),
             sampling_params=sampling_params(prompt, stop_token_ids),
             return_logprob=False,
             logprob_start_len=-1,
@@ -209,8 +207,8 @@ class SmgBootstrapPair:
         )
         assert self.p.info is not None
         port = self.p.options.bootstrap_port or self.p.info.bootstrap_port or DEFAULT_BOOTSTRAP_PORT
-        with_bootstrap(request, self.p.host, port, room)
-        decode.request = data = await serialized(request, self.prompt)
+        with_bootstrap(request.message, self.p.host, port, room)
+        decode.request = data = request.serialize()
         prefill = SmgPrefillLeg(
             self.p, data, decode.rid, self.timeout, self.prompt.token_count, whole=self.whole_answer
         )

@@ -32,15 +32,14 @@ from prefixgate.gateway.nodeclient.smg_common import (
     Output,
     SmgNodeClient,
     engine_output,
-    packed_ids,
 )
 from prefixgate.gateway.nodeclient.smg_legs import (
     SmgDecodeLeg,
     SmgPrefillLeg,
     prepared,
-    serialized,
     smg_pairs,
 )
+from prefixgate.gateway.nodeclient.smg_prompt import EngineRequest
 from prefixgate.gateway.vocab import FailureKind, Stage
 from prefixgate.openai.constraint import Constraint
 from prefixgate.openai.features import Feature
@@ -171,9 +170,9 @@ class VllmRuntime:
         return pb.EmbedRequest(request_id=rid, tokenized=pb.TokenizedInput(original_text=text, input_ids=ids))
 
     def request(self, prompt: Prompt, rid: str, stop_token_ids: Sequence[int], *, stream: bool) -> Any:
+        """The request without its prompt ids (``smg_prompt.EngineRequest`` adds them)."""
         req = pb.GenerateRequest(
             request_id=rid,
-            tokenized=pb.TokenizedInput(input_ids=packed_ids(prompt)),
             sampling_params=sampling_params(prompt, stop_token_ids),
             stream=stream,
         )
@@ -193,15 +192,15 @@ class VllmRuntime:
 VLLM = VllmRuntime()
 
 
-def prefill_request(request: pb.GenerateRequest, prompt: Prompt) -> pb.GenerateRequest:
+def prefill_request(request: EngineRequest, prompt: Prompt) -> EngineRequest:
     """The prefill leg's request: the decode leg's, not streamed, sanitised (``prefill_params``),
-    asking for the KV to be kept for a remote decode."""
+    asking for the KV to be kept for a remote decode (the same ids' bytes, not a copy)."""
     leg = pb.GenerateRequest()
-    leg.CopyFrom(request)
+    leg.CopyFrom(request.message)
     leg.stream = False
     leg.sampling_params.CopyFrom(prefill_params(prompt))
     leg.kv_transfer_params_json = PREFILL_PARAMS
-    return leg
+    return EngineRequest(leg, request.tokenized)
 
 
 class SmgRelayPair:
@@ -210,7 +209,7 @@ class SmgRelayPair:
 
     def __init__(self, prefill: SmgNodeClient, decode: SmgNodeClient, prompt: Prompt, timeout: float) -> None:
         self.p, self.d, self.prompt, self.timeout = prefill, decode, prompt, timeout
-        self._request: Any = None
+        self._request: EngineRequest | None = None
         self._decode: SmgDecodeLeg | None = None
 
     async def prefill_leg(self) -> SmgPrefillLeg:
@@ -219,14 +218,14 @@ class SmgRelayPair:
         self._request, self._decode = await prepared(
             self.p, self.d, self.prompt, self.timeout, VLLM, stream=True
         )
-        leg = await serialized(prefill_request(self._request, self.prompt), self.prompt)
+        leg = prefill_request(self._request, self.prompt).serialize()
         return SmgPrefillLeg(self.p, leg, self._decode.rid, self.timeout, self.prompt.token_count, whole=True)
 
     def decode_leg(self, answer: PrefillAnswer) -> SmgDecodeLeg:
-        assert self._decode is not None
+        assert self._decode is not None and self._request is not None
         if answer.transfer_params is not None:
-            self._request.kv_transfer_params_json = answer.transfer_params
-        self._decode.request = self._request.SerializeToString()  # on the loop: the leg starts now
+            self._request.message.kv_transfer_params_json = answer.transfer_params
+        self._decode.request = self._request.serialize()
         return self._decode
 
 

@@ -28,7 +28,6 @@ from prefixgate.gateway.metrics import Metrics
 from prefixgate.gateway.nodeclient import NodeFailure, Prompt, TokenStream
 from prefixgate.gateway.nodeclient.handoff import BootstrapStream
 from prefixgate.gateway.nodeclient.smg_common import SmgNodeClient, SmgOptions
-from prefixgate.gateway.nodeclient.smg_sglang import SGLANG
 from prefixgate.gateway.vocab import FailureKind, Stage
 from prefixgate.openai.schema import Sampling
 from tests.smgwire import doubles
@@ -340,10 +339,12 @@ async def test_an_unreadable_status_is_a_failed_probe_and_the_probes_go_on() -> 
 async def test_a_long_prompt_is_sent_serialized_off_the_loop_and_arrives_whole(
     nodes: StartNode, client: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A prompt past ``REQUEST_OFF_LOOP_BYTES`` is built and serialized on a worker thread, a
-    short one on the event loop; both go as bytes (the call without a serializer): the engine
-    gets every id, and answers as it does directly."""
+    """A prompt past ``REQUEST_OFF_LOOP_BYTES`` has its ids made into the request's field on a
+    worker thread, a short one on the event loop; both go as bytes (the call without a
+    serializer): the engine gets every id, and answers as it does directly."""
+    from prefixgate.gateway.nodeclient import smg_common
     from prefixgate.gateway.nodeclient.smg_common import REQUEST_OFF_LOOP_BYTES
+    from prefixgate.gateway.nodeclient.smg_prompt import tokenized_field
 
     seen: list[list[int]] = []
     original = SglangSchedulerService.Generate
@@ -359,8 +360,8 @@ async def test_a_long_prompt_is_sent_serialized_off_the_loop_and_arrives_whole(
     expected = HF.decode(await direct_ids(ns, ids, 4))
     c = client(ns)
     sent: list[type] = []
-    built_on: list[bool] = []  # each request built on the event loop's thread?
-    call, build = c.generate_call, SGLANG.request
+    built_on: list[bool] = []  # each request's ids made on the event loop's thread?
+    call, build = c.generate_call, tokenized_field
 
     def spying(request: Any, timeout: float, **kw: Any) -> Any:
         sent.append(type(request))
@@ -371,7 +372,7 @@ async def test_a_long_prompt_is_sent_serialized_off_the_loop_and_arrives_whole(
         return build(*args, **kw)
 
     monkeypatch.setattr(c, "generate_call", spying)
-    monkeypatch.setattr(SGLANG, "request", building)
+    monkeypatch.setattr(smg_common, "tokenized_field", building)
     s = c.generate(prompt(ids, 4), timeout=30)
     assert await collect(s) == (expected, "length", 4)
     assert seen == [ids, ids]  # directly, then through the adapter
