@@ -73,6 +73,9 @@ class Settings:
     tokenizer_timeout_s: float = 60.0
     tokenizer_worker_paths: bool = True  # use a worker's reported tokenizer_path when it exists here
     tokenizer_segment_cache_bytes: int = 64 * 1024 * 1024
+    # Child processes per engine tokenizer that tokenize long uncached text (gateway.tokenpool),
+    # started at the first long prompt; 0: the gateway's own threads tokenize everything.
+    tokenizer_processes: int = 2
     # Tool calls in the model's text -> OpenAI tool_calls (gateway.toolcalls), for engines the
     # gateway tokenizes for: hermes | qwen25 | llama3 | mistral | pythonic; "" reads it from the
     # chat template when that is unambiguous; "none" turns tool calling off.
@@ -377,6 +380,7 @@ _AT_LEAST: dict[str, float] = {
     "scheduler_promote_after_s": 0,
     "prometheus_port": 0,
     "workers": 0,
+    "tokenizer_processes": 0,
     "grpc_max_concurrent_streams": 1,
     "grpc_max_connection_age_s": 0,
     "grpc_keepalive_time_s": 0.001,

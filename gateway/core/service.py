@@ -36,11 +36,18 @@ from prefixgate.gateway.state.documents import DocumentLimits, DocumentStore
 from prefixgate.gateway.state.memory import MemoryState
 from prefixgate.gateway.state.quotas import PinLimits
 from prefixgate.gateway.state.replicated import DocumentRegistry, PinRegistry, open_state
-from prefixgate.gateway.tokens.wiring import gateway_tokenizer, model_tokenizers, worker_tokenizer
+from prefixgate.gateway.tokenpool.pool import TokenizerPool
+from prefixgate.gateway.tokens.wiring import (
+    gateway_tokenizer,
+    model_tokenizers,
+    tokenizer_pools,
+    worker_tokenizer,
+)
 
 log = structlog.get_logger("prefixgate.gateway")
 
 CLOSE_TIMEOUT_S = 5.0  # the most any one part may take to close on shutdown
+TOKENIZER_POOL_STOP_S = 2.0  # a tokenizer child still running then is killed (it only tokenizes)
 
 KEYLESS_NOTICE = (
     "none: no API keys, so no tenant isolation; every client shares one tenant (documents, "
@@ -164,6 +171,7 @@ class GatewayService:
             also=(self.switches.sync,),
         )
         self._started = False
+        self.tokenizer_pools: list[TokenizerPool] = []  # made at start, for the final tokenizers
 
     def _connector(self) -> Callable[[str], NodeClient]:
         """``nodeclient.connect`` for smg-style workers (``workers.connector``: the engine's own
@@ -267,6 +275,7 @@ class GatewayService:
         if engine_tok is not None:
             self.tokenizer = self.pipeline.tokenizer = engine_tok
             log.info("tokenizer_loaded", tokenizer=engine_tok.name, origin=engine_tok.origin)
+        self.tokenizer_pools = tokenizer_pools(s, (self.tokenizer, *self.model_tokenizers.values()))
         if isinstance(self.index, ReplicatedIndex) and not await self.index.start():
             log.warning("index_peers_not_subscribed", detail="routing on this worker's own writes until then")
         for node in self.pool.nodes.values():
@@ -388,6 +397,10 @@ class GatewayService:
         node.draining = drain
         await self.membership.record(node, present=True)
 
+    async def _close_tokenizer_pools(self) -> None:
+        for pool in self.tokenizer_pools:
+            await pool.aclose(TOKENIZER_POOL_STOP_S)
+
     async def stop(self) -> None:
         """Close every part in turn, each bounded and logged as a ``shutdown_stage`` line
         (``gateway.shutdown``): a background task stuck in a call to a Redis node that does not
@@ -399,6 +412,7 @@ class GatewayService:
             ("usage", self.usage.close, CLOSE_TIMEOUT_S),
             ("rate_limits", self.limits.close, CLOSE_TIMEOUT_S),
             ("pipeline", self.pipeline.close, CLOSE_TIMEOUT_S),
+            ("tokenizer_processes", self._close_tokenizer_pools, CLOSE_TIMEOUT_S),
             ("kv_events", self.events.close, CLOSE_TIMEOUT_S),
             ("nodes", self.pool.close, CLOSE_TIMEOUT_S),
             ("index", self.index.close, 2.0),

@@ -15,9 +15,12 @@ non-normalized added token, as the tokenizer finds them, so the cuts are real sp
 Segment ids are kept in an LRU bounded by bytes, keyed by the segment's text: a system prefix or
 a document that comes again is not tokenized again. The segments not in the cache are tokenized
 in one batch, in parallel on the tokenizer's threads and with the GIL released
-(``cachetier.tokenizer.hf_ids_many``), so a long cold document tokenized on a render thread does
-not hold up the event loop. Cutting pays even cold: encoding
-the pieces costs less than encoding the whole text at once.
+(``cachetier.tokenizer.hf_ids_many``). When they are long (``REMOTE_FROM`` characters together)
+and the encoder has tokenizer processes (``remote``: ``gateway.tokenpool``), a child process
+tokenizes them instead and hands back their ids packed, as the cache keeps them: the gateway's
+process then never builds the Python list of a long prompt's ids, nor spends its cores on the
+encoding. Cutting pays even cold: encoding the pieces costs less than encoding the whole text
+at once.
 """
 
 from __future__ import annotations
@@ -26,13 +29,24 @@ import re
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from prefixgate.cachetier.tokenizer import hf_ids, hf_ids_many, pack_ids
 
 ENTRY_OVERHEAD = 160  # bytes an entry costs beyond its key and value (dict slot, node, objects)
+# Characters of uncached text from which a tokenizer process is asked (about 8K tokens): below,
+# the ids' list and packing hold the interpreter lock for well under a millisecond, less than
+# the round trip to a child costs.
+REMOTE_FROM = 32 * 1024
+
+
+class Remote(Protocol):
+    """Where long texts are tokenized instead (``gateway.tokenpool.TokenizerPool``): each text's
+    packed ids, or None when the caller must tokenize them itself."""
+
+    def encode_many(self, texts: Sequence[str]) -> list[bytes] | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,9 +168,21 @@ class SegmentEncoder:
         self._hf = hf
         self.finder = CutFinder(tokens)
         self.cache = SegmentCache(cache_bytes)
+        self.remote: Remote | None = None  # tokenizer processes, for long texts
 
     def plain(self, text: str) -> bytes:
+        if self.remote is not None and len(text) >= REMOTE_FROM:
+            return self.fresh([text])[0]
         return pack_ids(hf_ids(self._hf, text))
+
+    def fresh(self, texts: list[str]) -> list[bytes]:
+        """Packed ids of each text, without the cache: in a tokenizer process when they are
+        long and one takes them, else here (in parallel when they are long: ``hf_ids_many``)."""
+        if self.remote is not None and sum(len(t) for t in texts) >= REMOTE_FROM:
+            done = self.remote.encode_many(texts)
+            if done is not None:
+                return done
+        return [pack_ids(ids) for ids in hf_ids_many(self._hf, texts)]
 
     def encode(self, text: str) -> bytes:
         if not text:
@@ -166,10 +192,8 @@ class SegmentEncoder:
         segments = self.finder.split(text)
         parts: list[bytes | None] = [self.cache.get(segment) for segment in segments]
         missing = list(dict.fromkeys(seg for seg, ids in zip(segments, parts, strict=True) if ids is None))
-        if missing:  # tokenized together: in parallel when they are long (``hf_ids_many``)
-            fresh = {
-                seg: pack_ids(ids) for seg, ids in zip(missing, hf_ids_many(self._hf, missing), strict=True)
-            }
+        if missing:  # tokenized together (``fresh``)
+            fresh = dict(zip(missing, self.fresh(missing), strict=True))
             for seg, ids in fresh.items():
                 self.cache.put(seg, ids)
             parts = [fresh[seg] if ids is None else ids for seg, ids in zip(segments, parts, strict=True)]

@@ -13,12 +13,14 @@ OpenAI-compatible HTTP workers tokenize themselves (the gateway's tokens only pl
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 import structlog
 
 from prefixgate.cachetier.tokenizer import Tokenizer, load_tokenizer
 from prefixgate.gateway.cluster.workers import id_workers
 from prefixgate.gateway.config import Settings
+from prefixgate.gateway.tokenpool.pool import TokenizerPool
 from prefixgate.gateway.tokens.engine import EngineTokenizer, TokenizerLoadError
 from prefixgate.gateway.tokens.loader import (
     load_engine_tokenizer,
@@ -125,3 +127,18 @@ async def worker_tokenizer(settings: Settings) -> EngineTokenizer | None:
         segment_cache_bytes=settings.tokenizer_segment_cache_bytes,
         local_paths=settings.tokenizer_worker_paths,
     )
+
+
+def tokenizer_pools(settings: Settings, tokenizers: Iterable[Tokenizer]) -> list[TokenizerPool]:
+    """``tokenizer_processes`` tokenizer processes for each engine tokenizer among
+    ``tokenizers``, given to it for its long uncached texts (``gateway.tokenpool``); the caller
+    closes them. None at 0, nor for tokenizers that are not an engine's."""
+    pools: list[TokenizerPool] = []
+    if settings.tokenizer_processes <= 0:
+        return pools
+    for tok in dict.fromkeys(tokenizers):  # one model's tokenizer may serve several names
+        if isinstance(tok, EngineTokenizer):
+            pool = TokenizerPool(tok.directory, tok.sha256, settings.tokenizer_processes)
+            tok.segments.remote = pool
+            pools.append(pool)
+    return pools
