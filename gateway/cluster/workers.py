@@ -219,6 +219,7 @@ def connector(
     *,
     codec_for: Callable[[str], Any] | None = None,
     registered: Mapping[str, WorkerOptions] | None = None,
+    kv_batch_far: Callable[[bytes], Any] | None = None,
 ) -> Callable[[str], NodeClient]:
     """``NodePool``'s client factory for these settings.
 
@@ -227,7 +228,8 @@ def connector(
     events are re-hashed into; ``codec_for(model)``, else ``codec``, is the engine's
     ``tokenizers.Tokenizer`` for detokenizing (None: from the ``tokenizer`` spec, else the
     worker's ``tokenizer_path``); ``registered``: the options of workers added at runtime, read
-    when each is connected."""
+    when each is connected; ``kv_batch_far``: where a long prompt's KV event batch is read
+    (``SmgOptions``)."""
     from prefixgate.gateway import nodeclient
     from prefixgate.gateway.nodeclient.smg_common import SmgOptions
 
@@ -265,7 +267,7 @@ def connector(
             return nodeclient.connect(address, engine_priority=priority, api_key=extra.api_key)
         if scheme != "grpc":
             return nodeclient.connect(address)
-        options = SmgOptions(backend, port, bs, root_of, codec, codec_for)
+        options = SmgOptions(backend, port, bs, root_of, codec, codec_for, kv_batch_far)
         return nodeclient.connect(address, smg=options)
 
     return connect

@@ -36,6 +36,7 @@ from prefixgate.gateway.state.documents import DocumentLimits, DocumentStore
 from prefixgate.gateway.state.memory import MemoryState
 from prefixgate.gateway.state.quotas import PinLimits
 from prefixgate.gateway.state.replicated import DocumentRegistry, PinRegistry, open_state
+from prefixgate.gateway.tokenpool import kvcolumns
 from prefixgate.gateway.tokenpool.pool import TokenizerPool
 from prefixgate.gateway.tokens.wiring import (
     gateway_tokenizer,
@@ -189,6 +190,7 @@ class GatewayService:
             lambda model: tokenizer_of(model).name,
             codec_for=lambda model: getattr(tokenizer_of(model), "hf", None),
             registered=self.worker_options,
+            kv_batch_far=self._kv_batch_far,
         )
         dropped = self.metrics.kv_events_dropped
 
@@ -196,6 +198,12 @@ class GatewayService:
             dropped.labels(what).inc(n)
 
         return events_connector(s.kv_events, ns, connect, on_drop, s.tenancy().event_salt)
+
+    def _kv_batch_far(self, raw: bytes) -> kvcolumns.Batch | None:
+        """A long KV event batch in columns, read by a tokenizer child (any tokenizer's: it only
+        parses), or None when there is none (``SmgOptions.kv_batch_far``)."""
+        pools = self.tokenizer_pools
+        return pools[0].kv_batch(raw) if pools else None
 
     def _count_usage(self, ex: Execution) -> None:
         """One request, its prompt counted once: a request's choices after the first (each its

@@ -44,8 +44,9 @@ from prefixgate.gateway.nodeclient.base import (
     TokenDelta,
     TokenLogprob,
 )
-from prefixgate.gateway.nodeclient.smg_events import ChainRehasher, Overflow
+from prefixgate.gateway.nodeclient.smg_events import BatchCursor, ChainRehasher, Change, Overflow
 from prefixgate.gateway.nodeclient.smg_prompt import EngineRequest, tokenized_field
+from prefixgate.gateway.tokenpool import kvcolumns
 from prefixgate.gateway.tokens.detokenize import Detokenizer, vocabulary
 from prefixgate.gateway.vocab import EventKind, FailureKind, Stage
 from prefixgate.openai.embeddings import parse_embeddings, response_body
@@ -69,8 +70,8 @@ CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 ABORT_TIMEOUT_S = 2.0
-# A batch this large (a long prompt's blocks: ~124K tokens are ~500 KB) is rehashed on a worker
-# thread; inline it held the event loop for tens of milliseconds
+# A KV event batch this large (a long prompt's blocks: ~124K tokens are ~400 KB) is read and
+# rehashed on a worker thread; inline it held the event loop for tens of milliseconds
 REHASH_OFF_LOOP_BYTES = 64 * 1024
 # A prompt this long (32K tokens) has its ids made into the request's field on a worker thread
 # (``smg_prompt``: under a millisecond below, 3 ms at 124K tokens)
@@ -143,6 +144,9 @@ class SmgOptions:
     # The tokenizer of the engine's model (``EngineInfo.model_name``), before ``codec``: a gateway
     # with one tokenizer per model detokenizes each worker's ids with its model's.
     codec_for: Callable[[str], Codec | None] | None = None
+    # A long KV event batch's bytes in columns, read out of the gateway's process (a tokenizer
+    # child: ``TokenizerPool.kv_batch``), or None (read here). Called on a worker thread.
+    kv_batch_far: Callable[[bytes], kvcolumns.Batch | None] | None = None
 
 
 EngineLogprob = tuple[int, float, tuple[tuple[int, float], ...]]  # (id, logprob, top (id, logprob))
@@ -641,37 +645,39 @@ class SmgNodeClient:
         rounds = 0
         from smg_grpc_proto.generated import common_pb2
 
+        # batches read as bytes: their size is known before any parsing, and a long prompt's is
+        # parsed off the event loop (``_take_far``)
+        subscribe = self.channel.unary_stream(
+            f"/{self.runtime.service}/SubscribeKvEvents",
+            request_serializer=common_pb2.SubscribeKvEventsRequest.SerializeToString,
+            response_deserializer=None,
+            _registered_method=True,
+        )
         while rounds < RESUBSCRIBE_LIMIT:
             rounds += 1
-            cursors: dict[int, int] = {}  # per DP rank: each rank numbers its own batches
-            call = self.stub.SubscribeKvEvents(
+            cursor = BatchCursor(rehash)
+            call = subscribe(
                 common_pb2.SubscribeKvEventsRequest(
                     start_sequence_number=0, load_records_before_first_batch=False
                 )
             )
             reason = ""
             try:
-                async for batch in call:
-                    if not batch.events and not batch.HasField("snapshot"):
-                        continue  # a load record: no events, the cursor stays
-                    n = batch.sequence_number
-                    rank = batch.dp_rank if batch.HasField("dp_rank") else 0
-                    cursor = cursors.get(rank, -1)
-                    if n <= cursor:
-                        continue  # seen
-                    if n != cursor + 1:
-                        reason = f"gap on rank {rank}: {cursor} then {n}"
-                        break
-                    cursors[rank], rounds = n, 0
+                async for raw in call:
                     try:
-                        if batch.ByteSize() >= REHASH_OFF_LOOP_BYTES:
+                        if len(raw) >= REHASH_OFF_LOOP_BYTES:
                             # one after the other still: the next batch waits for this one
-                            changes = await asyncio.to_thread(rehash.batch, batch.events)
+                            changes = await asyncio.to_thread(self._take_far, cursor, raw)
                         else:
-                            changes = rehash.batch(batch.events)
+                            changes = cursor.take(kvcolumns.parse_batch(raw))
                     except Overflow:
                         reason = "too many blocks to track"
                         break
+                    if cursor.gap:
+                        reason = cursor.gap
+                        break
+                    if cursor.fresh:
+                        rounds = 0
                     for ch in changes:
                         seq += 1
                         yield KVEvent(seq, instance, ch.kind, ch.parent, ch.hashes)
@@ -693,6 +699,14 @@ class SmgNodeClient:
             yield KVEvent(seq, instance, EventKind.CLEARED)
             rehash.clear()
         raise NodeFailure(self._address, Stage.EVENTS, FailureKind.INTERNAL, "KV events keep breaking")
+
+    def _take_far(self, cursor: BatchCursor, raw: bytes) -> list[Change]:
+        """A long KV event batch's changes, on a worker thread: read in columns by a tokenizer
+        child when one takes it (``SmgOptions.kv_batch_far``: the gateway's process then never
+        walks its blocks' messages), else here."""
+        far = self.options.kv_batch_far
+        batch = far(raw) if far is not None else None
+        return cursor.take(batch if batch is not None else kvcolumns.parse_batch(raw))
 
     # -- cache operations --------------------------------------------------------------------------
 

@@ -8,17 +8,21 @@ prompt would have), so an engine event and a prompt name the same block with the
 
 The engine's page size need not be the gateway's block size: tokens of a chain are carried over
 from block to block until they fill gateway blocks (a 16-token engine page and a 64-token
-gateway block: every fourth page completes one gateway block). Pure: no I/O.
+gateway block: every fourth page completes one gateway block).
+
+Events are read in columns (``gateway.tokenpool.kvcolumns``: a stored event's handles, sizes and
+token ids as byte strings), made by a tokenizer child for a long prompt's batch and in the
+gateway for the others. Pure: no I/O.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from prefixgate.cachetier.hashing import block_hashes
-from prefixgate.cachetier.tokenizer import pack_ids
+from prefixgate.gateway.tokenpool import kvcolumns
 from prefixgate.gateway.vocab import EventKind
 
 MAX_TRACKED_BLOCKS = 1 << 20  # engine blocks remembered per subscription (beyond: resubscribe)
@@ -70,56 +74,52 @@ class ChainRehasher:
         return Change(EventKind.CLEARED)
 
     def stored(self, msg: object) -> list[Change]:
-        """A ``KvBlocksStored``: its blocks form a chain after ``parent_block_hash``.
+        """A ``KvBlocksStored`` message (``stored_columns`` of its columns)."""
+        return self.stored_columns(kvcolumns.of_stored(msg))
 
-        The chain's tokens are packed and hashed in one go (one ``block_hashes`` over all of
-        them), then each engine block gets its entry: hashing block by block cost tens of
-        microseconds a request with 64-token pages and milliseconds with one-token pages."""
-        m: Any = msg
-        tier = m.tier if m.HasField("tier") else 0
-        loc = m.locality if m.HasField("locality") else 0
-        kind = m.kv_cache_spec_kind if m.HasField("kv_cache_spec_kind") else ""
-        blocks = m.blocks
-        if tier not in _DEVICE_TIERS or loc not in _LOCAL or kind not in _MAIN_ATTENTION:
-            self.skipped += len(blocks)
+    def stored_columns(self, ev: kvcolumns.Stored) -> list[Change]:
+        """A ``KvBlocksStored``: its blocks form a chain after ``parent``.
+
+        The chain's tokens are one byte string already (``kvcolumns``), hashed in one go (one
+        ``block_hashes`` over all of them), then each engine block gets its entry: walking the
+        blocks' messages one by one cost milliseconds a long prompt."""
+        count = ev.blocks
+        if ev.tier not in _DEVICE_TIERS or ev.locality not in _LOCAL or ev.spec_kind not in _MAIN_ATTENTION:
+            self.skipped += count
             return []
-        if m.HasField("parent_block_hash"):
-            parent = self._blocks.get(m.parent_block_hash)
+        if ev.parent is not None:
+            parent = self._blocks.get(ev.parent)
             if parent is None:  # its prefix is unknown: its blocks cannot be named
-                self.skipped += len(blocks)
+                self.skipped += count
                 return []
             last, tail, _made, root = parent
         else:
-            lora = m.lora_name if m.HasField("lora_name") else ""
-            salt = m.cache_salt if m.HasField("cache_salt") else ""
-            found = self._root_of(lora, salt)
+            found = self._root_of(ev.lora, ev.salt)
             if found is None:
-                self.skipped += len(blocks)
+                self.skipped += count
                 return []
             last, tail, root = found, b"", found
-        chain: list[int] = []  # the blocks' token ids (a slice of a repeated field is the fastest copy)
-        ends: list[int] = []  # each engine block's end, in tokens from the start of ``tail``
-        handles: list[int] = []
-        end = len(tail) // 4
-        for b in blocks:
-            ids = b.token_ids
-            n = len(ids)
-            if b.block_size and n != b.block_size:  # a partial page is not cached
-                self.skipped += 1
-                break
-            chain += ids[:]
-            end += n
-            ends.append(end)
-            handles.append(b.block_hash)
-        tokens = tail + pack_ids(chain)
+        sizes = kvcolumns.unpacked("I", ev.sizes)
+        declared = kvcolumns.unpacked("I", ev.declared)
+        if sizes != declared:  # a partial page is not cached: the chain ends before it
+            for i, (n, size) in enumerate(zip(sizes, declared, strict=True)):
+                if size and n != size:
+                    self.skipped += 1
+                    del sizes[i:]
+                    break
+        handles = kvcolumns.unpacked("q", ev.handles)[: len(sizes)]
+        start = len(tail) // 4
+        ends = list(itertools.accumulate(sizes, initial=start))[1:]  # each block's end, in tokens
+        tokens = tail + ev.tokens[: (ends[-1] - start) * 4] if ends else tail
         bs = self.block_size
         made = block_hashes(tokens, bs, last)
         entries = self._blocks
+        grows = len(entries) + len(handles) > MAX_TRACKED_BLOCKS
+        if grows and len(entries.keys() | handles) > MAX_TRACKED_BLOCKS:
+            raise Overflow
         done = 0  # gateway blocks completed by the engine blocks so far
         for handle, end in zip(handles, ends, strict=True):
             full = end // bs
-            if len(entries) >= MAX_TRACKED_BLOCKS and handle not in entries:
-                raise Overflow
             entries[handle] = (
                 made[full - 1] if full else last,
                 tokens[full * bs * 4 : end * 4],
@@ -141,15 +141,46 @@ class ChainRehasher:
 
     def batch(self, events: Iterable[object]) -> list[Change]:
         """Every change one ``KvEventBatch`` 's events make, in order."""
+        return self.apply(kvcolumns.of_events(events))
+
+    def apply(self, events: Iterable[kvcolumns.Event]) -> list[Change]:
+        """Every change a batch's events in columns make, in order."""
         out: list[Change] = []
         for ev in events:
-            which = ev.WhichOneof("data")  # type: ignore[attr-defined]
-            if which == "stored":
-                out += self.stored(ev.stored)  # type: ignore[attr-defined]
-            elif which == "removed":
-                r = ev.removed  # type: ignore[attr-defined]
-                if (r.tier if r.HasField("tier") else 0) in _DEVICE_TIERS:  # a host copy going is not
-                    out += self.removed(r.block_hashes)
-            elif which == "cleared":
+            if isinstance(ev, kvcolumns.Stored):
+                out += self.stored_columns(ev)
+            elif isinstance(ev, kvcolumns.Removed):
+                if ev.tier in _DEVICE_TIERS:  # a host copy going is not
+                    out += self.removed(kvcolumns.unpacked("q", ev.handles))
+            else:
                 out.append(self.clear())
         return out
+
+
+class BatchCursor:
+    """One subscription's place in the engine's batches, per data-parallel rank (each numbers
+    its own from 0), and the rehasher its new batches go through. Pure: run on the event loop
+    for a short batch, on a worker thread for a long one, one batch at a time."""
+
+    def __init__(self, rehash: ChainRehasher) -> None:
+        self.rehash = rehash
+        self._cursors: dict[int, int] = {}
+        self.gap = ""  # why the subscription must start again (a batch was missed), once one was
+        self.fresh = False  # the last batch taken was a new one
+
+    def take(self, batch: kvcolumns.Batch) -> list[Change]:
+        """The changes a batch makes: none for a load record or a batch seen before; none and
+        ``gap`` set when one before it is missing. ``Overflow`` from the rehasher."""
+        self.fresh = False
+        if batch.load_only:  # the cursor stays
+            return []
+        n, rank = batch.sequence, batch.rank
+        cursor = self._cursors.get(rank, -1)
+        if n <= cursor:
+            return []
+        if n != cursor + 1:
+            self.gap = f"gap on rank {rank}: {cursor} then {n}"
+            return []
+        self._cursors[rank] = n
+        self.fresh = True
+        return self.rehash.apply(batch.events)

@@ -9,7 +9,8 @@ the one it loaded itself), then answers every frame on stdin, in turn, on stdout
 - ``ENCODE`` with ``IDS``: each text's ``encode(text, add_special_tokens=False)`` ids, packed
   little-endian u32. The texts of one frame are encoded in one ``encode_batch_fast`` call (in
   parallel on the tokenizer's own threads; the same ids as ``encode``,
-  ``cachetier.tokenizer.hf_ids_many``).
+  ``cachetier.tokenizer.hf_ids_many``);
+- ``KV_BATCH`` with ``COLUMNS``: an SMG ``KvEventBatch`` 's bytes in columns (``kvcolumns``).
 
 It ends when stdin ends: when the gateway closes it, or exits however it exits. Ctrl-C on the
 terminal is the gateway's to handle, so SIGINT is ignored. Nothing but frames is written to stdout.
@@ -70,7 +71,12 @@ def encode(tok: Any, texts: list[str]) -> list[bytes]:
 
 
 def answer(tok: Any, kind: int, parts: list[bytes]) -> list[bytes]:
-    return encode(tok, [p.decode("utf-8") for p in parts])  # ENCODE, the one kind there is
+    if kind == wire.ENCODE:
+        return encode(tok, [p.decode("utf-8") for p in parts])
+    from prefixgate.gateway.tokenpool import kvcolumns  # KV_BATCH
+
+    (raw,) = parts
+    return kvcolumns.to_parts(kvcolumns.parse_batch(raw))
 
 
 def serve(tok: Any, digest: str, rfd: int, wfd: int) -> None:

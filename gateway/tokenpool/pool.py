@@ -42,7 +42,7 @@ from typing import IO, TypeVar
 
 import structlog
 
-from prefixgate.gateway.tokenpool import wire
+from prefixgate.gateway.tokenpool import kvcolumns, wire
 
 log = structlog.get_logger("prefixgate.tokenpool")
 T = TypeVar("T")
@@ -265,6 +265,10 @@ class TokenizerPool:
             return parts
 
         return self._call(wire.ENCODE, data, ids)
+
+    def kv_batch(self, raw: bytes) -> kvcolumns.Batch | None:
+        """An SMG ``KvEventBatch`` 's bytes in columns, or None: the caller reads it itself."""
+        return self._call(wire.KV_BATCH, [raw], kvcolumns.from_parts)
 
     def _call(self, kind: int, parts: list[bytes], read: Callable[[list[bytes]], T]) -> T | None:
         """A child's answer to one frame, as ``read`` reads it (a ``ValueError``: the answer is

@@ -2,8 +2,9 @@
 
 A frame is a kind (one byte), the payload's length (u32) and the payload: a count (u32), that
 many lengths (u32 each) and the parts one after the other: UTF-8 texts and the packed
-little-endian u32 ids of each. Both sides are plain blocking or non-blocking file descriptors,
-so this module only builds and splits frames; it does no I/O.
+little-endian u32 ids of each, or a KV event batch's bytes and its columns. Both sides are
+plain blocking or non-blocking file descriptors, so this module only builds and splits frames;
+it does no I/O.
 """
 
 from __future__ import annotations
@@ -20,14 +21,16 @@ READY = 1  # child -> gateway, once loaded: the sha256 (hex) of the tokenizer.js
 ENCODE = 2  # gateway -> child: texts; answered by IDS (one part a text) or FAILED
 IDS = 3
 FAILED = 4  # the child could not do it: the reason, as text
+KV_BATCH = 5  # gateway -> child: a KvEventBatch's bytes; answered by COLUMNS (``kvcolumns``) or FAILED
+COLUMNS = 6
 #: What a child answers to each kind it is sent.
-ANSWERS = {ENCODE: IDS}
+ANSWERS = {ENCODE: IDS, KV_BATCH: COLUMNS}
 
 #: The largest payload either side accepts: a body is at most a few MiB of text, which is at
 #: most four times that in ids; anything larger is a broken stream, not a request.
 MAX_PAYLOAD = 256 << 20
 #: Kinds a child may send, and kinds the gateway may send.
-FROM_CHILD = frozenset({READY, IDS, FAILED})
+FROM_CHILD = frozenset({READY, IDS, FAILED, COLUMNS})
 TO_CHILD = frozenset(ANSWERS)
 
 _LITTLE = sys.byteorder == "little"

@@ -1,0 +1,116 @@
+"""KV event batches in columns (``gateway.tokenpool.kvcolumns``): a tokenizer child reads a
+batch's bytes into the columns the gateway reads itself, the columns survive the frame, parts
+that do not fit are refused, and a long prompt's batch read by a child names the same blocks
+through a real subscription (the gateway's process never parses it)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from smg_grpc_proto.generated import common_pb2
+
+from prefixgate.backends.hftok import TOKENIZER_DIR
+from prefixgate.gateway.nodeclient.smg_common import REHASH_OFF_LOOP_BYTES, SmgNodeClient, SmgOptions
+from prefixgate.gateway.tokenpool import kvcolumns
+from prefixgate.gateway.tokenpool.pool import TokenizerPool
+from prefixgate.gateway.vocab import EventKind
+from tests.smgwire import doubles
+from tests.smgwire.conftest import BS, HF, root_of
+from tests.smgwire.test_events_and_vllm import gw, take
+
+DIGEST = hashlib.sha256((TOKENIZER_DIR / "tokenizer.json").read_bytes()).hexdigest()
+HANDLE = st.integers(-(2**63), 2**63 - 1)  # the engine's int64 block hashes
+
+
+@st.composite
+def events(draw: Any) -> common_pb2.KvCacheEvent:
+    kind = draw(st.sampled_from(["stored", "removed", "cleared"]))
+    if kind == "cleared":
+        return common_pb2.KvCacheEvent(cleared=common_pb2.KvCacheCleared())
+    if kind == "removed":
+        removed = common_pb2.KvBlocksRemoved(block_hashes=draw(st.lists(HANDLE, max_size=5)))
+        if draw(st.booleans()):
+            removed.tier = draw(st.sampled_from([1, 2]))
+        return common_pb2.KvCacheEvent(removed=removed)
+    blocks = [
+        common_pb2.KvBlock(
+            block_hash=draw(HANDLE),
+            token_ids=draw(st.lists(st.integers(0, 2**32 - 1), max_size=20)),
+            block_size=draw(st.sampled_from([0, 4, 16])),
+        )
+        for _ in range(draw(st.integers(0, 6)))
+    ]
+    stored = common_pb2.KvBlocksStored(blocks=blocks)
+    optional = ["parent_block_hash", "tier", "locality", "kv_cache_spec_kind", "lora_name", "cache_salt"]
+    for name in draw(st.sets(st.sampled_from(optional))):
+        setattr(stored, name, {"parent_block_hash": 7, "tier": 2, "locality": 1}.get(name, "x"))
+    return common_pb2.KvCacheEvent(stored=stored)
+
+
+@st.composite
+def batches(draw: Any) -> bytes:
+    b = common_pb2.KvEventBatch(
+        sequence_number=draw(st.integers(0, 10**6)), events=draw(st.lists(events(), max_size=4))
+    )
+    if draw(st.booleans()):
+        b.dp_rank = draw(st.integers(0, 7))
+    if draw(st.booleans()):
+        b.snapshot.CopyFrom(common_pb2.KvSnapshotChunk())
+    raw: bytes = b.SerializeToString()
+    return raw
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[TokenizerPool]:
+    p = TokenizerPool(TOKENIZER_DIR, DIGEST, 1)
+    assert p.start(wait_s=30)
+    yield p
+    p.close()
+
+
+@settings(max_examples=80, deadline=None)
+@given(batches())
+def test_a_child_reads_a_batch_into_the_columns_the_gateway_reads(pool: TokenizerPool, raw: bytes) -> None:
+    here = kvcolumns.parse_batch(raw)
+    assert kvcolumns.from_parts(kvcolumns.to_parts(here)) == here
+    assert pool.kv_batch(raw) == here
+
+
+def test_parts_that_do_not_fit_are_refused() -> None:
+    stored = kvcolumns.Stored(0, 0, "", None, "", "", b"\0" * 16, b"\1\0\0\0" * 2, b"\0" * 8, b"\0" * 8)
+    parts = kvcolumns.to_parts(kvcolumns.Batch(1, 0, False, [stored]))
+    assert kvcolumns.from_parts(parts).events == [stored]
+    for bad in (parts[:-1], [*parts, b""], [parts[0], parts[1][:8], *parts[2:]], [b"{", *parts[1:]]):
+        with pytest.raises(kvcolumns.BadColumns):
+            kvcolumns.from_parts(bad)
+    wrong_sizes = [parts[0], parts[1], b"\2\0\0\0" * 2, *parts[3:]]
+    with pytest.raises(kvcolumns.BadColumns):
+        kvcolumns.from_parts(wrong_sizes)
+
+
+async def test_a_long_prompts_batch_is_read_by_a_child_and_named_alike(pool: TokenizerPool) -> None:
+    pages = [[30_000 + (i * 16 + j) % 9_000 for j in range(16)] for i in range(2_000)]
+    first = [doubles.stored(1, pages[0])]
+    first += [doubles.stored(i + 1, p, parent=i) for i, p in enumerate(pages[1:-1], start=1)]
+    big = doubles.batch(0, *first)
+    assert big.ByteSize() >= REHASH_OFF_LOOP_BYTES
+    last = doubles.batch(1, doubles.stored(len(pages), pages[-1], parent=len(pages) - 1))
+    server, addr = await doubles.serve(doubles.add_sglang(doubles.ScriptedSglang(lambda n: [big, last])))
+    options = SmgOptions(block_size=BS, root_of=root_of, codec=HF, kv_batch_far=pool.kv_batch)
+    c = SmgNodeClient(f"grpc://{addr}", addr, options)
+    calls = pool.stats.calls
+    try:
+        got = await take(c, 1 + len(pages))
+    finally:
+        await c.close()
+        await server.stop(0)
+    assert got[0].kind is EventKind.SNAPSHOT
+    named = [h for e in got[1:] for h in e.hashes]
+    assert named == gw(pages)
+    assert got[-1].parent == named[-2] and got[-1].hashes == (named[-1],)
+    assert pool.stats.calls == calls + 1  # the long batch, not the short one
