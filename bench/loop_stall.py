@@ -12,7 +12,9 @@ cache nor the index helps. Measured quiet (no chats) and loaded, for this checko
 the same gateway in both phases: their time to the first token, quiet and beside the long chats,
 is what every other user of a gateway sees while one long document passes. ``--workers N`` also
 measures this checkout with N gateway workers (the long chats' connection is one worker's; the
-other clients' connections go to whichever worker accepts them).
+other clients' connections go to whichever worker accepts them). ``--variant LABEL:VAR=VALUE``
+measures this checkout once more with those settings in its environment (for instance
+``threads:PREFIXGATE_TOKENIZER_PROCESSES=0``).
 """
 
 from __future__ import annotations
@@ -215,6 +217,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--think", type=float, default=0.1, help="seconds between a client's chats (0.1)")
     p.add_argument("--workers", type=int, default=0, help="also measure this checkout with N gateway workers")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL:VAR=VALUE[,VAR=VALUE]",
+        help="also measure this checkout with these environment variables (settings), as LABEL",
+    )
+
+
+def variant(spec: str) -> tuple[str, dict[str, str]]:
+    """``LABEL:VAR=VALUE,VAR=VALUE`` -> the label and the environment it adds."""
+    label, sep, assignments = spec.partition(":")
+    env = dict(a.split("=", 1) for a in assignments.split(",") if "=" in a)
+    if not (label and sep and env):
+        raise ValueError(f"--variant {spec!r}: use LABEL:VAR=VALUE[,VAR=VALUE]")
+    return label, env
 
 
 def run(args: argparse.Namespace) -> int:
@@ -232,6 +250,9 @@ def run(args: argparse.Namespace) -> int:
             targets[f"this checkout, {args.workers} workers"] = launch.start_gateway(
                 logs, name="workers", extra_args=[*worker, "--workers", str(args.workers)]
             )
+        for i, spec in enumerate(args.variant):
+            label, env = variant(spec)
+            targets[label] = launch.start_gateway(logs, name=f"variant-{i}", env=env, extra_args=worker)
         if args.baseline_src:
             env = {"PYTHONPATH": args.baseline_src}
             targets["baseline"] = launch.start_gateway(logs, name="baseline", env=env, extra_args=worker)
