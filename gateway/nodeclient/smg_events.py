@@ -18,8 +18,10 @@ gateway for the others. Pure: no I/O.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from itertools import chain, repeat
 
 from prefixgate.cachetier.hashing import block_hashes
 from prefixgate.gateway.tokenpool import kvcolumns
@@ -47,6 +49,7 @@ class Change:
 # dataclass instance.
 _Entry = tuple[int, bytes, tuple[int, ...], int]
 _NONE: tuple[int, ...] = ()
+_COMPLETED = operator.itemgetter(2)
 
 
 class Overflow(Exception):
@@ -132,12 +135,11 @@ class ChainRehasher:
         return [Change(EventKind.STORED, 0 if last == root else last, tuple(made))]
 
     def removed(self, engine_hashes: Iterable[int]) -> list[Change]:
-        gone: list[int] = []
-        for h in engine_hashes:
-            e = self._blocks.pop(h, None)
-            if e is not None:
-                gone.extend(e[2])
-        return [Change(EventKind.REMOVED, 0, tuple(gone))] if gone else []
+        """The gateway blocks the removed engine blocks had completed (in C: a long prompt's
+        2,000 removals in a Python loop took half a millisecond of the event loop)."""
+        entries = filter(None, map(self._blocks.pop, engine_hashes, repeat(None)))
+        gone = tuple(chain.from_iterable(map(_COMPLETED, entries)))
+        return [Change(EventKind.REMOVED, 0, gone)] if gone else []
 
     def batch(self, events: Iterable[object]) -> list[Change]:
         """Every change one ``KvEventBatch`` 's events make, in order."""

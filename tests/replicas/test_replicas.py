@@ -381,6 +381,7 @@ SHUTDOWN_STAGES = [
     "usage",
     "rate_limits",
     "pipeline",
+    "tokenizer_processes",
     "kv_events",
     "nodes",
     "index",

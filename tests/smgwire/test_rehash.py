@@ -69,3 +69,13 @@ def test_a_block_after_an_unknown_parent_is_skipped() -> None:
     rehash = ChainRehasher(4, lambda _lora, _salt: ROOT)
     assert rehash.stored(event([(2, [1, 2, 3, 4], 4)], parent=1).stored) == []
     assert rehash.skipped == 1 and len(rehash) == 0
+
+
+def test_removing_names_each_engine_blocks_completed_blocks_once() -> None:
+    rehash = ChainRehasher(4, lambda _lora, _salt: ROOT)
+    pages = [[i * 4 + j for j in range(4)] for i in range(6)]
+    changes = rehash.stored(event([(100 + i, p, 4) for i, p in enumerate(pages)], parent=None).stored)
+    (stored,) = changes
+    gone = rehash.removed([105, 7, 101, 101, 103])  # unknown and repeated handles name nothing
+    assert gone[0].hashes == (stored.hashes[5], stored.hashes[1], stored.hashes[3])
+    assert rehash.removed([7]) == [] and len(rehash) == 3

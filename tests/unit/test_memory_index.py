@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from prefixgate.cachetier.index import StoreOp, leading_run
 from prefixgate.cachetier.memory import IndexCore, NodeBlocks
 
@@ -66,3 +72,61 @@ def test_binary_search_agrees_with_a_linear_scan_on_prefix_closed_sets() -> None
     for k in range(0, 101):
         held = set(hashes[:k])
         assert leading_run(held.__contains__, hashes) == k
+
+
+class _Reference:
+    """NodeBlocks as it was written first, one block at a time in Python: what the C-call
+    version must keep doing."""
+
+    def __init__(self, capacity: int) -> None:
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+        self.capacity = capacity
+
+    def store(self, hashes: list[int], parent: int = 0) -> list[int]:
+        if parent and parent not in self.blocks:
+            raise KeyError(parent)
+        keep = hashes[: self.capacity]
+        if parent:
+            for h in keep:
+                if h not in self.blocks:
+                    self.blocks[h] = None
+                    self.blocks.move_to_end(h, last=False)
+            return self._evict(0)
+        for h in reversed(keep):
+            if h in self.blocks:
+                self.blocks.move_to_end(h)
+            else:
+                self.blocks[h] = None
+        return self._evict(len(keep))
+
+    def _evict(self, protect: int) -> list[int]:
+        out, over = [], len(self.blocks) - self.capacity
+        while over > 0 and len(self.blocks) > protect:
+            out.append(self.blocks.popitem(last=False)[0])
+            over -= 1
+        return out
+
+    def remove(self, hashes: list[int]) -> int:
+        return sum(1 for h in hashes if self.blocks.pop(h, 0) is None)
+
+
+OPS = st.lists(
+    st.tuples(st.sampled_from(["store", "fragment", "remove"]), st.lists(st.integers(1, 40), max_size=12)),
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(capacity=st.integers(0, 30), ops=OPS)
+def test_stores_and_removals_keep_the_reference_order_and_evictions(capacity: int, ops: list[Any]) -> None:
+    nb, ref = NodeBlocks(capacity), _Reference(capacity)
+    for op, hashes in ops:
+        chain = list(dict.fromkeys(hashes))
+        if op == "remove":
+            assert nb.remove(chain) == ref.remove(chain)
+        elif op == "fragment" and ref.blocks:
+            parent = next(iter(ref.blocks))
+            assert nb.store(chain, parent) == ref.store(chain, parent)
+        else:
+            assert nb.store(chain) == ref.store(chain)
+        assert list(nb.blocks) == list(ref.blocks)
