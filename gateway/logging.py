@@ -9,7 +9,9 @@ Standard-library loggers (uvicorn, grpc, asyncio) are rendered the same way.
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import threading
 import uuid
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
@@ -38,24 +40,43 @@ def _with(fields: Mapping[str, Any]) -> structlog.typing.Processor:
     return add
 
 
-class _LossyPrintLogger(structlog.PrintLogger):
-    """structlog's PrintLogger, but a line the output cannot take (a pipe whose reader went
-    away, a closed file) is dropped: a log line is never worth a failed request or a shutdown
-    that cannot finish."""
+class _LineWriter:
+    """Writes each log line, its newline included, in one ``write`` to the file's descriptor:
+    gateway workers share one stderr, and a line written in pieces (the text, then its newline,
+    as ``print`` does) is cut by a sibling's line. A pipe keeps a write of up to ``PIPE_BUF``
+    (4 KiB on Linux) whole, a file opened for appending any write. A line the output cannot
+    take (a pipe whose reader went away, a closed file) is dropped: a log line is never worth
+    a failed request or a shutdown that cannot finish."""
+
+    def __init__(self, file: Any) -> None:
+        self._file = file
+        self._lock = threading.Lock()
 
     def msg(self, message: str) -> None:
-        try:
-            super().msg(message)
-        except (OSError, ValueError):
-            pass
+        line = message + "\n"
+        with self._lock:
+            try:
+                self._file.flush()  # whatever the stream itself holds goes first
+                try:
+                    fd = self._file.fileno()
+                except (OSError, ValueError, AttributeError):  # no descriptor: an in-memory stream
+                    self._file.write(line)
+                    return
+                data = line.encode("utf-8", "backslashreplace")
+                while data:
+                    data = data[os.write(fd, data) :]
+            except (OSError, ValueError):
+                pass
 
     log = debug = info = warn = warning = msg
     fatal = failure = err = error = critical = exception = msg
 
 
-def _lossy_factory(file: Any) -> Callable[..., _LossyPrintLogger]:
-    def make(*_args: Any) -> _LossyPrintLogger:
-        return _LossyPrintLogger(file)
+def _line_writer_factory(file: Any) -> Callable[..., _LineWriter]:
+    writer = _LineWriter(file)
+
+    def make(*_args: Any) -> _LineWriter:
+        return writer
 
     return make
 
@@ -76,7 +97,7 @@ def configure_logging(
     structlog.configure(
         processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=_lossy_factory(sys.stderr),
+        logger_factory=_line_writer_factory(sys.stderr),
         cache_logger_on_first_use=True,
     )
     handler = logging.StreamHandler(sys.stderr)

@@ -22,6 +22,13 @@ a call (``MAX_TEXT_BYTES``; frames ``wire.MAX_PAYLOAD``), a call's time (``CALL_
 of its stdin and exits, a busy one is killed (its caller tokenizes itself), any left at the
 bound is killed. A child also ends by itself when the gateway's process ends however it ends,
 since its stdin then ends.
+
+Why not ``concurrent.futures.ProcessPoolExecutor`` (or ``multiprocessing.Pool``): a call here
+has its own deadline, and one hung or dead child must be killed and replaced without breaking
+the others' calls (a broken executor fails every pending future and must be rebuilt); the
+children run niced; texts and ids cross as bytes in frames rather than pickles; and the result
+is read by the calling thread itself, not by a result-handler thread competing for the
+interpreter lock with the event loop.
 """
 
 from __future__ import annotations
