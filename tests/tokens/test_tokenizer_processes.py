@@ -221,3 +221,16 @@ async def test_a_gateway_prepares_a_long_cold_chat_in_a_child_and_answers_health
     assert not any(on_loop for on_loop, _ in recording.calls)
     assert worst < 0.25, worst
     assert pids and all(gone(pid) for pid in pids)  # the service's stop ended its children
+
+
+def test_children_that_load_another_tokenizer_disable_the_pool() -> None:
+    # The gateway's digest stands for its own tokenizer.json; children that load another file
+    # (here: the digest of different bytes) must never tokenize for it.
+    p = TokenizerPool(TOKENIZER_DIR, hashlib.sha256(b"another tokenizer").hexdigest(), 2)
+    try:
+        assert not p.start(wait_s=30)  # disabled once the first child said which file it loaded
+        assert p.encode_many([words(20_000, 7)]) is None  # the caller tokenizes
+        assert p.pids == []  # every child stopped
+        assert p.stats.calls == 0
+    finally:
+        p.close()
