@@ -9,11 +9,18 @@ last change of an address wins. Nodes given on the command line need no record; 
 them (drained, removed) overrides the flags, so a replica started later agrees too.
 
 With the embedded store there is one gateway and nothing to follow: no loop runs.
+
+Gateway workers on their supervisor's store do not wait for the beat: the worker that records a
+change (or a switch) calls ``announce``, which tells its siblings through the store's pub/sub
+(``AdminNudges``), and each of them syncs at once (``wake``); a nudge lost (pub/sub is at most
+once) leaves the beat to bring the change, as before. Syncs are at least ``MIN_SYNC_GAP_S``
+apart, so a burst of admin calls costs the store a bounded number of reads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
@@ -28,6 +35,9 @@ if TYPE_CHECKING:
     from prefixgate.gateway.cluster.nodes import Node, NodePool
 
 log = structlog.get_logger("prefixgate.membership")
+
+#: The least time between two syncs however many nudges arrive.
+MIN_SYNC_GAP_S = 0.01
 
 
 class Membership:
@@ -51,7 +61,15 @@ class Membership:
         self._forget = forget
         self.interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
         self.applied = 0  # changes made elsewhere and applied here
+        #: Called after a change is recorded: tells the sibling workers to sync now (no-op but
+        #: for gateway workers, whose service sets it to ``AdminNudges.announce``).
+        self.announce: Callable[[], None] = lambda: None
+
+    def wake(self) -> None:
+        """Sync now rather than at the next beat (a sibling worker recorded a change)."""
+        self._wake.set()
 
     @property
     def shared(self) -> bool:
@@ -68,6 +86,8 @@ class Membership:
             await self.state.member_put(member)
         except Exception as e:  # the change holds here; the others learn it when Redis is back
             log.warning("membership_record_failed", address=node.address, error=repr(e)[:200])
+            return
+        self.announce()
 
     async def sync(self) -> int:
         """Bring the pool in line with the records; returns how many changes were applied."""
@@ -97,6 +117,7 @@ class Membership:
     async def _loop(self) -> None:
         failing = False  # said once per outage, not once per interval
         while True:
+            self._wake.clear()  # a nudge from here on brings another sync
             try:
                 await self.sync()
                 for follow in self.also:
@@ -110,7 +131,10 @@ class Membership:
                 if not failing:
                     failing = True
                     log.warning("membership_sync_failed", error=repr(e)[:200])
-            await asyncio.sleep(self.interval_s)
+            await asyncio.sleep(MIN_SYNC_GAP_S)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, self.interval_s - MIN_SYNC_GAP_S)):
+                    await self._wake.wait()
 
     def start(self) -> None:
         if self.shared and self._task is None:
@@ -121,3 +145,38 @@ class Membership:
         (the Redis clients no longer lose one: ``cachetier.redis_clients``)."""
         task, self._task = self._task, None
         await stop_task(task)
+
+
+class AdminNudges:
+    """Tells the sibling gateway workers that an admin change was recorded, and wakes this
+    worker's ``Membership`` when one of them does: one empty-ish message on the store's pub/sub
+    (``cachetier.replicated.IndexPeers``, each worker listening on a channel of its own), never
+    awaited. Only the fact travels; the change itself is read from the store by the sync."""
+
+    def __init__(self, url: str, prefix: str, index: int, count: int, membership: Membership) -> None:
+        from prefixgate.cachetier.replicated import IndexPeers
+
+        def channel(i: int) -> str:
+            return f"{prefix}{CHANNEL_SUFFIX}:{i}"
+
+        self.membership = membership
+        siblings = [channel(i) for i in range(count) if i != index]
+        self.peers = IndexPeers(url, channel(index), siblings, self._received, name=f"admin-{index}")
+        self.received = 0
+
+    def _received(self, _message: bytes) -> None:
+        self.received += 1
+        self.membership.wake()
+
+    def announce(self) -> None:
+        self.peers.publish([b"changed"])
+
+    def start(self) -> None:
+        self.peers.start()
+
+    async def close(self) -> None:
+        await self.peers.close()
+
+
+#: The pub/sub channels under the key prefix: ``PREFIX admin-changes:N`` is worker N's.
+CHANNEL_SUFFIX = "admin-changes"

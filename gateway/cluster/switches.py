@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import structlog
 
@@ -28,6 +28,8 @@ class SharedSwitches:
         self.state = state
         self.switches = switches
         self.changed_at = 0.0  # wall-clock time of the change in force here (0: the settings')
+        #: Called after a change is recorded (``Membership.announce``: sibling workers sync now).
+        self.announce: Callable[[], None] = lambda: None
 
     @property
     def shared(self) -> bool:
@@ -52,6 +54,8 @@ class SharedSwitches:
                 await self.state.switches_put(now, self.changed_at)
             except Exception as e:  # applied here; the others learn of it with the next change
                 log.warning("switches_record_failed", error=repr(e)[:200])
+            else:
+                self.announce()
         return now
 
     async def sync(self) -> bool:

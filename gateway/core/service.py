@@ -20,7 +20,7 @@ from prefixgate.gateway.cluster.breaker import CircuitBreaker
 from prefixgate.gateway.cluster.discovery import Discovery
 from prefixgate.gateway.cluster.events import EventSync
 from prefixgate.gateway.cluster.k8s_discovery import kubernetes_source
-from prefixgate.gateway.cluster.membership import Membership
+from prefixgate.gateway.cluster.membership import AdminNudges, Membership
 from prefixgate.gateway.cluster.nodes import Node, NodePool
 from prefixgate.gateway.cluster.switches import SharedSwitches
 from prefixgate.gateway.cluster.workers import WorkerOptions
@@ -171,6 +171,13 @@ class GatewayService:
             self.worker_options.get,
             also=(self.switches.sync,),
         )
+        # Gateway workers tell their siblings of an admin change at once, not on the beat.
+        self.nudges: AdminNudges | None = None
+        if replicated_index is not None and replicated_index.count > 1 and s.redis:
+            self.nudges = AdminNudges(
+                s.redis, s.redis_prefix, replicated_index.index, replicated_index.count, self.membership
+            )
+            self.membership.announce = self.switches.announce = self.nudges.announce
         self._started = False
         self.tokenizer_pools: list[TokenizerPool] = []  # made at start, for the final tokenizers
 
@@ -295,6 +302,8 @@ class GatewayService:
                 await self.switches.sync()
             except Exception as e:
                 log.warning("membership_sync_failed", error=repr(e)[:200])
+        if self.nudges is not None:
+            self.nudges.start()
         self.membership.start()
         if self.discovery.configured:  # the workers it finds join before the gateway says it started
             try:
@@ -405,6 +414,11 @@ class GatewayService:
         node.draining = drain
         await self.membership.record(node, present=True)
 
+    async def _close_membership(self) -> None:
+        await self.membership.close()
+        if self.nudges is not None:
+            await self.nudges.close()
+
     async def _close_tokenizer_pools(self) -> None:
         for pool in self.tokenizer_pools:
             await pool.aclose(TOKENIZER_POOL_STOP_S)
@@ -416,7 +430,7 @@ class GatewayService:
         self.runner.close()
         stages: tuple[tuple[str, Callable[[], Awaitable[None]], float], ...] = (
             ("discovery", self.discovery.close, CLOSE_TIMEOUT_S),
-            ("membership", self.membership.close, CLOSE_TIMEOUT_S),
+            ("membership", self._close_membership, CLOSE_TIMEOUT_S),
             ("usage", self.usage.close, CLOSE_TIMEOUT_S),
             ("rate_limits", self.limits.close, CLOSE_TIMEOUT_S),
             ("pipeline", self.pipeline.close, CLOSE_TIMEOUT_S),
