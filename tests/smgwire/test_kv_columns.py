@@ -5,7 +5,6 @@ through a real subscription (the gateway's process never parses it)."""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,7 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from smg_grpc_proto.generated import common_pb2
 
-from prefixgate.backends.hftok import TOKENIZER_DIR
 from prefixgate.gateway.nodeclient.smg_common import REHASH_OFF_LOOP_BYTES, SmgNodeClient, SmgOptions
 from prefixgate.gateway.tokenpool import kvcolumns
 from prefixgate.gateway.tokenpool.pool import TokenizerPool
@@ -22,8 +20,8 @@ from prefixgate.gateway.vocab import EventKind
 from tests.smgwire import doubles
 from tests.smgwire.conftest import BS, HF, root_of
 from tests.smgwire.test_events_and_vllm import gw, take
+from tests.tokenpools import started_pool
 
-DIGEST = hashlib.sha256((TOKENIZER_DIR / "tokenizer.json").read_bytes()).hexdigest()
 HANDLE = st.integers(-(2**63), 2**63 - 1)  # the engine's int64 block hashes
 
 
@@ -67,10 +65,8 @@ def batches(draw: Any) -> bytes:
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[TokenizerPool]:
-    p = TokenizerPool(TOKENIZER_DIR, DIGEST, 1)
-    assert p.start(wait_s=30)
-    yield p
-    p.close()
+    with started_pool(1) as p:
+        yield p
 
 
 @settings(max_examples=80, deadline=None)

@@ -32,9 +32,9 @@ from prefixgate.gateway.tokenpool import pool as pool_module
 from prefixgate.gateway.tokenpool.pool import TokenizerPool
 from prefixgate.gateway.tokens import open_tokenizer_dir
 from prefixgate.gateway.tokens.segments import REMOTE_FROM
+from tests.tokenpools import DIGEST, started_pool
 
 HF = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
-DIGEST = hashlib.sha256((TOKENIZER_DIR / "tokenizer.json").read_bytes()).hexdigest()
 PIECES = st.sampled_from(
     [" ", "\n", "the", " cat", "9", "12.5", "é", "日本", "🙂", "<|im_start|>", "<|im_end|>", "\t", "!!"]
 )
@@ -59,10 +59,8 @@ def gone(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[TokenizerPool]:
-    p = TokenizerPool(TOKENIZER_DIR, DIGEST, 2)
-    assert p.start(wait_s=30)
-    yield p
-    p.close()
+    with started_pool(2) as p:
+        yield p
 
 
 @settings(max_examples=40, deadline=None)

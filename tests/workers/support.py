@@ -3,12 +3,14 @@ own, and connections to the worker a test wants (the kernel picks who accepts ea
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -76,6 +78,32 @@ class Gateway:
                 return client, w
             client.close()
         raise AssertionError(f"none of {MAX_TRIES} connections went to worker {worker} (avoiding {avoid})")
+
+    @contextlib.contextmanager
+    def two_workers(self) -> Iterator[tuple[httpx.Client, httpx.Client]]:
+        """Keep-alive connections to two different workers, closed afterwards."""
+        here, first = self.connect_to()
+        try:
+            there, _ = self.connect_to(avoid=first)
+        except BaseException:
+            here.close()
+            raise
+        try:
+            yield here, there
+        finally:
+            here.close()
+            there.close()
+
+    def served_through_both(self, text: str, wait_s: float) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The request lines of ``text`` asked through one worker, then, ``wait_s`` later, through
+        another; the first must have been cold."""
+        with self.two_workers() as (here, there):
+            first = self.chat_on(here, text, "question 0")
+            assert first["predicted_cached_tokens"] == 0  # cold
+            time.sleep(wait_s)
+            other = self.chat_on(there, text, "question 1")
+        assert other["worker"] != first["worker"]
+        return first, other
 
     def kill_worker(self, index: int, timeout: float = 60.0) -> None:
         """SIGKILL worker ``index``; back once its replacement serves."""

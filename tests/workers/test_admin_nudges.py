@@ -58,9 +58,7 @@ def test_drain_add_remove_and_switches_through_one_worker_hold_on_the_other(
     gateway: tuple[Gateway, list[Worker]],
 ) -> None:
     gw, nodes = gateway
-    here, first = gw.connect_to()
-    there, _ = gw.connect_to(avoid=first)
-    try:
+    with gw.two_workers() as (here, there):
         drained = here.get("/admin/nodes").json()["data"][0]
         assert _node(there, drained["id"])["draining"] is False  # type: ignore[index]
         assert here.post(f"/admin/nodes/{drained['id']}/drain", json={"drain": True}).status_code == 200
@@ -79,7 +77,4 @@ def test_drain_add_remove_and_switches_through_one_worker_hold_on_the_other(
         assert _until(lambda: there.get("/admin/switches").json()["normalization"] is False)
         assert here.put("/admin/switches", json={"normalization": True}).status_code == 200
         assert _until(lambda: there.get("/admin/switches").json()["normalization"] is True)
-    finally:
-        here.close()
-        there.close()
     assert gw.events("membership_synced")  # the sibling synced on its nudges

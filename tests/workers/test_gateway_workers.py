@@ -46,18 +46,7 @@ def gateway() -> Iterator[Gateway]:
 
 
 def test_a_prefix_routed_through_one_worker_is_a_hit_through_the_other(gateway: Gateway) -> None:
-    text = document(41, 3000)
-    here, first_worker = gateway.connect_to()
-    there, _ = gateway.connect_to(avoid=first_worker)
-    try:
-        first = gateway.chat_on(here, text, "question 0")
-        assert first["predicted_cached_tokens"] == 0  # cold
-        time.sleep(PUBLISHED_S)
-        other = gateway.chat_on(there, text, "question 1")
-    finally:
-        here.close()
-        there.close()
-    assert other["worker"] != first["worker"]
+    first, other = gateway.served_through_both(document(41, 3000), PUBLISHED_S)
     # the first request through the other worker: its index has what the first one predicted
     assert other["predicted_cached_tokens"] >= 2048, (first, other)
     assert other["decode_node"] == first["decode_node"]  # routed to where the prefix is
@@ -69,41 +58,30 @@ def test_a_prefix_routed_through_one_worker_is_a_hit_through_the_other(gateway: 
 
 
 def test_switches_set_through_one_worker_hold_on_the_other(gateway: Gateway) -> None:
-    here, first_worker = gateway.connect_to()
-    there, _ = gateway.connect_to(avoid=first_worker)
-
-    def seen_there(value: bool) -> bool:
-        deadline = time.monotonic() + 5.0  # the membership beat, membership_interval_s (1 s)
+    def seen(client: httpx.Client, value: bool) -> bool:
+        deadline = time.monotonic() + 5.0  # at once, or on the membership beat (1 s) at the latest
         while time.monotonic() < deadline:
-            if there.get("/admin/switches").json()["normalization"] is value:
+            if client.get("/admin/switches").json()["normalization"] is value:
                 return True
             time.sleep(0.1)
         return False
 
-    try:
+    with gateway.two_workers() as (here, there):
         assert there.get("/admin/switches").json()["normalization"] is True
         r = here.put("/admin/switches", json={"normalization": False})
         assert r.status_code == 200 and r.json()["normalization"] is False
-        assert seen_there(False)
+        assert seen(there, False)
         here.put("/admin/switches", json={"normalization": True})
-        assert seen_there(True)
-    finally:
-        here.close()
-        there.close()
+        assert seen(there, True)
 
 
 def test_the_admin_cache_view_counts_every_workers_requests(gateway: Gateway) -> None:
-    here, first_worker = gateway.connect_to()
-    there, _ = gateway.connect_to(avoid=first_worker)
-    try:
+    with gateway.two_workers() as (here, there):
         before = here.get("/admin/cache").json()["totals"]
         gateway.chat_on(here, document(300, 200), "hi")
         gateway.chat_on(there, document(301, 200), "hi")
         seen_here = here.get("/admin/cache").json()["totals"]
         seen_there = there.get("/admin/cache").json()["totals"]
-    finally:
-        here.close()
-        there.close()
     assert seen_here == seen_there  # whichever worker answers
     assert seen_here["requests"] == before["requests"] + 2
     assert seen_here["prompt_tokens"] > before["prompt_tokens"]
@@ -118,16 +96,11 @@ def test_metrics_count_every_workers_requests(gateway: Gateway) -> None:
         )
 
     # a connection to each worker (the kernel may hand many fresh connections to one of them)
-    here, first = gateway.connect_to()
-    there, _ = gateway.connect_to(avoid=first)
-    try:
+    with gateway.two_workers() as (here, there):
         before = total()
         served = [
             gateway.chat_on(c, document(100 + i, 50), "hi")["worker"] for i, c in enumerate([here, there] * 5)
         ]
-    finally:
-        here.close()
-        there.close()
     assert len(set(served)) == 2
     for _ in range(4):  # whichever worker answers the scrape
         assert total() - before == 10

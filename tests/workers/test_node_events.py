@@ -47,18 +47,7 @@ def gateway() -> Iterator[Gateway]:
 
 
 def test_a_prefix_served_through_one_worker_is_a_hit_through_the_other(gateway: Gateway) -> None:
-    text = document(7, 3000)
-    here, first_worker = gateway.connect_to()
-    there, _ = gateway.connect_to(avoid=first_worker)
-    try:
-        first = gateway.chat_on(here, text, "question 0")
-        assert first["predicted_cached_tokens"] == 0
-        time.sleep(PUBLISHED_S)
-        other = gateway.chat_on(there, text, "question 1")
-    finally:
-        here.close()
-        there.close()
-    assert other["worker"] != first["worker"]
+    first, other = gateway.served_through_both(document(7, 3000), PUBLISHED_S)
     assert other["predicted_cached_tokens"] >= 2048, (first, other)
     assert other["cached_tokens"] >= 2048
 
