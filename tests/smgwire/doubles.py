@@ -45,6 +45,18 @@ def batch(seq: int, *events: common_pb2.KvCacheEvent, rank: int | None = None) -
     return b
 
 
+def long_prompt_batches(
+    pages_n: int = 2_000,
+) -> tuple[list[list[int]], common_pb2.KvEventBatch, common_pb2.KvEventBatch]:
+    """A long prompt's pages of 16 tokens, stored as one batch holding all but the last page
+    (a chain, each page's parent the one before) and a second batch with the last page."""
+    pages = [[30_000 + (i * 16 + j) % 9_000 for j in range(16)] for i in range(pages_n)]
+    events = [stored(1, pages[0])]
+    events += [stored(i + 1, p, parent=i) for i, p in enumerate(pages[1:-1], start=1)]
+    last = batch(1, stored(len(pages), pages[-1], parent=len(pages) - 1))
+    return pages, batch(0, *events), last
+
+
 class ScriptedSglang(spb_grpc.SglangSchedulerServicer):  # type: ignore[misc]
     """Metadata of a 16-token-page SGLang engine, and KV events from ``script``."""
 

@@ -276,12 +276,8 @@ async def test_a_long_prompts_batch_is_named_like_a_short_one_and_in_order(engin
     names, and the batch after it (chained on its last page) still comes after it."""
     from prefixgate.gateway.nodeclient.smg_common import REHASH_OFF_LOOP_BYTES
 
-    pages = [[30_000 + (i * 16 + j) % 9_000 for j in range(16)] for i in range(2_000)]
-    events = [doubles.stored(1, pages[0])]
-    events += [doubles.stored(i + 1, p, parent=i) for i, p in enumerate(pages[1:-1], start=1)]
-    big = doubles.batch(0, *events)
+    pages, big, last = doubles.long_prompt_batches()
     assert big.ByteSize() >= REHASH_OFF_LOOP_BYTES
-    last = doubles.batch(1, doubles.stored(len(pages), pages[-1], parent=len(pages) - 1))
     _, c = await engine(lambda n: [big, last])
     got = await take(c, 1 + len(pages))
     assert got[0].kind is EventKind.SNAPSHOT

@@ -90,12 +90,8 @@ def test_parts_that_do_not_fit_are_refused() -> None:
 
 
 async def test_a_long_prompts_batch_is_read_by_a_child_and_named_alike(pool: TokenizerPool) -> None:
-    pages = [[30_000 + (i * 16 + j) % 9_000 for j in range(16)] for i in range(2_000)]
-    first = [doubles.stored(1, pages[0])]
-    first += [doubles.stored(i + 1, p, parent=i) for i, p in enumerate(pages[1:-1], start=1)]
-    big = doubles.batch(0, *first)
+    pages, big, last = doubles.long_prompt_batches()
     assert big.ByteSize() >= REHASH_OFF_LOOP_BYTES
-    last = doubles.batch(1, doubles.stored(len(pages), pages[-1], parent=len(pages) - 1))
     server, addr = await doubles.serve(doubles.add_sglang(doubles.ScriptedSglang(lambda n: [big, last])))
     options = SmgOptions(block_size=BS, root_of=root_of, codec=HF, kv_batch_far=pool.kv_batch)
     c = SmgNodeClient(f"grpc://{addr}", addr, options)
