@@ -2,8 +2,12 @@
 
 A worker serves whole requests (a monolithic node): it gets the client's request after the
 gateway's normalization (``Prompt.openai``, built by ``gateway.nodeclient.openai_body``) on
-``/v1/chat/completions`` or ``/v1/completions``, always streamed with
-``stream_options.include_usage``, and its SSE stream is relayed as token deltas. Usage comes
+``/v1/chat/completions`` or ``/v1/completions``. A request the client takes as it comes is
+streamed with ``stream_options.include_usage`` and its SSE stream relayed as token deltas; one
+the client takes whole (``stream`` false) is sent with ``stream`` false and the engine's JSON
+answer is its one delta (``whole_answer``: the engine applies the stop strings itself, and
+framing, parsing and relaying eight or eight thousand SSE events cost both sides more than
+one answer; docs/engines.md, Whole answers). Usage comes
 from the engine: ``prompt_tokens``, ``completion_tokens`` and
 ``prompt_tokens_details.cached_tokens`` (vLLM reports the latter with
 ``--enable-prompt-tokens-details``, SGLang with ``--enable-cache-report``). A client that goes
@@ -111,6 +115,7 @@ LOAD_GAUGES = {
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 # A generation's headers besides its request id and trace context (``_worker_headers`` too).
 SSE_HEADERS = {"content-type": "application/json", "accept": "text/event-stream"}
+WHOLE_HEADERS = {"content-type": "application/json", "accept": "application/json"}
 
 
 class _TooLarge(ValueError):
@@ -487,14 +492,21 @@ class HttpOpenAIClient:
 
     def request_body(self, prompt: Prompt) -> OpenAIBody:
         """What this worker is sent for ``prompt``: its OpenAI request (else ``fallback_body``),
-        with its priority where the engine schedules by it (``engine_priority``)."""
+        with its priority where the engine schedules by it (``engine_priority``), not streamed
+        when the client takes the answer whole."""
         body = prompt.openai or self.fallback_body(prompt)
-        return with_priority(body, prompt.priority, self.engine_priority)
+        body = with_priority(body, prompt.priority, self.engine_priority)
+        if prompt.sampling.stream:
+            return body
+        whole = {k: v for k, v in body.body.items() if k != "stream_options"}
+        whole["stream"] = False
+        return OpenAIBody(body.kind, whole)
 
     async def open(self, prompt: Prompt, timeout: float) -> aiohttp.ClientResponse:
         """Send the request; the response (its body not read yet) once its status is 200."""
         req = self.request_body(prompt)
-        headers = {**SSE_HEADERS, "x-request-id": prompt.request_id}
+        accept = SSE_HEADERS if prompt.sampling.stream else WHOLE_HEADERS
+        headers = {**accept, "x-request-id": prompt.request_id}
         context = tracing.CONTEXT.get()
         if context:
             headers.update(context)  # the engine joins the request's trace
@@ -619,7 +631,9 @@ class SSEStream:
     """One generation on an HTTP worker: its SSE chunks as token deltas.
 
     The finishing delta is held back until the engine's usage chunk (or the end of the stream)
-    has arrived, so it carries the engine's counts and ``cached_tokens`` is set by then.
+    has arrived, so it carries the engine's counts and ``cached_tokens`` is set by then. Asked
+    not to stream (``whole_answer``: the client takes the answer whole), the engine answers one
+    JSON object, whose delta is the first and the last.
     """
 
     def __init__(self, client: HttpOpenAIClient, prompt: Prompt, timeout: float) -> None:
@@ -630,6 +644,7 @@ class SSEStream:
         self._prompt = prompt
         self._timeout = timeout
         self._chat = (prompt.openai.kind if prompt.openai else "completion") == "chat"
+        self.whole_answer = not prompt.sampling.stream  # one JSON answer (``base.TokenStream``)
         self._response: aiohttp.ClientResponse | None = None
         self._events: AsyncIterator[str] | None = None
         self._whole: TokenDelta | None = None  # a server that answered JSON, not a stream

@@ -50,11 +50,13 @@ USAGE = {
 class Engine:
     def __init__(self) -> None:
         self.requests: list[tuple[str, int, dict[str, Any]]] = []  # path, client port, body
+        self.accepts: list[str] = []
 
     async def completions(self, request: Request) -> Response:
         body = orjson.loads(await request.body())
         assert request.client is not None
         self.requests.append((request.url.path, request.client.port, body))
+        self.accepts.append(request.headers.get("accept", ""))
         mode = body.get("model")
         if mode == "busy":
             return Response(orjson.dumps({"error": {"message": "slow down"}}), status_code=429)
@@ -160,6 +162,27 @@ async def test_odd_but_complete_answers(engine: tuple[Engine, HttpOpenAIClient])
     assert cached == 7
     deltas, _ = await collect(client, prompt("completion", kind="completion"))
     assert [(d.text, d.finish_reason) for d in deltas] == [("ok", "stop")]
+
+
+async def test_an_answer_the_client_takes_whole_is_asked_whole(
+    engine: tuple[Engine, HttpOpenAIClient],
+) -> None:
+    eng, client = engine
+    body = {"model": "json", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    body |= {"stream_options": {"include_usage": True}, "stop": ["x"], "logprobs": True}
+    p = Prompt("r1", pack_ids([1, 2, 3]), [], Sampling(4, stop=["x"], stream=False), OpenAIBody("chat", body))
+    stream = client.generate(p, timeout=10)
+    assert stream.whole_answer
+    deltas = [d async for d in stream]
+    assert [(d.text, d.finish_reason, d.completion_tokens, d.prompt_tokens) for d in deltas] == [
+        ("whole", "length", 2, 11)
+    ]
+    assert stream.cached_tokens == 7 and client.inflight == 0
+    sent = eng.requests[-1][2]
+    # not streamed, and nothing else changed: the stop strings are the engine's to apply
+    assert sent == {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
+    assert eng.accepts[-1] == "application/json"
+    assert not client.generate(prompt("json"), timeout=10).whole_answer  # a streamed client's
 
 
 async def test_failures_say_whether_another_worker_may_help(engine: tuple[Engine, HttpOpenAIClient]) -> None:
