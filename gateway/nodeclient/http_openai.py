@@ -519,18 +519,19 @@ class HttpOpenAIClient:
         )
         if response.status != 200:
             try:
-                raw = await _read_bounded(response, MAX_ERROR_BYTES)
-            except _TooLarge:
-                raw = b"(error body too large)"
+                raise await self._refusal(response, Stage.GENERATE)
             finally:
                 _finish(response)
-            raise NodeFailure(
-                self._address,
-                Stage.GENERATE,
-                _status_kind(response.status),
-                f"HTTP {response.status}: {_error_message(raw)}",
-            )
         return response
+
+    async def _refusal(self, response: aiohttp.ClientResponse, stage: Stage) -> NodeFailure:
+        """A non-200 answer as this worker's failure at ``stage``: its status and (bounded) words."""
+        try:
+            raw = await _read_bounded(response, MAX_ERROR_BYTES)
+        except _TooLarge:
+            raw = b"(error body too large)"
+        detail = f"HTTP {response.status}: {_error_message(raw)}"
+        return NodeFailure(self._address, stage, _status_kind(response.status), detail)
 
     async def _post_json(
         self, path: str, body: Mapping[str, Any], request_id: str, timeout: float
@@ -554,12 +555,7 @@ class HttpOpenAIClient:
             r = await self._post_json(PATHS.get(req.kind, PATHS["completion"]), req.body, request_id, timeout)
             try:
                 if r.status != 200:
-                    try:
-                        raw = await _read_bounded(r, MAX_ERROR_BYTES)
-                    except _TooLarge:
-                        raw = b"(error body too large)"
-                    detail = f"HTTP {r.status}: {_error_message(raw)}"
-                    raise NodeFailure(self._address, stage, _status_kind(r.status), detail)
+                    raise await self._refusal(r, stage)
                 obj = orjson.loads(await _read_bounded(r, MAX_JSON_BYTES))
             finally:
                 _finish(r)
