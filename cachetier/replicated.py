@@ -546,11 +546,7 @@ class ReplicatedIndex:
         self.slot = slot
         self.sender = sender if sender is not None else secrets.randbits(63) + 1
         self._own = _U64.pack(self.sender)
-        siblings = [channel_of(prefix, i) for i in range(slot.count) if i != slot.index]
-        listen = channel_of(prefix, slot.index)
-        self.peers = IndexPeers(
-            url, listen, siblings, self._received, name=f"{slot.index}-{self.sender:016x}"
-        )
+        self.peers = sibling_peers(url, prefix, slot, self._received, name=f"{slot.index}-{self.sender:016x}")
 
     async def start(self, wait: float = CONNECT_TIMEOUT_S) -> bool:
         """Connect to the store; True once subscribed (within ``wait``), else it goes on trying.
@@ -632,6 +628,22 @@ class ReplicatedIndex:
         await self.peers.close()
 
 
-def channel_of(prefix: str, worker: int) -> str:
-    """The pub/sub channel worker number ``worker`` listens on, of the workers sharing ``prefix``."""
-    return f"{prefix}{CHANNEL_SUFFIX}:{worker}"
+def channel_of(prefix: str, worker: int, suffix: str = CHANNEL_SUFFIX) -> str:
+    """The pub/sub channel worker number ``worker`` listens on, of the workers sharing ``prefix``
+    (``suffix``: what the channel carries; the index's writes by default)."""
+    return f"{prefix}{suffix}:{worker}"
+
+
+def sibling_peers(
+    url: str,
+    prefix: str,
+    slot: WorkerSlot,
+    on_message: Callable[[bytes], None],
+    *,
+    suffix: str = CHANNEL_SUFFIX,
+    name: str = "",
+) -> IndexPeers:
+    """Worker ``slot``'s link to its siblings on the store at ``url``: it listens on its own
+    channel and publishes to each of theirs (never its own)."""
+    siblings = [channel_of(prefix, i, suffix) for i in range(slot.count) if i != slot.index]
+    return IndexPeers(url, channel_of(prefix, slot.index, suffix), siblings, on_message, name=name)

@@ -32,6 +32,7 @@ from prefixgate.gateway.cluster.workers import WorkerOptions
 from prefixgate.gateway.state.store import Member, StateStore
 
 if TYPE_CHECKING:
+    from prefixgate.cachetier.replicated import WorkerSlot
     from prefixgate.gateway.cluster.nodes import Node, NodePool
 
 log = structlog.get_logger("prefixgate.membership")
@@ -149,24 +150,18 @@ class Membership:
 
 class AdminNudges:
     """Tells the sibling gateway workers that an admin change was recorded, and wakes this
-    worker's ``Membership`` when one of them does: one empty-ish message on the store's pub/sub
-    (``cachetier.replicated.IndexPeers``, each worker listening on a channel of its own), never
+    worker's ``Membership`` when one of them does: one short message on the store's pub/sub
+    (``cachetier.replicated.sibling_peers``: each worker listening on a channel of its own), never
     awaited. Only the fact travels; the change itself is read from the store by the sync."""
 
-    def __init__(self, url: str, prefix: str, index: int, count: int, membership: Membership) -> None:
-        from prefixgate.cachetier.replicated import IndexPeers
+    def __init__(self, url: str, prefix: str, slot: WorkerSlot, membership: Membership) -> None:
+        from prefixgate.cachetier.replicated import sibling_peers
 
-        def channel(i: int) -> str:
-            return f"{prefix}{CHANNEL_SUFFIX}:{i}"
+        def woken(_message: bytes) -> None:
+            membership.wake()
 
-        self.membership = membership
-        siblings = [channel(i) for i in range(count) if i != index]
-        self.peers = IndexPeers(url, channel(index), siblings, self._received, name=f"admin-{index}")
-        self.received = 0
-
-    def _received(self, _message: bytes) -> None:
-        self.received += 1
-        self.membership.wake()
+        name = f"admin-{slot.index}"
+        self.peers = sibling_peers(url, prefix, slot, woken, suffix=CHANNEL_SUFFIX, name=name)
 
     def announce(self) -> None:
         self.peers.publish([b"changed"])

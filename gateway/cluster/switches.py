@@ -2,8 +2,9 @@
 
 The replica (or worker) that takes a change applies it at once and records the whole set in the
 shared store with the time of the change; every replica reads the record on the membership beat
-(``Membership``, every ``membership_interval_s``) and takes a newer one, so the last change made
-anywhere wins within a beat. A replica started later takes the last change before it serves.
+(``Membership``, every ``membership_interval_s``; a gateway's sibling workers at once, told by
+``announce``) and takes a newer one, so the last change made anywhere wins within a beat. A
+replica started later takes the last change before it serves.
 With the embedded store there is one gateway and nothing to follow.
 """
 

@@ -174,9 +174,7 @@ class GatewayService:
         # Gateway workers tell their siblings of an admin change at once, not on the beat.
         self.nudges: AdminNudges | None = None
         if replicated_index is not None and replicated_index.count > 1 and s.redis:
-            self.nudges = AdminNudges(
-                s.redis, s.redis_prefix, replicated_index.index, replicated_index.count, self.membership
-            )
+            self.nudges = AdminNudges(s.redis, s.redis_prefix, replicated_index, self.membership)
             self.membership.announce = self.switches.announce = self.nudges.announce
         self._started = False
         self.tokenizer_pools: list[TokenizerPool] = []  # made at start, for the final tokenizers
