@@ -385,11 +385,8 @@ class Metrics:
                     counts = per.setdefault(node, HitCounts())
                     setattr(counts, field, getattr(counts, field) + int(sample.value))
         totals = HitCounts()
-        for c in per.values():
-            totals.prompt += c.prompt
-            totals.cached += c.cached
-            totals.predicted += c.predicted
-            totals.requests += c.requests
+        for field in _HIT_FIELDS.values():
+            setattr(totals, field, sum(getattr(c, field) for c in per.values()))
         return per, totals
 
     def refresh_index(self, stats: IndexStats) -> None:

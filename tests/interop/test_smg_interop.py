@@ -112,7 +112,9 @@ def smg_exe() -> str:
 def nodes() -> Iterator[dict[str, dict[str, object]]]:
     procs: list[Child] = []
     try:
-        mono_p, mono = _node("--role", "monolithic")
+        # its OpenAI endpoint too, under the engine's model name (the endpoint's own default
+        # name is the simulated engine's)
+        mono_p, mono = _node("--role", "monolithic", "--http-port", "0", "--http-model", MODEL)
         procs.append(mono_p)
         pre_p, pre = _node("--role", "prefill", "--bootstrap-port", "0")
         procs.append(pre_p)

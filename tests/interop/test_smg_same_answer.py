@@ -139,6 +139,21 @@ def test_single_pool_same_answer_as_smg(smg_exe: str, nodes: dict[str, dict[str,
 
 
 @pytest.mark.slow
+def test_same_answer_as_smg_over_the_nodes_http_endpoint(
+    smg_exe: str, nodes: dict[str, dict[str, object]]
+) -> None:
+    """Both gateways in front of the node's OpenAI endpoint (``http://``): the engine renders and
+    tokenizes, and an answer taken whole is asked whole of it by both."""
+    flags = ["--worker-urls", f"http://{nodes['monolithic']['http_address']}", "--policy", "cache_aware"]
+    smg_proc, smg_base = _smg(smg_exe, *flags)
+    try:
+        with _gateway(*flags) as (_proc, pg_base):
+            _same_answers(smg_base, pg_base)
+    finally:
+        smg_proc.stop(timeout=15)
+
+
+@pytest.mark.slow
 def test_pd_same_answer_as_smg(smg_exe: str, nodes: dict[str, dict[str, object]]) -> None:
     pre, dec = nodes["prefill"], nodes["decode"]
     flags = ["--pd-disaggregation", "--prefill", f"grpc://{pre['address']}", str(pre["bootstrap_port"])]
