@@ -4,14 +4,14 @@ membership beat: the worker that records it tells the others through the store's
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
 from prefixgate.gateway.ops import processes
+from tests.faults.drills import until
 from tests.helpers import free_port, spawn
 from tests.httpworkers.conftest import Worker, start_node, wait_models
 from tests.workers.support import Gateway
@@ -38,15 +38,6 @@ def gateway() -> Iterator[tuple[Gateway, list[Worker]]]:
         processes.stop_all([proc, *[n.proc for n in nodes if n.proc is not None]])
 
 
-def _until(check: Callable[[], bool]) -> bool:
-    deadline = time.monotonic() + NUDGED_S
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.02)
-    return False
-
-
 def _node(client: httpx.Client, address: str) -> dict[str, Any] | None:
     for n in client.get("/admin/nodes").json()["data"]:
         if address in (n["id"], n.get("address")):
@@ -62,19 +53,19 @@ def test_drain_add_remove_and_switches_through_one_worker_hold_on_the_other(
         drained = here.get("/admin/nodes").json()["data"][0]
         assert _node(there, drained["id"])["draining"] is False  # type: ignore[index]
         assert here.post(f"/admin/nodes/{drained['id']}/drain", json={"drain": True}).status_code == 200
-        assert _until(lambda: _node(there, drained["id"])["draining"] is True)  # type: ignore[index]
+        assert until(lambda: _node(there, drained["id"])["draining"] is True, NUDGED_S)  # type: ignore[index]
         assert here.post(f"/admin/nodes/{drained['id']}/drain", json={"drain": False}).status_code == 200
-        assert _until(lambda: _node(there, drained["id"])["draining"] is False)  # type: ignore[index]
+        assert until(lambda: _node(there, drained["id"])["draining"] is False, NUDGED_S)  # type: ignore[index]
 
         added = nodes[2].url
         r = here.post("/admin/nodes", json={"role": "monolithic", "address": added})
         assert r.status_code in (200, 201), r.text
-        assert _until(lambda: _node(there, added) is not None)
+        assert until(lambda: _node(there, added) is not None, NUDGED_S)
         assert here.delete(f"/admin/nodes/{_node(here, added)['id']}").status_code == 200  # type: ignore[index]
-        assert _until(lambda: _node(there, added) is None)
+        assert until(lambda: _node(there, added) is None, NUDGED_S)
 
         assert here.put("/admin/switches", json={"normalization": False}).status_code == 200
-        assert _until(lambda: there.get("/admin/switches").json()["normalization"] is False)
+        assert until(lambda: there.get("/admin/switches").json()["normalization"] is False, NUDGED_S)
         assert here.put("/admin/switches", json={"normalization": True}).status_code == 200
-        assert _until(lambda: there.get("/admin/switches").json()["normalization"] is True)
+        assert until(lambda: there.get("/admin/switches").json()["normalization"] is True, NUDGED_S)
     assert gw.events("membership_synced")  # the sibling synced on its nudges
