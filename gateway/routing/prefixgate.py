@@ -65,7 +65,12 @@ class PrefixGatePolicy:
         """
         total = sum(v.outstanding_requests for v in nodes)
         speed = sum(v.prefill_tokens_per_s for v in nodes)
-        share = (node.prefill_tokens_per_s / speed) if node is not None and speed > 0 else 1 / len(nodes)
+        return self._bound(total, speed, len(nodes), node)
+
+    def _bound(self, total: int, speed: float, n: int, node: NodeView | None) -> int:
+        """``load_bound`` from the nodes' summed requests and speed, taken once per decision
+        (summing them again for every node made a decision quadratic in the nodes)."""
+        share = (node.prefill_tokens_per_s / speed) if node is not None and speed > 0 else 1 / n
         fair = (total + 1) * share
         return max(1, math.ceil(self.load_factor * fair - 1e-9), int(fair + 1e-9) + self.min_headroom)
 
@@ -74,13 +79,14 @@ class PrefixGatePolicy:
             return Decision(None, "no routable node")
         n = len(nodes)
         speed = sum(v.prefill_tokens_per_s for v in nodes)
+        total = sum(v.outstanding_requests for v in nodes)
         # Work bound in seconds of queued prefill: tokens weighed by each node's speed.
         work_cap_s = (
             self.token_factor * (sum(v.outstanding_tokens for v in nodes) + inp.prompt_tokens) / speed
         )
         estimates: list[Estimate] = []
         for v in nodes:
-            e = estimate_ttft(v, inp, self.load_bound(nodes, v))
+            e = estimate_ttft(v, inp, self._bound(total, speed, n, v))
             work_s = (v.outstanding_tokens + inp.prompt_tokens - e.cached_tokens) / v.prefill_tokens_per_s
             if not e.within_bound and work_s <= work_cap_s:
                 e = replace(e, within_bound=True)
