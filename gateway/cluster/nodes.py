@@ -172,6 +172,10 @@ class Node:
     overrun: float = 1.0  # first-token deadlines here are this many times the prediction (ran_past)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     departure: Departure = field(default_factory=Departure, repr=False)
+    _role: Role = field(init=False, repr=False)  # ``role`` as the enum, made once: views take it
+
+    def __post_init__(self) -> None:
+        self._role = Role(self.role)
 
     @property
     def id(self) -> str:
@@ -327,40 +331,59 @@ class Node:
         return prefill_seconds(prof.prefill_tokens_per_s, prof.attention_coeff_s, new_tokens, context_tokens)
 
     def view(self) -> NodeView:
+        """The node as routing sees it now. Every request views every node it may go to, a few
+        times over: the status is read once here, its properties not walked again."""
         st = self.status
-        remote_tokens = 0
-        remote_reqs = 0
         streams = self.active_streams + self.pending_streams
-        if st is not None:
-            # Work queued on the node by other gateways (ours is counted locally, as it is now):
-            # the status less what was ours when it was taken. Less ours as it is now, our requests
-            # done (or decoding) since the poll would stay counted as someone else's until the
-            # next one, and a node that just served a burst would look loaded when it is idle.
-            own_reqs, own_tokens = self.own_at_status
-            remote_tokens = max(0, int(st.queued_tokens) - own_tokens)
-            queued = int(st.queued_requests + st.running_requests)
-            remote_reqs = max(0, queued - own_reqs)
-            # The node's count holds ours, or some of them (a split request reaches its decode
-            # node once prefilled): never counted twice, at least what either count says.
-            streams += max(0, queued - streams)
-        prof = st.profile if st is not None else None
-        fmt = st.kv_format if st is not None else None
+        routable = self.routable  # first: its check moves an open breaker to half-open
+        trial = self.breaker.state == HALF_OPEN
+        if st is None:
+            return NodeView(
+                node_id=self.node_id or self.address,
+                outstanding_requests=self.local_requests,
+                outstanding_tokens=self.local_tokens,
+                prefill_tokens_per_s=self._routing_rate(None),
+                attention_coeff_s=0.0,
+                transfer_bytes_per_s=0.0,
+                kv_bytes_per_token=0,
+                capacity_blocks=0,
+                routable=routable,
+                trial=trial,
+                role=self._role,
+                kv_format=None,
+                streams=streams,
+                used_blocks=0,
+                max_context_tokens=0,
+            )
+        # Work queued on the node by other gateways (ours is counted locally, as it is now): the
+        # status less what was ours when it was taken. Less ours as it is now, our requests done
+        # (or decoding) since the poll would stay counted as someone else's until the next one,
+        # and a node that just served a burst would look loaded when it is idle.
+        own_reqs, own_tokens = self.own_at_status
+        remote_tokens = max(0, int(st.queued_tokens) - own_tokens)
+        queued = int(st.queued_requests + st.running_requests)
+        remote_reqs = max(0, queued - own_reqs)
+        # The node's count holds ours, or some of them (a split request reaches its decode node
+        # once prefilled): never counted twice, at least what either count says.
+        if queued > streams:
+            streams = queued
+        prof, fmt = st.profile, st.kv_format
         return NodeView(
-            node_id=self.id,
+            node_id=self.node_id or self.address,
             outstanding_requests=self.local_requests + remote_reqs,
             outstanding_tokens=self.local_tokens + remote_tokens,
             prefill_tokens_per_s=self._routing_rate(prof),
             attention_coeff_s=(prof.attention_coeff_s * self.speed_factor) if prof else 0.0,
             transfer_bytes_per_s=prof.transfer_bytes_per_s if prof else 0.0,
             kv_bytes_per_token=fmt.bytes_per_token if fmt else 0,
-            capacity_blocks=self.capacity_blocks,
-            routable=self.routable,
-            trial=self.breaker.state == HALF_OPEN,  # after ``routable``: its check moves open to half-open
-            role=Role(self.role),
+            capacity_blocks=st.capacity_blocks,
+            routable=routable,
+            trial=trial,
+            role=self._role,
             kv_format=fmt,
             streams=streams,
-            used_blocks=st.in_use_blocks if st is not None else 0,  # a warm idle cache is not busy
-            max_context_tokens=self.max_context_tokens,
+            used_blocks=st.in_use_blocks,  # a warm idle cache is not busy
+            max_context_tokens=st.max_context_tokens,
         )
 
 

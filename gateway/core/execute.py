@@ -422,6 +422,10 @@ class Executor:
             pending = next_target()
             if pending is None or not await self._pause(attempt, run.deadline):
                 return None
+            if attempt:  # the nodes changed during the pause: what may be tried is found again
+                pending = next_target()
+                if pending is None:
+                    return None
             target = pending()
             if target is None:
                 return None

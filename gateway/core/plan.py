@@ -19,7 +19,7 @@ from prefixgate.gateway.core import context
 from prefixgate.gateway.core.errors import InvalidRequest
 from prefixgate.gateway.core.request import Prepared, Switches
 from prefixgate.gateway.metrics import Metrics
-from prefixgate.gateway.routing import Decision, Policy, RouteInput, parse_policy, planner
+from prefixgate.gateway.routing import Decision, NodeView, Policy, RouteInput, parse_policy, planner
 from prefixgate.gateway.routing.inflight import InflightPrefixes, extension, follows_inflight, merge_hits
 from prefixgate.gateway.routing.planner import Plan, RequestView, Rules
 from prefixgate.gateway.vocab import Role
@@ -37,6 +37,19 @@ class Lookup:
     index_hits: dict[str, int] = field(default_factory=dict)  # the index's alone
     # For the request log: the index's longest hit and how much further prefixes in flight reach.
     notes: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Candidates:
+    """Nodes that may serve a whole request, with their views as they were when found: a choice
+    among them (``Planner.choose``) made before anything awaits sees the nodes as they are,
+    without viewing every node again."""
+
+    nodes: tuple[Node, ...] = ()
+    views: tuple[NodeView, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.nodes)
 
 
 def decision_notes(decision: Decision) -> dict[str, int]:
@@ -116,12 +129,12 @@ class Planner:
         """The nodes serving ``model``: a request is only ever routed within its model's pools."""
         return self.pool.serving(model, self.settings.model)
 
-    def monolithic_candidates(self, exclude: set[str], model: str, tokens: int = 0) -> list[Node]:
+    def monolithic_candidates(self, exclude: set[str], model: str, tokens: int = 0) -> Candidates:
         """Nodes that may serve the whole request, their context holding ``tokens``
         (``planner.monolithic_candidates``)."""
         by_id = {n.id: n for n in self.serving(model)}
-        views = [n.view() for n in by_id.values()]
-        return [by_id[v.node_id] for v in planner.monolithic_candidates(views, exclude, tokens)]
+        views = planner.monolithic_candidates([n.view() for n in by_id.values()], exclude, tokens)
+        return Candidates(tuple(by_id[v.node_id] for v in views), tuple(views))
 
     def contexts(self, model: str) -> list[int]:
         """The contexts of the nodes that may generate ``model``'s requests (decode and
@@ -153,8 +166,9 @@ class Planner:
             engine_said=engine_said,
         )
 
-    def choose(self, prep: Prepared, hits: dict[str, int], nodes: list[Node]) -> Decision:
-        """The policy's node among ``nodes`` for serving the whole request (no turn taken)."""
+    def choose(self, prep: Prepared, hits: dict[str, int], candidates: Candidates) -> Decision:
+        """The policy's node among ``candidates`` for serving the whole request (no turn taken),
+        weighed by their views as found: call it before anything awaits."""
         inp = RouteInput(
             prompt_tokens=prep.prompt_tokens,
             block_size=self.settings.block_size,
@@ -164,7 +178,7 @@ class Planner:
             turn=self.turns.get(prep.model, 0),
         )
         policy = self.policy if self.switches.prefix_routing else planner.WITHOUT_PREFIX_ROUTING
-        return policy.choose(inp, [n.view() for n in nodes])
+        return policy.choose(inp, candidates.views)
 
     def _plan(self, prep: Prepared, hits: dict[str, int], exclude: set[str], turn: int) -> Plan:
         views = [n.view() for n in self.serving(prep.model)]
