@@ -323,8 +323,9 @@ def verdict_line(v: dict[str, Any], labels: Mapping[str, str]) -> str:
     )
 
 
-def render(rows: Sequence[dict[str, Any]], labels: Mapping[str, str]) -> Table:
-    t = Table(title="router overhead (1 node, instant engine, 8 output tokens), ms", title_justify="left")
+def render(rows: Sequence[dict[str, Any]], labels: Mapping[str, str], nodes: int = 1) -> Table:
+    pool = "1 node" if nodes == 1 else f"{nodes} nodes"
+    t = Table(title=f"router overhead ({pool}, instant engine, 8 output tokens), ms", title_justify="left")
     cols = [
         "cell",
         "target",
@@ -404,6 +405,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0,
         metavar="N",
         help="also measure prefixgate with --workers N (over HTTP and grpc://) beside its default",
+    )
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="instant nodes behind every router (default 1): what a request costs as the pool grows; "
+        "'direct' is the first node alone",
     )
     p.add_argument(
         "--profile-out",
@@ -518,18 +527,20 @@ def run(args: argparse.Namespace) -> int:
     profiles: dict[str, Any] = {}
     failed: dict[str, str] = {}
     prompts = Prompts()
-    nodes = launch.start_nodes(1, node_opts, logs)
+    nodes = launch.start_nodes(max(1, args.nodes), node_opts, logs)
     node = nodes[0]
-    http_worker, grpc_worker = node.url, f"grpc://{node.address}"
+    http_workers = [n.url for n in nodes]
+    grpc_workers = [f"grpc://{n.address}" for n in nodes]
+    own = [a for n in nodes for a in ("--monolithic", n.address)]
     # prefixgate is started as the peers are: the worker flag, nothing else (its defaults)
     gateways: dict[str, tuple[list[str], dict[str, str]]] = {
-        HTTP: (["--worker-urls", http_worker], {}),
-        GRPC: (["--worker-urls", grpc_worker], {}),
-        OWN: (["--monolithic", node.address], {}),
-        WORKERS: (["--worker-urls", http_worker, "--workers", str(args.workers)], {}),
-        WORKERS_GRPC: (["--worker-urls", grpc_worker, "--workers", str(args.workers)], {}),
-        BASELINE: (["--worker-urls", http_worker], {"PYTHONPATH": args.baseline_src or ""}),
-        BASELINE_GRPC: (["--worker-urls", grpc_worker], {"PYTHONPATH": args.baseline_src or ""}),
+        HTTP: (["--worker-urls", *http_workers], {}),
+        GRPC: (["--worker-urls", *grpc_workers], {}),
+        OWN: (own, {}),
+        WORKERS: (["--worker-urls", *http_workers, "--workers", str(args.workers)], {}),
+        WORKERS_GRPC: (["--worker-urls", *grpc_workers, "--workers", str(args.workers)], {}),
+        BASELINE: (["--worker-urls", *http_workers], {"PYTHONPATH": args.baseline_src or ""}),
+        BASELINE_GRPC: (["--worker-urls", *grpc_workers], {"PYTHONPATH": args.baseline_src or ""}),
     }
     routers: dict[str, processes.Child | None] = {"direct": None}
     try:
@@ -539,9 +550,9 @@ def run(args: argparse.Namespace) -> int:
                     flags, env = gateways[target]
                     routers[target] = launch.start_gateway(logs, name=target, env=env, extra_args=flags)
                 elif target == "smg-grpc":
-                    routers[target] = launch.start_peer("smg", Path(args.peers_venv), [grpc_worker], logs)
+                    routers[target] = launch.start_peer("smg", Path(args.peers_venv), grpc_workers, logs)
                 else:
-                    routers[target] = launch.start_peer(target, Path(args.peers_venv), [node.url], logs)
+                    routers[target] = launch.start_peer(target, Path(args.peers_venv), http_workers, logs)
             except (OSError, RuntimeError, TimeoutError) as e:
                 failed[target] = str(e).splitlines()[0][:300]
                 console.print(f"[red]failed[/] {target}: {failed[target]}")
@@ -557,7 +568,7 @@ def run(args: argparse.Namespace) -> int:
                     headers = router.headers if router else {}
                     _loop_run(closed_loop(url, headers, cell, warmup, 1000, prompts, args.request_timeout))
                     cpu0 = launch.router_cpu_seconds(router) if router else None
-                    ncpu0 = launch.cpu_seconds(node.pid)
+                    ncpu0 = sum(launch.cpu_seconds(n.pid) for n in nodes)
                     with _profiled(args.profile_out, target, cell, router, rnd) as sampler:
                         sample = _loop_run(
                             closed_loop(
@@ -570,7 +581,8 @@ def run(args: argparse.Namespace) -> int:
                             sampler, Path(args.profile_out), len(sample.latencies) + sample.errors, console
                         )
                     cpu = launch.router_cpu_seconds(router) - cpu0 if router and cpu0 is not None else None
-                    rows.append(cell_json(target, cell, sample, cpu, launch.cpu_seconds(node.pid) - ncpu0))
+                    ncpu = sum(launch.cpu_seconds(n.pid) for n in nodes) - ncpu0
+                    rows.append(cell_json(target, cell, sample, cpu, ncpu))
                     rows[-1]["round"] = rnd + 1
                     console.print(
                         f"  {labels.get(target, target)} {cell.name}: p50 {rows[-1]['p50_ms']:.2f} ms, "
@@ -583,7 +595,7 @@ def run(args: argparse.Namespace) -> int:
     per_round = rows
     rows = medians(rows) if args.rounds > 1 else rows
     rows.sort(key=lambda r: (r["stream"], r["prompt_bytes"], r["clients"]))
-    console.print(render(rows, labels))
+    console.print(render(rows, labels, len(nodes)))
     judged = {
         name: verdicts(rows, reference=ref, ours=ours, cpu_ms=TARGET_CPU_MS[cpu])
         for name, ours, ref, cpu in COMPARISONS
@@ -605,6 +617,7 @@ def run(args: argparse.Namespace) -> int:
             "rounds": args.rounds,
             "baseline_src": args.baseline_src,
             "workers": args.workers,
+            "nodes": len(nodes),
             "peers": {t: launch.PEER_VERSIONS[t] for t in peers},
         },
         "cells": rows,
