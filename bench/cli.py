@@ -14,7 +14,7 @@ def _tiny(args: argparse.Namespace) -> int:
 
 def add_bench_parser(sub: Any, text: str) -> None:
     """Add the ``bench`` subcommands (replay, hotpath, index, toolcalls, detok, zmq-flood, tiny, peers,
-    overhead, chaos, fairness, limits, loopstall)."""
+    overhead, instructions, chaos, fairness, limits, loopstall)."""
     from prefixgate.bench import hotpath, replay
 
     bench = sub.add_parser("bench", help=text)
@@ -65,6 +65,14 @@ def add_bench_parser(sub: Any, text: str) -> None:
     )
     overhead.add_arguments(ov)
     ov.set_defaults(func=overhead.run)
+
+    from prefixgate.bench import instructions
+
+    ins = inner.add_parser(
+        "instructions", help="CPU instructions a request costs a router, counted under callgrind"
+    )
+    instructions.add_arguments(ins)
+    ins.set_defaults(func=instructions.run)
 
     from prefixgate.bench import zmq_flood
 

@@ -162,11 +162,23 @@ def start_gateway(
     timeout: float = 60.0,
     python: str = sys.executable,
     extra_args: Sequence[str] = (),
+    wrap: Sequence[str] = (),
 ) -> Child:
     """A gateway on a free loopback port; ``python`` is the interpreter it runs under (another
-    checkout's venv runs that checkout's gateway)."""
+    checkout's venv runs that checkout's gateway); ``wrap`` comes before the command (a profiler)."""
     port = free_port()
-    cmd = [python, "-m", "prefixgate.cli", "gateway", "--port", str(port), "--policy", policy, *extra_args]
+    cmd = [
+        *wrap,
+        python,
+        "-m",
+        "prefixgate.cli",
+        "gateway",
+        "--port",
+        str(port),
+        "--policy",
+        policy,
+        *extra_args,
+    ]
     for flag, addrs in (("--monolithic", monolithic), ("--prefill", prefill), ("--decode", decode)):
         for a in addrs:
             cmd += [flag, a]
@@ -245,8 +257,23 @@ def _litellm_config(workers: Sequence[str], path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def start_peer(name: str, venvs: Path, workers: Sequence[str], logs: Path, timeout: float = 120.0) -> Child:
-    """Start peer ``name`` in front of ``workers`` (node HTTP base URLs); wait for a routed request."""
+def _is_binary(path: Path) -> bool:
+    """Whether ``path`` is an executable file format (not a ``#!`` script)."""
+    with path.open("rb") as f:
+        return f.read(4) == b"\x7fELF"
+
+
+def start_peer(
+    name: str,
+    venvs: Path,
+    workers: Sequence[str],
+    logs: Path,
+    timeout: float = 120.0,
+    wrap: Sequence[str] = (),
+) -> Child:
+    """Start peer ``name`` in front of ``workers`` (node HTTP base URLs); wait for a routed request.
+    ``wrap`` comes before the command (a profiler; a launcher script is then run by its venv's
+    interpreter, as its first line would)."""
     venv = venvs / _VENVS[name]
     port, prom = free_port(), free_port()
     env: dict[str, str] = {}
@@ -319,6 +346,11 @@ def start_peer(name: str, venvs: Path, workers: Sequence[str], logs: Path, timeo
             "1",
         ]
     url = f"http://127.0.0.1:{port}"
+    if wrap:
+        script = Path(cmd[0])
+        if script.parent.name == "bin" and not _is_binary(script):
+            cmd = [str(script.parent / "python"), *cmd]
+        cmd = [*wrap, *cmd]
     # up once a chat through it is answered: its workers are registered
     child = processes.start(
         name,
