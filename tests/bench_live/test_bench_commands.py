@@ -22,9 +22,11 @@ def bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 
 def test_overhead_quick_writes_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"
-    r = bench("overhead", "--quick", "--seconds", "0.3", "--json", str(out))
+    # two nodes: every router is given both (``direct`` is the first alone)
+    r = bench("overhead", "--quick", "--seconds", "0.3", "--nodes", "2", "--json", str(out))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     report = json.loads(out.read_text())
+    assert report["config"]["nodes"] == 2
     cells = report["cells"]
     # prefixgate three times: over HTTP and grpc:// (started as peers are: the worker flag alone)
     # and over its own protocol
@@ -47,7 +49,7 @@ def test_overhead_quick_writes_every_figure(tmp_path: Path) -> None:
         # No peer runs in a quick run: nothing to compare with.
         assert t[f"{reference}_added_p50_ms_1_client"] is None
         assert t["added_p50_ms_1_client_met"] is None
-    assert "router overhead" in r.stdout
+    assert "router overhead (2 nodes" in r.stdout
 
 
 def test_peers_runs_prefixgate_and_skips_missing_peers(tmp_path: Path) -> None:
