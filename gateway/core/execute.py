@@ -39,7 +39,7 @@ from prefixgate.gateway.core.accounting import Accounting
 from prefixgate.gateway.core.errors import Overloaded, Unavailable
 from prefixgate.gateway.core.execution import Execution
 from prefixgate.gateway.core.features import unable
-from prefixgate.gateway.core.plan import Lookup, Planner, decision_notes
+from prefixgate.gateway.core.plan import Lookup, Planner, Snapshot, decision_notes
 from prefixgate.gateway.core.queueing import NO_WAIT, Gate
 from prefixgate.gateway.core.refusals import engine_words, refusal, too_long
 from prefixgate.gateway.core.request import Failure, Prepared, Timings
@@ -290,11 +290,18 @@ class Executor:
         if prep.tool_parser:  # the gateway parses the tool calls: not for pass-through workers
             unserved |= passing_through(self.pool.nodes.values())
         found = await self.planner.lookup(prep)
+        snap: Snapshot | None = self.planner.snapshot(prep.model)  # until something awaits
         turn = NO_WAIT
         if not continuing:  # a continuation's request had its turn: its output is half sent
             turn = await self.gate.enter(
-                prep, found.hits, deadline, lambda: self._whole_ttft_s(prep, found, unserved, need)
+                prep,
+                found.hits,
+                deadline,
+                lambda: self._whole_ttft_s(prep, found, unserved, need, snap),
+                snap.views if snap else None,
             )
+            if turn.granted:  # it waited for its turn: the nodes have changed since
+                snap = None
         if turn.schedule.priority != prep.priority:  # the class's priority reaches the engines
             prep = replace(prep, priority=turn.schedule.priority)
         try:
@@ -304,21 +311,23 @@ class Executor:
             if turn.waited_s > 0:
                 run.notes["scheduler_wait_ms"] = round(turn.waited_s * 1000)
             hits = found.hits
-            plan = self.planner.decide(prep, hits, set(unserved))
+            plan = self.planner.decide(prep, hits, set(unserved), snap)
             if turn.whole and plan.mode.mode == Mode.DISAGGREGATED:
                 plan = replace(plan, mode=ModeDecision(Mode.FALLBACK, turn.whole))
         finally:
             if turn.granted:
                 self.gate.started(turn.model)
         started_at = time.monotonic()
-        ex = await self._execute_plan(prep, run, plan, hits, unserved, need, continuing)
+        ex = await self._execute_plan(prep, run, plan, hits, unserved, need, continuing, snap)
         self.gate.first_token(turn, started_at - turn.waited_s)
         return ex
 
-    def _whole_ttft_s(self, prep: Prepared, found: Lookup, unserved: set[str], need: int) -> float | None:
+    def _whole_ttft_s(
+        self, prep: Prepared, found: Lookup, unserved: set[str], need: int, snap: Snapshot | None
+    ) -> float | None:
         """The first-token time the best node serving whole requests predicts for ``prep``
         (None: no such node): what a late request weighs against waiting."""
-        candidates = self.planner.monolithic_candidates(unserved, prep.model, need)
+        candidates = self.planner.monolithic_candidates(unserved, prep.model, need, snap)
         if not candidates:
             return None
         chosen = self.planner.choose(prep, found.hits, candidates).chosen
@@ -333,8 +342,10 @@ class Executor:
         unserved: set[str],
         need: int,
         continuing: bool,
+        snap: Snapshot | None = None,
     ) -> Execution:
-        """The attempts of ``plan``: split, then whole (``execute``)."""
+        """The attempts of ``plan``: split, then whole (``execute``). ``snap``: the nodes as
+        ``plan`` saw them, nothing having awaited since."""
 
         if plan.mode.mode == Mode.DISAGGREGATED:
             excluded: set[str] = set(unserved)
@@ -379,13 +390,20 @@ class Executor:
         if all(_worth_retrying(f.error) for f in failures):
             excluded = {f.node.id for f in failures if _not_for_monolithic(f.error)} | unserved
 
+            # the first whole attempt, with no split tried before it, starts before anything
+            # awaits: the nodes are as the plan saw them
+            fresh = [snap if plan.mode.mode != Mode.DISAGGREGATED else None]
+
             def whole() -> Callable[[], Target | None] | None:
-                candidates = self.planner.monolithic_candidates(excluded, prep.model, need)
+                taken, fresh[0] = fresh[0], None
+                candidates = self.planner.monolithic_candidates(excluded, prep.model, need, taken)
                 if not candidates:
                     return None
+                # the plan chose among these very candidates, by the same views: its choice stands
+                planned = plan.monolithic if taken is not None else None
 
                 def pick() -> Target | None:
-                    decision = self.planner.choose(prep, hits, candidates)
+                    decision = planned or self.planner.choose(prep, hits, candidates)
                     node = self.pool.by_id(decision.node_id or "")
                     return None if node is None else Target(None, node, decision, route, reason)
 

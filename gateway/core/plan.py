@@ -40,6 +40,16 @@ class Lookup:
 
 
 @dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A model's nodes and their views, taken together. The nodes' load changes only across an
+    await, so a request admitted, planned and sent on its way without one in between is weighed
+    by one snapshot, not by every node viewed again at each step."""
+
+    nodes: tuple[Node, ...] = ()
+    views: tuple[NodeView, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Candidates:
     """Nodes that may serve a whole request, with their views as they were when found: a choice
     among them (``Planner.choose``) made before anything awaits sees the nodes as they are,
@@ -129,11 +139,19 @@ class Planner:
         """The nodes serving ``model``: a request is only ever routed within its model's pools."""
         return self.pool.serving(model, self.settings.model)
 
-    def monolithic_candidates(self, exclude: set[str], model: str, tokens: int = 0) -> Candidates:
+    def snapshot(self, model: str) -> Snapshot:
+        """The nodes serving ``model`` and their views now."""
+        nodes = tuple(self.serving(model))
+        return Snapshot(nodes, tuple(n.view() for n in nodes))
+
+    def monolithic_candidates(
+        self, exclude: set[str], model: str, tokens: int = 0, snap: Snapshot | None = None
+    ) -> Candidates:
         """Nodes that may serve the whole request, their context holding ``tokens``
-        (``planner.monolithic_candidates``)."""
-        by_id = {n.id: n for n in self.serving(model)}
-        views = planner.monolithic_candidates([n.view() for n in by_id.values()], exclude, tokens)
+        (``planner.monolithic_candidates``), from ``snap`` if taken since the last await."""
+        snap = snap or self.snapshot(model)
+        by_id = dict(zip((v.node_id for v in snap.views), snap.nodes, strict=True))
+        views = planner.monolithic_candidates(snap.views, exclude, tokens)
         return Candidates(tuple(by_id[v.node_id] for v in views), tuple(views))
 
     def contexts(self, model: str) -> list[int]:
@@ -180,8 +198,10 @@ class Planner:
         policy = self.policy if self.switches.prefix_routing else planner.WITHOUT_PREFIX_ROUTING
         return policy.choose(inp, candidates.views)
 
-    def _plan(self, prep: Prepared, hits: dict[str, int], exclude: set[str], turn: int) -> Plan:
-        views = [n.view() for n in self.serving(prep.model)]
+    def _plan(
+        self, prep: Prepared, hits: dict[str, int], exclude: set[str], turn: int, snap: Snapshot | None = None
+    ) -> Plan:
+        views = (snap or self.snapshot(prep.model)).views
         # a request no context holds is planned onto none (``execute`` has answered it already)
         tokens = self.needed(prep) or prep.prompt_tokens + prep.sampling.max_tokens
         request = RequestView(
@@ -193,13 +213,20 @@ class Planner:
         )
         return planner.plan(request, views, self.policy, self._rules(), exclude=exclude, turn=turn)
 
-    def decide(self, prep: Prepared, hits: dict[str, int], exclude: set[str] | None = None) -> Plan:
-        """Which mode, which nodes, and why: the nodes' views through ``planner.plan``.
+    def decide(
+        self,
+        prep: Prepared,
+        hits: dict[str, int],
+        exclude: set[str] | None = None,
+        snap: Snapshot | None = None,
+    ) -> Plan:
+        """Which mode, which nodes, and why: the nodes' views (``snap``'s, if taken since the last
+        await) through ``planner.plan``.
 
         A real decision: the model's tie-break turn moves on.
         """
         turn = self.turns.get(prep.model, 0)
-        plan = self._plan(prep, hits, exclude or set(), turn)
+        plan = self._plan(prep, hits, exclude or set(), turn, snap)
         self.turns[prep.model] = (turn + 1) % TURN_WRAP
         return plan
 

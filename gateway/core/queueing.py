@@ -109,9 +109,10 @@ class Gate:
         body = prep.priority if prep.priority_given else None  # the client's ``priority``
         return schedule_of(self.classes, ctx.priority_class or None, body, ctx.ttft_slo_ms)
 
-    def views(self, model: str) -> list[NodeView]:
-        """The views of the nodes that compute ``model``'s prompts."""
-        views = [n.view() for n in self.serving(model)]
+    def views(self, model: str, of: Sequence[NodeView] | None = None) -> list[NodeView]:
+        """The views of the nodes that compute ``model``'s prompts (among ``of``, the views of
+        every node serving it, when the caller has them)."""
+        views = [n.view() for n in self.serving(model)] if of is None else list(of)
         if not self.disaggregation():
             views = [v for v in views if v.role != "prefill"]
         return prefill_views(views)
@@ -156,17 +157,23 @@ class Gate:
         return sched.arrive(e, views, e.arrival_s, blocked=self._blocked(prep.model, views))
 
     async def enter(
-        self, prep: Prepared, hits: dict[str, int], deadline: float, whole_ttft_s: Callable[[], float | None]
+        self,
+        prep: Prepared,
+        hits: dict[str, int],
+        deadline: float,
+        whole_ttft_s: Callable[[], float | None],
+        views: Sequence[NodeView] | None = None,
     ) -> Turn:
         """Wait for ``prep``'s turn (at once when a node has room and nothing waits); raises
         Overloaded when refused. ``whole_ttft_s``: the first-token time a node serving whole
-        requests predicts for it (None: there is none), for a late request."""
+        requests predicts for it (None: there is none), for a late request; ``views``: those of
+        every node serving the model, taken since the last await."""
         model = prep.model
         schedule = self.schedule(prep)
         sched = self._scheduler(model)
         if not sched.on:
             return Turn(model, schedule)
-        views = self.views(model)
+        views = self.views(model, views)
         e = self.entry(prep, schedule, hits, views)
         admit = sched.arrive(e, views, e.arrival_s, blocked=self._blocked(model, views))
         verdict = admit.verdict
