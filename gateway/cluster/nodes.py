@@ -30,7 +30,7 @@ from prefixgate.cachetier.tasks import stop_tasks
 from prefixgate.gateway import nodeclient
 from prefixgate.gateway.cluster.breaker import HALF_OPEN, OPEN, CircuitBreaker
 from prefixgate.gateway.config import DEFAULT_MODEL
-from prefixgate.gateway.nodeclient import CostProfile, NodeClient, NodeFailure, NodeStatus
+from prefixgate.gateway.nodeclient import CostProfile, KVFormat, NodeClient, NodeFailure, NodeStatus
 from prefixgate.gateway.nodeclient.http_openai import NOMINAL_PROFILE
 from prefixgate.gateway.routing import NodeView
 from prefixgate.gateway.routing.costmodel import prefill_seconds
@@ -331,43 +331,32 @@ class Node:
         return prefill_seconds(prof.prefill_tokens_per_s, prof.attention_coeff_s, new_tokens, context_tokens)
 
     def view(self) -> NodeView:
-        """The node as routing sees it now. Every request views every node it may go to, a few
-        times over: the status is read once here, its properties not walked again."""
+        """The node as routing sees it now. A request views every node it may go to: the status
+        is read once here, its properties not walked again."""
         st = self.status
         streams = self.active_streams + self.pending_streams
         routable = self.routable  # first: its check moves an open breaker to half-open
         trial = self.breaker.state == HALF_OPEN
-        if st is None:
-            return NodeView(
-                node_id=self.node_id or self.address,
-                outstanding_requests=self.local_requests,
-                outstanding_tokens=self.local_tokens,
-                prefill_tokens_per_s=self._routing_rate(None),
-                attention_coeff_s=0.0,
-                transfer_bytes_per_s=0.0,
-                kv_bytes_per_token=0,
-                capacity_blocks=0,
-                routable=routable,
-                trial=trial,
-                role=self._role,
-                kv_format=None,
-                streams=streams,
-                used_blocks=0,
-                max_context_tokens=0,
-            )
-        # Work queued on the node by other gateways (ours is counted locally, as it is now): the
-        # status less what was ours when it was taken. Less ours as it is now, our requests done
-        # (or decoding) since the poll would stay counted as someone else's until the next one,
-        # and a node that just served a burst would look loaded when it is idle.
-        own_reqs, own_tokens = self.own_at_status
-        remote_tokens = max(0, int(st.queued_tokens) - own_tokens)
-        queued = int(st.queued_requests + st.running_requests)
-        remote_reqs = max(0, queued - own_reqs)
-        # The node's count holds ours, or some of them (a split request reaches its decode node
-        # once prefilled): never counted twice, at least what either count says.
-        if queued > streams:
-            streams = queued
-        prof, fmt = st.profile, st.kv_format
+        remote_reqs = remote_tokens = capacity = used = context = 0
+        prof: CostProfile | None = None
+        fmt: KVFormat | None = None
+        if st is not None:
+            # Work queued on the node by other gateways (ours is counted locally, as it is now):
+            # the status less what was ours when it was taken. Less ours as it is now, our
+            # requests done (or decoding) since the poll would stay counted as someone else's
+            # until the next one, and a node that just served a burst would look loaded when
+            # it is idle.
+            own_reqs, own_tokens = self.own_at_status
+            remote_tokens = max(0, int(st.queued_tokens) - own_tokens)
+            queued = int(st.queued_requests + st.running_requests)
+            remote_reqs = max(0, queued - own_reqs)
+            # The node's count holds ours, or some of them (a split request reaches its decode
+            # node once prefilled): never counted twice, at least what either count says.
+            if queued > streams:
+                streams = queued
+            prof, fmt = st.profile, st.kv_format
+            capacity, context = st.capacity_blocks, st.max_context_tokens
+            used = st.in_use_blocks  # a warm idle cache is not busy
         return NodeView(
             node_id=self.node_id or self.address,
             outstanding_requests=self.local_requests + remote_reqs,
@@ -376,14 +365,14 @@ class Node:
             attention_coeff_s=(prof.attention_coeff_s * self.speed_factor) if prof else 0.0,
             transfer_bytes_per_s=prof.transfer_bytes_per_s if prof else 0.0,
             kv_bytes_per_token=fmt.bytes_per_token if fmt else 0,
-            capacity_blocks=st.capacity_blocks,
+            capacity_blocks=capacity,
             routable=routable,
             trial=trial,
             role=self._role,
             kv_format=fmt,
             streams=streams,
-            used_blocks=st.in_use_blocks,  # a warm idle cache is not busy
-            max_context_tokens=st.max_context_tokens,
+            used_blocks=used,
+            max_context_tokens=context,
         )
 
 
