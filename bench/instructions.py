@@ -12,7 +12,7 @@ Only user-space instructions of the router's own process are counted: not the ke
 (sockets), not child processes (prefixgate's tokenizer processes, gateway workers), and an
 instruction is not a fixed time (a cache miss costs more than an add). What it is good for is
 comparing: two checkouts (``--baseline-src``), a router against a peer, one node against many
-(``--nodes 1 8``), the same to about one percent from run to run.
+(``--nodes 1 8``), the same to within 1.5 % from run to run.
 
 Targets: prefixgate in front of the nodes' OpenAI endpoints (``http://``) and their SMG engine
 protocol (``grpc://``, where the gateway renders, tokenizes and detokenizes), started with the
