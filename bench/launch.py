@@ -257,12 +257,6 @@ def _litellm_config(workers: Sequence[str], path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def _is_binary(path: Path) -> bool:
-    """Whether ``path`` is an executable file format (not a ``#!`` script)."""
-    with path.open("rb") as f:
-        return f.read(4) == b"\x7fELF"
-
-
 def start_peer(
     name: str,
     venvs: Path,
@@ -272,8 +266,7 @@ def start_peer(
     wrap: Sequence[str] = (),
 ) -> Child:
     """Start peer ``name`` in front of ``workers`` (node HTTP base URLs); wait for a routed request.
-    ``wrap`` comes before the command (a profiler; a launcher script is then run by its venv's
-    interpreter, as its first line would)."""
+    ``wrap`` comes before the command (a profiler)."""
     venv = venvs / _VENVS[name]
     port, prom = free_port(), free_port()
     env: dict[str, str] = {}
@@ -346,11 +339,7 @@ def start_peer(
             "1",
         ]
     url = f"http://127.0.0.1:{port}"
-    if wrap:
-        script = Path(cmd[0])
-        if script.parent.name == "bin" and not _is_binary(script):
-            cmd = [str(script.parent / "python"), *cmd]
-        cmd = [*wrap, *cmd]
+    cmd = [*wrap, *cmd]
     # up once a chat through it is answered: its workers are registered
     child = processes.start(
         name,

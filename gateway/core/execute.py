@@ -298,7 +298,7 @@ class Executor:
                 found.hits,
                 deadline,
                 lambda: self._whole_ttft_s(prep, found, unserved, need, snap),
-                snap.views if snap else None,
+                snap.views if snap is not None else None,
             )
             if turn.granted:  # it waited for its turn: the nodes have changed since
                 snap = None
@@ -392,10 +392,11 @@ class Executor:
 
             # the first whole attempt, with no split tried before it, starts before anything
             # awaits: the nodes are as the plan saw them
-            fresh = [snap if plan.mode.mode != Mode.DISAGGREGATED else None]
+            fresh = snap if plan.mode.mode != Mode.DISAGGREGATED else None
 
             def whole() -> Callable[[], Target | None] | None:
-                taken, fresh[0] = fresh[0], None
+                nonlocal fresh
+                taken, fresh = fresh, None
                 candidates = self.planner.monolithic_candidates(excluded, prep.model, need, taken)
                 if not candidates:
                     return None

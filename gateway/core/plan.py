@@ -41,19 +41,10 @@ class Lookup:
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
-    """A model's nodes and their views, taken together. The nodes' load changes only across an
-    await, so a request admitted, planned and sent on its way without one in between is weighed
-    by one snapshot, not by every node viewed again at each step."""
-
-    nodes: tuple[Node, ...] = ()
-    views: tuple[NodeView, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Candidates:
-    """Nodes that may serve a whole request, with their views as they were when found: a choice
-    among them (``Planner.choose``) made before anything awaits sees the nodes as they are,
-    without viewing every node again."""
+    """Nodes and their views, taken together: a model's nodes, or those of them that may serve a
+    request (``Planner.monolithic_candidates``). The nodes' load changes only across an await,
+    so a request admitted, planned and sent on its way without one in between is weighed by one
+    snapshot, not by every node viewed again at each step."""
 
     nodes: tuple[Node, ...] = ()
     views: tuple[NodeView, ...] = ()
@@ -146,13 +137,13 @@ class Planner:
 
     def monolithic_candidates(
         self, exclude: set[str], model: str, tokens: int = 0, snap: Snapshot | None = None
-    ) -> Candidates:
+    ) -> Snapshot:
         """Nodes that may serve the whole request, their context holding ``tokens``
         (``planner.monolithic_candidates``), from ``snap`` if taken since the last await."""
-        snap = snap or self.snapshot(model)
+        snap = snap if snap is not None else self.snapshot(model)
         by_id = dict(zip((v.node_id for v in snap.views), snap.nodes, strict=True))
         views = planner.monolithic_candidates(snap.views, exclude, tokens)
-        return Candidates(tuple(by_id[v.node_id] for v in views), tuple(views))
+        return Snapshot(tuple(by_id[v.node_id] for v in views), tuple(views))
 
     def contexts(self, model: str) -> list[int]:
         """The contexts of the nodes that may generate ``model``'s requests (decode and
@@ -184,7 +175,7 @@ class Planner:
             engine_said=engine_said,
         )
 
-    def choose(self, prep: Prepared, hits: dict[str, int], candidates: Candidates) -> Decision:
+    def choose(self, prep: Prepared, hits: dict[str, int], candidates: Snapshot) -> Decision:
         """The policy's node among ``candidates`` for serving the whole request (no turn taken),
         weighed by their views as found: call it before anything awaits."""
         inp = RouteInput(
@@ -201,7 +192,7 @@ class Planner:
     def _plan(
         self, prep: Prepared, hits: dict[str, int], exclude: set[str], turn: int, snap: Snapshot | None = None
     ) -> Plan:
-        views = (snap or self.snapshot(prep.model)).views
+        views = (snap if snap is not None else self.snapshot(prep.model)).views
         # a request no context holds is planned onto none (``execute`` has answered it already)
         tokens = self.needed(prep) or prep.prompt_tokens + prep.sampling.max_tokens
         request = RequestView(
