@@ -11,6 +11,8 @@ from tests.unit.seam_support import harness, prepared
 pytestmark = pytest.mark.timeout(10)
 
 
+# the default policy, and round_robin (not the default): a policy that is nothing but tie-breaks,
+# where choosing again at dispatch with the next turn always named another node
 @pytest.mark.parametrize("policy", ["prefixgate", "round_robin"])
 async def test_a_request_goes_to_the_node_its_preview_named(policy: str) -> None:
     nodes = [FakeNodeClient(f"m{i}") for i in range(3)]
