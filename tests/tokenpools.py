@@ -14,9 +14,10 @@ DIGEST = hashlib.sha256((TOKENIZER_DIR / "tokenizer.json").read_bytes()).hexdige
 
 
 @contextlib.contextmanager
-def started_pool(processes: int) -> Iterator[TokenizerPool]:
-    """A pool of ``processes`` children, every one ready, closed afterwards."""
-    pool = TokenizerPool(TOKENIZER_DIR, DIGEST, processes)
+def started_pool(processes: int, *, fast: bool = False) -> Iterator[TokenizerPool]:
+    """A pool of ``processes`` children, every one ready, closed afterwards (``fast``: encoding
+    by tiktoken, as a gateway's children do when it does)."""
+    pool = TokenizerPool(TOKENIZER_DIR, DIGEST, processes, fast=fast)
     try:
         assert pool.start(wait_s=30)
         yield pool

@@ -1,4 +1,4 @@
-"""A tokenizer child: ``python -m prefixgate.gateway.tokenpool.child DIR NICE``.
+"""A tokenizer child: ``python -m prefixgate.gateway.tokenpool.child DIR NICE [fast]``.
 
 It lowers its own CPU priority by ``NICE`` (the gateway's event loop, its other requests and
 their nodes come first when the cores are short: a long prompt waits a little longer instead),
@@ -7,9 +7,10 @@ loads ``DIR/tokenizer.json`` as ``EngineTokenizer`` does (no truncation, no padd
 the one it loaded itself), then answers every frame on stdin, in turn, on stdout:
 
 - ``ENCODE`` with ``IDS``: each text's ``encode(text, add_special_tokens=False)`` ids, packed
-  little-endian u32. The texts of one frame are encoded in one ``encode_batch_fast`` call (in
-  parallel on the tokenizer's own threads; the same ids as ``encode``,
-  ``cachetier.tokenizer.hf_ids_many``);
+  little-endian u32. With ``fast`` (the gateway checked that tiktoken gives this tokenizer's ids,
+  ``cachetier.fastbpe``) by tiktoken, one text after the other; otherwise the texts of one
+  frame are encoded in one ``encode_batch_fast`` call (in parallel on the tokenizer's own
+  threads; the same ids as ``encode``, ``cachetier.tokenizer.hf_ids_many``);
 - ``KV_BATCH`` with ``COLUMNS``: an SMG ``KvEventBatch`` 's bytes in columns (``kvcolumns``).
 
 It ends when stdin ends: when the gateway closes it, or exits however it exits. Ctrl-C on the
@@ -20,12 +21,14 @@ from __future__ import annotations
 
 import array
 import hashlib
+import json
 import os
 import signal
 import sys
 from pathlib import Path
 from typing import Any
 
+from prefixgate.cachetier.fastbpe import FastBPE
 from prefixgate.gateway.tokenpool import wire
 
 _LITTLE = sys.byteorder == "little"
@@ -50,17 +53,25 @@ def write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def load(directory: str) -> tuple[Any, str]:
+def load(directory: str, fast: bool = False) -> tuple[Any, str]:
+    """The tokenizer (``FastBPE`` with ``fast``) and the sha256 of its ``tokenizer.json``."""
+    raw = (Path(directory) / "tokenizer.json").read_bytes()
+    digest = hashlib.sha256(raw).hexdigest()
+    if fast:
+        from prefixgate.cachetier.fastbpe import compile_fast
+
+        return compile_fast(json.loads(raw)), digest
     from tokenizers import Tokenizer
 
-    raw = (Path(directory) / "tokenizer.json").read_bytes()
     tok = Tokenizer.from_str(raw.decode("utf-8"))
     tok.no_truncation()
     tok.no_padding()
-    return tok, hashlib.sha256(raw).hexdigest()
+    return tok, digest
 
 
 def encode(tok: Any, texts: list[str]) -> list[bytes]:
+    if isinstance(tok, FastBPE):
+        return [tok.packed(t) for t in texts]
     out = []
     for e in tok.encode_batch_fast(texts, add_special_tokens=False):
         ids = array.array("I", e.ids)
@@ -97,7 +108,7 @@ def serve(tok: Any, digest: str, rfd: int, wfd: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    directory, nice = argv
+    directory, nice, *mode = argv
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if int(nice):
         try:
@@ -109,7 +120,7 @@ def main(argv: list[str]) -> int:
     wfd = os.dup(1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    tok, digest = load(directory)
+    tok, digest = load(directory, fast=mode == ["fast"])
     try:
         serve(tok, digest, 0, wfd)
     except (BrokenPipeError, wire.BadFrame):

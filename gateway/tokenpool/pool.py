@@ -90,8 +90,10 @@ def on_event_loop() -> bool:
 class Child:
     """One tokenizer process and the two pipes to it (non-blocking on this side)."""
 
-    def __init__(self, directory: Path, nice: int) -> None:
+    def __init__(self, directory: Path, nice: int, fast: bool = False) -> None:
         argv = [sys.executable, "-m", "prefixgate.gateway.tokenpool.child", str(directory), str(nice)]
+        if fast:  # the gateway encodes with tiktoken (``cachetier.fastbpe``): the child does too
+            argv.append("fast")
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self._stdin: IO[bytes] = self.proc.stdin
@@ -214,8 +216,11 @@ class TokenizerPool:
     """Up to ``processes`` tokenizer children for the tokenizer in ``directory`` whose
     ``tokenizer.json`` has the sha256 ``digest`` (see the module docstring)."""
 
-    def __init__(self, directory: str | Path, digest: str, processes: int, *, nice: int = NICE) -> None:
+    def __init__(
+        self, directory: str | Path, digest: str, processes: int, *, nice: int = NICE, fast: bool = False
+    ) -> None:
         self.directory = Path(directory)
+        self.fast = fast
         self.digest = digest
         self.processes = max(0, processes)
         self.nice = nice
@@ -364,7 +369,7 @@ class TokenizerPool:
         now = time.monotonic()
         while self._count() < self.processes and now >= self._next_start:
             try:
-                child = Child(self.directory, self.nice)
+                child = Child(self.directory, self.nice, self.fast)
             except OSError as e:
                 self._failed_start(f"cannot start: {e!r}")
                 return

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from prefixgate.cachetier import fastbpe
 from prefixgate.cachetier.tokenizer import unpack_ids
 from prefixgate.gateway.tokens.chat import canonical_messages, escape_value
 from prefixgate.gateway.tokens.segments import CacheStats, SegmentEncoder, added_tokens
@@ -130,7 +131,9 @@ class EngineTokenizer:
                 self.template = ChatTemplate(source, variables)
             except ValueError as e:
                 raise TokenizerLoadError(f"{d}: {e}") from None
-        self.segments = SegmentEncoder(self.hf, self.added, segment_cache_bytes)
+        # tiktoken encodes where it gives these ids; ``fast_refusal`` says why not otherwise
+        self.fast, self.fast_refusal = fastbpe.build(parsed, self.hf)
+        self.segments = SegmentEncoder(self.hf, self.added, segment_cache_bytes, self.fast)
 
     @property
     def identity(self) -> tuple[str, str | None]:

@@ -33,6 +33,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from prefixgate.cachetier.fastbpe import FastBPE
 from prefixgate.cachetier.tokenizer import hf_ids, hf_ids_many, pack_ids
 
 ENTRY_OVERHEAD = 160  # bytes an entry costs beyond its key and value (dict slot, node, objects)
@@ -164,8 +165,11 @@ class SegmentEncoder:
     """``encode(text)`` equal to the tokenizer's ``encode(text, add_special_tokens=False)``,
     reusing the ids of segments met before."""
 
-    def __init__(self, hf: Any, tokens: Iterable[AddedToken], cache_bytes: int) -> None:
+    def __init__(
+        self, hf: Any, tokens: Iterable[AddedToken], cache_bytes: int, fast: FastBPE | None = None
+    ) -> None:
         self._hf = hf
+        self.fast = fast  # tiktoken, where it gives ``hf`` 's ids (``cachetier.fastbpe.build``)
         self.finder = CutFinder(tokens)
         self.cache = SegmentCache(cache_bytes)
         self.remote: Remote | None = None  # tokenizer processes, for long texts
@@ -173,15 +177,20 @@ class SegmentEncoder:
     def plain(self, text: str) -> bytes:
         if self.remote is not None and len(text) >= REMOTE_FROM:
             return self.fresh([text])[0]
+        if self.fast is not None:
+            return self.fast.packed(text)
         return pack_ids(hf_ids(self._hf, text))
 
     def fresh(self, texts: list[str]) -> list[bytes]:
         """Packed ids of each text, without the cache: in a tokenizer process when they are
-        long and one takes them, else here (in parallel when they are long: ``hf_ids_many``)."""
+        long and one takes them, else here: by tiktoken one after the other where it serves,
+        else by the tokenizer (in parallel when they are long: ``hf_ids_many``)."""
         if self.remote is not None and sum(len(t) for t in texts) >= REMOTE_FROM:
             done = self.remote.encode_many(texts)
             if done is not None:
                 return done
+        if self.fast is not None:
+            return [self.fast.packed(t) for t in texts]
         return [pack_ids(ids) for ids in hf_ids_many(self._hf, texts)]
 
     def encode(self, text: str) -> bytes:

@@ -138,7 +138,9 @@ def tokenizer_pools(settings: Settings, tokenizers: Iterable[Tokenizer]) -> list
         return pools
     for tok in dict.fromkeys(tokenizers):  # one model's tokenizer may serve several names
         if isinstance(tok, EngineTokenizer):
-            pool = TokenizerPool(tok.directory, tok.sha256, settings.tokenizer_processes)
+            pool = TokenizerPool(
+                tok.directory, tok.sha256, settings.tokenizer_processes, fast=tok.fast is not None
+            )
             tok.segments.remote = pool
             pools.append(pool)
     return pools
