@@ -287,7 +287,12 @@ class GatewayService:
         engine_tok = await worker_tokenizer(s)  # ``tokenizer = "engine"`` without a local path
         if engine_tok is not None:
             self.tokenizer = self.pipeline.tokenizer = engine_tok
-            log.info("tokenizer_loaded", tokenizer=engine_tok.name, origin=engine_tok.origin)
+            log.info(
+                "tokenizer_loaded",
+                tokenizer=engine_tok.name,
+                origin=engine_tok.origin,
+                **engine_tok.encoder_facts,
+            )
         self.tokenizer_pools = tokenizer_pools(s, (self.tokenizer, *self.model_tokenizers.values()))
         if isinstance(self.index, ReplicatedIndex) and not await self.index.start():
             log.warning("index_peers_not_subscribed", detail="routing on this worker's own writes until then")

@@ -140,6 +140,13 @@ class EngineTokenizer:
         """What makes two tokenizers interchangeable: the same ids and the same chat template."""
         return self.name, self.template_source
 
+    @property
+    def encoder_facts(self) -> dict[str, str]:
+        """What encodes its new text, for the load log: tiktoken, or tokenizers and why."""
+        if self.fast is not None:
+            return {"encoder": "tiktoken"}
+        return {"encoder": "tokenizers", "tiktoken_refused": self.fast_refusal}
+
     def __repr__(self) -> str:
         return f"EngineTokenizer({self.name}, from {self.origin})"
 

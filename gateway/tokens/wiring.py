@@ -110,7 +110,7 @@ async def resolve_tokenizer(settings: Settings) -> Settings:
             )
     extra = [f"{m}={t.directory}" for m, t in per_model.items() if m and t.identity != tok.identity]
     for m, t in per_model.items():
-        log.info("tokenizer_loaded", model=m, tokenizer=t.name, origin=t.origin)
+        log.info("tokenizer_loaded", model=m, tokenizer=t.name, origin=t.origin, **t.encoder_facts)
     return dataclasses.replace(
         settings, tokenizer="engine", tokenizer_path=str(tok.directory), model_tokenizers=extra
     )

@@ -88,6 +88,7 @@ def test_the_same_ids_as_the_tokenizer_on_any_text(text: str) -> None:
 def test_the_gateways_engine_tokenizer_takes_it_and_encodes_chats_as_the_tokenizer() -> None:
     tok = open_tokenizer_dir(TOKENIZER_DIR)
     assert tok.fast is not None and tok.segments.fast is tok.fast and tok.fast_refusal == ""
+    assert tok.encoder_facts == {"encoder": "tiktoken"}  # what tokenizer_loaded logs
     chat = [
         {"role": "system", "content": "You are terse. It's fine.\n\n  Indented\tline"},
         {"role": "user", "content": "日本語 🙂 <|im_end|> 12345 done"},
@@ -195,6 +196,7 @@ def test_a_refused_tokenizer_keeps_the_tokenizers_path(tmp_path: Any) -> None:
     (d / "tokenizer.json").write_text(json.dumps(unreachable_vocabulary()))
     tok = open_tokenizer_dir(d)
     assert tok.fast is None and tok.segments.fast is None and "differ" in tok.fast_refusal
+    assert tok.encoder_facts == {"encoder": "tokenizers", "tiktoken_refused": tok.fast_refusal}
     assert (
         tok.encode_ids("abc abc")
         == Tokenizer.from_str(json.dumps(unreachable_vocabulary()))
