@@ -31,7 +31,7 @@ from prefixgate.gateway import nodeclient
 from prefixgate.gateway.cluster.breaker import HALF_OPEN, OPEN, CircuitBreaker
 from prefixgate.gateway.config import DEFAULT_MODEL
 from prefixgate.gateway.nodeclient import CostProfile, KVFormat, NodeClient, NodeFailure, NodeStatus
-from prefixgate.gateway.nodeclient.http_openai import NOMINAL_PROFILE
+from prefixgate.gateway.nodeclient.nominal import NOMINAL_PROFILE
 from prefixgate.gateway.routing import NodeView
 from prefixgate.gateway.routing.costmodel import prefill_seconds
 from prefixgate.gateway.routing.deadline import Speed

@@ -31,7 +31,6 @@ from prefixgate.gateway.nodeclient.base import (
     TokenDelta,
     TokenStream,
 )
-from prefixgate.gateway.nodeclient.http_openai import HttpOpenAIClient
 from prefixgate.gateway.nodeclient.prefixgate_grpc import GrpcNodeClient
 
 BARE = "prefixgate"  # a bare HOST:PORT: prefixgate's own node protocol
@@ -49,6 +48,8 @@ def _smg(address: str, target: str, options: dict[str, Any]) -> NodeClient:
 
 
 def _http(address: str, target: str, options: dict[str, Any]) -> NodeClient:
+    # imported here: a gateway without HTTP workers never loads aiohttp (0.2 s of its start)
+    from prefixgate.gateway.nodeclient.http_openai import HttpOpenAIClient
     from prefixgate.gateway.nodeclient.http_pd import HttpPDClient, HttpPDOptions
 
     pd = options.get("http_pd")

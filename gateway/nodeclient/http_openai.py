@@ -51,7 +51,6 @@ from prefixgate.gateway import tracing
 from prefixgate.gateway.nodeclient import reported
 from prefixgate.gateway.nodeclient.base import (
     Capabilities,
-    CostProfile,
     Handoff,
     KVEvent,
     NodeFailure,
@@ -63,9 +62,9 @@ from prefixgate.gateway.nodeclient.base import (
     TokenDelta,
     TokenLogprob,
 )
+from prefixgate.gateway.nodeclient.nominal import NOMINAL_PROFILE
 from prefixgate.gateway.nodeclient.openai_body import with_priority
 from prefixgate.gateway.nodeclient.sse import EventTooLarge, event_data
-from prefixgate.gateway.routing.costmodel import S5000
 from prefixgate.gateway.vocab import FailureKind, Stage
 from prefixgate.openai.features import Feature
 
@@ -77,14 +76,6 @@ RELAYED = frozenset(
     for f in (Feature.LOGPROBS, Feature.LOGIT_BIAS, Feature.TOOLS, Feature.SEED, Feature.RESPONSE_FORMAT)
 )
 CAPABILITIES = Capabilities(openai_body=True, features=RELAYED, tenant_salt=True)
-# An HTTP worker states no prefill speed. Without one every prefill would look free and the
-# routing policy would give a cached prefix no weight against load; this declared nominal
-# figure (the reference server's) gives the cache its usual worth.
-NOMINAL_PROFILE = CostProfile(
-    name="nominal",
-    prefill_tokens_per_s=S5000.prefill_tokens_per_s,
-    attention_coeff_s=S5000.attention_coeff_s,
-)
 ENGINE = "openai-http"
 MAX_CONNECTIONS = 1024  # per worker: one per streaming request, the rest waits for the pool
 KEEPALIVE_S = 30.0  # an idle connection is closed after this long (none is kept past it)

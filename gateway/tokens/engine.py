@@ -61,6 +61,23 @@ def _utf8_len(text: str) -> int:
     return len(text) if text.isascii() else len(text.encode("utf-8"))
 
 
+# ``fastbpe.build`` 's verdict for each tokenizer.json (by sha256) this process has loaded: a
+# gateway loads its tokenizer up to three times as it starts (the workers' one, each worker's,
+# its own), and the checks are the costly part of a load (1 s for a 60K-token vocabulary).
+_FAST_VERDICTS: dict[str, tuple[fastbpe.FastBPE | None, str]] = {}
+_FAST_VERDICTS_KEPT = 16
+
+
+def _fast_encoder(sha256: str, parsed: dict[str, Any], hf: Any) -> tuple[fastbpe.FastBPE | None, str]:
+    verdict = _FAST_VERDICTS.get(sha256)
+    if verdict is None:
+        verdict = fastbpe.build(parsed, hf)
+        if len(_FAST_VERDICTS) >= _FAST_VERDICTS_KEPT:
+            _FAST_VERDICTS.clear()
+        _FAST_VERDICTS[sha256] = verdict
+    return verdict
+
+
 class EngineTokenizer:
     """A model's tokenizer and chat template (see the module docstring)."""
 
@@ -132,7 +149,7 @@ class EngineTokenizer:
             except ValueError as e:
                 raise TokenizerLoadError(f"{d}: {e}") from None
         # tiktoken encodes where it gives these ids; ``fast_refusal`` says why not otherwise
-        self.fast, self.fast_refusal = fastbpe.build(parsed, self.hf)
+        self.fast, self.fast_refusal = _fast_encoder(self.sha256, parsed, self.hf)
         self.segments = SegmentEncoder(self.hf, self.added, segment_cache_bytes, self.fast)
 
     @property

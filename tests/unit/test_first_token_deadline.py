@@ -13,7 +13,7 @@ from prefixgate.gateway.cluster.nodes import Node
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.nodeclient import CostProfile
 from prefixgate.gateway.nodeclient.fake import FakeNodeClient, Script, Tokens, fake_status
-from prefixgate.gateway.nodeclient.http_openai import NOMINAL_PROFILE
+from prefixgate.gateway.nodeclient.nominal import NOMINAL_PROFILE
 from prefixgate.gateway.routing import costmodel
 from prefixgate.gateway.routing.deadline import Rule, Speed, Work, limit_s, predicted_s
 from prefixgate.gateway.vocab import Mode
