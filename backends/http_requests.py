@@ -10,7 +10,6 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
-from prefixgate.backends import grammar
 from prefixgate.backends.engine import Constraint, Engine, Sampling
 from prefixgate.backends.hftok import TOKENIZER_DIR
 from prefixgate.backends.pd import Room
@@ -101,6 +100,8 @@ def sampling_of(req: ParsedRequest, engine: Engine) -> Sampling:
     if "response_format" not in engine.features:
         raise invalid(f"'response_format' is not supported by the {engine.name} engine", "response_format")
     constraint = Constraint(s.constraint.kind, s.constraint.text)
+    from prefixgate.backends import grammar  # llguidance and numpy: a fifth of a node's start
+
     try:
         grammar.check(constraint)
     except grammar.ConstraintFailed as e:

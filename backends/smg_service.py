@@ -35,7 +35,6 @@ import structlog
 from google.protobuf import struct_pb2, timestamp_pb2
 from smg_grpc_proto.generated import common_pb2, sglang_scheduler_pb2, sglang_scheduler_pb2_grpc
 
-from prefixgate.backends import grammar
 from prefixgate.backends.bootstrap import DEFAULT_BOOTSTRAP_TIMEOUT_S, BootstrapServer
 from prefixgate.backends.engine import Sampling, TokenLogprob, bias_within, top_logprobs_within
 from prefixgate.backends.errors import FailedPrecondition, InvalidArgument, NodeError, abort_rpc
@@ -246,6 +245,8 @@ class SglangSchedulerService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):
         if sampling.constraint is not None:
             if "response_format" not in engine.features:
                 raise InvalidArgument(f"constrained decoding is not supported by the {engine.name} engine")
+            from prefixgate.backends import grammar  # llguidance and numpy: a fifth of a node's start
+
             grammar.check(sampling.constraint)  # FAILED_PRECONDITION + smg-constraint-failed
         if request.return_logprob:
             if "logprobs" not in engine.features:
