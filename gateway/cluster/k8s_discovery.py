@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import structlog
 
 from prefixgate.cachetier.tasks import stop_task
@@ -160,6 +159,8 @@ class KubernetesAPI:
     """GET and watch under the API's base URL, with the service account's token when in a pod."""
 
     def __init__(self, base: str, namespace: str, token: str = "", ca: str | bool = True) -> None:
+        import httpx  # with the first Kubernetes discovery: most gateways have none
+
         headers = {"authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.AsyncClient(
             base_url=base, headers=headers, verify=ca, timeout=httpx.Timeout(30.0, read=WATCH_TIMEOUT_S + 30)

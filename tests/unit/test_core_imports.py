@@ -25,19 +25,20 @@ def test_the_core_imports_no_web_framework() -> None:
     assert out.stdout.strip() == "[]"
 
 
-def test_a_gateway_without_http_workers_loads_no_http_client_nor_numpy() -> None:
-    """The HTTP adapter's client (aiohttp) and the SMG prompt's numpy are a fifth of a gateway's
-    start; every gateway worker and replica pays it. They load with the first such worker."""
+def test_a_gateway_loads_no_client_it_has_no_worker_for() -> None:
+    """aiohttp (HTTP workers), numpy (prompts to grpc:// workers) and httpx (Kubernetes discovery)
+    are a fifth of a gateway's start, which every gateway worker and replica pays: each loads with
+    its first use, not before."""
     probe = (
         "import sys\n"
         "import prefixgate.gateway.ops.server, prefixgate.gateway.httpfront.app\n"
         "from prefixgate.gateway.nodeclient import connect\n"
-        "connect('127.0.0.1:1')\n"
-        "before = sorted({m.split('.')[0] for m in sys.modules} & {'aiohttp', 'numpy'})\n"
+        "connect('127.0.0.1:1'), connect('grpc://127.0.0.1:1')\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'aiohttp', 'numpy', 'httpx'}))\n"
         "connect('http://127.0.0.1:1')\n"
-        "print(before, 'aiohttp' in sys.modules)"
+        "print('aiohttp' in sys.modules)"
     )
     out = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
     )
-    assert out.stdout.strip() == "[] True"
+    assert out.stdout.split() == ["[]", "True"]
