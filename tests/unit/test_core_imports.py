@@ -42,3 +42,16 @@ def test_a_gateway_loads_no_client_it_has_no_worker_for() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
     )
     assert out.stdout.split() == ["[]", "True"]
+
+
+def test_structlog_is_imported_without_rich_and_rich_stays_importable() -> None:
+    probe = (
+        "import sys, prefixgate, structlog\n"
+        "print(structlog.dev.rich is None, 'rich' in sys.modules)\n"
+        "from rich.table import Table\n"
+        "print('rich' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.split() == ["True", "False", "True"]
