@@ -40,10 +40,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto``: one worker more than the cores this process may use. Much of the suite waits on
-    child processes and timers, so a spare worker keeps the cores busy (two cores: 441 s of tests
-    with two workers, 366 s with three, 383 s with four, which also overloaded the drills)."""
-    return len(os.sched_getaffinity(0)) + 1
+    """``-n auto``: two workers more than the cores this process may use. Much of the suite waits on
+    child processes and timers, so spare workers keep the cores busy. Two cores: 441 s of tests
+    with two workers, 366 s with three and 383 s with four on one machine; on a slower one, after
+    the long folders were handed out first (``LONGEST_FIRST``), 305-335 s with three and 289 s
+    with four."""
+    return len(os.sched_getaffinity(0)) + 2
 
 
 # Long scenario runs, marked ``drill`` and left out of the default run (``addopts`` in
