@@ -6,9 +6,9 @@ pub/sub, through a dropped subscriber and a slow one the server disconnects."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -110,8 +110,11 @@ def test_applied_ops_give_the_publishers_index() -> None:
 # -- the protocol reader -------------------------------------------------------------------
 
 
-async def _served(tmp_path: Path, pieces: list[bytes], link: _Link) -> None:
-    """``link`` connected to a server on a Unix socket that sends ``pieces`` one at a time."""
+async def _served(
+    tmp_path: Path, pieces: list[bytes], link: _Link, until: Callable[[], bool] = lambda: False
+) -> None:
+    """``link`` connected to a server on a Unix socket that sends ``pieces`` one at a time, until
+    the link ends or ``until()`` (10 s at most: the pieces take longer on a loaded machine)."""
 
     async def serve(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         for piece in pieces:
@@ -123,13 +126,19 @@ async def _served(tmp_path: Path, pieces: list[bytes], link: _Link) -> None:
     path = str(tmp_path / "s")
     server = await asyncio.start_unix_server(serve, path)
     try:
-        await asyncio.get_running_loop().create_unix_connection(lambda: link, path)
-        with contextlib.suppress(BaseException):
-            await asyncio.wait_for(asyncio.shield(link.ended), 0.5)
+        loop = asyncio.get_running_loop()
+        await loop.create_unix_connection(lambda: link, path)
+        deadline = loop.time() + 10.0
+        while not link.ended.done() and not until() and loop.time() < deadline:
+            await asyncio.sleep(0.01)
     finally:
         if link.transport is not None:
             link.transport.close()
         server.close()
+
+
+def _holds(items: list[object], n: int) -> bool:
+    return len(items) == n
 
 
 async def test_replies_are_read_whole_whatever_the_cuts(tmp_path: Path) -> None:
@@ -142,7 +151,8 @@ async def test_replies_are_read_whole_whatever_the_cuts(tmp_path: Path) -> None:
     for cut in (1, 3, 7):
         replies: list[object] = []
         link = _Link(2, replies.append, max_bulk=100)
-        await _served(tmp_path, [stream[i : i + cut] for i in range(0, len(stream), cut)], link)
+        pieces = [stream[i : i + cut] for i in range(0, len(stream), cut)]
+        await _served(tmp_path, pieces, link, until=functools.partial(_holds, replies, 2))
         assert link.handshake.done() and link.handshake.exception() is None
         assert replies == [[b"message", b"ch", b"he\r\no"], None]
     assert command(b"PING") == b"*1\r\n$4\r\nPING\r\n"
