@@ -183,12 +183,16 @@ def start_gateway(
         for a in addrs:
             cmd += [flag, a]
     url = f"http://127.0.0.1:{port}"
+    # ``python -m`` puts its working directory first on the path: run from a checkout, it would
+    # import that checkout's prefixgate ahead of another tree's on PYTHONPATH (a baseline)
+    tree = (env or {}).get("PYTHONPATH", "").split(os.pathsep)[0]
     child = processes.start(
         name,
         cmd,
         ready=processes.answers_http(url + "/readyz"),
         timeout=timeout,
         env={"PREFIXGATE_LOG_FORMAT": "json", **(env or {})},
+        cwd=Path(tree) if tree else None,
         log=logs / f"{name}.log",
     )
     child.url = url
