@@ -95,8 +95,10 @@ class Added:
     then: re.Pattern[str] | None
 
 
-def _alternation(contents: Iterable[str]) -> re.Pattern[str] | None:
-    ordered = sorted(set(contents), key=lambda c: (-len(c), c))  # longest first at each position
+def longest_first(contents: Iterable[str]) -> re.Pattern[str] | None:
+    """A pattern matching any of ``contents``, the longest at a position: with a left-to-right
+    scan, the leftmost-longest matching ``tokenizers`` does for added tokens (None: nothing)."""
+    ordered = sorted(set(contents), key=lambda c: (-len(c), c))
     return re.compile("|".join(re.escape(c) for c in ordered)) if ordered else None
 
 
@@ -104,15 +106,14 @@ class FastBPE:
     """``encode(text, add_special_tokens=False)`` ids of a byte-level BPE tokenizer, by tiktoken."""
 
     def __init__(self, encoding: Any, added: Added) -> None:
-        self._encoding = encoding
         self._ordinary = encoding.encode_ordinary
         self._added = added
 
     def ids(self, text: str) -> list[int]:
         added = self._added
-        if added.first is None or not added.first.search(text):
-            if added.then is None:
-                return list(self._ordinary(text))
+        if added.then is None and (added.first is None or not added.first.search(text)):
+            ids: list[int] = self._ordinary(text)  # a new list already
+            return ids
         out: list[int] = []
         self._split(text, added.first, added.then, out)
         return out
@@ -216,7 +217,7 @@ def _added(tokens: Sequence[dict[str, Any]]) -> Added:
             raise NotEquivalent(f"added token {content!r} strips or matches whole words")
         ids[content] = i
         (then if t.get("normalized") else first).append(content)
-    return Added(ids, _alternation(first), _alternation(then))
+    return Added(ids, longest_first(first), longest_first(then))
 
 
 def vocabulary_texts(parsed: dict[str, Any]) -> list[str]:

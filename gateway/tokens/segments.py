@@ -25,7 +25,6 @@ at once.
 
 from __future__ import annotations
 
-import re
 import sys
 import threading
 from collections import OrderedDict
@@ -33,7 +32,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from prefixgate.cachetier.fastbpe import FastBPE
+from prefixgate.cachetier.fastbpe import FastBPE, longest_first
 from prefixgate.cachetier.tokenizer import hf_ids, hf_ids_many, pack_ids
 
 ENTRY_OVERHEAD = 160  # bytes an entry costs beyond its key and value (dict slot, node, objects)
@@ -86,10 +85,7 @@ class CutFinder:
     def __init__(self, tokens: Iterable[AddedToken]) -> None:
         matched = [t for t in tokens if not t.normalized]  # split out before normalization
         self._cuttable = {t.content for t in matched if t.cuttable}
-        contents = sorted({t.content for t in matched}, key=lambda c: (-len(c), c))
-        # longest first: at one position the alternation then takes the longest token, which
-        # with the left-to-right scan is the leftmost-longest matching the tokenizer does
-        self._pattern = re.compile("|".join(re.escape(c) for c in contents)) if contents else None
+        self._pattern = longest_first(t.content for t in matched)
 
     @property
     def active(self) -> bool:
