@@ -8,13 +8,17 @@ long prompt in the gateway, much of it in single C calls the event loop cannot i
 the request is kept in two parts (``EngineRequest``): the message without its ids (small, built
 and serialized as before), and the ``tokenized`` field already serialized, its varints made from
 the packed ids by ``numpy`` (about 3 ms for 124K tokens, in array operations that let the other
-threads run). A protobuf parser reads fields in any order and a field of a message that comes
-once is that field, so the two parts joined are the request the engine would get otherwise (the
-tests compare both parses).
+threads run). Below ``NUMPY_FROM_IDS`` ids numpy's fixed cost per array operation is more than
+protobuf's whole encoding (about 30 µs against 21 µs for 500 ids, 22 against 3 for 50): those
+varints are protobuf's own, made by serializing a ``TokenizedInput`` of the ids. A protobuf
+parser reads fields in any order and a field of a message that comes once is that field, so the
+two parts joined are the request the engine would get otherwise (the tests compare both parses).
 """
 
 from __future__ import annotations
 
+import array
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +36,9 @@ def _field_number(message: Any, name: str) -> int:
 _RUNTIMES = (sglang_scheduler_pb2, vllm_engine_pb2)
 TOKENIZED = _field_number([pb.GenerateRequest for pb in _RUNTIMES], "tokenized")
 INPUT_IDS = _field_number([pb.TokenizedInput for pb in _RUNTIMES], "input_ids")
+#: ids from which numpy makes the varints faster than protobuf does (measured: 500 ids 29 µs
+#: against 21, 2,000 ids 55 against 79)
+NUMPY_FROM_IDS = 1_024
 
 
 def varint(n: int) -> bytes:
@@ -67,6 +74,12 @@ def varints(packed: bytes) -> bytes:
 
 def tokenized_field(packed: bytes) -> bytes:
     """``GenerateRequest.tokenized`` serialized: a ``TokenizedInput`` of the ids alone."""
+    if len(packed) < 4 * NUMPY_FROM_IDS:
+        ids = array.array("I", packed)
+        if sys.byteorder != "little":  # packed ids are little-endian
+            ids.byteswap()
+        inner = sglang_scheduler_pb2.TokenizedInput(input_ids=ids).SerializeToString()
+        return varint(TOKENIZED << 3 | _LEN) + varint(len(inner)) + inner
     ids = varints(packed)
     inner = varint(INPUT_IDS << 3 | _LEN) + varint(len(ids)) + ids if ids else b""
     return varint(TOKENIZED << 3 | _LEN) + varint(len(inner)) + inner

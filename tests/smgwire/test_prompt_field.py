@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from smg_grpc_proto.generated import sglang_scheduler_pb2, vllm_engine_pb2
 
 from prefixgate.cachetier.tokenizer import pack_ids
-from prefixgate.gateway.nodeclient.smg_prompt import EngineRequest, tokenized_field, varints
+from prefixgate.gateway.nodeclient.smg_prompt import NUMPY_FROM_IDS, EngineRequest, tokenized_field, varints
 from prefixgate.gateway.nodeclient.smg_sglang import SGLANG
 from prefixgate.gateway.nodeclient.smg_vllm import VLLM, prefill_request
 from tests.smgwire.test_sglang_adapter import prompt
@@ -51,6 +51,16 @@ def test_varints_are_protobufs_own(ids: list[int]) -> None:
     whole = sglang_scheduler_pb2.TokenizedInput(input_ids=ids).SerializeToString()
     assert tokenized_field(pack_ids(ids)).endswith(whole)
     assert whole.endswith(varints(pack_ids(ids)))
+
+
+@settings(max_examples=20, deadline=None)
+@given(IDS, st.integers(0, 300))
+def test_both_ways_of_making_the_varints_give_protobufs_field(ids: list[int], more: int) -> None:
+    """Short prompts are encoded by protobuf, long ones by numpy: either side of the switch."""
+    long = (ids * (NUMPY_FROM_IDS // max(1, len(ids)) + 1) + list(range(more)))[: NUMPY_FROM_IDS + more]
+    for some in (ids, long, long[: NUMPY_FROM_IDS - 1]):
+        whole = sglang_scheduler_pb2.TokenizedInput(input_ids=some).SerializeToString()
+        assert tokenized_field(pack_ids(some)).endswith(whole)
 
 
 def test_a_prefill_legs_request_keeps_the_ids_and_changes_the_rest() -> None:
