@@ -4,6 +4,7 @@ broken mid-way charged to its node, metrics and the request's log line, then the
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 
@@ -54,11 +55,43 @@ class Accounting:
             node.mispredictions = 0
 
     def finished(self, ex: Execution) -> None:
-        """A closed execution's accounting: breaker, metrics, the request's log line."""
+        """A closed execution's accounting: its node charged and its span's stages now; metrics,
+        the request's log line and the tenant's usage once the answer is on its way (``report``)."""
         if ex.failure is not None:  # broke after the first token: the node's fault all the same
             ex.decode_node.breaker.on_failure(time.monotonic())
             ex.decode_node.last_error = str(ex.failure)[:500]
             ex.decode_node.settle()
+        if tracing.recording():  # the request's span ends with its answer: its stages first
+            t, node_t = ex.timings, ex.timings.node
+            ttft = (t.first_token_at - t.start) if t.first_token_at else 0.0
+            first_token = max(0.0, ttft - node_t.queue_s - node_t.prefill_s - node_t.transfer_s)
+            tracing.stages(
+                t.start,
+                (
+                    ("prefixgate.queue", node_t.queue_s),
+                    ("prefixgate.prefill", node_t.prefill_s),
+                    ("prefixgate.kv_transfer", node_t.transfer_s),
+                    ("prefixgate.first_token", first_token),
+                ),
+                {
+                    "prefixgate.route": ex.route,
+                    "prefixgate.prefill_node": ex.prefill_node.id if ex.prefill_node else "",
+                    "prefixgate.decode_node": ex.decode_node.id,
+                    "prefixgate.prompt_tokens": ex.prompt_tokens,
+                    "prefixgate.cached_tokens": ex.engine_cached_tokens,
+                    "prefixgate.predicted_cached_tokens": ex.predicted_tokens,
+                    "prefixgate.completion_tokens": ex.completion_tokens,
+                    "prefixgate.attempts": ex.attempts,
+                    "prefixgate.migrations": ex.migrations,
+                    "prefixgate.outcome": ex.outcome,
+                },
+            )
+        asyncio.get_running_loop().call_soon(self.report, ex)
+
+    def report(self, ex: Execution) -> None:
+        """What a finished request reports, where its client does not wait for it: the callback
+        runs after the answer is written and before anything read after it (the next request of
+        a client or a tenant, a scrape)."""
         t, node_t = ex.timings, ex.timings.node
         ttft = (t.first_token_at - t.start) if t.first_token_at else 0.0
         m = self.metrics
@@ -101,29 +134,6 @@ class Accounting:
             total_ms=round((time.perf_counter() - t.start) * 1000, 2),
             reason=ex.reason,
         )
-        if tracing.recording():  # nothing is built for spans when none records
-            first_token = max(0.0, ttft - node_t.queue_s - node_t.prefill_s - node_t.transfer_s)
-            tracing.stages(
-                t.start,
-                (
-                    ("prefixgate.queue", node_t.queue_s),
-                    ("prefixgate.prefill", node_t.prefill_s),
-                    ("prefixgate.kv_transfer", node_t.transfer_s),
-                    ("prefixgate.first_token", first_token),
-                ),
-                {
-                    "prefixgate.route": ex.route,
-                    "prefixgate.prefill_node": ex.prefill_node.id if ex.prefill_node else "",
-                    "prefixgate.decode_node": ex.decode_node.id,
-                    "prefixgate.prompt_tokens": ex.prompt_tokens,
-                    "prefixgate.cached_tokens": ex.engine_cached_tokens,
-                    "prefixgate.predicted_cached_tokens": ex.predicted_tokens,
-                    "prefixgate.completion_tokens": ex.completion_tokens,
-                    "prefixgate.attempts": ex.attempts,
-                    "prefixgate.migrations": ex.migrations,
-                    "prefixgate.outcome": ex.outcome,
-                },
-            )
         if self.on_finished is not None:
             self.on_finished(ex)
 

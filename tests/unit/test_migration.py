@@ -113,6 +113,7 @@ async def test_a_continuation_no_node_can_start_counts_the_request_once() -> Non
         ex = await h.pipeline.execute(h.prep())
         with pytest.raises(StreamBroken, match="failed mid-stream"):
             _ = [d async for d in ex.stream()]
+        await asyncio.sleep(0)  # reported once the answer is on its way (Accounting.report)
         requests = h.pipeline.executor.metrics.requests
         counted = {
             s.labels["outcome"]: s.value
