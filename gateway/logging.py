@@ -1,19 +1,24 @@
 """structlog set-up: JSON lines in production, readable in a terminal.
 
 Every line of a request carries its ``request_id``: the front ends call ``bind_request`` at the
-start of each request (HTTP handler, gRPC method), which binds it in structlog's context
-variables; asyncio tasks started from there (streams, index writes) inherit the context.
+start of each request (HTTP handler, gRPC method), which binds it in the request's log fields;
+asyncio tasks started from there (streams, index writes) inherit them. The fields are one
+context variable holding a dict that is replaced, never changed in place (``bind_fields`` adds
+to it): structlog's own context variables are one variable a key, and its processor walks every
+variable of the context on every line, a hundredth of a request's CPU in the gateway.
 Standard-library loggers (uvicorn, grpc, asyncio) are rendered the same way.
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import sys
 import threading
 import uuid
 from collections.abc import Callable, Mapping, MutableMapping
+from types import MappingProxyType
 from typing import Any
 
 import orjson
@@ -29,6 +34,17 @@ def _renderer(fmt: str) -> structlog.typing.Processor:
     if use_json:
         return structlog.processors.JSONRenderer(serializer=_dumps)
     return structlog.dev.ConsoleRenderer(colors=False)
+
+
+_FIELDS: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar(
+    "prefixgate_log_fields", default=MappingProxyType({})
+)
+
+
+def _merge_fields(_logger: Any, _method: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    for k, v in _FIELDS.get().items():
+        event.setdefault(k, v)
+    return event
 
 
 def _with(fields: Mapping[str, Any]) -> structlog.typing.Processor:
@@ -89,7 +105,7 @@ def configure_logging(
     lvl = getattr(logging, level.upper(), logging.INFO)
     shared: list[structlog.typing.Processor] = [
         *([_with(dict(every_line))] if every_line else []),
-        structlog.contextvars.merge_contextvars,
+        _merge_fields,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
@@ -115,11 +131,15 @@ def configure_logging(
 def bind_request(request_id: str | None, **fields: Any) -> str:
     """Start a request's log context: its id (a new one when the client sent none) and fields."""
     rid = request_id or uuid.uuid4().hex
-    structlog.contextvars.clear_contextvars()
-    structlog.contextvars.bind_contextvars(request_id=rid, **fields)
+    _FIELDS.set({"request_id": rid, **fields})
     return rid
 
 
+def bind_fields(**fields: Any) -> None:
+    """Add ``fields`` to every later line of this request (and of the tasks it starts)."""
+    _FIELDS.set({**_FIELDS.get(), **fields})
+
+
 def current_request_id() -> str | None:
-    rid = structlog.contextvars.get_contextvars().get("request_id")
+    rid = _FIELDS.get().get("request_id")
     return rid if isinstance(rid, str) else None

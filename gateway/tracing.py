@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from prefixgate.gateway.logging import bind_fields
+
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span, Tracer
@@ -104,7 +106,7 @@ class Tracing:
         CONTEXT.set(tuple(carrier.items()))
         _SPAN.set(span)
         trace_id = format(span.get_span_context().trace_id, "032x")
-        structlog.contextvars.bind_contextvars(trace_id=trace_id)
+        bind_fields(trace_id=trace_id)
         return span
 
     def close(self) -> None:
@@ -147,7 +149,7 @@ def request(name: str, headers: Mapping[str, str], **attributes: Any) -> Iterato
             CONTEXT.set(
                 ((TRACEPARENT_KEY, parent.strip().lower()),) + (((TRACESTATE_KEY, state),) if state else ())
             )
-            structlog.contextvars.bind_contextvars(trace_id=trace_id)
+            bind_fields(trace_id=trace_id)
         yield
         return
     span = tracing.start(name, headers, attributes)
