@@ -75,11 +75,11 @@ def varints(packed: bytes) -> bytes:
 def tokenized_field(packed: bytes) -> bytes:
     """``GenerateRequest.tokenized`` serialized: a ``TokenizedInput`` of the ids alone."""
     if len(packed) < 4 * NUMPY_FROM_IDS:
-        ids = array.array("I", packed)
+        few = array.array("I", packed)
         if sys.byteorder != "little":  # packed ids are little-endian
-            ids.byteswap()
-        inner = sglang_scheduler_pb2.TokenizedInput(input_ids=ids).SerializeToString()
-        return varint(TOKENIZED << 3 | _LEN) + varint(len(inner)) + inner
+            few.byteswap()
+        whole: bytes = sglang_scheduler_pb2.TokenizedInput(input_ids=few).SerializeToString()
+        return varint(TOKENIZED << 3 | _LEN) + varint(len(whole)) + whole
     ids = varints(packed)
     inner = varint(INPUT_IDS << 3 | _LEN) + varint(len(ids)) + ids if ids else b""
     return varint(TOKENIZED << 3 | _LEN) + varint(len(inner)) + inner
