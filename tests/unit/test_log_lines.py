@@ -1,16 +1,20 @@
-"""Gateway workers share one stderr: each log line must reach it whole, never cut by a sibling's."""
+"""Gateway workers share one stderr: each log line must reach it whole, never cut by a sibling's.
+A request's fields are in its lines and its tasks' and not in the next request's."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import structlog
 
-from prefixgate.gateway.logging import configure_logging
+from prefixgate.gateway.logging import bind_fields, bind_request, configure_logging, current_request_id
 
 _WRITER = r"""
 import sys
@@ -50,3 +54,41 @@ def test_a_stream_without_a_descriptor_still_gets_its_lines() -> None:
         configure_logging("json")
     (line,) = buf.getvalue().splitlines()
     assert json.loads(line)["event"] == "kept"
+
+
+def _lines(run: Callable[[], Coroutine[Any, Any, None]]) -> list[dict[str, object]]:
+    buf = io.StringIO()
+    old = sys.stderr
+    sys.stderr = buf
+    try:
+        configure_logging("json")
+        asyncio.run(run())
+    finally:
+        sys.stderr = old
+        configure_logging("json")
+    return [json.loads(line) for line in buf.getvalue().splitlines()]
+
+
+def test_a_requests_fields_are_in_its_lines_and_its_tasks_and_not_in_the_next_requests() -> None:
+    log = structlog.get_logger("lines")
+
+    async def run() -> None:
+        bind_request("first", path="/v1/chat/completions")
+        bind_fields(trace_id="t1")
+        log.info("one")
+
+        async def later() -> None:
+            await asyncio.sleep(0)
+            log.info("task")
+
+        task = asyncio.get_running_loop().create_task(later())  # started with the fields it had
+        bind_fields(extra="after")  # the task does not see what is bound after it started
+        await task
+        assert current_request_id() == "first"
+        bind_request("second")  # a new request: none of the first one's fields
+        log.info("two")
+
+    one, task, two = _lines(run)
+    assert (one["request_id"], one["trace_id"], one["path"]) == ("first", "t1", "/v1/chat/completions")
+    assert task["request_id"] == "first" and task["trace_id"] == "t1" and "extra" not in task
+    assert two["request_id"] == "second" and "trace_id" not in two and "path" not in two
