@@ -24,6 +24,14 @@ log = structlog.get_logger("prefixgate.pipeline")
 MISPREDICTIONS_BEFORE_RESYNC = 3
 
 
+def _ttft(ex: Execution) -> tuple[float, float]:
+    """The request's time to first token, and the part of it after the node's queue, prefill and
+    transfer (seconds)."""
+    t, node_t = ex.timings, ex.timings.node
+    ttft = (t.first_token_at - t.start) if t.first_token_at else 0.0
+    return ttft, max(0.0, ttft - node_t.queue_s - node_t.prefill_s - node_t.transfer_s)
+
+
 class Accounting:
     def __init__(self, settings: Settings, index: BlockIndex, metrics: Metrics) -> None:
         self.settings = settings
@@ -63,8 +71,7 @@ class Accounting:
             ex.decode_node.settle()
         if tracing.recording():  # the request's span ends with its answer: its stages first
             t, node_t = ex.timings, ex.timings.node
-            ttft = (t.first_token_at - t.start) if t.first_token_at else 0.0
-            first_token = max(0.0, ttft - node_t.queue_s - node_t.prefill_s - node_t.transfer_s)
+            first_token = _ttft(ex)[1]
             tracing.stages(
                 t.start,
                 (
@@ -93,7 +100,7 @@ class Accounting:
         runs after the answer is written and before anything read after it (the next request of
         a client or a tenant, a scrape)."""
         t, node_t = ex.timings, ex.timings.node
-        ttft = (t.first_token_at - t.start) if t.first_token_at else 0.0
+        ttft, first_token = _ttft(ex)
         m = self.metrics
         node = ex.prompt_node.id
         m.observe_request(
@@ -128,9 +135,7 @@ class Accounting:
             queue_ms=round(node_t.queue_s * 1000, 2),
             prefill_ms=round(node_t.prefill_s * 1000, 2),
             transfer_ms=round(node_t.transfer_s * 1000, 2),
-            first_token_ms=round(
-                max(0.0, ttft - node_t.queue_s - node_t.prefill_s - node_t.transfer_s) * 1000, 2
-            ),
+            first_token_ms=round(first_token * 1000, 2),
             total_ms=round((time.perf_counter() - t.start) * 1000, 2),
             reason=ex.reason,
         )

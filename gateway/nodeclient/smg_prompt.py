@@ -17,12 +17,12 @@ two parts joined are the request the engine would get otherwise (the tests compa
 
 from __future__ import annotations
 
-import array
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 from smg_grpc_proto.generated import sglang_scheduler_pb2, vllm_engine_pb2
+
+from prefixgate.cachetier.tokenizer import unpack_ids
 
 _LEN = 2  # the length-delimited wire type
 
@@ -75,13 +75,10 @@ def varints(packed: bytes) -> bytes:
 def tokenized_field(packed: bytes) -> bytes:
     """``GenerateRequest.tokenized`` serialized: a ``TokenizedInput`` of the ids alone."""
     if len(packed) < 4 * NUMPY_FROM_IDS:
-        few = array.array("I", packed)
-        if sys.byteorder != "little":  # packed ids are little-endian
-            few.byteswap()
-        whole: bytes = sglang_scheduler_pb2.TokenizedInput(input_ids=few).SerializeToString()
-        return varint(TOKENIZED << 3 | _LEN) + varint(len(whole)) + whole
-    ids = varints(packed)
-    inner = varint(INPUT_IDS << 3 | _LEN) + varint(len(ids)) + ids if ids else b""
+        inner: bytes = sglang_scheduler_pb2.TokenizedInput(input_ids=unpack_ids(packed)).SerializeToString()
+    else:
+        ids = varints(packed)
+        inner = varint(INPUT_IDS << 3 | _LEN) + varint(len(ids)) + ids if ids else b""
     return varint(TOKENIZED << 3 | _LEN) + varint(len(inner)) + inner
 
 
