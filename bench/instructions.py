@@ -17,7 +17,9 @@ comparing: two checkouts (``--baseline-src``), a router against a peer, one node
 Targets: prefixgate in front of the nodes' OpenAI endpoints (``http://``) and their SMG engine
 protocol (``grpc://``, where the gateway renders, tokenizes and detokenizes), started with the
 worker flag alone; with ``--baseline-src`` the same from another source tree; smg (``--peers
-smg``) in front of the same nodes both ways. Needs valgrind (``callgrind_control`` beside it).
+smg``) in front of the same nodes both ways; with ``--floor`` the floor (``bench.floor``: uvicorn
+and aiohttp relaying the chat, nothing else) in front of the first node. Needs valgrind
+(``callgrind_control`` beside it).
 """
 
 from __future__ import annotations
@@ -37,10 +39,11 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from prefixgate.bench import launch
+from prefixgate.bench import floor, launch
 from prefixgate.bench.overhead import Prompts, body
 from prefixgate.bench.report import write_json
 from prefixgate.gateway.ops import processes
+from prefixgate.gateway.ops.stack import free_port
 
 REQUESTS = 200
 WARMUP = 30
@@ -141,11 +144,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--baseline-src",
         help="also count a gateway run from this source tree (PYTHONPATH, e.g. an exported older commit)",
     )
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="also count the floor: uvicorn and aiohttp relaying the chat to a node, nothing else",
+    )
     p.add_argument("--json", dest="json_out", help="write the counts as JSON to this file")
 
 
 def _targets(args: argparse.Namespace) -> list[str]:
     out = ["prefixgate-http", "prefixgate-grpc"]
+    if args.floor:
+        out.append("floor-http")
     if args.baseline_src:
         out += ["baseline-http", "baseline-grpc"]
     if "smg" in args.peers.split(","):
@@ -158,6 +168,18 @@ def _start(
 ) -> processes.Child:
     workers = list(grpc if target.endswith("-grpc") else http)
     wrap = callgrind(out)
+    if target == "floor-http":
+        port = free_port()
+        child = processes.start(
+            target,
+            [*wrap, *floor.command(port)],
+            ready=processes.answers_http(f"http://127.0.0.1:{port}/readyz"),
+            timeout=START_TIMEOUT_S,
+            env={floor.NODE_ENV: http[0]},
+            log=logs / f"{target}.log",
+        )
+        child.url = f"http://127.0.0.1:{port}"
+        return child
     if target.startswith("smg"):
         return launch.start_peer(
             "smg", Path(args.peers_venv), workers, logs, timeout=START_TIMEOUT_S, wrap=wrap

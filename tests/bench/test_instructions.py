@@ -46,7 +46,13 @@ def test_the_table_has_a_column_per_node_count_and_a_row_per_target() -> None:
 def test_without_valgrind_it_says_so(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # nothing on it
     args = argparse.Namespace(
-        nodes=[1], requests=5, peers="", peers_venv=str(tmp_path), baseline_src=None, json_out=None
+        nodes=[1],
+        requests=5,
+        peers="",
+        peers_venv=str(tmp_path),
+        baseline_src=None,
+        json_out=None,
+        floor=False,
     )
     assert instructions.run(args) == 2
 
@@ -57,3 +63,5 @@ def test_mounted_under_the_prefixgate_command() -> None:
     args = build_parser().parse_args(["bench", "instructions", "--nodes", "1", "8", "--peers", "smg"])
     assert args.func is instructions.run and args.nodes == [1, 8] and args.peers == "smg"
     assert instructions._targets(args) == ["prefixgate-http", "prefixgate-grpc", "smg-http", "smg-grpc"]
+    args = build_parser().parse_args(["bench", "instructions", "--floor"])
+    assert instructions._targets(args) == ["prefixgate-http", "prefixgate-grpc", "floor-http"]
