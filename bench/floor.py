@@ -4,20 +4,36 @@ uvicorn (httptools, uvloop) takes a chat, aiohttp relays it to one node and the 
 goes back as it came: no parsing, routing, metrics or log line. ``bench instructions --floor``
 counts it beside the routers, so a table says how much of a request over ``http://`` is these
 libraries (which no change to prefixgate's own code removes) and how much is prefixgate.
+
+Beside it, ``essentials``: the same relay doing, in straight-line code, what every gateway
+request needs at the least: the body parsed and its messages checked, the chat rendered and
+hashed block by block, the blocks looked up and recorded in an index, the least-loaded node
+chosen, the answer parsed and given its id, a counter, a histogram and a JSON log line. What it
+costs above the floor is what those parts cost written lean; what prefixgate costs above it is
+its layers and the features the essentials leave out (tenancy, scheduling, breakers, retries,
+deadlines, tracing).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
+import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import aiohttp
+import orjson
+import xxhash
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 NODE_ENV = "PREFIXGATE_FLOOR_NODE"  # the node's base URL (``http://HOST:PORT``)
 MAX_BODY_BYTES = 8 * 1024 * 1024
 CHAT_PATH = "/v1/chat/completions"
+BLOCK_BYTES = 256  # rendered text hashed in blocks of this size
+MAX_INDEX_BLOCKS = 1_000_000
+ROLES = frozenset(("system", "user", "assistant", "tool"))
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -70,6 +86,85 @@ class FloorRelay:
             await _answer(send, 404, b"text/plain", b"not found")
 
 
+class EssentialsRelay(FloorRelay):
+    """The relay, plus the least every gateway request does (the module's docstring)."""
+
+    def __init__(self, node: str) -> None:
+        super().__init__(node)
+        self._index: dict[int, str] = {}
+        self._load = {node: 0}
+        registry = CollectorRegistry()
+        self._requests = Counter("requests", "Requests", ["outcome"], registry=registry).labels("ok")
+        self._latency = Histogram("latency_seconds", "Latency", registry=registry)
+
+    async def _http_request(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["method"] != "POST" or scope["path"] != CHAT_PATH or self._http is None:
+            await super()._http_request(scope, receive, send)
+            return
+        start = time.perf_counter()
+        request_id = uuid.uuid4().hex
+        raw = await _read_body(receive)
+        chat = orjson.loads(raw) if raw is not None else None
+        messages = chat.get("messages") if isinstance(chat, dict) else None
+        text = _render(messages) if isinstance(messages, list) else None
+        if chat is None or text is None:
+            await _answer(send, 400, b"text/plain", b"a chat with messages of role and text content")
+            return
+        blocks = _block_hashes(text.encode())
+        node = min(self._load, key=self._load.__getitem__)
+        cached = 0
+        for h in blocks:
+            if self._index.get(h) != node:
+                break
+            cached += 1
+        self._load[node] += 1
+        try:
+            headers = {"content-type": "application/json", "x-request-id": request_id}
+            async with self._http.post(self._node_url, data=orjson.dumps(chat), headers=headers) as r:
+                status, answer = r.status, orjson.loads(await r.read())
+        finally:
+            self._load[node] -= 1
+        if len(self._index) + len(blocks) <= MAX_INDEX_BLOCKS:
+            self._index.update(dict.fromkeys(blocks, node))
+        if isinstance(answer, dict):
+            answer["id"] = "chatcmpl-" + request_id
+        await _answer(send, status, b"application/json", orjson.dumps(answer))
+        seconds = time.perf_counter() - start
+        self._requests.inc()
+        self._latency.observe(seconds)
+        usage = (answer.get("usage") if isinstance(answer, dict) else None) or {}
+        line = {
+            "event": "request",
+            "request_id": request_id,
+            "node": node,
+            "cached_blocks": cached,
+            "prompt_tokens": usage.get("prompt_tokens"),
+            "total_ms": round(seconds * 1e3, 2),
+        }
+        sys.stderr.write(orjson.dumps(line).decode() + "\n")
+
+
+def _render(messages: list[Any]) -> str | None:
+    """The chat as one text (None: a message without a known role and text content)."""
+    parts: list[str] = []
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, str) or m.get("role") not in ROLES:
+            return None
+        parts.append(f"<|{m['role']}|>\n{content}\n")
+    return "".join(parts)
+
+
+def _block_hashes(data: bytes) -> list[int]:
+    """Chained hashes of ``data``'s whole blocks: each block's hash is seeded by the one before."""
+    out: list[int] = []
+    h = 0
+    for i in range(0, len(data) - BLOCK_BYTES + 1, BLOCK_BYTES):
+        h = xxhash.xxh3_64_intdigest(data[i : i + BLOCK_BYTES], seed=h)
+        out.append(h)
+    return out
+
+
 async def _read_body(receive: Receive) -> bytes | None:
     """The request's body, or None past ``MAX_BODY_BYTES``."""
     parts: list[bytes] = []
@@ -95,14 +190,20 @@ def app() -> FloorRelay:
     return FloorRelay(os.environ[NODE_ENV])
 
 
-def command(port: int, python: str = sys.executable) -> list[str]:
-    """The floor on ``port``, on the gateway's own uvicorn settings (uvloop, httptools)."""
+def essentials() -> EssentialsRelay:
+    """uvicorn's factory: the essentials' relay to the node named in ``PREFIXGATE_FLOOR_NODE``."""
+    return EssentialsRelay(os.environ[NODE_ENV])
+
+
+def command(port: int, python: str = sys.executable, factory: str = "app") -> list[str]:
+    """The floor (``factory`` "app") or the essentials ("essentials") on ``port``, on the
+    gateway's own uvicorn settings (uvloop, httptools)."""
     return [
         python,
         "-m",
         "uvicorn",
         "--factory",
-        "prefixgate.bench.floor:app",
+        f"prefixgate.bench.floor:{factory}",
         "--host",
         "127.0.0.1",
         "--port",

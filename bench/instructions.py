@@ -18,7 +18,8 @@ Targets: prefixgate in front of the nodes' OpenAI endpoints (``http://``) and th
 protocol (``grpc://``, where the gateway renders, tokenizes and detokenizes), started with the
 worker flag alone; with ``--baseline-src`` the same from another source tree; smg (``--peers
 smg``) in front of the same nodes both ways; with ``--floor`` the floor (``bench.floor``: uvicorn
-and aiohttp relaying the chat, nothing else) in front of the first node. Needs valgrind
+and aiohttp relaying the chat, nothing else) and the essentials (the relay plus the least a
+gateway request does, written lean) in front of the first node. Needs valgrind
 (``callgrind_control`` beside it).
 """
 
@@ -46,6 +47,7 @@ from prefixgate.gateway.ops import processes
 from prefixgate.gateway.ops.stack import free_port
 
 REQUESTS = 200
+FLOORS = {"floor": "app", "essentials": "essentials"}  # ``--floor`` targets: ``bench.floor`` 's factories
 WARMUP = 30
 QUIET_S = 5.0
 PROMPT_BYTES = 2_048
@@ -147,7 +149,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--floor",
         action="store_true",
-        help="also count the floor: uvicorn and aiohttp relaying the chat to a node, nothing else",
+        help="also count the floor (uvicorn and aiohttp relaying the chat to a node, nothing else) "
+        "and the essentials (the relay plus the least a gateway request does, written lean)",
     )
     p.add_argument("--json", dest="json_out", help="write the counts as JSON to this file")
 
@@ -155,7 +158,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _targets(args: argparse.Namespace) -> list[str]:
     out = ["prefixgate-http", "prefixgate-grpc"]
     if args.floor:
-        out.append("floor-http")
+        out += [f"{name}-http" for name in FLOORS]
     if args.baseline_src:
         out += ["baseline-http", "baseline-grpc"]
     if "smg" in args.peers.split(","):
@@ -168,11 +171,12 @@ def _start(
 ) -> processes.Child:
     workers = list(grpc if target.endswith("-grpc") else http)
     wrap = callgrind(out)
-    if target == "floor-http":
+    name = target.removesuffix("-http")
+    if name in FLOORS:
         port = free_port()
         child = processes.start(
             target,
-            [*wrap, *floor.command(port)],
+            [*wrap, *floor.command(port, factory=FLOORS[name])],
             ready=processes.answers_http(f"http://127.0.0.1:{port}/readyz"),
             timeout=START_TIMEOUT_S,
             env={floor.NODE_ENV: http[0]},

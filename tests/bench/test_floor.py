@@ -1,9 +1,11 @@
-"""``bench.floor``, the relay ``bench instructions --floor`` counts: run by its own command (real
-uvicorn, real aiohttp) in front of a loopback node, it passes the chat and the answer through
-unchanged and serves nothing else."""
+"""``bench.floor``, the relays ``bench instructions --floor`` counts, each run by its own command
+(real uvicorn, real aiohttp) in front of a loopback node: the floor passes the chat and the
+answer through unchanged and serves nothing else; the essentials check the chat, remember its
+blocks, give the answer its id and log the request."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from typing import ClassVar
@@ -32,21 +34,37 @@ class Node(Handler):
         self.reply(200, ANSWER)
 
 
+def start(factory: str, node: str) -> tuple[str, Child]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    child = processes.start(
+        factory,
+        floor.command(port, factory=factory),
+        ready=processes.answers_http(url + "/readyz"),
+        timeout=30.0,
+        env={floor.NODE_ENV: node},
+    )
+    return url, child
+
+
 @pytest.fixture
 def relay() -> Iterator[str]:
     Node.seen = []
     with serve_http(Node) as node:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        child: Child = processes.start(
-            "floor",
-            floor.command(port),
-            ready=processes.answers_http(url + "/readyz"),
-            timeout=30.0,
-            env={floor.NODE_ENV: node},
-        )
+        url, child = start("app", node)
         try:
             yield url
+        finally:
+            processes.stop_all([child], grace=5.0)
+
+
+@pytest.fixture
+def essentials() -> Iterator[tuple[str, Child]]:
+    Node.seen = []
+    with serve_http(Node) as node:
+        url, child = start("essentials", node)
+        try:
+            yield url, child
         finally:
             processes.stop_all([child], grace=5.0)
 
@@ -63,3 +81,23 @@ def test_anything_else_is_not_found_and_not_relayed(relay: str) -> None:
     assert httpx.get(relay + "/v1/models", timeout=10.0).status_code == 404
     assert httpx.post(relay + "/v1/completions", content=b"{}", timeout=10.0).status_code == 404
     assert Node.seen == []
+
+
+def test_the_essentials_check_the_chat_remember_its_blocks_and_log_it(essentials: tuple[str, Child]) -> None:
+    url, child = essentials
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x" * 2048}], "max_tokens": 8}
+    first = httpx.post(url + "/v1/chat/completions", json=chat, timeout=10.0)
+    again = httpx.post(url + "/v1/chat/completions", json=chat, timeout=10.0)
+    assert first.status_code == again.status_code == 200
+    assert first.json()["object"] == "chat.completion" and first.json()["id"] != again.json()["id"]
+    assert [json.loads(body) for _, body in Node.seen] == [chat, chat]
+    bad = {"model": "m", "messages": [{"role": "robot", "content": "hi"}]}
+    assert httpx.post(url + "/v1/chat/completions", json=bad, timeout=10.0).status_code == 400
+    assert len(Node.seen) == 2  # not relayed
+
+    def logged() -> list[dict[str, object]]:
+        return [json.loads(line) for line in child.lines if line.startswith('{"event":"request"')]
+
+    child.wait_until(lambda _: len(logged()) == 2, 10.0, "two request lines")
+    # the second sees the first's blocks in the index: 2 KB of text is 8 whole blocks
+    assert [line["cached_blocks"] for line in logged()] == [0, 8]

@@ -64,4 +64,5 @@ def test_mounted_under_the_prefixgate_command() -> None:
     assert args.func is instructions.run and args.nodes == [1, 8] and args.peers == "smg"
     assert instructions._targets(args) == ["prefixgate-http", "prefixgate-grpc", "smg-http", "smg-grpc"]
     args = build_parser().parse_args(["bench", "instructions", "--floor"])
-    assert instructions._targets(args) == ["prefixgate-http", "prefixgate-grpc", "floor-http"]
+    floors = ["floor-http", "essentials-http"]
+    assert instructions._targets(args) == ["prefixgate-http", "prefixgate-grpc", *floors]
