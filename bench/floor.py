@@ -104,7 +104,10 @@ class EssentialsRelay(FloorRelay):
         start = time.perf_counter()
         request_id = uuid.uuid4().hex
         raw = await _read_body(receive)
-        chat = orjson.loads(raw) if raw is not None else None
+        try:
+            chat = orjson.loads(raw) if raw is not None else None
+        except orjson.JSONDecodeError:
+            chat = None
         messages = chat.get("messages") if isinstance(chat, dict) else None
         text = _render(messages) if isinstance(messages, list) else None
         if chat is None or text is None:

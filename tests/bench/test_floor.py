@@ -93,6 +93,7 @@ def test_the_essentials_check_the_chat_remember_its_blocks_and_log_it(essentials
     assert [json.loads(body) for _, body in Node.seen] == [chat, chat]
     bad = {"model": "m", "messages": [{"role": "robot", "content": "hi"}]}
     assert httpx.post(url + "/v1/chat/completions", json=bad, timeout=10.0).status_code == 400
+    assert httpx.post(url + "/v1/chat/completions", content=b"{not json", timeout=10.0).status_code == 400
     assert len(Node.seen) == 2  # not relayed
 
     def logged() -> list[dict[str, object]]:
