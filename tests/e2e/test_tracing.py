@@ -91,13 +91,13 @@ def _chat(base: str, traceparent: str, route: str = "disaggregated") -> str:
     return str(raw.headers["x-prefixgate-request-id"])
 
 
-def _trace(trace_id: str, timeout: float = 15.0) -> list[Any]:
-    """The spans received of one trace, once its request span and two more are in."""
+def _trace(trace_id: str, names: set[str], timeout: float = 15.0) -> list[Any]:
+    """The spans received of one trace, once spans of all ``names`` are in (or time is up)."""
     deadline = time.monotonic() + timeout
     spans: list[Any] = []
     while time.monotonic() < deadline:
         spans = [s for _, s in _Collector.spans if s.trace_id.hex() == trace_id]
-        if any(s.name == "prefixgate.request" for s in spans) and len(spans) >= 3:
+        if names <= {s.name for s in spans}:
             break
         time.sleep(0.1)
     return spans
@@ -124,7 +124,8 @@ def test_a_request_is_one_trace_that_reaches_the_nodes(collector: str, protocol:
     nodes, gateway = procs[:-1], procs[-1]
     try:
         request_id = _chat(base, f"00-{trace_id}-{client_span}-01", ROUTES[protocol])
-        spans = _trace(trace_id)
+        split = {"prefixgate.prefill", "prefixgate.kv_transfer"} if protocol == "prefixgate" else set()
+        spans = _trace(trace_id, {"prefixgate.request", "prefixgate.first_token", *split})
         by_name = {s.name: s for s in spans}
         root = by_name["prefixgate.request"]
         assert root.parent_span_id.hex() == client_span  # a child of the client's span
@@ -137,7 +138,7 @@ def test_a_request_is_one_trace_that_reaches_the_nodes(collector: str, protocol:
         assert "prefixgate.first_token" in stages, stages
         if protocol == "prefixgate":
             assert attrs["prefixgate.prefill_node"].string_value
-            assert {"prefixgate.prefill", "prefixgate.kv_transfer"} <= stages, stages
+            assert split <= stages, stages
         for name in stages:
             child = by_name[name]
             assert child.parent_span_id == root.span_id
@@ -211,7 +212,7 @@ def test_a_call_to_the_grpc_front_end_is_traced_too(collector: str) -> None:
                 timeout=30,
             )
         assert done.route == "disaggregated"
-        spans = _trace(trace_id)
+        spans = _trace(trace_id, {"prefixgate.request", "prefixgate.prefill", "prefixgate.first_token"})
         root = next(s for s in spans if s.name == "prefixgate.request")
         assert root.parent_span_id.hex() == client_span
         attrs = {a.key: a.value for a in root.attributes}
