@@ -22,14 +22,33 @@ import redis
 from prefixgate.gateway.ops import processes
 from prefixgate.gateway.ops.processes import Child
 
+BUS_OFFSET = 10_000  # a cluster node's bus listens on its port + 10000
+LOWEST_PORT = 20_000
+
+
+def _ports_for_nodes() -> range:
+    """Ports for cluster nodes whose bus ports lie below the kernel's ephemeral range too: a
+    port free when chosen stays free until its node binds it, as no connection made meanwhile
+    (other tests', other nodes') is given one from outside that range. Where the range leaves
+    no room below it, ports anywhere from ``LOWEST_PORT``."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 0
+    if ephemeral_low - BUS_OFFSET - LOWEST_PORT >= 1_000:
+        return range(LOWEST_PORT, ephemeral_low - BUS_OFFSET)
+    return range(LOWEST_PORT, 65_535 - BUS_OFFSET)
+
 
 def _free_cluster_port() -> int:
     """A free port whose cluster bus port (port + 10000) is free too."""
     rng = random.Random()
+    ports = _ports_for_nodes()
     for _ in range(200):
-        port = rng.randrange(20000, 50000)
+        port = rng.choice(ports)
         try:
-            for p in (port, port + 10000):
+            for p in (port, port + BUS_OFFSET):
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", p))
         except OSError:
@@ -75,8 +94,8 @@ class RedisClusterHarness:
 
     def start(self) -> RedisClusterHarness:
         try:
-            for port in self.ports:
-                self.start_node(port)
+            for i, port in enumerate(self.ports):
+                self.ports[i] = self._start_new_node(port)
             subprocess.run(
                 ["redis-cli", "--cluster", "create"]
                 + [f"127.0.0.1:{p}" for p in self.ports]
@@ -90,6 +109,22 @@ class RedisClusterHarness:
             self.stop()
             raise
         return self
+
+    def _start_new_node(self, port: int, attempts: int = 3) -> int:
+        """Start a node of the cluster being made on ``port``, or on another free pair if a
+        process took one of its two ports first (Redis then exits: "Failed listening"); the
+        port it listens on."""
+        for attempt in range(attempts):
+            try:
+                self.start_node(port)
+                return port
+            except processes.StartFailed:
+                if attempt == attempts - 1:
+                    raise
+                port = _free_cluster_port()
+                while port in self.ports:
+                    port = _free_cluster_port()
+        raise AssertionError("unreachable")
 
     def start_node(self, port: int) -> None:
         node_dir = os.path.join(self.dir, str(port))
