@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -154,7 +155,11 @@ def test_sigterm_while_the_gateway_starts_is_a_clean_stop(stop_at: str) -> None:
         if stop_at == "worker_started":
             proc.wait_for(r'^(?=.*"event": ?"worker_started")(?=.*"worker": ?1\b)')  # both started
         proc.send_signal(signal.SIGTERM)
-        assert proc.proc.wait(timeout=30) == 0, proc.tail()
+        try:
+            code = proc.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("still running 30 s after SIGTERM:\n" + proc.tail(60))
+        assert code == 0, proc.tail()
         gateway = Gateway(proc, "")
         assert not gateway.events("worker_ready"), "the workers were ready: the stop came too late to test"
         stopped = gateway.events("worker_stopped")
