@@ -66,7 +66,10 @@ class _LineWriter:
 
     def __init__(self, file: Any) -> None:
         self._file = file
-        self._lock = threading.Lock()
+        # Reentrant: a signal handler runs in the thread it interrupted, and one that logs (the
+        # supervisor's stop) while that thread is writing a line would otherwise wait on itself
+        # forever. Its line then goes before the rest of a line longer than a pipe write.
+        self._lock = threading.RLock()
 
     def msg(self, message: str) -> None:
         line = message + "\n"

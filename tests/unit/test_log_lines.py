@@ -7,6 +7,7 @@ import asyncio
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Coroutine
@@ -54,6 +55,41 @@ def test_a_stream_without_a_descriptor_still_gets_its_lines() -> None:
         configure_logging("json")
     (line,) = buf.getvalue().splitlines()
     assert json.loads(line)["event"] == "kept"
+
+
+class _SignalOnFirstFlush(io.StringIO):
+    """A stream that signals this process the first time a line is being written to it: the
+    signal's handler runs while that line's writer is still in the middle of it."""
+
+    signalled = False
+
+    def flush(self) -> None:
+        if not self.signalled:
+            self.signalled = True
+            os.kill(os.getpid(), signal.SIGUSR1)
+        super().flush()
+
+
+def test_a_signal_handler_that_logs_while_a_line_is_being_written_does_not_wait_on_itself() -> None:
+    """The gateway supervisor's stop logs from its SIGTERM handler; a SIGTERM that came while
+    the supervisor was logging a line hung it (the line's lock held by the thread the handler
+    interrupted), with a worker started and no stop sent."""
+    buf = _SignalOnFirstFlush()
+    log = structlog.get_logger("lines")
+    previous = signal.signal(signal.SIGUSR1, lambda *_: log.info("from_the_handler"))
+    old = sys.stderr
+    sys.stderr = buf
+    try:
+        configure_logging("json")
+        log.info("interrupted")
+    finally:
+        sys.stderr = old
+        signal.signal(signal.SIGUSR1, previous)
+        configure_logging("json")
+    assert [json.loads(line)["event"] for line in buf.getvalue().splitlines()] == [
+        "from_the_handler",
+        "interrupted",
+    ]
 
 
 def _lines(run: Callable[[], Coroutine[Any, Any, None]]) -> list[dict[str, object]]:
