@@ -82,9 +82,7 @@ class RedisClusterHarness:
         self.node_timeout_ms = node_timeout_ms
         self.ports: list[int] = []
         while len(self.ports) < masters * (1 + replicas):
-            port = _free_cluster_port()
-            if port not in self.ports:
-                self.ports.append(port)
+            self.ports.append(self._new_port())
         self.procs: dict[int, Child] = {}
         self.dir = tempfile.mkdtemp(prefix="prefixgate-cluster-")
 
@@ -114,17 +112,21 @@ class RedisClusterHarness:
         """Start a node of the cluster being made on ``port``, or on another free pair if a
         process took one of its two ports first (Redis then exits: "Failed listening"); the
         port it listens on."""
-        for attempt in range(attempts):
+        for _ in range(attempts - 1):
             try:
                 self.start_node(port)
                 return port
             except processes.StartFailed:
-                if attempt == attempts - 1:
-                    raise
-                port = _free_cluster_port()
-                while port in self.ports:
-                    port = _free_cluster_port()
-        raise AssertionError("unreachable")
+                port = self._new_port()
+        self.start_node(port)
+        return port
+
+    def _new_port(self) -> int:
+        """A free port pair no node of this cluster has."""
+        port = _free_cluster_port()
+        while port in self.ports:
+            port = _free_cluster_port()
+        return port
 
     def start_node(self, port: int) -> None:
         node_dir = os.path.join(self.dir, str(port))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import ClassVar
 
 import httpx
@@ -34,39 +35,37 @@ class Node(Handler):
         self.reply(200, ANSWER)
 
 
-def start(factory: str, node: str) -> tuple[str, Child]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    child = processes.start(
-        factory,
-        floor.command(port, factory=factory),
-        ready=processes.answers_http(url + "/readyz"),
-        timeout=30.0,
-        env={floor.NODE_ENV: node},
-    )
-    return url, child
-
-
-@pytest.fixture
-def relay() -> Iterator[str]:
+@contextmanager
+def running(factory: str) -> Iterator[tuple[str, Child]]:
+    """``bench.floor`` 's ``factory`` by its own command in front of a fresh ``Node``: its URL
+    and process."""
     Node.seen = []
     with serve_http(Node) as node:
-        url, child = start("app", node)
-        try:
-            yield url
-        finally:
-            processes.stop_all([child], grace=5.0)
-
-
-@pytest.fixture
-def essentials() -> Iterator[tuple[str, Child]]:
-    Node.seen = []
-    with serve_http(Node) as node:
-        url, child = start("essentials", node)
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        child = processes.start(
+            factory,
+            floor.command(port, factory=factory),
+            ready=processes.answers_http(url + "/readyz"),
+            timeout=30.0,
+            env={floor.NODE_ENV: node},
+        )
         try:
             yield url, child
         finally:
             processes.stop_all([child], grace=5.0)
+
+
+@pytest.fixture
+def relay() -> Iterator[str]:
+    with running("app") as (url, _):
+        yield url
+
+
+@pytest.fixture
+def essentials() -> Iterator[tuple[str, Child]]:
+    with running("essentials") as started:
+        yield started
 
 
 def test_a_chat_and_its_answer_pass_through_unchanged(relay: str) -> None:
