@@ -174,6 +174,12 @@ def received(traceparent: str, **fields: Any) -> str:
     return trace_id
 
 
+def active() -> bool:
+    """Whether tracing is on: a request's span is then started from all of its headers (its
+    propagators may read any), else only its ``traceparent`` and ``tracestate`` are passed on."""
+    return _TRACING is not None
+
+
 def recording() -> bool:
     """Whether this request's span records (tracing on, the request sampled): what a caller
     checks before it builds a span's arguments on the request path."""

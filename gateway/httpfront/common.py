@@ -55,25 +55,60 @@ def runner_of(request: Request) -> RequestRunner:
     return service_of(request).runner
 
 
+# The headers a request's own path reads (``read_headers``).
+_READ = frozenset(
+    name.encode()
+    for name in (
+        "authorization",
+        "content-length",
+        *REQUEST_ID_HEADERS,
+        PRIORITY_CLASS_HEADER,
+        TTFT_SLO_HEADER,
+        tracing.TRACEPARENT_KEY,
+        tracing.TRACESTATE_KEY,
+    )
+)
+_HEADERS_KEY = "prefixgate.headers"
+
+
+def read_headers(scope: Scope) -> Mapping[str, str]:
+    """The headers the request path reads (``_READ``; the first of a repeated one, as starlette's
+    ``Headers.get`` gives it), taken in one pass over the scope's list and kept in the scope.
+    ``Headers.get`` walks the whole list for each name, and raises and catches a ``KeyError``
+    for each name the client did not send, which is most of them: seven lookups a completion."""
+    found: dict[str, str] | None = scope.get(_HEADERS_KEY)
+    if found is None:
+        found = {}
+        for name, value in scope["headers"]:
+            name = name.lower()
+            if name in _READ:
+                found.setdefault(name.decode("latin-1"), value.decode("latin-1"))
+        scope[_HEADERS_KEY] = found
+    return found
+
+
 def request_id_of(request: Request) -> str | None:
     """The client's request id (first valid of the two headers), or None."""
-    return valid_request_id(*(request.headers.get(h) for h in REQUEST_ID_HEADERS))
+    headers = read_headers(request.scope)
+    return valid_request_id(*(headers.get(h) for h in REQUEST_ID_HEADERS))
 
 
 def caller_of(request: Request) -> Caller:
     """What the runner needs from an HTTP request: credentials, request id, client address."""
+    headers = read_headers(request.scope)
+    client = request.scope.get("client")
     return Caller(
-        authorization=request.headers.get("authorization", ""),
+        authorization=headers.get("authorization", ""),
         request_id=current_request_id() or request_id_of(request),
-        client_host=request.client.host if request.client else "",
-        priority_class=request.headers.get(PRIORITY_CLASS_HEADER, ""),
-        ttft_slo_ms=request.headers.get(TTFT_SLO_HEADER, ""),
+        client_host=client[0] if client else "",
+        priority_class=headers.get(PRIORITY_CLASS_HEADER, ""),
+        ttft_slo_ms=headers.get(TTFT_SLO_HEADER, ""),
     )
 
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The body, refusing more than ``limit`` bytes before reading them all."""
-    declared = request.headers.get("content-length")
+    declared = read_headers(request.scope).get("content-length")
     if declared is not None:
         try:
             size = int(declared)
@@ -139,7 +174,7 @@ class Endpoint:
 
         with tracing.request(
             "prefixgate.request",
-            request.headers,
+            request.headers if tracing.active() else read_headers(scope),  # a span reads them all
             **{"http.route": scope["path"], "prefixgate.request_id": rid},
         ):
             try:
