@@ -16,7 +16,6 @@ import logging
 import os
 import sys
 import threading
-import uuid
 from collections.abc import Callable, Mapping, MutableMapping
 from types import MappingProxyType
 from typing import Any
@@ -133,7 +132,9 @@ def configure_logging(
 
 def bind_request(request_id: str | None, **fields: Any) -> str:
     """Start a request's log context: its id (a new one when the client sent none) and fields."""
-    rid = request_id or uuid.uuid4().hex
+    # 128 random bits as 32 hex digits, as a uuid4's hex but without building the UUID (a
+    # microsecond of every request)
+    rid = request_id or os.urandom(16).hex()
     _FIELDS.set({"request_id": rid, **fields})
     return rid
 

@@ -36,8 +36,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -164,7 +164,7 @@ class RequestRunner:
         tenant, key = found if found is not None else (KEYLESS_TENANT, "")
         return RequestContext(
             tenant,
-            caller.request_id or uuid.uuid4().hex,
+            caller.request_id or os.urandom(16).hex(),  # 32 hex digits, as ``bind_request``'s
             credentials,
             key_id=key,
             priority_class=caller.priority_class,

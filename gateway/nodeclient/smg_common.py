@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import os
 import uuid
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -351,8 +352,9 @@ def streams(runtime: Runtime | None, prompt: Prompt) -> bool:
 
 
 def new_request_id(prompt: Prompt) -> str:
-    """Unique per dispatch (a retry on another node is another dispatch): ``{rid}-{uuid}``."""
-    return f"{prompt.request_id}-{uuid.uuid4().hex[:16]}"
+    """Unique per dispatch (a retry on another node is another dispatch): ``{rid}-{64 random
+    bits in hex}``."""
+    return f"{prompt.request_id}-{os.urandom(8).hex()}"
 
 
 class SmgNodeClient:
