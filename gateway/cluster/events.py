@@ -160,7 +160,8 @@ class EventSync:
         self.instance[node.address] = ev.instance_id
         self.last_seq[node.address] = ev.seq
         self.applied += 1
-        self.metrics.events_applied.labels(ev.kind.value).inc()
+        m = self.metrics
+        m.child(m.events_applied, ev.kind.value).inc()
 
     async def close(self) -> None:
         tasks: list[asyncio.Future[Any]] = list(self._tasks.values())
