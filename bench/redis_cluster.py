@@ -9,10 +9,8 @@ identity and slots).
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -21,40 +19,9 @@ import redis
 
 from prefixgate.gateway.ops import processes
 from prefixgate.gateway.ops.processes import Child
+from prefixgate.gateway.ops.stack import free_port
 
 BUS_OFFSET = 10_000  # a cluster node's bus listens on its port + 10000
-LOWEST_PORT = 20_000
-
-
-def _ports_for_nodes() -> range:
-    """Ports for cluster nodes whose bus ports lie below the kernel's ephemeral range too: a
-    port free when chosen stays free until its node binds it, as no connection made meanwhile
-    (other tests', other nodes') is given one from outside that range. Where the range leaves
-    no room below it, ports anywhere from ``LOWEST_PORT``."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            ephemeral_low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        ephemeral_low = 0
-    if ephemeral_low - BUS_OFFSET - LOWEST_PORT >= 1_000:
-        return range(LOWEST_PORT, ephemeral_low - BUS_OFFSET)
-    return range(LOWEST_PORT, 65_535 - BUS_OFFSET)
-
-
-def _free_cluster_port() -> int:
-    """A free port whose cluster bus port (port + 10000) is free too."""
-    rng = random.Random()
-    ports = _ports_for_nodes()
-    for _ in range(200):
-        port = rng.choice(ports)
-        try:
-            for p in (port, port + BUS_OFFSET):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no free port pair for a cluster node")
 
 
 def start_redis(port: int, *args: str, timeout: float = 10.0) -> Child:
@@ -123,9 +90,9 @@ class RedisClusterHarness:
 
     def _new_port(self) -> int:
         """A free port pair no node of this cluster has."""
-        port = _free_cluster_port()
+        port = free_port(pair_offset=BUS_OFFSET)
         while port in self.ports:
-            port = _free_cluster_port()
+            port = free_port(pair_offset=BUS_OFFSET)
         return port
 
     def start_node(self, port: int) -> None:

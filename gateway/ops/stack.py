@@ -3,34 +3,107 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
+import os
+import random
 import socket
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.ops import processes
 from prefixgate.gateway.ops.processes import Child
 
-_HANDED_OUT: set[int] = set()
-_HANDED_OUT_LIMIT = 4096
+#: The lowest port handed out (``port_range``): above the registered ports of common services.
+LOWEST_PORT = 20_000
+#: A port handed out is not handed out again, by any process of this user, for this long: the
+#: child it was meant for binds it well within that.
+HOLD_S = 120.0
+_REGISTRY = Path(tempfile.gettempdir()) / f"prefixgate-ports-{os.getuid()}"
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free now that this process has not handed out before.
+def port_range(pair_offset: int = 0) -> range:
+    """The ports ``free_port`` picks from: below the kernel's ephemeral range (with ``pair_offset``
+    ports to spare above each), where the kernel never picks a port for a connection; one taken
+    so between its probe and its child's bind fails the start. Where that leaves fewer than
+    1,000, every port above ``LOWEST_PORT``."""
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 0
+    if ephemeral_low - pair_offset - LOWEST_PORT >= 1_000:
+        return range(LOWEST_PORT, ephemeral_low - pair_offset)
+    return range(LOWEST_PORT, 65_536 - pair_offset)
 
-    The probe socket is closed before the child binds, so the kernel may offer the same port
-    again to the next probe; a stack of several nodes started at once then gets one port twice.
+
+@contextmanager
+def _handed_out() -> Iterator[dict[int, float]]:
+    """The ports handed out in the last ``HOLD_S`` by any process of this user (the port ->
+    when), under an exclusive lock, written back on leaving. Processes that start children on
+    ports they chose (a test run's workers, a stack and its nodes) otherwise may choose one port
+    twice: the port is free until its first child binds it, and the second child then finds the
+    first one's server there. Without a writable registry: this process's own choices."""
+    now = time.time()
+    try:
+        fd = os.open(_REGISTRY, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        yield _LOCAL
+        return
+    with os.fdopen(fd, "r+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        held: dict[int, float] = {}
+        for line in f.read().split("\n"):
+            port, _, at = line.partition(" ")
+            with contextlib.suppress(ValueError):
+                if now - float(at) < HOLD_S:
+                    held[int(port)] = float(at)
+        yield held
+        f.seek(0)
+        f.truncate()
+        f.write("".join(f"{port} {at}\n" for port, at in held.items()))
+
+
+_LOCAL: dict[int, float] = {}
+
+
+def _bindable(family: socket.AddressFamily, host: str, port: int) -> bool:
+    try:
+        with socket.socket(family) as s:
+            s.bind((host, port))
+    except OSError:
+        return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1", *, pair_offset: int = 0) -> int:
+    """A port free now (with ``port + pair_offset`` free too, when given: a Redis Cluster node's
+    bus) from ``port_range``, that no process of this user was handed in the last ``HOLD_S``.
+
+    The probe socket is closed before the child binds: what keeps the port free meanwhile is its
+    range (no connection takes it) and the registry (no other chooser takes it).
     """
-    if len(_HANDED_OUT) >= _HANDED_OUT_LIMIT:
-        _HANDED_OUT.clear()
-    for _ in range(64):
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-            s.bind((host, 0))
-            port = int(s.getsockname()[1])
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
-    raise OSError(f"no fresh free port on {host} after 64 tries")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    ports = port_range(pair_offset)
+    rng = random.Random()
+    with _handed_out() as held:
+        now = time.time()
+        for stale in [p for p, at in _LOCAL.items() if now - at >= HOLD_S]:
+            del _LOCAL[stale]
+        for _ in range(256):
+            port = rng.choice(ports)
+            if port in held or port in _LOCAL:
+                continue
+            if _bindable(family, host, port) and (
+                not pair_offset or _bindable(family, host, port + pair_offset)
+            ):
+                held[port] = _LOCAL[port] = now
+                return port
+    raise OSError(f"no free port on {host} in {ports.start}..{ports.stop - 1} after 256 tries")
 
 
 @dataclass

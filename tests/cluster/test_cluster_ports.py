@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import socket
 
-from prefixgate.bench.redis_cluster import BUS_OFFSET, RedisClusterHarness, _ports_for_nodes
+from prefixgate.bench.redis_cluster import BUS_OFFSET, RedisClusterHarness
+from prefixgate.gateway.ops.stack import port_range
 
 
 def test_node_and_bus_ports_lie_below_the_ephemeral_range() -> None:
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         ephemeral_low = int(f.read().split()[0])
-    ports = _ports_for_nodes()
+    ports = port_range(BUS_OFFSET)
     assert len(ports) >= 1_000
     assert ports[-1] + BUS_OFFSET < ephemeral_low
 
