@@ -10,8 +10,7 @@ header of any size. This subclass adds, per connection:
 - a connection cap held under the process's open-file limit: at the cap a new connection evicts
   the longest-idle connection (no request in progress), or is refused with 503 if none is idle,
   so silent sockets cannot starve real requests of file descriptors;
-- close-delimited responses for HTTP/1.0 clients, which cannot read chunked encoding;
-- a response of known length written in one piece, head and body (``CoalescingCycle``).
+- close-delimited responses for HTTP/1.0 clients, which cannot read chunked encoding.
 """
 
 from __future__ import annotations
@@ -109,78 +108,7 @@ class _Rejected(Exception):
     """Raised from a parser callback to stop parsing a request already answered."""
 
 
-class _Prefixed:
-    """A connection's transport whose next write is prefixed by ``head`` (``CoalescingCycle``)."""
-
-    __slots__ = ("head", "transport")
-
-    def __init__(self, transport: asyncio.Transport, head: bytes) -> None:
-        self.transport = transport
-        self.head = head
-
-    def write(self, data: bytes) -> None:
-        head, self.head = self.head, b""
-        self.transport.write(head + data)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.transport, name)
-
-
-class _Kept:
-    """A stand-in transport that keeps what is written to it."""
-
-    __slots__ = ("data",)
-
-    def __init__(self) -> None:
-        self.data = b""
-
-    def write(self, data: bytes) -> None:
-        self.data += data
-
-
-class CoalescingCycle(RequestResponseCycle):
-    """A response of known length goes out in one write, its head with its body's first part.
-
-    uvicorn writes the head as soon as the response starts and the body when it comes; the
-    socket sends each at once (no Nagle delay), so every answer was two segments: two system
-    calls here, two wake-ups of the client. A whole answer's body follows its start at once,
-    in the same task. A response without a length (a stream, chunked) keeps its head written
-    first: its first event may be a first token away. A HEAD answer has no body to carry it.
-    """
-
-    _head = b""
-
-    async def send(self, message: Any) -> None:
-        if (
-            not self.response_started
-            and message["type"] == "http.response.start"
-            and self.scope["method"] != "HEAD"
-            and any(
-                name.lower() == b"content-length" and value != b"0"
-                for name, value in message.get("headers", ())
-            )
-        ):
-            transport, kept = self.transport, _Kept()
-            self.transport = cast(asyncio.Transport, kept)
-            try:
-                await super().send(message)
-            finally:
-                self.transport = transport
-            self._head = kept.data
-            return
-        if self._head and message["type"] == "http.response.body":
-            transport, prefixed = self.transport, _Prefixed(self.transport, self._head)
-            self._head = b""
-            self.transport = cast(asyncio.Transport, prefixed)
-            try:
-                await super().send(message)
-            finally:
-                self.transport = transport
-            return
-        await super().send(message)
-
-
-class CloseDelimitedCycle(CoalescingCycle):
+class CloseDelimitedCycle(RequestResponseCycle):
     """An HTTP/1.0 response without Content-Length: the body ends when the connection closes
     (HTTP/1.0 has no chunked encoding)."""
 
@@ -367,10 +295,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         extensions = cast(dict[str, Any], self.scope.setdefault("extensions", {}))
         extensions[DISCONNECT_EXTENSION] = self._hook
         self._arm(self.limits.body_timeout_s, self._body_timeout)
-        if type(self.cycle) is RequestResponseCycle:
-            # uvicorn builds the cycle itself; its layout is unchanged by the subclasses.
-            http10 = self.scope.get("http_version") == "1.0"
-            self.cycle.__class__ = CloseDelimitedCycle if http10 else CoalescingCycle
+        if self.scope.get("http_version") == "1.0" and type(self.cycle) is RequestResponseCycle:
+            # uvicorn builds the cycle itself; its layout is unchanged by the subclass.
+            self.cycle.__class__ = CloseDelimitedCycle
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
