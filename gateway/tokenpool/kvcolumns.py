@@ -103,8 +103,8 @@ def of_stored(m: Any) -> Stored:
     declared: list[int] = []
     tokens = array.array("I")
     for b in m.blocks:
-        # a slice is a list made in C; ``extend`` would take the ids one by one from the
-        # container's iterator, twice the time of the whole batch's parse
+        # a slice is a list made in C; ``extend`` took the ids one by one through the
+        # container's iterator, at twice the cost
         ids = b.token_ids[:]
         handles.append(b.block_hash)
         sizes.append(len(ids))
