@@ -48,24 +48,30 @@ def _handed_out() -> Iterator[dict[int, float]]:
     ports they chose (a test run's workers, a stack and its nodes) otherwise may choose one port
     twice: the port is free until its first child binds it, and the second child then finds the
     first one's server there. Without a writable registry: this process's own choices."""
-    now = time.time()
     try:
         fd = os.open(_REGISTRY, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError:
         yield _LOCAL
         return
-    with os.fdopen(fd, "r+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    with os.fdopen(fd, "r+b", buffering=0) as f:  # unbuffered: a failed write fails here
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            lines = f.read().decode("ascii", "replace").split("\n")
+        except OSError:  # a file system without locks: no registry
+            yield _LOCAL
+            return
+        now = time.time()
         held: dict[int, float] = {}
-        for line in f.read().split("\n"):
+        for line in lines:
             port, _, at = line.partition(" ")
             with contextlib.suppress(ValueError):
                 if now - float(at) < HOLD_S:
                     held[int(port)] = float(at)
         yield held
-        f.seek(0)
-        f.truncate()
-        f.write("".join(f"{port} {at}\n" for port, at in held.items()))
+        with contextlib.suppress(OSError):  # a full disk costs the registry, not the port
+            f.seek(0)
+            f.truncate()
+            f.write("".join(f"{port} {at}\n" for port, at in held.items()).encode())
 
 
 _LOCAL: dict[int, float] = {}

@@ -8,6 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from prefixgate.gateway.ops import stack
 from prefixgate.gateway.ops.stack import port_range
 
 CHOOSE = """
@@ -34,3 +37,11 @@ def test_processes_choosing_at_once_never_get_one_port() -> None:
     every = [p for c in chosen for p in c]
     assert len(set(every)) == len(every)
     assert all(p in port_range() for p in every)
+
+
+def test_without_a_registry_it_still_hands_out_fresh_ports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(stack, "_REGISTRY", tmp_path)  # a directory: the registry cannot be opened
+    chosen = [stack.free_port() for _ in range(50)]
+    assert len(set(chosen)) == len(chosen)  # this process's own choices are still kept
