@@ -11,11 +11,17 @@ Standard-library loggers (uvicorn, grpc, asyncio) are rendered the same way.
 
 from __future__ import annotations
 
+import asyncio
+import atexit
+import contextlib
 import contextvars
 import logging
 import os
+import stat
 import sys
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Mapping, MutableMapping
 from types import MappingProxyType
 from typing import Any
@@ -55,20 +61,52 @@ def _with(fields: Mapping[str, Any]) -> structlog.typing.Processor:
     return add
 
 
+#: Lines an event loop's thread has held while the output could not take them (a pipe whose
+#: reader stalled), at most this many bytes; past it, its new lines are dropped and counted.
+MAX_HELD_BYTES = 1024 * 1024
+
+
+def _on_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 class _LineWriter:
     """Writes each log line, its newline included, in one ``write`` to the file's descriptor:
     gateway workers share one stderr, and a line written in pieces (the text, then its newline,
     as ``print`` does) is cut by a sibling's line. A pipe keeps a write of up to ``PIPE_BUF``
     (4 KiB on Linux) whole, a file opened for appending any write. A line the output cannot
     take (a pipe whose reader went away, a closed file) is dropped: a log line is never worth
-    a failed request or a shutdown that cannot finish."""
+    a failed request or a shutdown that cannot finish.
 
-    def __init__(self, file: Any) -> None:
+    Nor is it worth the event loop: a pipe whose reader is alive but stalls (a log shipper
+    behind, a pager paused) once had every request and ``/healthz`` wait on a full pipe (64 KiB,
+    a hundred requests' lines). A line goes through a non-blocking descriptor of the same pipe
+    (``_open``); one the pipe has no room for is held, the lines after it behind it, and a
+    thread writes them as the reader takes them. An event loop's thread leaves its line there
+    and goes on (past ``max_held_bytes`` held, its lines are dropped, and a line says how many
+    once the output flows again); any other thread waits until its line is written, as it would
+    on a blocking write, so a script that logs faster than its reader reads loses nothing."""
+
+    def __init__(self, file: Any, max_held_bytes: int = MAX_HELD_BYTES) -> None:
         self._file = file
         # Reentrant: a signal handler runs in the thread it interrupted, and one that logs (the
         # supervisor's stop) while that thread is writing a line would otherwise wait on itself
         # forever. Its line then goes before the rest of a line longer than a pipe write.
         self._lock = threading.RLock()
+        self._written = threading.Condition(self._lock)
+        self._max_held = max_held_bytes
+        self._fd = -1  # the file's descriptor the next one is for
+        self._nb_fd = -1  # a non-blocking descriptor of the same pipe; -1: none (not a pipe)
+        self._held: deque[bytes] = deque()
+        self._held_bytes = 0
+        self._queued = 0  # lines ever held, and of them written (or lost): a waiter's turn
+        self._done = 0
+        self._dropped = 0
+        self._draining = False  # a thread writes the held lines: new ones queue behind them
 
     def msg(self, message: str) -> None:
         line = message + "\n"
@@ -81,22 +119,114 @@ class _LineWriter:
                     self._file.write(line)
                     return
                 data = line.encode("utf-8", "backslashreplace")
-                while data:
-                    data = data[os.write(fd, data) :]
+                if fd != self._fd:
+                    self._open(fd)
+                if self._nb_fd < 0:
+                    while data:
+                        data = data[os.write(fd, data) :]
+                    return
+                if not self._draining:
+                    try:
+                        data = data[os.write(self._nb_fd, data) :]
+                    except BlockingIOError:
+                        pass
+                    if not data:
+                        return
+                if _on_event_loop():
+                    if self._held_bytes + len(data) > self._max_held:
+                        self._dropped += 1
+                    else:
+                        self._hold(data)
+                    return
+                turn = self._hold(data)
+                while self._done < turn and self._draining:
+                    self._written.wait()
             except (OSError, ValueError):
                 pass
+
+    def _open(self, fd: int) -> None:
+        """Take ``fd`` as the output: a pipe gets a non-blocking descriptor of its own (opened
+        anew: the flag is not set on the descriptor other processes share)."""
+        if self._nb_fd >= 0:
+            os.close(self._nb_fd)
+        self._fd, self._nb_fd = fd, -1
+        with contextlib.suppress(OSError):
+            if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                self._nb_fd = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_NONBLOCK)
+
+    def _hold(self, data: bytes) -> int:
+        """Queue ``data`` for the draining thread (started if none runs); its turn."""
+        self._held.append(data)
+        self._held_bytes += len(data)
+        self._queued += 1
+        if not self._draining:
+            self._draining = True
+            threading.Thread(target=self._drain, name="prefixgate-log-drain", daemon=True).start()
+        return self._queued
+
+    def _drain(self) -> None:
+        """Write the held lines in order, blocking as the reader allows; then say how many were
+        dropped meanwhile, and let callers write again themselves."""
+        while True:
+            with self._lock:
+                if not self._held and self._dropped:
+                    note = {"event": "log_lines_dropped", "count": self._dropped, "level": "warning"}
+                    self._dropped = 0
+                    self._hold(orjson.dumps(note) + b"\n")
+                if not self._held:
+                    self._draining = False
+                    self._written.notify_all()
+                    return
+                data = self._held.popleft()
+                self._held_bytes -= len(data)
+                fd = self._fd
+            try:
+                while data:
+                    data = data[os.write(fd, data) :]
+            except OSError:  # the reader went away: what is held goes with it
+                with self._lock:
+                    self._done += len(self._held)
+                    self._held.clear()
+                    self._held_bytes = 0
+            with self._lock:
+                self._done += 1
+                self._written.notify_all()
+
+    def wait_drained(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the held lines to be written (at exit: a reader
+        that is only slow still gets the last lines, the shutdown's)."""
+        deadline = time.monotonic() + timeout
+        while self._draining and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     log = debug = info = warn = warning = msg
     fatal = failure = err = error = critical = exception = msg
 
 
-def _line_writer_factory(file: Any) -> Callable[..., _LineWriter]:
-    writer = _LineWriter(file)
+#: How long a process's exit waits for its held log lines to be written.
+EXIT_DRAIN_S = 5.0
 
+
+def _line_writer_factory(writer: _LineWriter) -> Callable[..., _LineWriter]:
     def make(*_args: Any) -> _LineWriter:
         return writer
 
     return make
+
+
+class _WriterHandler(logging.Handler):
+    """The standard loggers' lines (uvicorn's, grpc's, asyncio's) through the same writer: in
+    order with the rest, and never blocking on a stalled pipe either."""
+
+    def __init__(self, writer: _LineWriter) -> None:
+        super().__init__()
+        self.writer = writer
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.writer.msg(self.format(record))
+        except Exception:
+            self.handleError(record)
 
 
 def configure_logging(
@@ -112,13 +242,15 @@ def configure_logging(
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     renderer = _renderer(fmt)
+    writer = _LineWriter(sys.stderr)
+    atexit.register(writer.wait_drained, EXIT_DRAIN_S)
     structlog.configure(
         processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=_line_writer_factory(sys.stderr),
+        logger_factory=_line_writer_factory(writer),
         cache_logger_on_first_use=True,
     )
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _WriterHandler(writer)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],

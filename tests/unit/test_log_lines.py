@@ -10,12 +10,19 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 import structlog
 
-from prefixgate.gateway.logging import bind_fields, bind_request, configure_logging, current_request_id
+from prefixgate.gateway.logging import (
+    _LineWriter,
+    bind_fields,
+    bind_request,
+    configure_logging,
+    current_request_id,
+)
 
 _WRITER = r"""
 import sys
@@ -128,3 +135,31 @@ def test_a_requests_fields_are_in_its_lines_and_its_tasks_and_not_in_the_next_re
     assert (one["request_id"], one["trace_id"], one["path"]) == ("first", "t1", "/v1/chat/completions")
     assert task["request_id"] == "first" and task["trace_id"] == "t1" and "extra" not in task
     assert two["request_id"] == "second" and "trace_id" not in two and "path" not in two
+
+
+def test_an_event_loop_never_waits_on_a_stalled_pipe_and_says_what_it_dropped() -> None:
+    r, w = os.pipe()
+    out = os.fdopen(w, "w")
+    writer = _LineWriter(out, max_held_bytes=20_000)
+    line = "x" * 999  # a thousand bytes with its newline: the pipe (64 KiB) takes some 65
+
+    async def log_lines() -> None:
+        for _ in range(200):
+            writer.msg(line)  # would block at the 66th on a blocking write: nobody reads yet
+
+    logging_loop = threading.Thread(target=asyncio.run, args=(log_lines(),), daemon=True)
+    logging_loop.start()
+    logging_loop.join(10)
+    assert not logging_loop.is_alive()  # a blocking write would hold it at the 66th line
+    kept = 0
+    with os.fdopen(r, "rb") as f:  # the reader reads again: the held lines, then the note
+        for got in f:
+            if got == line.encode() + b"\n":
+                kept += 1
+                continue
+            note = json.loads(got)
+            break
+    writer.wait_drained(10)
+    out.close()
+    assert note == {"event": "log_lines_dropped", "count": 200 - kept, "level": "warning"}
+    assert 65 + 20 - 2 <= kept <= 65 + 20  # the pipe's fill and the held bound
