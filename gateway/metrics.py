@@ -129,6 +129,27 @@ class NodeCollector(Collector):
             yield fam
 
 
+class HitRatioCollector(Collector):
+    """``prefixgate_cache_hit_ratio``, cached / prompt tokens since start, computed when scraped
+    from the counts (``Metrics.hit_counts``): under gateway workers every worker's, summed, where
+    a gauge each worker set held whichever worker wrote last; and nothing to set per request."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        fam = GaugeMetricFamily(
+            "prefixgate_cache_hit_ratio",
+            "Cached / prompt tokens since start (reported by nodes, or predicted)",
+            labels=["source"],
+        )
+        _, t = self.metrics.hit_counts()
+        if t.prompt:
+            fam.add_metric(["reported"], t.ratio(t.cached))
+            fam.add_metric(["predicted"], t.ratio(t.predicted))
+        yield fam
+
+
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -180,13 +201,6 @@ class Metrics:
             "prefixgate_computed_tokens",
             "Prompt tokens the node computed (not served from KV cache)",
             ["node"],
-            registry=r,
-        )
-        self.hit_ratio = Gauge(
-            "prefixgate_cache_hit_ratio",
-            "Cached / prompt tokens since start (reported by nodes, or predicted)",
-            ["source"],
-            multiprocess_mode="mostrecent",
             registry=r,
         )
         self.requests = Counter(
@@ -307,6 +321,9 @@ class Metrics:
         self.per_node: dict[str, HitCounts] = {}
         self.totals = HitCounts()
         self.scrape_collectors: list[Collector] = []  # read at scrape time, not from files
+        hit_ratio = HitRatioCollector(self)
+        r.register(hit_ratio)
+        self.scrape_collectors.append(hit_ratio)
         self._index_nodes: set[str] = set()
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
@@ -363,10 +380,6 @@ class Metrics:
             c.cached += cached
             c.predicted += predicted
             c.requests += 1
-        t = self.totals
-        if t.prompt:
-            child(self.hit_ratio, "reported").set(t.ratio(t.cached))
-            child(self.hit_ratio, "predicted").set(t.ratio(t.predicted))
 
     def hit_counts(self) -> tuple[dict[str, HitCounts], HitCounts]:
         """Per node and in all, the prompt tokens routed, cached and predicted, and the

@@ -107,6 +107,25 @@ def test_metrics_count_every_workers_requests(gateway: Gateway) -> None:
         assert total() - before == 10
 
 
+def test_the_cache_hit_ratio_is_the_gateways_whichever_worker_is_scraped(gateway: Gateway) -> None:
+    def ratios(text: str) -> dict[str, float]:
+        return {
+            m.group(1): float(m.group(2))
+            for m in re.finditer(r'^prefixgate_cache_hit_ratio\{source="(\w+)"\} (\S+)$', text, re.M)
+        }
+
+    gateway.served_through_both(document(61, 3000), PUBLISHED_S)  # the second a hit, on another worker
+    with gateway.two_workers() as (here, there):
+        seen = [ratios(c.get("/metrics").text) for c in (here, there)]
+        totals = here.get("/admin/cache").json()["totals"]
+    assert seen[0] == seen[1]  # each worker once held its own ratio, and the last one written won
+    assert (
+        seen[0]["reported"] == pytest.approx(totals["hit_ratio_reported"], abs=1e-4)
+        and 0 < seen[0]["reported"] < 1
+    )
+    assert seen[0]["predicted"] == pytest.approx(totals["hit_ratio_predicted"], abs=1e-4)
+
+
 def test_a_worker_that_dies_is_replaced(gateway: Gateway) -> None:
     victim = gateway.events("worker_started")[-1]
     gateway.kill_worker(int(victim["worker"]))
