@@ -17,10 +17,9 @@ answer its status once keeps the prefills it is computing.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,7 +119,9 @@ class Departure:
 
 
 class Lease:
-    """A request's load on a node (``Node.load``); ``release`` is idempotent."""
+    """A request's load on a node (``Node.load``), given back when its block is left or before
+    (``release``, idempotent). A class of its own, not a generator's context manager: every
+    attempt takes one, and contextlib's wrapping costs more than the counting."""
 
     __slots__ = ("_node", "_tokens")
 
@@ -135,6 +136,28 @@ class Lease:
         if node is not None:
             node.local_requests -= 1
             node.local_tokens -= self._tokens
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class _Counted:
+    """One of a node's counts (``attr``) taken for the length of a block (``Node.dispatched``,
+    ``Node.streaming``), as ``Lease`` is for the load."""
+
+    __slots__ = ("_attr", "_node")
+
+    def __init__(self, node: Node, attr: str) -> None:
+        self._node, self._attr = node, attr
+
+    def __enter__(self) -> None:
+        setattr(self._node, self._attr, getattr(self._node, self._attr) + 1)
+
+    def __exit__(self, *exc: object) -> None:
+        setattr(self._node, self._attr, getattr(self._node, self._attr) - 1)
 
 
 @dataclass(eq=False)
@@ -193,39 +216,24 @@ class Node:
         if self.departure.observe(self.breaker.state != OPEN):
             log.warning("node_gone", node=self.id, address=self.address, error=self.last_error[:200])
 
-    @contextlib.contextmanager
-    def load(self, tokens: int) -> Iterator[Lease]:
+    def load(self, tokens: int) -> Lease:
         """Count a request of ours on the node, with its ``tokens`` to prefill, until it is done
         there (its prefill, for one that goes on to decode: the lease may be given back then,
         before the block ends): between two stats polls the policies see the work just sent
-        only through this."""
-        lease = Lease(self, tokens)
-        try:
-            yield lease
-        finally:
-            lease.release()
+        only through this. A context manager: ``with node.load(n) as lease``."""
+        return Lease(self, tokens)
 
-    @contextlib.contextmanager
-    def dispatched(self) -> Iterator[None]:
+    def dispatched(self) -> _Counted:
         """Count an attempt's stream on the node from its dispatch until the attempt ends (at its
         first token the execution takes ``streaming`` instead, with no await in between): a
         split request spends its prefill on another node, and a decode node chosen by streams
         would otherwise look idle to every request dispatched meanwhile, and take them all."""
-        self.pending_streams += 1
-        try:
-            yield
-        finally:
-            self.pending_streams -= 1
+        return _Counted(self, "pending_streams")
 
-    @contextlib.contextmanager
-    def streaming(self) -> Iterator[None]:
+    def streaming(self) -> _Counted:
         """Count a stream of ours on the node from its first token until it is closed: the one
         place ``active_streams`` is taken and given back, so no path leaks or releases it twice."""
-        self.active_streams += 1
-        try:
-            yield
-        finally:
-            self.active_streams -= 1
+        return _Counted(self, "active_streams")
 
     @property
     def instance_id(self) -> str:

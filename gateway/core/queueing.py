@@ -20,11 +20,10 @@ A client that leaves while waiting takes its request out of the queue.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -247,13 +246,9 @@ class Gate:
             self._granted[model] = n - 1
         asyncio.get_running_loop().call_soon(self.pump, model)
 
-    @contextlib.contextmanager
-    def freeing(self, model: str) -> Iterator[None]:
+    def freeing(self, model: str) -> _Freeing:
         """Around a request's load on a node: when it is lifted, the waiting get their turn."""
-        try:
-            yield
-        finally:
-            self.pump_soon(model)
+        return _Freeing(self, model)
 
     def pump_soon(self, model: str) -> None:
         """Pump ``model``'s queue on the loop's next turn, if anything waits there."""
@@ -317,3 +312,18 @@ class Gate:
         if self._ticker is not None:
             self._ticker.cancel()
             await asyncio.gather(self._ticker, return_exceptions=True)
+
+
+class _Freeing:
+    """``Gate.freeing``: a class, not a generator's context manager, as every attempt takes one."""
+
+    __slots__ = ("_gate", "_model")
+
+    def __init__(self, gate: Gate, model: str) -> None:
+        self._gate, self._model = gate, model
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc: object) -> None:
+        self._gate.pump_soon(self._model)
