@@ -19,9 +19,8 @@ awaiting a task it cancelled itself) would hold ``asyncio.wait_for`` past its ti
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
@@ -133,6 +132,22 @@ class Tracked:
         return True
 
 
+class _Tracking:
+    """``Inflight.track``: a class, not a generator's context manager, as every request takes one."""
+
+    __slots__ = ("_req", "_requests")
+
+    def __init__(self, requests: set[Tracked], req: Tracked) -> None:
+        self._requests, self._req = requests, req
+
+    def __enter__(self) -> Tracked:
+        self._requests.add(self._req)
+        return self._req
+
+    def __exit__(self, *exc: object) -> None:
+        self._requests.discard(self._req)
+
+
 class Inflight:
     """The requests in flight on every front end; :meth:`end_all` cuts them."""
 
@@ -144,15 +159,9 @@ class Inflight:
     def __len__(self) -> int:
         return len(self.requests)
 
-    @contextlib.contextmanager
-    def track(self, front: str) -> Iterator[Tracked]:
-        """The current task's request, tracked while the block runs."""
-        req = Tracked(asyncio.current_task(), front)
-        self.requests.add(req)
-        try:
-            yield req
-        finally:
-            self.requests.discard(req)
+    def track(self, front: str) -> _Tracking:
+        """The current task's request, tracked while the block runs (``with ... as req``)."""
+        return _Tracking(self.requests, Tracked(asyncio.current_task(), front))
 
     def end_all(self) -> int:
         """Cancel every request still running; returns how many were cut."""
