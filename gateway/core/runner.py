@@ -38,11 +38,10 @@ import contextvars
 import functools
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import structlog
 
@@ -229,28 +228,58 @@ class RequestRunner:
             prep = await self.compute(lambda: pipeline.prepare(req, context, body=body), size, sized=False)
         return req, prep
 
-    @asynccontextmanager
-    async def run(self, prepared: Prepared, job: Job[Started]) -> AsyncIterator[Started]:
+    def run(self, prepared: Prepared, job: Job[Started]) -> Running[Started]:
         """Admission and the rate limits' reservation, then the job started; on exit, however
         it is left, it is closed, the slot released and the reservation settled with the tokens
-        used (``gateway.core.rate_limits``)."""
-        release = self.pipeline.admit()
-        limits, hold, output, used = self.limits, None, 0, prepared.prompt_tokens
+        used (``gateway.core.rate_limits``). ``async with runner.run(prepared, job) as started``."""
+        return Running(self, prepared, job)
+
+
+class Running(Generic[Started]):
+    """``RequestRunner.run``'s context: a class rather than an async generator under
+    contextlib's wrapper, which every request entered and left at more cost than its own work."""
+
+    __slots__ = ("_hold", "_job", "_prepared", "_release", "_runner", "_started", "_used")
+
+    def __init__(self, runner: RequestRunner, prepared: Prepared, job: Job[Started]) -> None:
+        self._runner, self._prepared, self._job = runner, prepared, job
+        self._release: Callable[[], None] | None = None
+        self._hold: Any = None
+        self._used = prepared.prompt_tokens
+        self._started: Started | None = None
+
+    async def __aenter__(self) -> Started:
+        prepared, job, limits = self._prepared, self._job, self._runner.limits
+        self._release = self._runner.pipeline.admit()
         try:
             if limits is not None:
-                most = generated_at_most(job, prepared)
-                hold = await limits.reserve(prepared, most)
+                self._hold = await limits.reserve(prepared, generated_at_most(job, prepared))
             try:
                 started = await job.start(prepared)
             except Overloaded:  # refused before any node computed it (the scheduler, full nodes)
-                used = 0
+                self._used = 0
                 raise
-            try:
-                yield started
-            finally:
+        except BaseException:
+            self._settle(0)
+            raise
+        self._started = started
+        return started
+
+    async def __aexit__(self, *exc: object) -> None:
+        started, self._started = self._started, None
+        output = 0
+        try:
+            if started is not None:
                 output = completion_tokens(started)
-                await job.close(started)
+                await self._job.close(started)
         finally:
+            self._settle(output)
+
+    def _settle(self, output: int) -> None:
+        """The slot released and the reservation settled with the tokens used."""
+        release, self._release = self._release, None
+        if release is not None:
             release()
-            if limits is not None and hold is not None:
-                limits.settle(hold, used + output)
+        limits = self._runner.limits
+        if limits is not None and self._hold is not None:
+            limits.settle(self._hold, self._used + output)
