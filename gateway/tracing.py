@@ -22,7 +22,7 @@ import os
 import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -137,9 +137,12 @@ def shutdown() -> None:
         tracing.close()
 
 
-@contextmanager
-def request(name: str, headers: Mapping[str, str], **attributes: Any) -> Iterator[None]:
-    """One request: its span when tracing is on, else the client's trace context passed on."""
+_UNTRACED = nullcontext()
+
+
+def request(name: str, headers: Mapping[str, str], **attributes: Any) -> AbstractContextManager[None]:
+    """One request (``with tracing.request(...)``): its span when tracing is on, else the client's
+    trace context passed on, at once, and nothing to enter or leave (no generator to wrap)."""
     tracing = _TRACING
     if tracing is None:
         parent = headers.get(TRACEPARENT_KEY, "")
@@ -150,8 +153,14 @@ def request(name: str, headers: Mapping[str, str], **attributes: Any) -> Iterato
                 ((TRACEPARENT_KEY, parent.strip().lower()),) + (((TRACESTATE_KEY, state),) if state else ())
             )
             bind_fields(trace_id=trace_id)
-        yield
-        return
+        return _UNTRACED
+    return _spanned(tracing, name, headers, attributes)
+
+
+@contextmanager
+def _spanned(
+    tracing: Tracing, name: str, headers: Mapping[str, str], attributes: dict[str, Any]
+) -> Iterator[None]:
     span = tracing.start(name, headers, attributes)
     try:
         yield
