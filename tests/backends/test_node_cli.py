@@ -15,6 +15,8 @@ import grpc
 import pytest
 import structlog
 
+from prefixgate.backends import errors as node_errors
+from prefixgate.backends import node as node_module
 from prefixgate.backends.cli import add_node_arguments
 from prefixgate.backends.kvpages import parse_scale
 from prefixgate.v1 import node_pb2, node_pb2_grpc
@@ -66,12 +68,18 @@ def test_arguments() -> None:
         parser.parse_args(["--role", "router"])
 
 
-async def test_request_id_reaches_log_lines(nodes, stub, prompt) -> None:  # type: ignore[no-untyped-def]
+async def test_request_id_reaches_log_lines(nodes, stub, prompt, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     saved = structlog.get_config()
     cap = structlog.testing.LogCapture()
     structlog.configure(
-        processors=[structlog.contextvars.merge_contextvars, cap], cache_logger_on_first_use=False
+        processors=[structlog.contextvars.merge_contextvars, cap],
+        # every level ("prefill done" is a debug line): another test in this process may have set
+        # up the gateway's logging, whose wrapper filters below info
+        wrapper_class=structlog.make_filtering_bound_logger(0),
+        cache_logger_on_first_use=False,
     )
+    for module in (node_errors, node_module):  # and a logger it cached then would keep its set-up
+        monkeypatch.setattr(module, "log", structlog.get_logger("prefixgate.node"))
     try:
         n = await nodes("prefill")
         tokens, hashes = prompt(100)
