@@ -206,6 +206,23 @@ class _LineWriter:
 #: How long a process's exit waits for its held log lines to be written.
 EXIT_DRAIN_S = 5.0
 
+_writer: _LineWriter | None = None  # the process's, for the file it was made for
+
+
+def _writer_for(file: Any) -> _LineWriter:
+    """One writer an output for the whole process: configured again (a gateway worker, tests),
+    logging keeps its held lines and its descriptor rather than opening another."""
+    global _writer
+    if _writer is None or _writer._file is not file:
+        _writer = _LineWriter(file)
+    return _writer
+
+
+@atexit.register
+def _drain_at_exit() -> None:
+    if _writer is not None:
+        _writer.wait_drained(EXIT_DRAIN_S)
+
 
 def _line_writer_factory(writer: _LineWriter) -> Callable[..., _LineWriter]:
     def make(*_args: Any) -> _LineWriter:
@@ -242,8 +259,7 @@ def configure_logging(
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     renderer = _renderer(fmt)
-    writer = _LineWriter(sys.stderr)
-    atexit.register(writer.wait_drained, EXIT_DRAIN_S)
+    writer = _writer_for(sys.stderr)
     structlog.configure(
         processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),

@@ -243,10 +243,10 @@ class Running(Generic[Started]):
 
     def __init__(self, runner: RequestRunner, prepared: Prepared, job: Job[Started]) -> None:
         self._runner, self._prepared, self._job = runner, prepared, job
-        self._release: Callable[[], None] | None = None
         self._hold: Any = None
         self._used = prepared.prompt_tokens
-        self._started: Started | None = None
+        self._release: Callable[[], None]  # set on entering, with the slot
+        self._started: Started  # set once entered: ``__aexit__`` is only called then
 
     async def __aenter__(self) -> Started:
         prepared, job, limits = self._prepared, self._job, self._runner.limits
@@ -255,31 +255,27 @@ class Running(Generic[Started]):
             if limits is not None:
                 self._hold = await limits.reserve(prepared, generated_at_most(job, prepared))
             try:
-                started = await job.start(prepared)
+                self._started = await job.start(prepared)
             except Overloaded:  # refused before any node computed it (the scheduler, full nodes)
                 self._used = 0
                 raise
         except BaseException:
             self._settle(0)
             raise
-        self._started = started
-        return started
+        return self._started
 
     async def __aexit__(self, *exc: object) -> None:
-        started, self._started = self._started, None
         output = 0
         try:
-            if started is not None:
-                output = completion_tokens(started)
-                await self._job.close(started)
+            output = completion_tokens(self._started)
+            await self._job.close(self._started)
         finally:
             self._settle(output)
 
     def _settle(self, output: int) -> None:
-        """The slot released and the reservation settled with the tokens used."""
-        release, self._release = self._release, None
-        if release is not None:
-            release()
+        """The slot released and the reservation settled with the tokens used (once: on a
+        failed entry or on leaving)."""
+        self._release()
         limits = self._runner.limits
         if limits is not None and self._hold is not None:
             limits.settle(self._hold, self._used + output)

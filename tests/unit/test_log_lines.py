@@ -140,7 +140,7 @@ def test_a_requests_fields_are_in_its_lines_and_its_tasks_and_not_in_the_next_re
 def test_an_event_loop_never_waits_on_a_stalled_pipe_and_says_what_it_dropped() -> None:
     r, w = os.pipe()
     out = os.fdopen(w, "w")
-    writer = _LineWriter(out, max_held_bytes=20_000)
+    writer = _LineWriter(out, max_held_bytes=20_000)  # 20 lines, not 1 MiB: the drop comes soon
     line = "x" * 999  # a thousand bytes with its newline: the pipe (64 KiB) takes some 65
 
     async def log_lines() -> None:
