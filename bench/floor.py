@@ -79,9 +79,14 @@ class FloorRelay:
                 return
             headers = {"content-type": "application/json"}
             async with self._http.post(self._node_url, data=body, headers=headers) as r:
-                answer = await r.read()
                 ctype = r.headers.get("content-type", "application/json").encode()
-                await _answer(send, r.status, ctype, answer)
+                if ctype.startswith(b"text/event-stream"):  # each chunk on as it comes
+                    await _start(send, r.status, ctype)
+                    async for chunk in r.content.iter_any():
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    await send({"type": "http.response.body", "body": b""})
+                else:
+                    await _answer(send, r.status, ctype, await r.read())
         else:
             await _answer(send, 404, b"text/plain", b"not found")
 
@@ -121,17 +126,21 @@ class EssentialsRelay(FloorRelay):
                 break
             cached += 1
         self._load[node] += 1
+        answer_id = "chatcmpl-" + request_id
         try:
             headers = {"content-type": "application/json", "x-request-id": request_id}
             async with self._http.post(self._node_url, data=orjson.dumps(chat), headers=headers) as r:
-                status, answer = r.status, orjson.loads(await r.read())
+                if chat.get("stream"):
+                    answer = await _relay_events(r, send, answer_id)
+                else:
+                    status, answer = r.status, orjson.loads(await r.read())
+                    if isinstance(answer, dict):
+                        answer["id"] = answer_id
+                    await _answer(send, status, b"application/json", orjson.dumps(answer))
         finally:
             self._load[node] -= 1
         if len(self._index) + len(blocks) <= MAX_INDEX_BLOCKS:
             self._index.update(dict.fromkeys(blocks, node))
-        if isinstance(answer, dict):
-            answer["id"] = "chatcmpl-" + request_id
-        await _answer(send, status, b"application/json", orjson.dumps(answer))
         seconds = time.perf_counter() - start
         self._requests.inc()
         self._latency.observe(seconds)
@@ -183,8 +192,34 @@ async def _read_body(receive: Receive) -> bytes | None:
             return b"".join(parts)
 
 
-async def _answer(send: Send, status: int, ctype: bytes, body: bytes) -> None:
+async def _relay_events(r: aiohttp.ClientResponse, send: Send, answer_id: str) -> Any:
+    """The node's event stream on to the client, each event parsed and given the answer's id as
+    it comes; the last event that carried a JSON object (the usage, when asked for)."""
+    await _start(send, r.status, b"text/event-stream")
+    last: Any = None
+    held = b""
+    async for chunk in r.content.iter_any():
+        *lines, held = (held + chunk).split(b"\n")
+        out: list[bytes] = []
+        for line in lines:
+            if line.startswith(b"data: {"):
+                event = orjson.loads(line[6:])
+                event["id"] = answer_id
+                last = event
+                line = b"data: " + orjson.dumps(event)
+            out.append(line + b"\n")
+        if out:
+            await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+    await send({"type": "http.response.body", "body": held})
+    return last
+
+
+async def _start(send: Send, status: int, ctype: bytes) -> None:
     await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", ctype)]})
+
+
+async def _answer(send: Send, status: int, ctype: bytes, body: bytes) -> None:
+    await _start(send, status, ctype)
     await send({"type": "http.response.body", "body": body})
 
 

@@ -40,14 +40,12 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from prefixgate.bench import floor, launch
-from prefixgate.bench.overhead import Prompts, body
+from prefixgate.bench import launch
+from prefixgate.bench.overhead import FLOORS, Prompts, body
 from prefixgate.bench.report import write_json
 from prefixgate.gateway.ops import processes
-from prefixgate.gateway.ops.stack import free_port
 
 REQUESTS = 200
-FLOORS = {"floor": "app", "essentials": "essentials"}  # ``--floor`` targets: ``bench.floor`` 's factories
 WARMUP = 30
 QUIET_S = 5.0
 PROMPT_BYTES = 2_048
@@ -173,17 +171,7 @@ def _start(
     wrap = callgrind(out)
     name = target.removesuffix("-http")
     if name in FLOORS:
-        port = free_port()
-        child = processes.start(
-            target,
-            [*wrap, *floor.command(port, factory=FLOORS[name])],
-            ready=processes.answers_http(f"http://127.0.0.1:{port}/readyz"),
-            timeout=START_TIMEOUT_S,
-            env={floor.NODE_ENV: http[0]},
-            log=logs / f"{target}.log",
-        )
-        child.url = f"http://127.0.0.1:{port}"
-        return child
+        return launch.start_floor(logs, target, FLOORS[name], http[0], timeout=START_TIMEOUT_S, wrap=wrap)
     if target.startswith("smg"):
         return launch.start_peer(
             "smg", Path(args.peers_venv), workers, logs, timeout=START_TIMEOUT_S, wrap=wrap

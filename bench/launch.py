@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from prefixgate.bench import floor
 from prefixgate.gateway.ops import processes
 from prefixgate.gateway.ops.processes import Child
 from prefixgate.gateway.ops.stack import free_port
@@ -259,6 +260,31 @@ def _litellm_config(workers: Sequence[str], path: Path) -> None:
         "  disable_reset_budget: true",
     ]
     path.write_text("\n".join(lines) + "\n")
+
+
+def start_floor(
+    logs: Path,
+    name: str,
+    factory: str,
+    node_url: str,
+    *,
+    timeout: float = 60.0,
+    wrap: Sequence[str] = (),
+) -> Child:
+    """The floor or the essentials (``bench.floor``'s ``factory``) relaying to ``node_url`` on a
+    free loopback port; ``wrap`` comes before the command (a profiler)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    child = processes.start(
+        name,
+        [*wrap, *floor.command(port, factory=factory)],
+        ready=processes.answers_http(url + "/readyz"),
+        timeout=timeout,
+        env={floor.NODE_ENV: node_url},
+        log=logs / f"{name}.log",
+    )
+    child.url = url
+    return child
 
 
 def start_peer(

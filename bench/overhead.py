@@ -58,6 +58,7 @@ TARGET_RATIO = 1.5
 HTTP, GRPC, OWN = "prefixgate-http", "prefixgate-grpc", "prefixgate"
 BASELINE, BASELINE_GRPC = "baseline-http", "baseline-grpc"  # the --baseline-src gateway's targets
 WORKERS, WORKERS_GRPC = "prefixgate-http-workers", "prefixgate-grpc-workers"  # --workers N's targets
+FLOORS = {"floor": "app", "essentials": "essentials"}  # --floor's targets: bench.floor's factories
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,12 +295,16 @@ def verdicts(
     return out
 
 
-#: The verdicts a run reports: (name, our target, the reference, the CPU target's key).
+#: The verdicts a run reports: (name, our target, the reference, the CPU target's key). The floor
+#: and the essentials (``--floor``) are judged by the ``http://`` targets: whether the libraries
+#: under the gateway, alone or with the least a gateway request does, could meet them at all.
 COMPARISONS = (
     ("http", HTTP, "smg", "http"),
     ("grpc", GRPC, "smg-grpc", "grpc"),
     ("http_workers", WORKERS, "smg", "http"),
     ("grpc_workers", WORKERS_GRPC, "smg-grpc", "grpc"),
+    ("floor", "floor", "smg", "http"),
+    ("essentials", "essentials", "smg", "http"),
 )
 
 
@@ -415,6 +420,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "'direct' is the first node alone",
     )
     p.add_argument(
+        "--floor",
+        action="store_true",
+        help="also measure the floor (uvicorn and aiohttp relaying the chat to the node, nothing else) "
+        "and the essentials (the relay plus the least a gateway request does, written lean): "
+        "what the libraries under prefixgate cost on this machine",
+    )
+    p.add_argument(
         "--profile-out",
         help="sample prefixgate's measured cells with py-spy and write, into this directory, the raw "
         "stacks and the CPU by stage of the request path (bench.stages) per cell",
@@ -514,10 +526,13 @@ def run(args: argparse.Namespace) -> int:
         WORKERS_GRPC: f"prefixgate (grpc://) --workers {args.workers}",
         BASELINE: "prefixgate baseline (http://)",
         BASELINE_GRPC: "prefixgate baseline (grpc://)",
+        "floor": "floor (uvicorn + aiohttp relay)",
+        "essentials": "essentials (relay + lean gateway work)",
     }
     workers = [WORKERS, WORKERS_GRPC] if args.workers else []
     baseline = [BASELINE, BASELINE_GRPC] if args.baseline_src else []
-    targets = ["direct", HTTP, GRPC, *baseline, *workers, OWN, *peers]
+    floors = list(FLOORS) if args.floor else []
+    targets = ["direct", HTTP, GRPC, *baseline, *workers, OWN, *floors, *peers]
     targets += ["smg-grpc"] if "smg" in peers else []
     console.print(
         f"overhead: {len(cells)} cells x {len(targets)} targets x {args.rounds} rounds, "
@@ -549,6 +564,8 @@ def run(args: argparse.Namespace) -> int:
                 if target in gateways:
                     flags, env = gateways[target]
                     routers[target] = launch.start_gateway(logs, name=target, env=env, extra_args=flags)
+                elif target in FLOORS:
+                    routers[target] = launch.start_floor(logs, target, FLOORS[target], node.url)
                 elif target == "smg-grpc":
                     routers[target] = launch.start_peer("smg", Path(args.peers_venv), grpc_workers, logs)
                 else:

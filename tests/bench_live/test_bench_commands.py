@@ -1,4 +1,4 @@
-"""``prefixgate bench overhead --quick`` and ``bench peers`` (no peer installed) end to end."""
+"""``prefixgate bench overhead --quick --floor`` and ``bench peers`` (no peer installed) end to end."""
 
 from __future__ import annotations
 
@@ -22,15 +22,16 @@ def bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 
 def test_overhead_quick_writes_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"
-    # two nodes: every router is given both (``direct`` is the first alone)
-    r = bench("overhead", "--quick", "--seconds", "0.3", "--nodes", "2", "--json", str(out))
+    # two nodes: every router is given both (``direct`` is the first alone); the floor and the
+    # essentials relay to the first
+    r = bench("overhead", "--quick", "--seconds", "0.3", "--nodes", "2", "--floor", "--json", str(out))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["config"]["nodes"] == 2
     cells = report["cells"]
     # prefixgate three times: over HTTP and grpc:// (started as peers are: the worker flag alone)
     # and over its own protocol
-    gateways = {"prefixgate-http", "prefixgate-grpc", "prefixgate"}
+    gateways = {"prefixgate-http", "prefixgate-grpc", "prefixgate", "floor", "essentials"}
     assert {c["target"] for c in cells} == {"direct", *gateways}
     assert {(c["clients"], c["stream"]) for c in cells} == {(1, False), (32, False), (1, True), (32, True)}
     for c in cells:
@@ -39,7 +40,7 @@ def test_overhead_quick_writes_every_figure(tmp_path: Path) -> None:
             assert c[key] > 0, key
         if c["target"] in gateways:
             assert c["cpu_ms_per_req"] > 0 and c["added_p50_ms"] is not None
-    assert set(report["targets"]) == {"http", "grpc"}
+    assert set(report["targets"]) == {"http", "grpc", "floor", "essentials"}
     for name, reference in (("http", "smg"), ("grpc", "smg-grpc")):
         t = report["targets"][name]
         assert t["cpu_ms_per_req_1_client"] > 0 and t["req_s_32_clients"] > 0
