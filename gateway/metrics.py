@@ -14,10 +14,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from prefixgate.cachetier.index import IndexStats
+from prefixgate.gateway import tally
 
 # 1 ms .. 60 s, roughly x2 steps with extra resolution where TTFT targets sit.
 LATENCY_BUCKETS = (
@@ -153,58 +153,70 @@ class HitRatioCollector(Collector):
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.ttft = Histogram(
+        # what every request adds to: plain numbers rendered at scrape in a single process, the
+        # workers' summed files under gateway workers (``tally``)
+        shared = bool(os.environ.get(MULTIPROC_ENV))
+        self.ttft = tally.histogram(
             "prefixgate_ttft_seconds",
             "Time to first token, end to end",
             ["route"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+            LATENCY_BUCKETS,
+            r,
+            shared=shared,
         )
-        self.ttft_segment = Histogram(
+        self.ttft_segment = tally.histogram(
             "prefixgate_ttft_segment_seconds",
             "TTFT segments: queue, prefill, transfer (KV to decode), first_token (after transfer)",
             ["segment"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+            LATENCY_BUCKETS,
+            r,
+            shared=shared,
         )
-        self.prefill = Histogram(
+        self.prefill = tally.histogram(
             "prefixgate_prefill_seconds",
             "Prefill compute time on the node",
             ["node"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+            LATENCY_BUCKETS,
+            r,
+            shared=shared,
         )
-        self.transfer = Histogram(
+        self.transfer = tally.histogram(
             "prefixgate_kv_transfer_seconds",
             "KV page transfer prefill -> decode",
             ["node"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+            LATENCY_BUCKETS,
+            r,
+            shared=shared,
         )
         self.transfer_bytes = Counter(
             "prefixgate_kv_transfer_bytes", "KV bytes sent prefill -> decode", registry=r
         )
-        self.prompt_tokens = Counter("prefixgate_prompt_tokens", "Prompt tokens routed", ["node"], registry=r)
-        self.cached_tokens = Counter(
+        self.prompt_tokens = tally.counter(
+            "prefixgate_prompt_tokens", "Prompt tokens routed", ["node"], r, shared=shared
+        )
+        self.cached_tokens = tally.counter(
             "prefixgate_cached_tokens",
             "Prompt tokens served from KV cache as reported by the node",
             ["node"],
-            registry=r,
+            r,
+            shared=shared,
         )
-        self.predicted_cached_tokens = Counter(
+        self.predicted_cached_tokens = tally.counter(
             "prefixgate_predicted_cached_tokens",
             "Prompt tokens the index predicted cached on the chosen node",
             ["node"],
-            registry=r,
+            r,
+            shared=shared,
         )
-        self.computed_tokens = Counter(
+        self.computed_tokens = tally.counter(
             "prefixgate_computed_tokens",
             "Prompt tokens the node computed (not served from KV cache)",
             ["node"],
-            registry=r,
+            r,
+            shared=shared,
         )
-        self.requests = Counter(
-            "prefixgate_requests", "Requests by route and outcome", ["route", "outcome"], registry=r
+        self.requests = tally.counter(
+            "prefixgate_requests", "Requests by route and outcome", ["route", "outcome"], r, shared=shared
         )
         self.retries = Counter(
             "prefixgate_retries",
@@ -327,7 +339,7 @@ class Metrics:
         self._index_nodes: set[str] = set()
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
-    def child(self, metric: MetricWrapperBase, *labels: str) -> Any:
+    def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, remembered: the request path observes the same few series
         every time, and ``labels`` takes a lock and builds a key on each call. Only for series
         never removed (the per-request ones; ``index_blocks`` is not)."""

@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
 
 from prefixgate.cachetier.tasks import stop_task
+from prefixgate.gateway import tally
+from prefixgate.gateway.metrics import MULTIPROC_ENV
 from prefixgate.gateway.state.store import StateStore, UsageCounts, UsageKey
 
 log = structlog.get_logger("prefixgate.usage")
@@ -104,33 +107,45 @@ class UsageLedger:
         self._labels: set[str] = set()
         self._series: dict[UsageKey, tuple[Any, ...]] = {}  # ``_series_of``
         labels = ["tenant", "model"]
-        self.m_requests = Counter(
-            "prefixgate_tenant_requests", "Requests per tenant and model", labels, registry=registry
+        shared = bool(os.environ.get(MULTIPROC_ENV))  # gateway workers: their summed files (``tally``)
+        self.m_requests = tally.counter(
+            "prefixgate_tenant_requests", "Requests per tenant and model", labels, registry, shared=shared
         )
-        self.m_prompt = Counter(
-            "prefixgate_tenant_prompt_tokens", "Prompt tokens per tenant and model", labels, registry=registry
+        self.m_prompt = tally.counter(
+            "prefixgate_tenant_prompt_tokens",
+            "Prompt tokens per tenant and model",
+            labels,
+            registry,
+            shared=shared,
         )
-        self.m_cached = Counter(
+        self.m_cached = tally.counter(
             "prefixgate_tenant_cached_tokens",
             "Prompt tokens served from KV cache (as the engines reported) per tenant and model",
             labels,
-            registry=registry,
+            registry,
+            shared=shared,
         )
-        self.m_computed = Counter(
+        self.m_computed = tally.counter(
             "prefixgate_tenant_computed_tokens",
             "Prompt tokens the engines computed per tenant and model",
             labels,
-            registry=registry,
+            registry,
+            shared=shared,
         )
-        self.m_output = Counter(
-            "prefixgate_tenant_output_tokens", "Output tokens per tenant and model", labels, registry=registry
+        self.m_output = tally.counter(
+            "prefixgate_tenant_output_tokens",
+            "Output tokens per tenant and model",
+            labels,
+            registry,
+            shared=shared,
         )
-        self.m_value = Counter(
+        self.m_value = tally.counter(
             "prefixgate_tenant_value",
             f"Value of the tokens served at the configured prices, in {prices.currency} "
             "(part: input_miss, input_hit, output)",
             [*labels, "part"],
-            registry=registry,
+            registry,
+            shared=shared,
         )
 
     def _label(self, tenant: str) -> str:

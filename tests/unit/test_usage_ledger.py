@@ -47,7 +47,7 @@ async def test_the_buffer_and_the_tenant_labels_are_bounded(monkeypatch: object)
         for t in ("a", "b", "c", "d", "a"):
             ledger.record(t, "m", prompt=10, cached=20, output=1)  # cached is capped at the prompt
         assert ledger.dropped == 1 and set(ledger._pending) == {("a", "m"), ("b", "m"), ("c", "m")}
-        assert ledger.m_prompt.labels("_other", "m")._value.get() == 20  # c and d
+        assert ledger.m_prompt.labels("_other", "m").value == 20  # c and d
         await ledger.flush()
         assert await state.usage("a") == {("a", "m"): UsageCounts(2, 20, 20, 2)}
         assert ledger._pending == {}
