@@ -14,7 +14,7 @@ from tests.unit.seam_support import Harness, harness
 
 def _counted(h: Harness) -> float:
     requests = h.pipeline.executor.metrics.requests
-    return sum(s.value for m in requests.collect() for s in m.samples if s.name.endswith("_total"))
+    return float(sum(s.value for m in requests.collect() for s in m.samples if s.name.endswith("_total")))
 
 
 async def test_a_request_is_reported_at_the_next_turn_of_the_loop_not_in_its_own_path() -> None:
