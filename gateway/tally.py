@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -59,47 +59,60 @@ class HistogramSeries:
         self.sum += amount
 
 
-class _Tally(Collector):
+S = TypeVar("S", CounterSeries, HistogramSeries)
+
+
+class _Tally(Collector, Generic[S]):
+    """A family's series by label values, each made on first use (``_new``)."""
+
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str]) -> None:
         self.name = name
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
+        self._series: dict[tuple[str, ...], S] = {}
 
-    def _check(self, values: tuple[str, ...]) -> None:
-        if len(values) != len(self.labelnames):
-            raise ValueError(f"{self.name}: {len(self.labelnames)} label values expected, got {len(values)}")
+    def labels(self, *values: str) -> S:
+        s = self._series.get(values)
+        if s is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(
+                    f"{self.name}: {len(self.labelnames)} label values expected, got {len(values)}"
+                )
+            s = self._series[values] = self._new()
+        return s
+
+    def _new(self) -> S:
+        raise NotImplementedError
+
+    def _family(self) -> Metric:
+        """The family, no samples yet."""
+        raise NotImplementedError
+
+    def describe(self) -> Iterator[Metric]:
+        """The family without samples: the registry refuses a second metric of the same name."""
+        yield self._family()
 
 
-class TallyCounter(_Tally):
+class TallyCounter(_Tally[CounterSeries]):
     """A counter family as plain numbers, by label values."""
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> None:
         super().__init__(name.removesuffix("_total"), documentation, labelnames)
-        self._series: dict[tuple[str, ...], CounterSeries] = {}
 
-    def labels(self, *values: str) -> CounterSeries:
-        s = self._series.get(values)
-        if s is None:
-            self._check(values)
-            s = self._series[values] = CounterSeries()
-        return s
+    def _new(self) -> CounterSeries:
+        return CounterSeries()
 
-    def inc(self, amount: float = 1.0) -> None:
-        """The unlabelled series."""
-        self.labels().inc(amount)
-
-    def describe(self) -> Iterator[CounterMetricFamily]:
-        """The family without samples: the registry refuses a second metric of the same name."""
-        yield CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+    def _family(self) -> CounterMetricFamily:
+        return CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        family = self._family()
         for values, s in list(self._series.items()):
             family.add_metric(values, s.value)
         yield family
 
 
-class TallyHistogram(_Tally):
+class TallyHistogram(_Tally[HistogramSeries]):
     """A histogram family as plain numbers, by label values; ``buckets`` the upper bounds,
     ascending, without +Inf (always there)."""
 
@@ -112,24 +125,15 @@ class TallyHistogram(_Tally):
             raise ValueError(f"{name}: buckets must ascend")
         self.bounds = tuple(bounds)
         self._les = [*(floatToGoString(b) for b in bounds), "+Inf"]  # type: ignore[no-untyped-call]
-        self._series: dict[tuple[str, ...], HistogramSeries] = {}
 
-    def labels(self, *values: str) -> HistogramSeries:
-        s = self._series.get(values)
-        if s is None:
-            self._check(values)
-            s = self._series[values] = HistogramSeries(self.bounds)
-        return s
+    def _new(self) -> HistogramSeries:
+        return HistogramSeries(self.bounds)
 
-    def observe(self, amount: float) -> None:
-        """The unlabelled series."""
-        self.labels().observe(amount)
-
-    def describe(self) -> Iterator[HistogramMetricFamily]:
-        yield HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+    def _family(self) -> HistogramMetricFamily:
+        return HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
-        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        family = self._family()
         for values, s in list(self._series.items()):
             running = 0
             buckets: list[tuple[str, float]] = []
