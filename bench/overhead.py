@@ -233,9 +233,23 @@ def medians(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 vals = [g[k] for g in group if g.get(k) is not None]
                 row[k] = round(statistics.median(vals), 4) if vals else None
         row["rounds"] = len(group)
+        rates = [g["req_per_s"] for g in group]
+        row["req_per_s_range"] = [min(rates), max(rates)]
         row.pop("round", None)
         out.append(row)
     return out
+
+
+def spread_line(rows: Sequence[dict[str, Any]]) -> str | None:
+    """How far the node alone (``direct``) moved from round to round, per cell: the machine's
+    noise, against which the targets' medians are read (None: one round, or no ``direct``)."""
+    parts = []
+    for r in rows:
+        low, high = r.get("req_per_s_range") or (None, None)
+        if r["target"] == "direct" and r.get("rounds", 1) > 1 and low is not None and high:
+            cell = Cell(r["clients"], r["prompt_bytes"], r["stream"]).name
+            parts.append(f"{cell} {low:.0f}-{high:.0f} (±{50 * (high - low) / high:.0f} %)")
+    return "the node alone (direct), req/s across rounds: " + "; ".join(parts) if parts else None
 
 
 def add_deltas(rows: list[dict[str, Any]]) -> None:
@@ -620,6 +634,9 @@ def run(args: argparse.Namespace) -> int:
     }
     for v in judged.values():
         console.print(verdict_line(v, labels))
+    noise = spread_line(rows)
+    if noise:
+        console.print(noise)
     report = {
         "config": {
             "engine_profile": "instant",
