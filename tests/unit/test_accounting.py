@@ -33,15 +33,17 @@ async def test_a_request_is_reported_at_the_next_turn_of_the_loop_not_in_its_own
 
 
 async def test_the_embedded_index_holds_a_requests_blocks_once_its_first_token_is_out() -> None:
-    """No batching interval for the embedded index: a request right behind this one (the next
-    turn of a conversation) is routed by its blocks. A shared index is a round trip away and
-    keeps its batching writer."""
+    """No batching interval for the embedded index: at the loop's next turn after the first
+    token, a request right behind this one (the next turn of a conversation) is routed by its
+    blocks. A shared index is a round trip away and keeps its batching writer."""
     node = FakeNodeClient(
         "d1", status=fake_status("d1", "decode"), generate=lambda p: Tokens(texts=("a", "b"))
     )
     async with harness(("decode", node)) as h:
         prep = h.prep()
-        ex = await h.pipeline.execute(prep)  # the first token is in: nothing awaited since
+        ex = await h.pipeline.execute(prep)  # the first token is in
+        assert await h.pipeline.index.lookup(prep.hashes, ["d1"]) == {"d1": 0}  # not in its own path
+        await asyncio.sleep(0)  # the loop's next turn
         held = await h.pipeline.index.lookup(prep.hashes, ["d1"])
         assert held == {"d1": len(prep.hashes)} and len(prep.hashes) > 0
         assert h.pipeline.accounting.writer.pending == 0  # not queued as well
