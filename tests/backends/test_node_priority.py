@@ -21,7 +21,10 @@ from tests.backends.test_node_grpc import until
 from tests.smgwire.test_gateway_over_grpc import gateway
 
 Prompt = Callable[..., tuple[bytes, list[int]]]
-LONG = 8192  # tokens: about 0.5 s of simulated prefill at time scale 4, in 8 chunks
+LONG = 8192  # tokens: about 2 s of simulated prefill at time scale 16, in 8 chunks
+# the short requests must reach the node while the long prefill runs: at time scale 4 (0.5 s)
+# a CI run on two loaded cores once saw it end first, and the queue was never seen holding one
+TIME_SCALE = 16.0
 CHUNK = 1024
 
 
@@ -115,7 +118,7 @@ async def _order(node: NodeServer, stub: Any, prompt: Prompt) -> list[str]:
 async def test_a_node_takes_waiting_prefills_up_by_its_policy(
     nodes: Callable[..., Awaitable[NodeServer]], stub: Any, prompt: Prompt, policy: str
 ) -> None:
-    node = await nodes(time_scale=4.0, chunked_prefill_size=CHUNK, scheduling_policy=policy)
+    node = await nodes(time_scale=TIME_SCALE, chunked_prefill_size=CHUNK, scheduling_policy=policy)
     done = await _order(node, stub, prompt)
     assert sorted(done) == ["long", "p0", "p5"]
     if policy == "priority":  # the later priority-0 request went first
@@ -129,7 +132,7 @@ async def test_the_gateway_carries_a_requests_priority_to_our_node(
     nodes: Callable[..., Awaitable[NodeServer]], split: bool
 ) -> None:
     role = "prefill" if split else "monolithic"
-    node = await nodes(role, time_scale=4.0, chunked_prefill_size=CHUNK)  # default policy: priority
+    node = await nodes(role, time_scale=TIME_SCALE, chunked_prefill_size=CHUNK)  # default policy: priority
     flags = ["--prefill", node.address, "--decode", (await nodes("decode")).address] if split else []
     done: list[str] = []
     async with (
