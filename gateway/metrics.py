@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from prefixgate.cachetier.index import IndexStats
 from prefixgate.gateway import tally
+from prefixgate.gateway.tally import MULTIPROC_ENV
 
 # 1 ms .. 60 s, roughly x2 steps with extra resolution where TTFT targets sit.
 LATENCY_BUCKETS = (
@@ -46,8 +47,6 @@ LATENCY_BUCKETS = (
 )
 
 
-#: Set by the gateway workers' supervisor: where the workers' metric files are summed from.
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # The series the admin cache view's counts are summed from under gateway workers (``hit_counts``):
 # a request observes the node's prefill once, so its count is the node's requests.
 _HIT_FIELDS = {
@@ -155,14 +154,12 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         # what every request adds to: plain numbers rendered at scrape in a single process, the
         # workers' summed files under gateway workers (``tally``)
-        shared = bool(os.environ.get(MULTIPROC_ENV))
         self.ttft = tally.histogram(
             "prefixgate_ttft_seconds",
             "Time to first token, end to end",
             ["route"],
             LATENCY_BUCKETS,
             r,
-            shared=shared,
         )
         self.ttft_segment = tally.histogram(
             "prefixgate_ttft_segment_seconds",
@@ -170,7 +167,6 @@ class Metrics:
             ["segment"],
             LATENCY_BUCKETS,
             r,
-            shared=shared,
         )
         self.prefill = tally.histogram(
             "prefixgate_prefill_seconds",
@@ -178,7 +174,6 @@ class Metrics:
             ["node"],
             LATENCY_BUCKETS,
             r,
-            shared=shared,
         )
         self.transfer = tally.histogram(
             "prefixgate_kv_transfer_seconds",
@@ -186,37 +181,31 @@ class Metrics:
             ["node"],
             LATENCY_BUCKETS,
             r,
-            shared=shared,
         )
         self.transfer_bytes = Counter(
             "prefixgate_kv_transfer_bytes", "KV bytes sent prefill -> decode", registry=r
         )
-        self.prompt_tokens = tally.counter(
-            "prefixgate_prompt_tokens", "Prompt tokens routed", ["node"], r, shared=shared
-        )
+        self.prompt_tokens = tally.counter("prefixgate_prompt_tokens", "Prompt tokens routed", ["node"], r)
         self.cached_tokens = tally.counter(
             "prefixgate_cached_tokens",
             "Prompt tokens served from KV cache as reported by the node",
             ["node"],
             r,
-            shared=shared,
         )
         self.predicted_cached_tokens = tally.counter(
             "prefixgate_predicted_cached_tokens",
             "Prompt tokens the index predicted cached on the chosen node",
             ["node"],
             r,
-            shared=shared,
         )
         self.computed_tokens = tally.counter(
             "prefixgate_computed_tokens",
             "Prompt tokens the node computed (not served from KV cache)",
             ["node"],
             r,
-            shared=shared,
         )
         self.requests = tally.counter(
-            "prefixgate_requests", "Requests by route and outcome", ["route", "outcome"], r, shared=shared
+            "prefixgate_requests", "Requests by route and outcome", ["route", "outcome"], r
         )
         self.retries = Counter(
             "prefixgate_retries",

@@ -8,9 +8,10 @@ a histogram's observation one ``bisect`` and two, and the families are built onl
 (when a series was first written), which these leave out, as the gateway workers' summed files
 already do.
 
-Under gateway workers every worker's figures must reach the files a scrape sums, which only
-prometheus_client's own metrics write: ``counter`` and ``histogram`` return those there (the
-same name, labels and buckets), and these ``Tally`` ones in a single process. Both take
+Under gateway workers (their supervisor sets ``MULTIPROC_ENV``) every worker's figures must reach
+the files a scrape sums, which only prometheus_client's own metrics write: ``counter`` and
+``histogram`` return those there (the same name, labels and buckets), and these ``Tally`` ones in
+a single process. Both take
 ``labels(*values)`` and have ``inc`` / ``observe``, so the request path does not tell them apart.
 
 Written from one thread (the event loop's); a scrape reads on the same thread.
@@ -18,6 +19,7 @@ Written from one thread (the event loop's); a scrape reads on the same thread.
 
 from __future__ import annotations
 
+import os
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from typing import Any, Generic, TypeVar
@@ -26,6 +28,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
+
+#: Set by the gateway workers' supervisor: where the workers' metric files are summed from.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 class CounterSeries:
@@ -144,12 +149,21 @@ class TallyHistogram(_Tally[HistogramSeries]):
         yield family
 
 
+def _shared(shared: bool | None) -> bool:
+    return bool(os.environ.get(MULTIPROC_ENV)) if shared is None else shared
+
+
 def counter(
-    name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry, *, shared: bool
+    name: str,
+    documentation: str,
+    labelnames: Sequence[str],
+    registry: CollectorRegistry,
+    *,
+    shared: bool | None = None,
 ) -> Any:
-    """A counter on ``registry``: prometheus_client's when ``shared`` (gateway workers' files),
-    else a ``TallyCounter``."""
-    if shared:
+    """A counter on ``registry``: prometheus_client's when ``shared`` (gateway workers' files;
+    None: when this process is a gateway worker), else a ``TallyCounter``."""
+    if _shared(shared):
         return Counter(name, documentation, labelnames, registry=registry)
     tally = TallyCounter(name, documentation, labelnames)
     registry.register(tally)
@@ -163,10 +177,11 @@ def histogram(
     buckets: Sequence[float],
     registry: CollectorRegistry,
     *,
-    shared: bool,
+    shared: bool | None = None,
 ) -> Any:
-    """A histogram on ``registry``: prometheus_client's when ``shared``, else a ``TallyHistogram``."""
-    if shared:
+    """A histogram on ``registry``: prometheus_client's when ``shared`` (as ``counter``), else a
+    ``TallyHistogram``."""
+    if _shared(shared):
         return Histogram(name, documentation, labelnames, buckets=buckets, registry=registry)
     tally = TallyHistogram(name, documentation, labelnames, buckets)
     registry.register(tally)

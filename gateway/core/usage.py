@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +26,6 @@ from prometheus_client import CollectorRegistry
 
 from prefixgate.cachetier.tasks import stop_task
 from prefixgate.gateway import tally
-from prefixgate.gateway.metrics import MULTIPROC_ENV
 from prefixgate.gateway.state.store import StateStore, UsageCounts, UsageKey
 
 log = structlog.get_logger("prefixgate.usage")
@@ -107,37 +105,32 @@ class UsageLedger:
         self._labels: set[str] = set()
         self._series: dict[UsageKey, tuple[Any, ...]] = {}  # ``_series_of``
         labels = ["tenant", "model"]
-        shared = bool(os.environ.get(MULTIPROC_ENV))  # gateway workers: their summed files (``tally``)
         self.m_requests = tally.counter(
-            "prefixgate_tenant_requests", "Requests per tenant and model", labels, registry, shared=shared
+            "prefixgate_tenant_requests", "Requests per tenant and model", labels, registry
         )
         self.m_prompt = tally.counter(
             "prefixgate_tenant_prompt_tokens",
             "Prompt tokens per tenant and model",
             labels,
             registry,
-            shared=shared,
         )
         self.m_cached = tally.counter(
             "prefixgate_tenant_cached_tokens",
             "Prompt tokens served from KV cache (as the engines reported) per tenant and model",
             labels,
             registry,
-            shared=shared,
         )
         self.m_computed = tally.counter(
             "prefixgate_tenant_computed_tokens",
             "Prompt tokens the engines computed per tenant and model",
             labels,
             registry,
-            shared=shared,
         )
         self.m_output = tally.counter(
             "prefixgate_tenant_output_tokens",
             "Output tokens per tenant and model",
             labels,
             registry,
-            shared=shared,
         )
         self.m_value = tally.counter(
             "prefixgate_tenant_value",
@@ -145,7 +138,6 @@ class UsageLedger:
             "(part: input_miss, input_hit, output)",
             [*labels, "part"],
             registry,
-            shared=shared,
         )
 
     def _label(self, tenant: str) -> str:
