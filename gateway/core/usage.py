@@ -105,39 +105,25 @@ class UsageLedger:
         self._labels: set[str] = set()
         self._series: dict[UsageKey, tuple[Any, ...]] = {}  # ``_series_of``
         labels = ["tenant", "model"]
-        self.m_requests = tally.counter(
-            "prefixgate_tenant_requests", "Requests per tenant and model", labels, registry
-        )
-        self.m_prompt = tally.counter(
-            "prefixgate_tenant_prompt_tokens",
-            "Prompt tokens per tenant and model",
-            labels,
-            registry,
-        )
-        self.m_cached = tally.counter(
-            "prefixgate_tenant_cached_tokens",
+
+        def per_pair(name: str, doc: str, *more: str) -> Any:
+            return tally.counter(f"prefixgate_tenant_{name}", doc, [*labels, *more], registry)
+
+        self.m_requests = per_pair("requests", "Requests per tenant and model")
+        self.m_prompt = per_pair("prompt_tokens", "Prompt tokens per tenant and model")
+        self.m_cached = per_pair(
+            "cached_tokens",
             "Prompt tokens served from KV cache (as the engines reported) per tenant and model",
-            labels,
-            registry,
         )
-        self.m_computed = tally.counter(
-            "prefixgate_tenant_computed_tokens",
-            "Prompt tokens the engines computed per tenant and model",
-            labels,
-            registry,
+        self.m_computed = per_pair(
+            "computed_tokens", "Prompt tokens the engines computed per tenant and model"
         )
-        self.m_output = tally.counter(
-            "prefixgate_tenant_output_tokens",
-            "Output tokens per tenant and model",
-            labels,
-            registry,
-        )
-        self.m_value = tally.counter(
-            "prefixgate_tenant_value",
+        self.m_output = per_pair("output_tokens", "Output tokens per tenant and model")
+        self.m_value = per_pair(
+            "value",
             f"Value of the tokens served at the configured prices, in {prices.currency} "
             "(part: input_miss, input_hit, output)",
-            [*labels, "part"],
-            registry,
+            "part",
         )
 
     def _label(self, tenant: str) -> str:
