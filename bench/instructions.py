@@ -51,6 +51,7 @@ QUIET_S = 5.0
 PROMPT_BYTES = 2_048
 START_TIMEOUT_S = 600.0  # a router starting under callgrind runs tens of times slower
 REQUEST_TIMEOUT_S = 120.0
+INLINE_BUDGET_UNDER_CALLGRIND_MS = 250.0  # the default 5 ms, times callgrind's slowdown
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,8 +177,12 @@ def _start(
         return launch.start_peer(
             "smg", Path(args.peers_venv), workers, logs, timeout=START_TIMEOUT_S, wrap=wrap
         )
-    env = {"PYTHONPATH": args.baseline_src} if target.startswith("baseline") else {}
-    # started as the peers are: the worker flag and nothing else (its defaults)
+    # Callgrind runs every step some 50 times slower: the chat-template budget (5 ms) is scaled
+    # with it, or a 2 KB chat would take the render threads it never takes run natively.
+    env = {"PREFIXGATE_INLINE_RENDER_BUDGET_MS": str(INLINE_BUDGET_UNDER_CALLGRIND_MS)}
+    if target.startswith("baseline"):
+        env["PYTHONPATH"] = args.baseline_src
+    # started as the peers are: the worker flag and nothing else (its defaults, but the above)
     return launch.start_gateway(
         logs, name=target, env=env, timeout=START_TIMEOUT_S, extra_args=["--worker-urls", *workers], wrap=wrap
     )

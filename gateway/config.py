@@ -76,6 +76,10 @@ class Settings:
     # Child processes per engine tokenizer that tokenize long uncached text (gateway.tokenpool),
     # started at the first long prompt; 0: the gateway's own threads tokenize everything.
     tokenizer_processes: int = 2
+    # A small chat (body under 16 KiB) is rendered and tokenized on the event loop within this
+    # budget (gateway.core.runner); three in a row over it send every later one to a render
+    # thread. 0: every chat a template renders is prepared on a render thread.
+    inline_render_budget_ms: float = 5.0
     # Tool calls in the model's text -> OpenAI tool_calls (gateway.toolcalls), for engines the
     # gateway tokenizes for: hermes | qwen25 | llama3 | mistral | pythonic; "" reads it from the
     # chat template when that is unambiguous; "none" turns tool calling off.
@@ -381,6 +385,7 @@ _AT_LEAST: dict[str, float] = {
     "prometheus_port": 0,
     "workers": 0,
     "tokenizer_processes": 0,
+    "inline_render_budget_ms": 0,
     "grpc_max_concurrent_streams": 1,
     "grpc_max_connection_age_s": 0,
     "grpc_keepalive_time_s": 0.001,

@@ -25,10 +25,14 @@ the health checks. A model's own chat template (``gateway.tokens``) is code that
 model: a request that may render one is prepared on one of ``RENDER_THREADS`` threads, where the
 template's bounds (time, output) stop it if it runs away, unless its body is under
 ``INLINE_BYTES``: a chat that small renders and tokenizes in a fraction of a millisecond, less
-than the hand-off to a thread and back costs, so it is prepared on the event loop, for as long
-as no such request has taken more than ``INLINE_LIMIT_S`` there: a render stops at that budget
-(``tokens.template.budget``) and is done again on a render thread, and from then on every
-template is rendered off the loop (said once).
+than the hand-off to a thread and back costs, so it is prepared on the event loop within a
+budget (``inline_render_budget_ms``, 5 ms): a render stops there (``tokens.template.budget``)
+and is done again on a render thread. ``INLINE_STRIKES`` preparations in a row over the budget
+say the template itself is slow, and from then on every chat is rendered off the loop (said
+once). One alone does not: the first chat after a start, a collection of the interpreter's
+garbage or the process preempted on a busy machine can each take one past it, and a single
+outlier once sent every later chat through a thread, at some 0.2 M instructions a request more
+(``bench instructions`` over ``grpc://``).
 """
 
 from __future__ import annotations
@@ -68,7 +72,8 @@ RENDER_THREADS = 4  # CPU work under one interpreter lock: more threads would no
 # A body under this is prepared on the event loop even when a chat template renders it: some
 # 4,000 tokens at most, rendered, tokenized and hashed in about a millisecond.
 INLINE_BYTES = 16 * 1024
-INLINE_LIMIT_S = 0.005  # an inline preparation longer than this sends every later one to a thread
+INLINE_LIMIT_S = 0.005  # ``inline_render_budget_ms``'s default
+INLINE_STRIKES = 3  # preparations over the budget in a row that send every later one to a thread
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,11 +119,13 @@ class Documents(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class RunnerLimits:
-    """The settings the runner applies: credentials and the body parser's value bound."""
+    """The settings the runner applies: credentials, the body parser's value bound, the budget
+    of a chat prepared on the event loop (0: none is)."""
 
     api_keys: Sequence[str] = ()
     admin_token: str = ""
     max_json_values: int = 0
+    inline_budget_s: float = INLINE_LIMIT_S
 
 
 class RequestRunner:
@@ -133,7 +140,10 @@ class RequestRunner:
         self._heavy = asyncio.Semaphore(HEAVY_CONCURRENCY)
         self.bodies = BodyParser(limits.max_json_values, workers=HEAVY_CONCURRENCY)
         self._render = ThreadPoolExecutor(RENDER_THREADS, thread_name_prefix="prefixgate-render")
-        self.inline_renders = True  # small bodies rendered on the loop (``compute``) until one is slow
+        self.inline_budget_s = limits.inline_budget_s
+        # small bodies rendered on the loop (``compute``) until INLINE_STRIKES in a row are slow
+        self.inline_renders = limits.inline_budget_s > 0
+        self._strikes = 0
         self.limits: RateLimiter | None = None  # tenants' and keys' tokens/requests per minute
 
     def close(self) -> None:
@@ -189,17 +199,23 @@ class RequestRunner:
         if not self.pipeline.renders_templates:
             return work()
         if sized and size < INLINE_BYTES and self.inline_renders:
-            started = time.perf_counter()
+            budget, started = self.inline_budget_s, time.perf_counter()
             try:
-                with template.budget(INLINE_LIMIT_S):  # a template that runs longer stops here
+                with template.budget(budget):  # a template that runs longer stops here
                     return work()
             except template.RenderOverBudget:
                 pass  # rendered again below, off the loop, with the template's whole time
             finally:
                 took = time.perf_counter() - started
-                if took > INLINE_LIMIT_S:
+                self._strikes = self._strikes + 1 if took > budget else 0
+                if self._strikes >= INLINE_STRIKES:
                     self.inline_renders = False
-                    log.warning("inline_render_slow", body_bytes=size, ms=round(took * 1000, 2))
+                    log.warning(
+                        "inline_render_slow",
+                        body_bytes=size,
+                        ms=round(took * 1000, 2),
+                        in_a_row=self._strikes,
+                    )
         call = functools.partial(contextvars.copy_context().run, work)
         return await asyncio.get_running_loop().run_in_executor(self._render, call)
 

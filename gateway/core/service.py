@@ -145,7 +145,9 @@ class GatewayService:
         self.metrics.bind_nodes(self.node_samples)
         # every front end serves requests through it
         self.runner = RequestRunner(
-            self.pipeline, self.documents, RunnerLimits(s.api_keys, s.admin_token, s.max_json_values)
+            self.pipeline,
+            self.documents,
+            RunnerLimits(s.api_keys, s.admin_token, s.max_json_values, s.inline_render_budget_ms / 1000),
         )
         self.limits = RateLimiter(self.state, policy_of(s), self.metrics.registry)
         self.runner.limits = self.limits

@@ -16,7 +16,7 @@ from prefixgate.gateway.core.auth import key_id
 from prefixgate.gateway.core.errors import Draining, GatewayError, Overloaded, Unauthenticated
 from prefixgate.gateway.core.pipeline import Prepared
 from prefixgate.gateway.core.request import Credentials, RequestContext
-from prefixgate.gateway.core.runner import INLINE_BYTES, INLINE_LIMIT_S, OFFLOAD_BYTES, Caller
+from prefixgate.gateway.core.runner import INLINE_BYTES, INLINE_LIMIT_S, INLINE_STRIKES, OFFLOAD_BYTES, Caller
 from prefixgate.gateway.core.service import GatewayService
 from prefixgate.openai.errors import APIError
 from prefixgate.openai.schema import ParsedRequest, parse_request
@@ -144,7 +144,7 @@ async def test_large_work_runs_off_the_event_loop() -> None:
     assert await svc.runner.compute(threading.get_ident, OFFLOAD_BYTES) != loop_thread
 
 
-async def test_a_chat_template_renders_small_bodies_on_the_loop_until_one_is_slow() -> None:
+async def test_a_chat_template_renders_small_bodies_on_the_loop_until_it_is_slow_in_a_row() -> None:
     # the engine's own tokenizer (and chat template), as over grpc:// workers
     svc = _service(tokenizer_path=str(TOKENIZER_DIR))
     assert svc.pipeline.renders_templates
@@ -158,7 +158,24 @@ async def test_a_chat_template_renders_small_bodies_on_the_loop_until_one_is_slo
         time.sleep(2 * INLINE_LIMIT_S)
         return threading.get_ident()
 
+    # one slow preparation (a cold start, a collection, a preemption) is not a slow template:
+    # the ones after it, fast again, stay on the loop
+    for _ in range(INLINE_STRIKES - 1):
+        assert await runner.compute(slow, 10) == loop_thread
+    assert await runner.compute(threading.get_ident, 10) == loop_thread
+    assert runner.inline_renders
+    # INLINE_STRIKES in a row are
+    for _ in range(INLINE_STRIKES - 1):
+        assert await runner.compute(slow, 10) == loop_thread
+    assert runner.inline_renders
     assert await runner.compute(slow, 10) == loop_thread  # it ran on the loop, and was slow there
     assert not runner.inline_renders
     assert await runner.compute(threading.get_ident, 10) != loop_thread  # from now on, off the loop
     runner.close()
+
+
+async def test_a_zero_inline_budget_renders_every_chat_off_the_loop() -> None:
+    svc = _service(tokenizer_path=str(TOKENIZER_DIR), inline_render_budget_ms=0.0)
+    assert svc.pipeline.renders_templates and not svc.runner.inline_renders
+    assert await svc.runner.compute(threading.get_ident, 10) != threading.get_ident()
+    svc.runner.close()
