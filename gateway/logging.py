@@ -262,7 +262,7 @@ def configure_logging(
     writer = _writer_for(sys.stderr)
     structlog.configure(
         processors=[*shared, structlog.processors.format_exc_info, renderer],
-        wrapper_class=structlog.make_filtering_bound_logger(lvl),
+        wrapper_class=_with_fields_method(structlog.make_filtering_bound_logger(lvl), lvl),
         logger_factory=_line_writer_factory(writer),
         cache_logger_on_first_use=True,
     )
@@ -276,6 +276,34 @@ def configure_logging(
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(max(lvl, logging.WARNING))
+
+
+def _with_fields_method(base: type[Any], level: int) -> type[Any]:
+    """``base`` (a filtering bound logger class) with ``info_fields``, where ``level`` lets info
+    lines through: structlog's ``_process_event``, its documented hook for wrapper classes."""
+
+    def info_fields(self: Any, event: str, fields: dict[str, Any]) -> Any:
+        args, kw = self._process_event("info", event, fields)
+        return self._logger.info(*args, **kw)
+
+    def nothing(self: Any, event: str, fields: dict[str, Any]) -> None:
+        return None
+
+    method = info_fields if level <= logging.INFO else nothing
+    return type(base.__name__, (base,), {"info_fields": method})
+
+
+def info_fields(logger: Any, event: str, fields: dict[str, Any]) -> None:
+    """``logger.info(event, **fields)``, the fields handed over as the dict they are. Passed as
+    keywords, a line's fields are unpacked and packed again in each of structlog's three calls,
+    every name compared with the parameters': half of what the request line of some 25 fields
+    cost (117 K instructions, 58 K this way). The same processors write the same line; a
+    logger that is not configured here (``info_fields`` missing) takes them as keywords."""
+    method = getattr(logger, "info_fields", None)
+    if method is None:
+        logger.info(event, **fields)
+    else:
+        method(event, fields)
 
 
 def bind_request(request_id: str | None, **fields: Any) -> str:

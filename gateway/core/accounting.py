@@ -18,6 +18,7 @@ from prefixgate.gateway.cluster.nodes import Node
 from prefixgate.gateway.config import Settings
 from prefixgate.gateway.core.execution import Execution
 from prefixgate.gateway.core.request import Prepared
+from prefixgate.gateway.logging import info_fields
 from prefixgate.gateway.metrics import Metrics
 
 log = structlog.get_logger("prefixgate.pipeline")
@@ -127,29 +128,32 @@ class Accounting:
         )
         m.observe_hit(node, ex.prompt_tokens, ex.engine_cached_tokens, ex.predicted_tokens)
         self._check_prediction(ex.prompt_node, ex.predicted_tokens, ex.engine_cached_tokens)
-        log.info(
+        info_fields(
+            log,
             "request",
-            request_id=ex.request_id,
-            route=ex.route,
-            prefill_node=ex.prefill_node.id if ex.prefill_node else None,
-            decode_node=ex.decode_node.id,
-            prompt_tokens=ex.prompt_tokens,
-            cached_tokens=ex.engine_cached_tokens,
-            predicted_cached_tokens=ex.predicted_tokens,
-            **ex.notes,
-            index_chosen_tokens=ex.index_hits.get(node, 0) * self.settings.block_size,
-            computed_tokens=ex.prompt_tokens - ex.engine_cached_tokens,
-            completion_tokens=ex.completion_tokens,
-            outcome=ex.outcome,
-            attempts=ex.attempts,
-            migrations=ex.migrations,
-            ttft_ms=round(ttft * 1000, 2),
-            queue_ms=round(node_t.queue_s * 1000, 2),
-            prefill_ms=round(node_t.prefill_s * 1000, 2),
-            transfer_ms=round(node_t.transfer_s * 1000, 2),
-            first_token_ms=round(first_token * 1000, 2),
-            total_ms=round((time.perf_counter() - t.start) * 1000, 2),
-            reason=ex.reason,
+            {
+                "request_id": ex.request_id,
+                "route": ex.route,
+                "prefill_node": ex.prefill_node.id if ex.prefill_node else None,
+                "decode_node": ex.decode_node.id,
+                "prompt_tokens": ex.prompt_tokens,
+                "cached_tokens": ex.engine_cached_tokens,
+                "predicted_cached_tokens": ex.predicted_tokens,
+                **ex.notes,
+                "index_chosen_tokens": ex.index_hits.get(node, 0) * self.settings.block_size,
+                "computed_tokens": ex.prompt_tokens - ex.engine_cached_tokens,
+                "completion_tokens": ex.completion_tokens,
+                "outcome": ex.outcome,
+                "attempts": ex.attempts,
+                "migrations": ex.migrations,
+                "ttft_ms": round(ttft * 1000, 2),
+                "queue_ms": round(node_t.queue_s * 1000, 2),
+                "prefill_ms": round(node_t.prefill_s * 1000, 2),
+                "transfer_ms": round(node_t.transfer_s * 1000, 2),
+                "first_token_ms": round(first_token * 1000, 2),
+                "total_ms": round((time.perf_counter() - t.start) * 1000, 2),
+                "reason": ex.reason,
+            },
         )
         if self.on_finished is not None:
             self.on_finished(ex)

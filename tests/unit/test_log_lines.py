@@ -22,6 +22,7 @@ from prefixgate.gateway.logging import (
     bind_request,
     configure_logging,
     current_request_id,
+    info_fields,
 )
 
 _WRITER = r"""
@@ -135,6 +136,53 @@ def test_a_requests_fields_are_in_its_lines_and_its_tasks_and_not_in_the_next_re
     assert (one["request_id"], one["trace_id"], one["path"]) == ("first", "t1", "/v1/chat/completions")
     assert task["request_id"] == "first" and task["trace_id"] == "t1" and "extra" not in task
     assert two["request_id"] == "second" and "trace_id" not in two and "path" not in two
+
+
+def _written(fmt: str, level: str, log_lines: Callable[[], None]) -> str:
+    buf = io.StringIO()
+    old = sys.stderr
+    sys.stderr = buf
+    try:
+        configure_logging(fmt, level)
+        log_lines()
+    finally:
+        sys.stderr = old
+        configure_logging("json")
+    return buf.getvalue()
+
+
+FIELDS: dict[str, Any] = {"request_id": "r1", "route": "monolithic", "prefill_node": None, "ttft_ms": 1.25}
+
+
+def test_fields_given_as_a_dict_make_the_line_keywords_make() -> None:
+    def both() -> None:
+        log = structlog.get_logger("lines")  # a new one: a logger keeps the output it first wrote to
+        bind_request("bound", path="/v1/chat/completions")
+        log.info("request", **FIELDS)
+        info_fields(log, "request", dict(FIELDS))
+
+    for fmt in ("json", "console"):
+        kw, fields = _written(fmt, "info", both).splitlines()
+        if fmt == "json":
+            a, b = json.loads(kw), json.loads(fields)
+            assert a.pop("timestamp") <= b.pop("timestamp")
+            assert list(a.items()) == list(b.items())  # the same fields, in the same order
+            assert b["request_id"] == "r1" and b["path"] == "/v1/chat/completions" and b["level"] == "info"
+        else:  # the time first, then the same line
+            assert kw.split(" ", 1)[1] == fields.split(" ", 1)[1] and "ttft_ms=1.25" in fields
+    # below the configured level, as ``info`` is, nothing is written
+    assert _written("json", "warning", both) == ""
+
+
+def test_fields_reach_a_logger_that_is_not_configured_here_as_keywords() -> None:
+    seen: list[tuple[str, dict[str, Any]]] = []
+
+    class Plain:
+        def info(self, event: str, **kw: Any) -> None:
+            seen.append((event, kw))
+
+    info_fields(Plain(), "request", dict(FIELDS))
+    assert seen == [("request", FIELDS)]
 
 
 def test_an_event_loop_never_waits_on_a_stalled_pipe_and_says_what_it_dropped() -> None:
