@@ -17,11 +17,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from prefixgate.gateway.core.errors import StreamBroken
 from prefixgate.gateway.core.streams import tagged_merge
+from prefixgate.gateway.records import record
 
 if TYPE_CHECKING:
     from prefixgate.gateway.core.pipeline import Delta, Execution, Pipeline, Prepared
@@ -108,7 +109,7 @@ async def start(pipeline: Pipeline, prep: Prepared, n: int) -> Choices:
         raise
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Generate:
     """The runner's job (``gateway.core.runner.Job``) of a completion: its ``n`` choices."""
 

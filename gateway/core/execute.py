@@ -55,6 +55,7 @@ from prefixgate.gateway.nodeclient import (
     TokenStream,
 )
 from prefixgate.gateway.nodeclient.openai_body import for_choice
+from prefixgate.gateway.records import record
 from prefixgate.gateway.routing import Decision, costmodel, deadline
 from prefixgate.gateway.routing.mode import ModeDecision
 from prefixgate.gateway.routing.planner import Plan
@@ -218,7 +219,7 @@ def abandoned(t: Target, gone: Collection[Node], prefill_reported: bool) -> Node
     return NodeFailure(at.id, stage, FailureKind.GONE, "node declared gone before the first token")
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Target:
     """The nodes one attempt tries (a prefill node on the split path) and the decision that
     picked the node computing the prompt."""

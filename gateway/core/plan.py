@@ -8,7 +8,7 @@ model and the prefixes in flight.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import field
 
 import structlog
 
@@ -19,6 +19,7 @@ from prefixgate.gateway.core import context
 from prefixgate.gateway.core.errors import InvalidRequest
 from prefixgate.gateway.core.request import Prepared, Switches
 from prefixgate.gateway.metrics import Metrics
+from prefixgate.gateway.records import record
 from prefixgate.gateway.routing import Decision, NodeView, Policy, RouteInput, parse_policy, planner
 from prefixgate.gateway.routing.inflight import InflightPrefixes, extension, follows_inflight, merge_hits
 from prefixgate.gateway.routing.planner import Plan, RequestView, Rules
@@ -29,7 +30,7 @@ log = structlog.get_logger("prefixgate.pipeline")
 TURN_WRAP = 1 << 30  # the tie-break turn counts decisions, modulo this
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Lookup:
     """What the index (and the prefixes in flight) say of a request's blocks."""
 
@@ -39,7 +40,7 @@ class Lookup:
     notes: dict[str, int] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Snapshot:
     """Nodes and their views, taken together: a model's nodes, or those of them that may serve a
     request (``Planner.monolithic_candidates``). The nodes' load changes only across an await,

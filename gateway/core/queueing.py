@@ -24,7 +24,6 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import structlog
 
@@ -33,6 +32,7 @@ from prefixgate.gateway.config import Settings
 from prefixgate.gateway.core.errors import Overloaded
 from prefixgate.gateway.core.request import Prepared
 from prefixgate.gateway.metrics import Metrics
+from prefixgate.gateway.records import record
 from prefixgate.gateway.routing.base import NodeView
 from prefixgate.gateway.scheduling.classes import (
     DEFAULT_SCHEDULE,
@@ -50,7 +50,7 @@ log = structlog.get_logger("prefixgate.pipeline")
 PUMP_INTERVAL_S = 0.05
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Turn:
     """A request's passage through the gate."""
 

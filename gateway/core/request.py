@@ -19,6 +19,7 @@ from enum import StrEnum
 from prefixgate.cachetier.hashing import Namespace
 from prefixgate.gateway.cluster.nodes import Node
 from prefixgate.gateway.nodeclient import NodeFailure, OpenAIBody, StageTimings, TokenDelta
+from prefixgate.gateway.records import record
 from prefixgate.openai.features import Feature
 from prefixgate.openai.normalize import Layout
 from prefixgate.openai.schema import Sampling
@@ -33,7 +34,7 @@ class Credentials(StrEnum):
     ADMIN = "admin"
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class RequestContext:
     """Who a request is and what its front end read of it, made once when it enters.
 
@@ -66,7 +67,7 @@ class Switches:
     normalization: bool = True
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Prepared:
     context: RequestContext
     request_id: str  # the context's, or a choice's own (``gateway.core.choices``)

@@ -54,6 +54,7 @@ from prefixgate.gateway.core.auth import KeyRing, check_admin
 from prefixgate.gateway.core.bodyparse import BodyParser
 from prefixgate.gateway.core.errors import Draining, Overloaded
 from prefixgate.gateway.core.request import Credentials, RequestContext
+from prefixgate.gateway.records import record
 from prefixgate.gateway.scheduling.classes import slo_ms
 from prefixgate.gateway.tokens import template
 
@@ -76,7 +77,7 @@ INLINE_LIMIT_S = 0.005  # ``inline_render_budget_ms``'s default
 INLINE_STRIKES = 3  # preparations over the budget in a row that send every later one to a thread
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Caller:
     """What a front end read off its transport about the request, before any parsing."""
 

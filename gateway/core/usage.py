@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry
 
 from prefixgate.cachetier.tasks import stop_task
 from prefixgate.gateway import tally
+from prefixgate.gateway.records import record
 from prefixgate.gateway.state.store import StateStore, UsageCounts, UsageKey
 
 log = structlog.get_logger("prefixgate.usage")
@@ -36,7 +37,7 @@ OTHER = "_other"
 MAX_SERIES = 4 * MAX_TENANT_LABELS  # (tenant, model) pairs whose metric children are remembered
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Value:
     """What tokens are worth at the prices, by part (rounded to 6 places, as reported)."""
 

@@ -25,6 +25,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Se
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from prefixgate.gateway.records import record
 from prefixgate.gateway.routing.base import KVFormat as KVFormat  # one type: what routing pairs on
 from prefixgate.gateway.vocab import EventKind, FailureKind, Stage
 from prefixgate.openai.schema import Sampling
@@ -81,7 +82,7 @@ class NodeStatus:
         return max(0, self.used_blocks - self.evictable_blocks)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class KVEvent:
     """A change in a node's block pool; ``seq`` is consecutive per node instance.
 
@@ -109,7 +110,7 @@ class NodeFailure(Exception):
         self.detail = detail
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Capabilities:
     """What a node's protocol lets the gateway do beyond whole-request generation."""
 
@@ -132,7 +133,7 @@ class Capabilities:
     resume_constrained: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class OpenAIBody:
     """The request as an OpenAI-compatible engine takes it, after the gateway's normalization:
     ``kind`` is ``chat`` or ``completion``, ``body`` the JSON object to send."""
@@ -141,7 +142,7 @@ class OpenAIBody:
     body: Mapping[str, Any]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Prompt:
     """One request as a node sees it: packed tokens, their block hashes, sampling; and, for
     nodes that generate from the OpenAI request itself (``Capabilities.openai_body``), that
@@ -182,7 +183,7 @@ class TokenLogprob:
     top_raw: tuple[bytes | None, ...] = ()  # per entry of ``top`` (empty: all None)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class TokenDelta:
     """One step of generation; ``completion_tokens`` is the running total (0: not reported).
     ``logprobs``: one per token of this step, when the request asked for them; ``prompt_tokens``

@@ -17,10 +17,11 @@ anything there. So the adapters read them through these functions, which never r
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import structlog
+
+from prefixgate.gateway.records import record
 
 log = structlog.get_logger("prefixgate.nodeclient")
 
@@ -55,7 +56,7 @@ def count(value: Any) -> int | None:
     return None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Usage:
     """Checked usage counts; None: not reported (or not sane, which the gateway treats alike)."""
 

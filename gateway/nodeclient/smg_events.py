@@ -20,10 +20,10 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from itertools import chain, repeat
 
 from prefixgate.cachetier.hashing import block_hashes
+from prefixgate.gateway.records import record
 from prefixgate.gateway.tokenpool import kvcolumns
 from prefixgate.gateway.vocab import EventKind
 
@@ -33,7 +33,7 @@ _LOCAL = (0, 1)  # unspecified or LOCAL
 _MAIN_ATTENTION = ("", "full_attention", "mla_attention", "sink_full_attention")
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Change:
     """One change to the gateway's view of the node (``parent`` 0: a chain from the root)."""
 

@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Protocol
 
+from prefixgate.gateway.records import record
 from prefixgate.gateway.routing import costmodel
 from prefixgate.gateway.vocab import Role
 
@@ -32,13 +33,12 @@ class KVFormat:
         return "KV format mismatch: " + ", ".join(diffs)
 
 
-# NodeView and Estimate are values nothing changes once made, but not ``frozen``: a request
-# makes one of each for every node it may go to, and a frozen dataclass sets each field through
-# ``object.__setattr__``. Counted (``bench instructions``), the frozen pair cost a request 28K
-# instructions a node more. ``unsafe_hash`` keeps them hashable as frozen ones were.
+# NodeView and Estimate are records (``gateway.records``), as the request's other values: a
+# request makes one of each for every node it may go to, and as frozen dataclasses the pair cost
+# it 28K instructions a node more (``bench instructions``).
 
 
-@dataclass(slots=True, unsafe_hash=True)
+@record
 class NodeView:
     """A node as the router sees it at decision time (all times in wall-clock seconds).
 
@@ -69,7 +69,7 @@ class NodeView:
         return self.max_context_tokens <= 0 or tokens <= self.max_context_tokens
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class RouteInput:
     prompt_tokens: int
     block_size: int
@@ -79,7 +79,7 @@ class RouteInput:
     turn: int = 0  # the caller's decision count: policies break ties round the nodes with it
 
 
-@dataclass(slots=True, unsafe_hash=True)
+@record
 class Estimate:
     """One node's estimate in a decision; not to be changed once made (see ``NodeView``)."""
 
@@ -97,7 +97,7 @@ class Estimate:
         return self.queue_s + self.prefill_s + self.transfer_s
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Decision:
     node_id: str | None
     reason: str

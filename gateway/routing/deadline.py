@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from prefixgate.gateway.records import record
 from prefixgate.gateway.routing import costmodel
 
 
@@ -33,7 +34,7 @@ class Speed:
     attention_coeff_s: float = 0.0  # seconds per (new token x context token)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Work:
     """What the node computing the prompt has to do before the attempt's prefill is over."""
 
@@ -43,7 +44,7 @@ class Work:
     transfer_s: float = 0.0  # the KV's trip to the decode node (split path; 0 served whole)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Rule:
     """The settings that turn a prediction into a limit."""
 

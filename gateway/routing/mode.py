@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from prefixgate.gateway.records import record
 from prefixgate.gateway.vocab import Mode
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ModeDecision:
     mode: Mode
     reason: str

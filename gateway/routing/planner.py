@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from prefixgate.gateway.records import record
 from prefixgate.gateway.routing.base import Decision, NodeView, Policy, RouteInput
 from prefixgate.gateway.routing.least_loaded import LeastLoadedPolicy
 from prefixgate.gateway.routing.mode import ModeDecision, choose_mode
@@ -29,7 +30,7 @@ from prefixgate.gateway.vocab import Mode, Role
 WITHOUT_PREFIX_ROUTING: Policy = LeastLoadedPolicy()
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class RequestView:
     """A request as the router sees it."""
 
@@ -47,7 +48,7 @@ class RequestView:
         return min(self.context_tokens, self.prompt_tokens + 1)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Rules:
     """The switches and limits that shape a plan (the gateway's settings, the simulator's config)."""
 

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from prefixgate.gateway.core.errors import InvalidRequest
+from prefixgate.gateway.records import record
 
 DEFAULT_CLASS = "default"
 PRIORITY_CLASS_HEADER = "x-prefixgate-priority-class"
@@ -31,7 +32,7 @@ class PriorityClass:
     ttft_slo_s: float = 0.0  # the first-token target of its requests (0: none)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Schedule:
     """A request's place in the scheduler: its band, its deadline rule, whether it may be shed."""
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from enum import StrEnum
 
+from prefixgate.gateway.records import record
 from prefixgate.gateway.routing.base import NodeView
 from prefixgate.gateway.scheduling.queue import DEFAULT_LIMITS, Entry, QueueLimits, WaitQueue
 from prefixgate.gateway.scheduling.room import DEFAULT_ROOM, RoomRule, has_room
@@ -39,7 +39,7 @@ class Verdict(StrEnum):
     LATE = "late"
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Admit:
     verdict: Verdict
     wait_s: float = 0.0  # predicted wait before its prefill starts

@@ -21,6 +21,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from prefixgate.gateway.records import record
+
 _LITTLE = sys.byteorder == "little"
 
 
@@ -41,7 +43,7 @@ def unpacked(code: str, raw: bytes) -> list[int]:
     return a.tolist()
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Stored:
     """A ``KvBlocksStored``: ``parent`` the engine handle it continues (None: a chain from the
     root); per block, in order: ``handles`` (int64), ``sizes`` (ids it holds) and ``declared``
@@ -77,7 +79,7 @@ class Cleared:
 Event = Stored | Removed | Cleared
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Batch:
     """A batch's sequence number and data-parallel rank (0 when absent), whether it carries a
     snapshot, and its events in columns."""

@@ -19,17 +19,18 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
 from prefixgate.gateway.core.errors import InvalidRequest
+from prefixgate.gateway.records import record
 from prefixgate.gateway.toolcalls.detect import detect_parser, mentions_tools
 from prefixgate.gateway.toolcalls.forcing import forceable, forced_calls
 from prefixgate.openai.constraint import Constraint
 from prefixgate.openai.features import Feature, refusal
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ToolPlan:
     parser: str = ""  # "" : the gateway parses nothing
     tools: list[Any] | None = None  # what the template renders

@@ -40,6 +40,8 @@ from typing import Any
 
 import orjson
 
+from prefixgate.gateway.records import record
+
 SYSTEM_ROLES = frozenset({"system", "developer"})
 CONVERSATION_ROLES = frozenset({"user", "assistant", "tool", "function"})
 
@@ -67,7 +69,7 @@ class Document:
     text: str
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Segment:
     kind: str  # "system", "tools", "documents", "document", "conversation", "prompt"
     label: str
