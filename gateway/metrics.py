@@ -327,6 +327,10 @@ class Metrics:
         self.scrape_collectors.append(hit_ratio)
         self._index_nodes: set[str] = set()
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        # A finished request's series, by (route, outcome, node, transfer node) and by node:
+        # made once, as ``child`` makes one (``observe_request``, ``observe_hit``).
+        self._finished: dict[tuple[str, str, str, str | None], tuple[Any, ...]] = {}
+        self._hits: dict[str, tuple[Any, ...]] = {}
 
     def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, remembered: the request path observes the same few series
@@ -352,16 +356,33 @@ class Metrics:
     ) -> None:
         """One finished request's outcome, TTFT and its segments, the node's prefill time (and
         the prefill node's transfer time on the split path)."""
+        key = (route, outcome, node, transfer_node)
+        series = self._finished.get(key) or self._finished_series(key)
+        requests, ttft_h, queue_h, prefill_seg, transfer_seg, first_h, prefill_h, transfer_h = series
+        requests.inc()
+        ttft_h.observe(ttft)
+        queue_h.observe(queue_s)
+        prefill_seg.observe(prefill_s)
+        transfer_seg.observe(transfer_s)
+        first_h.observe(max(0.0, ttft - queue_s - prefill_s - transfer_s))
+        prefill_h.observe(prefill_s)
+        if transfer_h is not None:
+            transfer_h.observe(transfer_s)
+
+    def _finished_series(self, key: tuple[str, str, str, str | None]) -> tuple[Any, ...]:
+        """The eight series ``observe_request`` adds to for ``key``, looked up once: eleven
+        ``child`` lookups a request were half of what observing it cost."""
+        route, outcome, node, transfer_node = key
         child = self.child
-        child(self.requests, route, outcome).inc()
-        child(self.ttft, route).observe(ttft)
-        child(self.ttft_segment, "queue").observe(queue_s)
-        child(self.ttft_segment, "prefill").observe(prefill_s)
-        child(self.ttft_segment, "transfer").observe(transfer_s)
-        child(self.ttft_segment, "first_token").observe(max(0.0, ttft - queue_s - prefill_s - transfer_s))
-        child(self.prefill, node).observe(prefill_s)
-        if transfer_node is not None:
-            child(self.transfer, transfer_node).observe(transfer_s)
+        series = (
+            child(self.requests, route, outcome),
+            child(self.ttft, route),
+            *(child(self.ttft_segment, part) for part in ("queue", "prefill", "transfer", "first_token")),
+            child(self.prefill, node),
+            child(self.transfer, transfer_node) if transfer_node is not None else None,
+        )
+        self._finished[key] = series
+        return series
 
     def bind_nodes(self, source: Callable[[], Iterable[NodeSample]]) -> None:
         """Export per-node gauges read from ``source`` at every scrape."""
@@ -370,12 +391,21 @@ class Metrics:
         self.scrape_collectors.append(collector)
 
     def observe_hit(self, node: str, prompt: int, cached: int, predicted: int) -> None:
-        child = self.child
-        child(self.prompt_tokens, node).inc(prompt)
-        child(self.cached_tokens, node).inc(cached)
-        child(self.predicted_cached_tokens, node).inc(predicted)
-        child(self.computed_tokens, node).inc(max(0, prompt - cached))
-        counts = self.per_node.setdefault(node, HitCounts())
+        series = self._hits.get(node)
+        if series is None:
+            child = self.child
+            series = self._hits[node] = (
+                child(self.prompt_tokens, node),
+                child(self.cached_tokens, node),
+                child(self.predicted_cached_tokens, node),
+                child(self.computed_tokens, node),
+                self.per_node.setdefault(node, HitCounts()),
+            )
+        prompt_c, cached_c, predicted_c, computed_c, counts = series
+        prompt_c.inc(prompt)
+        cached_c.inc(cached)
+        predicted_c.inc(predicted)
+        computed_c.inc(prompt - cached if prompt > cached else 0)
         for c in (counts, self.totals):
             c.prompt += prompt
             c.cached += cached

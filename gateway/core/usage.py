@@ -64,6 +64,16 @@ class Prices:
         out = c.output_tokens * self.output / 1e6
         return Value(round(miss, 6), round(hit, 6), round(out, 6), round(miss + hit + out, 6))
 
+    def parts(self, computed: int, cached: int, output: int) -> tuple[float, float, float]:
+        """``value``'s three parts, without its total: what a request adds to the value
+        counters. A part whose price or tokens are 0 is 0 without a ``round`` (a float's
+        rounding to 6 places was half of what counting a request's usage cost)."""
+        return (
+            round(computed * self.input_miss / 1e6, 6) if computed and self.input_miss else 0.0,
+            round(cached * self.input_hit / 1e6, 6) if cached and self.input_hit else 0.0,
+            round(output * self.output / 1e6, 6) if output and self.output else 0.0,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class UsageRow:
@@ -139,7 +149,14 @@ class UsageLedger:
         self, tenant: str, model: str, prompt: int, cached: int, output: int, requests: int = 1
     ) -> None:
         """Count one request's tokens (no I/O)."""
-        counts = UsageCounts(requests, max(0, prompt), max(0, min(cached, prompt)), max(0, output))
+        # clamped as ``max(0, ...)`` and ``min(cached, prompt)`` would, without their calls
+        prompt = prompt if prompt > 0 else 0
+        if cached > prompt:
+            cached = prompt
+        elif cached < 0:
+            cached = 0
+        output = output if output > 0 else 0
+        counts = UsageCounts(requests, prompt, cached, output)
         key = (tenant, model)
         held = self._pending.get(key)
         if held is None:
@@ -153,15 +170,18 @@ class UsageLedger:
         if series is None:
             series = self._series_of(tenant, model)
         m_requests, m_prompt, m_cached, m_computed, m_output, m_miss, m_hit, m_out = series
-        m_requests.inc(counts.requests)
-        m_prompt.inc(counts.prompt_tokens)
-        m_cached.inc(counts.cached_tokens)
-        m_computed.inc(counts.computed_tokens)
-        m_output.inc(counts.output_tokens)
-        value = self.prices.value(counts)
-        for child, v in ((m_miss, value.input_miss), (m_hit, value.input_hit), (m_out, value.output)):
-            if v:
-                child.inc(v)
+        m_requests.inc(requests)
+        m_prompt.inc(prompt)
+        m_cached.inc(cached)
+        m_computed.inc(prompt - cached)
+        m_output.inc(output)
+        miss, hit, out = self.prices.parts(prompt - cached, cached, output)
+        if miss:
+            m_miss.inc(miss)
+        if hit:
+            m_hit.inc(hit)
+        if out:
+            m_out.inc(out)
 
     def _series_of(self, tenant: str, model: str) -> tuple[Any, ...]:
         """The metric children a (tenant, model) pair's requests count into, made once: ``labels``

@@ -90,3 +90,45 @@ def test_a_request_observed_is_in_the_scrape() -> None:
         'prefixgate_cache_hit_ratio{source="reported"} 0.64',
     ):
         assert line in text.splitlines(), line
+
+
+def test_requests_of_other_routes_outcomes_and_nodes_are_counted_apart() -> None:
+    """The series a finished request adds to are looked up once for its route, outcome, node and
+    transfer node: each combination keeps its own."""
+    m = Metrics()
+    seen = [
+        ("disaggregated", "ok", "p1", "p1"),
+        ("disaggregated", "ok", "p2", "p2"),
+        ("monolithic", "ok", "d1", None),
+        ("monolithic", "failed", "d1", None),
+        ("disaggregated", "ok", "p1", "p1"),
+    ]
+    for route, outcome, node, transfer in seen:
+        m.observe_request(
+            route,
+            outcome,
+            ttft=1.0,
+            queue_s=0.0,
+            prefill_s=0.5,
+            transfer_s=0.25,
+            node=node,
+            transfer_node=transfer,
+        )
+        m.observe_hit(node, prompt=100, cached=40, predicted=30)
+    lines = m.render().decode().splitlines()
+    for line in (
+        'prefixgate_requests_total{outcome="ok",route="disaggregated"} 3.0',
+        'prefixgate_requests_total{outcome="ok",route="monolithic"} 1.0',
+        'prefixgate_requests_total{outcome="failed",route="monolithic"} 1.0',
+        'prefixgate_kv_transfer_seconds_count{node="p1"} 2.0',
+        'prefixgate_kv_transfer_seconds_count{node="p2"} 1.0',
+        'prefixgate_prefill_seconds_count{node="d1"} 2.0',
+        'prefixgate_ttft_segment_seconds_count{segment="queue"} 5.0',
+        'prefixgate_computed_tokens_total{node="p1"} 120.0',
+        'prefixgate_prompt_tokens_total{node="d1"} 200.0',
+    ):
+        assert line in lines, line
+    assert not [x for x in lines if x.startswith("prefixgate_kv_transfer_seconds_count") and "d1" in x]
+    per_node, totals = m.hit_counts()
+    assert per_node["p1"].requests == 2 and per_node["d1"].cached == 80
+    assert (totals.requests, totals.prompt, totals.cached, totals.predicted) == (5, 500, 200, 150)

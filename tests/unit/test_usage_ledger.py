@@ -35,6 +35,32 @@ def test_value_prices_computed_cached_and_output_tokens() -> None:
     assert Prices(8, 2, 10).value(c) == Value(input_miss=8.0, input_hit=6.0, output=5.0, total=19.0)
 
 
+def test_a_request_adds_what_the_report_values_it_at() -> None:
+    """The value counters take each request's parts as ``Prices.value`` gives them (rounded to 6
+    places), clamped as the buffer is: negative counts are 0, cached at most the prompt."""
+    prices = Prices(8, 2, 10)
+    ledger = UsageLedger(MemoryState(), prices, CollectorRegistry())
+    requests = [(520, 128, 8), (1, 0, 0), (7, 9, 3), (-5, -1, -2), (333_333, 3, 1), (0, 0, 0)]
+    want = {"input_miss": 0.0, "input_hit": 0.0, "output": 0.0}
+    for prompt, cached, output in requests:
+        ledger.record("t", "m", prompt, cached, output)
+        p = max(0, prompt)
+        value = prices.value(UsageCounts(1, p, max(0, min(cached, p)), max(0, output)))
+        for part, v in value.parts().items():
+            want[part] += v
+    for part, v in want.items():
+        assert ledger.m_value.labels("t", "m", part).value == v, part
+    assert ledger.m_computed.labels("t", "m").value == 520 - 128 + 1 + 0 + 0 + 333_330
+    assert ledger.m_cached.labels("t", "m").value == 128 + 7 + 3
+    # a price of 0 adds nothing to its part: no series is written
+    free = UsageLedger(MemoryState(), Prices(8, 0, 0), CollectorRegistry())
+    free.record("t", "m", 100, 50, 5)
+    assert (
+        free.m_value.labels("t", "m", "input_hit").value == 0 == free.m_value.labels("t", "m", "output").value
+    )
+    assert free.m_value.labels("t", "m", "input_miss").value == 0.0004
+
+
 async def test_the_buffer_and_the_tenant_labels_are_bounded(monkeypatch: object) -> None:
     import pytest
 
