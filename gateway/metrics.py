@@ -370,8 +370,9 @@ class Metrics:
             transfer_h.observe(transfer_s)
 
     def _finished_series(self, key: tuple[str, str, str, str | None]) -> tuple[Any, ...]:
-        """The eight series ``observe_request`` adds to for ``key``, looked up once: eleven
-        ``child`` lookups a request were half of what observing it cost."""
+        """The eight series ``observe_request`` adds to for ``key``, looked up once: its seven
+        ``child`` lookups a request (and ``observe_hit``'s four) were half of what observing a
+        finished request cost."""
         route, outcome, node, transfer_node = key
         child = self.child
         series = (
