@@ -58,21 +58,20 @@ class Prices:
     output: float = 0.0
     currency: str = "CNY"
 
+    def _amounts(self, computed: int, cached: int, output: int) -> tuple[float, float, float]:
+        """What the tokens are worth by part, unrounded."""
+        return (computed * self.input_miss / 1e6, cached * self.input_hit / 1e6, output * self.output / 1e6)
+
     def value(self, c: UsageCounts) -> Value:
-        miss = c.computed_tokens * self.input_miss / 1e6
-        hit = c.cached_tokens * self.input_hit / 1e6
-        out = c.output_tokens * self.output / 1e6
+        miss, hit, out = self._amounts(c.computed_tokens, c.cached_tokens, c.output_tokens)
         return Value(round(miss, 6), round(hit, 6), round(out, 6), round(miss + hit + out, 6))
 
     def parts(self, computed: int, cached: int, output: int) -> tuple[float, float, float]:
         """``value``'s three parts, without its total: what a request adds to the value
-        counters. A part whose price or tokens are 0 is 0 without a ``round`` (a float's
-        rounding to 6 places was half of what counting a request's usage cost)."""
-        return (
-            round(computed * self.input_miss / 1e6, 6) if computed and self.input_miss else 0.0,
-            round(cached * self.input_hit / 1e6, 6) if cached and self.input_hit else 0.0,
-            round(output * self.output / 1e6, 6) if output and self.output else 0.0,
-        )
+        counters. A part worth 0 is 0 without a ``round`` (a float's rounding to 6 places was
+        half of what counting a request's usage cost)."""
+        miss, hit, out = self._amounts(computed, cached, output)
+        return (round(miss, 6) if miss else 0.0, round(hit, 6) if hit else 0.0, round(out, 6) if out else 0.0)
 
 
 @dataclass(frozen=True, slots=True)
