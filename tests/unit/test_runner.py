@@ -175,6 +175,8 @@ async def test_a_chat_template_renders_small_bodies_on_the_loop_until_it_is_slow
 
 
 async def test_a_zero_inline_budget_renders_every_chat_off_the_loop() -> None:
+    # the setting under test, and the engine's own tokenizer (a chat template renders, as over
+    # grpc:// workers)
     svc = _service(tokenizer_path=str(TOKENIZER_DIR), inline_render_budget_ms=0.0)
     assert svc.pipeline.renders_templates and not svc.runner.inline_renders
     assert await svc.runner.compute(threading.get_ident, 10) != threading.get_ident()
