@@ -179,7 +179,9 @@ def _same(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pd", [False, True], ids=["single", "pd"])
-def test_logprobs_same_as_smg(smg_exe: str, nodes: dict[str, dict[str, object]], pd: bool) -> None:
+def test_logprobs_same_as_smg(
+    smg_exe: tuple[str, ...], nodes: dict[str, dict[str, object]], pd: bool
+) -> None:
     flags = _flags(nodes, pd)
     smg_proc, smg_base = _smg(smg_exe, *flags)
     try:

@@ -2,16 +2,19 @@
 our tiny-engine nodes over the SMG gRPC engine protocol, single pool and PD, answering the
 ``openai`` client streamed and not, with the text our nodes produce for the same tokens.
 
-``smg`` is never a project dependency. It is found as ``$PREFIXGATE_SMG`` (path of the ``smg``
-executable), on ``PATH``, or in ``$XDG_CACHE_HOME/prefixgate/smg-1.13.0`` (default
-``~/.cache``), where this test installs it with pip (about 25 s) when it is missing; the test
-skips, saying why, when none of that works.
+``smg`` is never a project dependency; the dev extras install it. It runs as ``$PREFIXGATE_SMG``
+(path of an ``smg`` executable), else as its own module beside this interpreter (``python -m
+smg``), else as the ``smg`` on ``PATH``; the test skips, saying why, when none of that works (fails
+on CI). Not the ``smg`` script beside the interpreter: sglang-router, also in the dev extras,
+installs a script of that name too (its own router), and whichever package is installed last owns
+it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import http.server
+import importlib.util
 import json
 import os
 import shutil
@@ -45,16 +48,17 @@ HF = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
 LONG = "Tell me about prefix caches, KV pages and the tokens they hold, in some detail. " * 3
 
 
-def _smg_executable() -> str:
-    """``$PREFIXGATE_SMG``, else the ``smg`` the dev extras install beside this interpreter, else
-    one on PATH; never installed at test time (the test is skipped, failed on CI)."""
+def _smg_executable() -> tuple[str, ...]:
+    """The command that runs smg: ``$PREFIXGATE_SMG``, else smg's module in this interpreter,
+    else the ``smg`` on PATH; never installed at test time (the test is skipped, failed on CI)."""
     explicit = os.environ.get("PREFIXGATE_SMG")
     if explicit:
-        return explicit
-    beside = Path(sys.executable).parent / "smg"
-    found = str(beside) if beside.exists() else shutil.which("smg")
+        return (explicit,)
+    if importlib.util.find_spec("smg") is not None:
+        return (sys.executable, "-m", "smg")
+    found = shutil.which("smg")
     if found:
-        return found
+        return (found,)
     reason = f"smg {SMG_VERSION} is not installed (pip install -e '.[dev]')"
     if os.environ.get("CI"):
         pytest.fail(reason)
@@ -86,11 +90,11 @@ def _wait_routed(base: str, proc: Child, timeout: float = 90.0) -> None:
     wait_answered(base, proc, MODEL, timeout=timeout)
 
 
-def _smg(exe: str, *workers: str, env: dict[str, str] | None = None) -> tuple[Child, str]:
+def _smg(exe: tuple[str, ...], *workers: str, env: dict[str, str] | None = None) -> tuple[Child, str]:
     port, prom = free_port(), free_port()
-    argv = [exe, "launch", "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1"]
+    argv = [*exe, "launch", "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1"]
     argv += ["--prometheus-port", str(prom), "--log-level", "warn", "--shutdown-grace-period-secs", "1"]
-    p = _start([*argv, *workers], env)
+    p = processes.start("smg", [*argv, *workers], env=env, cwd=REPO)
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_routed(base, p)
@@ -101,10 +105,10 @@ def _smg(exe: str, *workers: str, env: dict[str, str] | None = None) -> tuple[Ch
 
 
 @pytest.fixture(scope="module")
-def smg_exe() -> str:
+def smg_exe() -> tuple[str, ...]:
     t0 = time.monotonic()
     exe = _smg_executable()
-    print(f"smg {SMG_VERSION}: {exe} (found or installed in {time.monotonic() - t0:.1f}s)")
+    print(f"smg {SMG_VERSION}: {' '.join(exe)} (found in {time.monotonic() - t0:.1f}s)")
     return exe
 
 
@@ -174,7 +178,9 @@ def _check_openai(base: str, expected: str) -> None:
     assert (usage.prompt_tokens_details.cached_tokens or 0) > 0  # the repeated prompt hit the prefix cache
 
 
-def test_smg_single_pool_in_front_of_our_nodes(smg_exe: str, nodes: dict[str, dict[str, object]]) -> None:
+def test_smg_single_pool_in_front_of_our_nodes(
+    smg_exe: tuple[str, ...], nodes: dict[str, dict[str, object]]
+) -> None:
     address = str(nodes["monolithic"]["address"])
     expected = _direct(address, LONG, 12)
     proc, base = _smg(smg_exe, "--worker-urls", f"grpc://{address}", "--policy", "cache_aware")
@@ -247,7 +253,7 @@ async def _burst(base: str) -> list[float]:
 
 
 def test_smg_answers_a_burst_of_chats_without_asking_the_hub(
-    smg_exe: str, nodes: dict[str, dict[str, object]]
+    smg_exe: tuple[str, ...], nodes: dict[str, dict[str, object]]
 ) -> None:
     """smg reads the model's ``config.json`` from the tokenizer source on every chat (does the
     model take media?) and, when the directory has none, takes it for a Hugging Face repo id and
@@ -267,7 +273,7 @@ def test_smg_answers_a_burst_of_chats_without_asking_the_hub(
 
 
 def test_smg_pd_in_front_of_our_prefill_and_decode_nodes(
-    smg_exe: str, nodes: dict[str, dict[str, object]]
+    smg_exe: tuple[str, ...], nodes: dict[str, dict[str, object]]
 ) -> None:
     pre, dec = nodes["prefill"], nodes["decode"]
     expected = _direct(str(dec["address"]), LONG, 12)

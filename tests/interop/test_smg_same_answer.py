@@ -126,7 +126,9 @@ def _forged_turn(smg_base: str, pg_base: str) -> None:
 
 
 @pytest.mark.slow
-def test_single_pool_same_answer_as_smg(smg_exe: str, nodes: dict[str, dict[str, object]]) -> None:
+def test_single_pool_same_answer_as_smg(
+    smg_exe: tuple[str, ...], nodes: dict[str, dict[str, object]]
+) -> None:
     flags = ["--worker-urls", f"grpc://{nodes['monolithic']['address']}", "--policy", "cache_aware"]
     smg_proc, smg_base = _smg(smg_exe, *flags)
     try:
@@ -140,7 +142,7 @@ def test_single_pool_same_answer_as_smg(smg_exe: str, nodes: dict[str, dict[str,
 
 @pytest.mark.slow
 def test_same_answer_as_smg_over_the_nodes_http_endpoint(
-    smg_exe: str, nodes: dict[str, dict[str, object]]
+    smg_exe: tuple[str, ...], nodes: dict[str, dict[str, object]]
 ) -> None:
     """Both gateways in front of the node's OpenAI endpoint (``http://``): the engine renders and
     tokenizes, and an answer taken whole is asked whole of it by both."""
@@ -154,7 +156,7 @@ def test_same_answer_as_smg_over_the_nodes_http_endpoint(
 
 
 @pytest.mark.slow
-def test_pd_same_answer_as_smg(smg_exe: str, nodes: dict[str, dict[str, object]]) -> None:
+def test_pd_same_answer_as_smg(smg_exe: tuple[str, ...], nodes: dict[str, dict[str, object]]) -> None:
     pre, dec = nodes["prefill"], nodes["decode"]
     flags = ["--pd-disaggregation", "--prefill", f"grpc://{pre['address']}", str(pre["bootstrap_port"])]
     flags += ["--decode", f"grpc://{dec['address']}", "--policy", "cache_aware"]
