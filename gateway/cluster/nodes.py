@@ -338,6 +338,15 @@ class Node:
             return 0.0
         return prefill_seconds(prof.prefill_tokens_per_s, prof.attention_coeff_s, new_tokens, context_tokens)
 
+    def outstanding_tokens(self) -> int:
+        """``view().outstanding_tokens`` without the rest of the view: prompt tokens queued on
+        the node, ours as they are now and other gateways' as its last status said."""
+        st = self.status
+        if st is None:
+            return self.local_tokens
+        remote = int(st.queued_tokens) - self.own_at_status[1]
+        return self.local_tokens + remote if remote > 0 else self.local_tokens
+
     def view(self) -> NodeView:
         """The node as routing sees it now. A request views every node it may go to: the status
         is read once here, its properties not walked again."""

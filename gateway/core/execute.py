@@ -612,17 +612,20 @@ class Executor:
         on the node computing it, from the load there before it is counted, plus the KV's trip
         to the decode node on the split path."""
         computing = t.prefill or t.decode
-        view = computing.view()
         transfer = 0.0
         if t.prefill is not None:
+            view = computing.view()
             transfer = costmodel.transfer_seconds(
                 run.prep.prompt_tokens, view.kv_bytes_per_token, view.transfer_bytes_per_s
             )
+            queued = view.outstanding_tokens
+        else:  # the node's queue is all that is needed: no view of the rest
+            queued = computing.outstanding_tokens()
         s = self.settings
         rule = deadline.Rule(
             s.first_token_deadline_margin, s.first_token_deadline_floor_s, s.first_token_timeout_s
         )
-        work = deadline.Work(view.outstanding_tokens, uncached, cached, transfer)
+        work = deadline.Work(queued, uncached, cached, transfer)
         return deadline.limit_s(computing.prefill_speed, work, rule, run.deadline - time.monotonic())
 
     async def _first(

@@ -52,8 +52,17 @@ class RequestContext:
     ttft_slo_ms: float | None = None
 
     def with_body(self, size: int) -> RequestContext:
-        """Once the front end has read the body."""
-        return replace(self, body_bytes=size)
+        """Once the front end has read the body. Every field by name: ``replace`` walks the
+        fields and their defaults on every request (a test holds this to ``replace``)."""
+        return RequestContext(
+            self.tenant,
+            self.request_id,
+            self.credentials,
+            size,
+            self.key_id,
+            self.priority_class,
+            self.ttft_slo_ms,
+        )
 
     def acting_for(self, tenant: str) -> RequestContext:
         """An admin's request run for the tenant it names."""

@@ -7,12 +7,20 @@ from dataclasses import replace
 
 import pytest
 
-from prefixgate.gateway.cluster.nodes import NodePool
+from prefixgate.gateway.cluster.nodes import Node, NodePool
 from prefixgate.gateway.nodeclient import CostProfile
 from prefixgate.gateway.nodeclient.fake import FakeNodeClient, fake_status
+from prefixgate.gateway.routing.base import NodeView
 from prefixgate.gateway.routing.planner import decode_candidates
 
 pytestmark = pytest.mark.timeout(10)
+
+
+def _view(node: Node) -> NodeView:
+    """The node's view, whose queued tokens the shortcut the deadline reads agrees with."""
+    v = node.view()
+    assert node.outstanding_tokens() == v.outstanding_tokens
+    return v
 
 
 async def test_our_requests_done_since_the_poll_are_not_load_and_others_work_is() -> None:
@@ -22,24 +30,41 @@ async def test_our_requests_done_since_the_poll_are_not_load_and_others_work_is(
     pool = NodePool(connect={"m1": client}.__getitem__, probe_timeout_s=0.2, poll=False)
     try:
         node = pool.add("monolithic", "m1")
+        node.local_tokens = 300  # before any status: ours alone
+        assert _view(node).outstanding_tokens == 300
         # At the poll: one request of ours in prefill (5,000 tokens), two decoding.
         node.local_requests, node.local_tokens, node.active_streams = 1, 5000, 2
         assert await pool.refresh(node)
-        v = node.view()
+        v = _view(node)
         assert (v.outstanding_requests, v.outstanding_tokens) == (1, 5000)  # ours, counted once
         # All three finished after the poll: the node is idle, not 3 requests / 5,000 tokens busy.
         node.local_requests, node.local_tokens, node.active_streams = 0, 0, 0
-        v = node.view()
+        v = _view(node)
         assert (v.outstanding_requests, v.outstanding_tokens) == (0, 0)
         # Next poll: 2 more requests and 4,000 more tokens than ours (none now) came from elsewhere.
         node.local_requests, node.local_tokens = 0, 0
         node.active_streams = 3
         assert await pool.refresh(node)
-        v = node.view()
+        v = _view(node)
         assert (v.outstanding_requests, v.outstanding_tokens) == (2, 9000)
         node.local_requests, node.local_tokens = 1, 700  # one of ours sent since: counted locally
-        v = node.view()
+        v = _view(node)
         assert (v.outstanding_requests, v.outstanding_tokens) == (3, 9700)
+    finally:
+        await pool.close()
+
+
+async def test_a_status_counting_less_than_ours_adds_no_one_elses_work() -> None:
+    """A status taken before all of our prompt reached the node's queue says less than we sent:
+    the rest is not negative work of other gateways."""
+    early = replace(fake_status("m1", "monolithic"), running_requests=1, queued_tokens=3000)
+    client = FakeNodeClient("m1", status=[early])
+    pool = NodePool(connect={"m1": client}.__getitem__, probe_timeout_s=0.2, poll=False)
+    try:
+        node = pool.add("monolithic", "m1")
+        node.local_requests, node.local_tokens = 1, 8000
+        assert await pool.refresh(node)
+        assert _view(node).outstanding_tokens == 8000
     finally:
         await pool.close()
 
@@ -51,11 +76,11 @@ async def test_a_request_load_is_counted_while_it_runs_and_released_however_it_e
         node = pool.add("monolithic", "m1")
         assert await pool.refresh(node)
         with node.load(700), node.load(300):
-            v = node.view()
+            v = _view(node)
             assert (v.outstanding_requests, v.outstanding_tokens) == (2, 1000)
         with pytest.raises(RuntimeError), node.load(500):
             raise RuntimeError("the attempt failed")
-        v = node.view()
+        v = _view(node)
         assert (v.outstanding_requests, v.outstanding_tokens) == (0, 0)
     finally:
         await pool.close()
