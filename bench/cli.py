@@ -14,7 +14,7 @@ def _tiny(args: argparse.Namespace) -> int:
 
 def add_bench_parser(sub: Any, text: str) -> None:
     """Add the ``bench`` subcommands (replay, hotpath, index, toolcalls, detok, zmq-flood, tiny, peers,
-    overhead, instructions, chaos, fairness, limits, loopstall)."""
+    overhead, instructions, lines, chaos, fairness, limits, loopstall)."""
     from prefixgate.bench import hotpath, replay
 
     bench = sub.add_parser("bench", help=text)
@@ -73,6 +73,14 @@ def add_bench_parser(sub: Any, text: str) -> None:
     )
     instructions.add_arguments(ins)
     ins.set_defaults(func=instructions.run)
+
+    from prefixgate.bench import lines
+
+    ln = inner.add_parser(
+        "lines", help="Python lines a request runs, by function (own and inclusive), counted"
+    )
+    lines.add_arguments(ln)
+    ln.set_defaults(func=lines.run)
 
     from prefixgate.bench import zmq_flood
 
