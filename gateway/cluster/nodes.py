@@ -354,7 +354,7 @@ class Node:
         streams = self.active_streams + self.pending_streams
         routable = self.routable  # first: its check moves an open breaker to half-open
         trial = self.breaker.state == HALF_OPEN
-        remote_reqs = remote_tokens = capacity = used = context = 0
+        remote_reqs = capacity = used = context = 0
         prof: CostProfile | None = None
         fmt: KVFormat | None = None
         if st is not None:
@@ -363,8 +363,7 @@ class Node:
             # requests done (or decoding) since the poll would stay counted as someone else's
             # until the next one, and a node that just served a burst would look loaded when
             # it is idle.
-            own_reqs, own_tokens = self.own_at_status
-            remote_tokens = max(0, int(st.queued_tokens) - own_tokens)
+            own_reqs = self.own_at_status[0]  # the tokens likewise (``outstanding_tokens``)
             queued = int(st.queued_requests + st.running_requests)
             remote_reqs = max(0, queued - own_reqs)
             # The node's count holds ours, or some of them (a split request reaches its decode
@@ -377,7 +376,7 @@ class Node:
         return NodeView(
             node_id=self.node_id or self.address,
             outstanding_requests=self.local_requests + remote_reqs,
-            outstanding_tokens=self.local_tokens + remote_tokens,
+            outstanding_tokens=self.outstanding_tokens(),
             prefill_tokens_per_s=self._routing_rate(prof),
             attention_coeff_s=(prof.attention_coeff_s * self.speed_factor) if prof else 0.0,
             transfer_bytes_per_s=prof.transfer_bytes_per_s if prof else 0.0,
