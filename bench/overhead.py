@@ -87,11 +87,14 @@ class Sample:
 
 
 class Prompts:
-    """Unique prompts of a given size: a unique tag first (no prefix is ever shared), then text."""
+    """Unique prompts of a given size: a unique tag first (no prefix is ever shared), then text;
+    with ``system_bytes``, every request's messages start with the same system prompt of that
+    size, as an application's fixed instructions do (its prefix is then shared by every request)."""
 
-    def __init__(self) -> None:
+    def __init__(self, system_bytes: int = 0) -> None:
         self._base: dict[int, str] = {}
         self.counter = 0
+        self.system = segment_text(3, system_bytes // 4, "system", line_words=16) if system_bytes > 0 else ""
 
     def make(self, size: int) -> str:
         if size not in self._base:
@@ -101,10 +104,11 @@ class Prompts:
         return tag + self._base[size][: max(0, size - len(tag))]
 
 
-def body(prompt: str, stream: bool, model: str = launch.MODEL) -> bytes:
+def body(prompt: str, stream: bool, model: str = launch.MODEL, system: str = "") -> bytes:
+    messages = [{"role": "system", "content": system}] if system else []
     b: dict[str, Any] = {
         "model": model,
-        "messages": [{"role": "user", "content": prompt}],
+        "messages": [*messages, {"role": "user", "content": prompt}],
         "max_tokens": OUTPUT_TOKENS,
         "temperature": 0,
     }
@@ -177,7 +181,8 @@ async def closed_loop(
     async def worker(client: httpx.AsyncClient) -> None:
         while time.perf_counter() < end and budget[0] > 0:
             budget[0] -= 1
-            await one(client, body(prompts.make(cell.prompt_bytes), cell.stream), cell.stream, out)
+            prompt = prompts.make(cell.prompt_bytes)
+            await one(client, body(prompt, cell.stream, system=prompts.system), cell.stream, out)
 
     try:
         await asyncio.wait_for(asyncio.gather(*(worker(c) for c in clients)), seconds + timeout + 5)
@@ -400,6 +405,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--sizes", type=int, nargs="+", default=None, help=f"prompt bytes (default {SIZES})")
     p.add_argument("--modes", nargs="+", choices=("json", "stream"), default=["json", "stream"])
+    p.add_argument(
+        "--system-prompt",
+        type=int,
+        default=0,
+        metavar="BYTES",
+        help="every request starts with the same system prompt of this many bytes (default: none, "
+        "no prefix shared)",
+    )
     p.add_argument("--seconds", type=float, default=None, help="measured seconds per cell (default 2)")
     p.add_argument("--max-requests", type=int, default=20_000, help="requests per cell at most")
     p.add_argument("--request-timeout", type=float, default=30.0)
@@ -555,7 +568,7 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     profiles: dict[str, Any] = {}
     failed: dict[str, str] = {}
-    prompts = Prompts()
+    prompts = Prompts(args.system_prompt)
     nodes = launch.start_nodes(max(1, args.nodes), node_opts, logs)
     node = nodes[0]
     http_workers = [n.url for n in nodes]
@@ -643,6 +656,7 @@ def run(args: argparse.Namespace) -> int:
             "output_tokens": OUTPUT_TOKENS,
             "clients": list(clients),
             "prompt_bytes": list(sizes),
+            "system_prompt_bytes": args.system_prompt,
             "modes": list(args.modes),
             "seconds_per_cell": seconds,
             "warmup_s": warmup,
