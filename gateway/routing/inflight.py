@@ -14,10 +14,16 @@ the leading run of a prompt's blocks that routed chains cover; ``merge_hits`` co
 the index's answer. A node serves its queue in order, so a request sent behind one computing its
 prefix finds that prefix cached when its own turn comes.
 
-Chains are kept whole, filed by node and first block: holding and letting go of one costs the
-same whatever its length (a 128K-token prompt is 2,000 blocks, each counted in and out one by
-one before, on the event loop), and a lookup compares the prompt with the chains of its first
-block only. Block hashes are chained, so two chains agree up to a point and differ from there on.
+A node's chains are looked up by block, not one by one: every request with the same system
+prompt shares its first blocks, so at hundreds of requests a second a node holds hundreds of
+chains starting with the same block, and comparing the prompt with each of them took a fifth of
+the gateway's time. Instead each node counts the blocks its chains hold (a block hash names its
+whole prefix, so the blocks held form a prefix-closed set): the leading run a prompt shares with
+any chain is the last of its blocks in that set, a binary search of dictionary lookups whatever
+the number of chains. Only a chain's first ``counted_blocks`` (16K tokens at 64 a block) are
+counted, so holding and letting go of a 128K-token prompt's 2,000 blocks costs what a 16K one
+does; the rare longer chains are filed by their last counted block and compared one by one with
+a prompt that shares all those blocks (identical chains once, with a count).
 
 Pure: no I/O, the caller passes the clock. The live gateway and the trace simulator both use it.
 """
@@ -25,6 +31,7 @@ Pure: no I/O, the caller passes the clock. The live gateway and the trace simula
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -33,6 +40,7 @@ from prefixgate.gateway.routing.base import Policy
 DEFAULT_TTL_S = 30.0  # a safety net: entries are normally dropped when their request is served
 DEFAULT_GRACE_S = 1.0  # after a prefill: until the index write and the node's event have landed
 DEFAULT_MAX_ENTRIES = 4096
+DEFAULT_COUNTED_BLOCKS = 256  # a chain's blocks counted one by one; past them, chains compared whole
 
 
 @dataclass(slots=True)
@@ -41,6 +49,23 @@ class _Entry:
     hashes: tuple[int, ...]
     expires: float
     live: bool = True
+
+
+@dataclass(slots=True)
+class _Longer:
+    """A chain longer than the counted blocks, and how many routed requests hold it."""
+
+    chain: tuple[int, ...]
+    holders: int = 0
+
+
+@dataclass(slots=True)
+class _NodeChains:
+    """One node's held chains, as a lookup needs them."""
+
+    counts: Counter[int] = field(default_factory=Counter)  # block hash -> chains holding it (first blocks)
+    # a longer chain's last counted block -> its last block (the whole chain's name) -> it
+    longer: dict[int, dict[int, _Longer]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -60,11 +85,11 @@ class InflightPrefixes:
     ttl_s: float = DEFAULT_TTL_S
     grace_s: float = DEFAULT_GRACE_S
     max_entries: int = DEFAULT_MAX_ENTRIES
+    counted_blocks: int = DEFAULT_COUNTED_BLOCKS
     stats: InflightStats = field(default_factory=InflightStats)
     _entries: dict[int, _Entry] = field(default_factory=dict)
     _order: list[tuple[float, int]] = field(default_factory=list)  # heap of (expiry, ticket)
-    # node -> first block -> ticket -> chain: the chains a prompt starting with that block may share
-    _held: dict[str, dict[int, dict[int, tuple[int, ...]]]] = field(default_factory=dict)
+    _held: dict[str, _NodeChains] = field(default_factory=dict)
     _next: int = 1
 
     def __len__(self) -> int:
@@ -84,7 +109,14 @@ class InflightPrefixes:
         entry = _Entry(node, tuple(hashes), now + self.ttl_s)
         self._entries[ticket] = entry
         heapq.heappush(self._order, (entry.expires, ticket))
-        self._held.setdefault(node, {}).setdefault(entry.hashes[0], {})[ticket] = entry.hashes
+        held = self._held.get(node)
+        if held is None:
+            held = self._held[node] = _NodeChains()
+        chain = entry.hashes
+        counted = max(1, self.counted_blocks)
+        held.counts.update(chain[:counted])  # one C call, however many blocks
+        if len(chain) > counted:
+            held.longer.setdefault(chain[counted - 1], {}).setdefault(chain[-1], _Longer(chain)).holders += 1
         self.stats.added += 1
         return ticket
 
@@ -112,22 +144,38 @@ class InflightPrefixes:
     def hits(self, hashes: Sequence[int], now: float) -> dict[str, int]:
         """Per node holding routed chains, the leading run of ``hashes`` they cover (0s left out).
 
-        Block hashes are chained (each covers its whole prefix), so a chain covers the first
-        ``k`` blocks exactly when its block ``k - 1`` is the prompt's: a binary search per chain
-        that starts with the prompt's first block; a node covers the longest of its chains' runs.
+        Block hashes are chained (each covers its whole prefix), so a node's chains cover the
+        first ``k`` blocks exactly when block ``k - 1`` is among the blocks they hold: a binary
+        search over the prompt; past the counted blocks, a binary search per longer chain that
+        shares all of them.
         """
         self.expire(now)
         out: dict[str, int] = {}
         if not hashes:
             return out
         first = hashes[0]
-        for node, roots in self._held.items():
-            chains = roots.get(first)
-            if not chains:
+        counted = max(1, self.counted_blocks)
+        for node, held in self._held.items():
+            counts = held.counts
+            if first not in counts:
                 continue
-            best = max(_shared(chain, hashes) for chain in chains.values())
-            if best:
-                out[node] = best
+            n = min(len(hashes), counted)
+            if hashes[n - 1] in counts:
+                best = n
+            else:
+                lo, hi = 1, n - 1  # the run is at least lo blocks long and at most hi
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if hashes[mid - 1] in counts:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                best = lo
+            if best == counted and len(hashes) > counted and held.longer:
+                longer = held.longer.get(hashes[counted - 1])
+                if longer:
+                    best = max(_shared(c.chain, hashes) for c in longer.values())
+            out[node] = best
         return out
 
     def forget(self, node: str, hashes: Collection[int] | None = None) -> int:
@@ -146,15 +194,26 @@ class InflightPrefixes:
         entry = self._entries.pop(ticket, None)
         if entry is None:
             return False
-        roots = self._held.get(entry.node)
-        if roots is not None:
-            root = entry.hashes[0]
-            chains = roots.get(root)
-            if chains is not None:
-                chains.pop(ticket, None)
-                if not chains:
-                    del roots[root]
-            if not roots:
+        held = self._held.get(entry.node)
+        if held is not None:
+            chain = entry.hashes
+            counted = max(1, self.counted_blocks)
+            counts = held.counts
+            for h in chain[:counted]:
+                left = counts[h] - 1
+                if left > 0:
+                    counts[h] = left
+                else:
+                    del counts[h]
+            longer = held.longer.get(chain[counted - 1]) if len(chain) > counted else None
+            if longer is not None and chain[-1] in longer:
+                same = longer[chain[-1]]
+                same.holders -= 1
+                if same.holders <= 0:
+                    del longer[chain[-1]]
+                    if not longer:
+                        del held.longer[chain[counted - 1]]
+            if not counts:
                 del self._held[entry.node]
         return True
 

@@ -135,6 +135,54 @@ def test_a_node_covers_the_longest_run_any_of_its_chains_shares_with_the_prompt(
     assert t.hits(query, now=0.1) == expected
 
 
+@given(
+    st.sampled_from([1, 2, 3, 256]),
+    st.lists(
+        st.tuples(
+            st.sampled_from(["n1", "n2"]),
+            st.lists(st.integers(0, 2), min_size=1, max_size=10),
+            st.booleans(),  # let go of again before the lookup
+        ),
+        max_size=10,
+    ),
+    st.lists(st.integers(0, 2), min_size=1, max_size=10),
+)
+def test_lookups_by_counted_blocks_and_by_longer_chains_agree_with_brute_force(
+    counted: int, routed: list[tuple[str, list[int], bool]], prompt: list[int]
+) -> None:
+    """However few blocks are counted, chains held twice, and chains let go of again."""
+    t = InflightPrefixes(counted_blocks=counted)
+    for node, labels, gone in routed:
+        ticket = t.add(node, _chain(*labels), now=0.0)
+        if gone:
+            t.done(ticket, now=0.0, served=False)
+    query = _chain(*prompt)
+    expected: dict[str, int] = {}
+    for node, labels, gone in routed:
+        chain = _chain(*labels)
+        k = 0
+        while not gone and k < min(len(chain), len(query)) and chain[k] == query[k]:
+            k += 1
+        if k > expected.get(node, 0):
+            expected[node] = k
+    assert t.hits(query, now=0.1) == expected
+    for ticket in list(t._entries):
+        t.done(ticket, now=0.1, served=False)
+    assert t.hits(query, now=0.1) == {} and not t._held  # nothing left behind
+
+
+def test_many_chains_sharing_a_system_prompt_each_count_for_their_node() -> None:
+    system = list(range(8))
+    t = InflightPrefixes(counted_blocks=4)
+    tickets = [t.add(f"n{i % 3}", _chain(*system, 100 + i, 7), now=0.0) for i in range(300)]
+    assert t.hits(_chain(*system, 999), now=0.1) == {"n0": 8, "n1": 8, "n2": 8}
+    assert t.hits(_chain(*system, 101, 7), now=0.1) == {"n0": 8, "n1": 10, "n2": 8}
+    for ticket in tickets[1:]:
+        t.done(ticket, now=0.1, served=False)
+    assert t.hits(_chain(*system, 101, 7), now=0.1) == {"n0": 8}  # only request 0's chain is left
+    assert t.hits(_chain(*system, 100, 7), now=0.1) == {"n0": 10}
+
+
 def test_a_long_chain_is_held_and_released_whole() -> None:
     t = InflightPrefixes()
     chain = _chain(*range(2000))
