@@ -15,15 +15,14 @@ the index's answer. A node serves its queue in order, so a request sent behind o
 prefix finds that prefix cached when its own turn comes.
 
 A node's chains are looked up by block, not one by one: every request with the same system
-prompt shares its first blocks, so at hundreds of requests a second a node holds hundreds of
-chains starting with the same block, and comparing the prompt with each of them took a fifth of
-the gateway's time. Instead each node counts the blocks its chains hold (a block hash names its
-whole prefix, so the blocks held form a prefix-closed set): the leading run a prompt shares with
-any chain is the last of its blocks in that set, a binary search of dictionary lookups whatever
-the number of chains. Only a chain's first ``counted_blocks`` (16K tokens at 64 a block) are
-counted, so holding and letting go of a 128K-token prompt's 2,000 blocks costs what a 16K one
-does; the rare longer chains are filed by their last counted block and compared one by one with
-a prompt that shares all those blocks (identical chains once, with a count).
+prompt or the same conversation so far shares its first blocks, so at hundreds of requests a
+second a node holds hundreds of chains starting with the same block, and comparing the prompt
+with each of them took a fifth of the gateway's time. Instead each node counts the blocks its
+chains hold (a block hash names its whole prefix, so the blocks held form a prefix-closed set):
+the leading run a prompt shares with any chain is the last of its blocks in that set, a binary
+search of dictionary lookups whatever the number of chains. Holding a chain counts its blocks in
+(one C call) and letting go of it counts them out: both in proportion to its length, as hashing
+the prompt was (a 128K-token prompt's 2,000 blocks, some 0.3 ms in all).
 
 Pure: no I/O, the caller passes the clock. The live gateway and the trace simulator both use it.
 """
@@ -40,7 +39,6 @@ from prefixgate.gateway.routing.base import Policy
 DEFAULT_TTL_S = 30.0  # a safety net: entries are normally dropped when their request is served
 DEFAULT_GRACE_S = 1.0  # after a prefill: until the index write and the node's event have landed
 DEFAULT_MAX_ENTRIES = 4096
-DEFAULT_COUNTED_BLOCKS = 256  # a chain's blocks counted one by one; past them, chains compared whole
 
 
 @dataclass(slots=True)
@@ -49,23 +47,6 @@ class _Entry:
     hashes: tuple[int, ...]
     expires: float
     live: bool = True
-
-
-@dataclass(slots=True)
-class _Longer:
-    """A chain longer than the counted blocks, and how many routed requests hold it."""
-
-    chain: tuple[int, ...]
-    holders: int = 0
-
-
-@dataclass(slots=True)
-class _NodeChains:
-    """One node's held chains, as a lookup needs them."""
-
-    counts: Counter[int] = field(default_factory=Counter)  # block hash -> chains holding it (first blocks)
-    # a longer chain's last counted block -> its last block (the whole chain's name) -> it
-    longer: dict[int, dict[int, _Longer]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -85,11 +66,11 @@ class InflightPrefixes:
     ttl_s: float = DEFAULT_TTL_S
     grace_s: float = DEFAULT_GRACE_S
     max_entries: int = DEFAULT_MAX_ENTRIES
-    counted_blocks: int = DEFAULT_COUNTED_BLOCKS
     stats: InflightStats = field(default_factory=InflightStats)
     _entries: dict[int, _Entry] = field(default_factory=dict)
     _order: list[tuple[float, int]] = field(default_factory=list)  # heap of (expiry, ticket)
-    _held: dict[str, _NodeChains] = field(default_factory=dict)
+    # node -> block hash -> how many of the node's chains hold it
+    _held: dict[str, Counter[int]] = field(default_factory=dict)
     _next: int = 1
 
     def __len__(self) -> int:
@@ -111,12 +92,8 @@ class InflightPrefixes:
         heapq.heappush(self._order, (entry.expires, ticket))
         held = self._held.get(node)
         if held is None:
-            held = self._held[node] = _NodeChains()
-        chain = entry.hashes
-        counted = max(1, self.counted_blocks)
-        held.counts.update(chain[:counted])  # one C call, however many blocks
-        if len(chain) > counted:
-            held.longer.setdefault(chain[counted - 1], {}).setdefault(chain[-1], _Longer(chain)).holders += 1
+            held = self._held[node] = Counter()
+        held.update(entry.hashes)  # one C call, however many blocks
         self.stats.added += 1
         return ticket
 
@@ -146,36 +123,27 @@ class InflightPrefixes:
 
         Block hashes are chained (each covers its whole prefix), so a node's chains cover the
         first ``k`` blocks exactly when block ``k - 1`` is among the blocks they hold: a binary
-        search over the prompt; past the counted blocks, a binary search per longer chain that
-        shares all of them.
+        search over the prompt.
         """
         self.expire(now)
         out: dict[str, int] = {}
         if not hashes:
             return out
-        first = hashes[0]
-        counted = max(1, self.counted_blocks)
+        first, n = hashes[0], len(hashes)
         for node, held in self._held.items():
-            counts = held.counts
-            if first not in counts:
+            if first not in held:
                 continue
-            n = min(len(hashes), counted)
-            if hashes[n - 1] in counts:
-                best = n
-            else:
-                lo, hi = 1, n - 1  # the run is at least lo blocks long and at most hi
-                while lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    if hashes[mid - 1] in counts:
-                        lo = mid
-                    else:
-                        hi = mid - 1
-                best = lo
-            if best == counted and len(hashes) > counted and held.longer:
-                longer = held.longer.get(hashes[counted - 1])
-                if longer:
-                    best = max(_shared(c.chain, hashes) for c in longer.values())
-            out[node] = best
+            if hashes[n - 1] in held:
+                out[node] = n
+                continue
+            lo, hi = 1, n - 1  # the run is at least lo blocks long and at most hi
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if hashes[mid - 1] in held:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            out[node] = lo
         return out
 
     def forget(self, node: str, hashes: Collection[int] | None = None) -> int:
@@ -196,42 +164,16 @@ class InflightPrefixes:
             return False
         held = self._held.get(entry.node)
         if held is not None:
-            chain = entry.hashes
-            counted = max(1, self.counted_blocks)
-            counts = held.counts
-            for h in chain[:counted]:
-                left = counts[h] - 1
+            pop = held.pop  # dict's own: Counter's ``del`` is a Python call a block
+            for h in entry.hashes:
+                left = held[h] - 1
                 if left > 0:
-                    counts[h] = left
+                    held[h] = left
                 else:
-                    del counts[h]
-            longer = held.longer.get(chain[counted - 1]) if len(chain) > counted else None
-            if longer is not None and chain[-1] in longer:
-                same = longer[chain[-1]]
-                same.holders -= 1
-                if same.holders <= 0:
-                    del longer[chain[-1]]
-                    if not longer:
-                        del held.longer[chain[counted - 1]]
-            if not counts:
+                    pop(h, None)
+            if not held:
                 del self._held[entry.node]
         return True
-
-
-def _shared(chain: Sequence[int], hashes: Sequence[int]) -> int:
-    """How many leading blocks ``chain`` and ``hashes`` share (chained hashes: once they differ,
-    they differ at every later block)."""
-    n = min(len(chain), len(hashes))
-    if n and chain[n - 1] == hashes[n - 1]:
-        return n
-    lo, hi = 0, n  # they share [:lo]; they do not share [:hi + 1]
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if chain[mid - 1] == hashes[mid - 1]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def follows_inflight(policy: Policy) -> bool:
