@@ -90,7 +90,8 @@ class Layout:
 
 def clean_text(text: str) -> str:
     """NFC, ``\\n`` line endings, no trailing whitespace on any line or at the end."""
-    text = unicodedata.normalize("NFC", text)
+    if not text.isascii():  # ASCII is NFC already
+        text = unicodedata.normalize("NFC", text)
     if "\r" in text:
         text = text.replace("\r\n", "\n").replace("\r", "\n")
     lines = [line.rstrip() for line in text.split("\n")]
@@ -184,6 +185,11 @@ def canonical_documents(docs: Sequence[Document]) -> list[Document]:
     return out
 
 
+def _utf8_len(text: str) -> int:
+    """``len(text.encode("utf-8"))`` without encoding ASCII text (the common case: a flag read)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
+
+
 class _Builder:
     def __init__(self) -> None:
         self.parts: list[str] = []
@@ -194,14 +200,14 @@ class _Builder:
     def add(self, kind: str, label: str, text: str) -> None:
         start = self.offset
         self.parts.append(text)
-        self.offset += len(text.encode("utf-8"))
+        self.offset += _utf8_len(text)
         self.segments.append(Segment(kind, label, start, self.offset))
 
     def add_parts(self, kind: str, label: str, parts: Sequence[tuple[str, bool]]) -> None:
         """One segment made of ``(text, is_client_text)`` parts (client text already escaped)."""
         start = self.offset
         for text, client in parts:
-            end = self.offset + len(text.encode("utf-8"))
+            end = self.offset + _utf8_len(text)
             if client and end > self.offset:
                 self.user_spans.append((self.offset, end))
             self.parts.append(text)
@@ -209,8 +215,16 @@ class _Builder:
         self.segments.append(Segment(kind, label, start, self.offset))
 
     def add_wrapped(self, kind: str, label: str, head: str, body: str, tail: str) -> None:
-        """A segment ``head + body + tail`` whose ``body`` is client text."""
-        self.add_parts(kind, label, ((head, False), (body, True), (tail, False)))
+        """A segment ``head + body + tail`` whose ``body`` is client text (every message of a
+        chat without markers in it: the same as ``add_parts`` over the three, written out)."""
+        start = self.offset
+        body_start = start + _utf8_len(head)
+        body_end = body_start + _utf8_len(body)
+        if body_end > body_start:
+            self.user_spans.append((body_start, body_end))
+        self.parts += (head, body, tail)
+        self.offset = body_end + _utf8_len(tail)
+        self.segments.append(Segment(kind, label, start, self.offset))
 
     def layout(self) -> Layout:
         return Layout("".join(self.parts), self.segments, self.user_spans)
@@ -244,7 +258,11 @@ def _message_parts(text: str) -> list[tuple[str, bool]]:
 
 
 def _message_text(msg: Mapping[str, Any], i: int, normalize: bool) -> str:
-    text = _content(msg.get("content"), f"messages[{i}].content")
+    content = msg.get("content")
+    # a string (most messages) is escaped as it is; parts and images go the long way
+    text = (
+        escape_markers(content) if isinstance(content, str) else _content(content, f"messages[{i}].content")
+    )
     calls = msg.get("tool_calls")
     if calls:
         rendered = canonical_json(calls) if normalize else orjson.dumps(calls).decode()
@@ -291,8 +309,11 @@ def render_chat(
         _add_documents(b, documents, normalize)
     b.add("conversation", "conversation", "<|conversation|>\n")
     for i, role, text in turns:
-        parts = [(f"<|{role}|>\n", False), *_message_parts(text), ("\n<|end|>\n", False)]
-        b.add_parts("message", f"messages[{i}]:{role}", parts)
+        if "<|" in text:  # markers (tool calls, images) among the client's text
+            parts = [(f"<|{role}|>\n", False), *_message_parts(text), ("\n<|end|>\n", False)]
+            b.add_parts("message", f"messages[{i}]:{role}", parts)
+        else:
+            b.add_wrapped("message", f"messages[{i}]:{role}", f"<|{role}|>\n", text, "\n<|end|>\n")
     b.add("generation", "assistant", "<|assistant|>\n")
     return b.layout()
 

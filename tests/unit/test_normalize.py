@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from prefixgate.cachetier.hashing import Namespace, block_hashes
 from prefixgate.cachetier.tokenizer import Bytes4Tokenizer
@@ -131,3 +133,37 @@ def test_completion_prompt_keeps_trailing_space_but_unifies_line_endings() -> No
     assert render_completion("a\r\nb ").text == "a\nb "
     with_docs = render_completion("Q:", documents=[Document("z", "Z"), Document("y", "Y")])
     assert with_docs.text.index('id="y"') < with_docs.text.index('id="z"') < with_docs.text.index("Q:")
+
+
+_PIECES = ["a", "b", " ", "é", "e\u0301", "\n", "\r", "\t", "<", "|", ">", "\\", "😀", "<|tool_calls|>"]
+_TEXTS = st.lists(st.sampled_from(_PIECES), max_size=12).map("".join)
+
+
+_CALLS = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"q": "é<|"}'}}]
+_MESSAGES = st.tuples(st.sampled_from(["system", "user", "assistant", "tool"]), _TEXTS, st.booleans())
+
+
+@given(st.lists(_MESSAGES, min_size=1, max_size=6))
+def test_segments_and_client_spans_are_exact_byte_ranges_of_the_rendered_text(
+    chat: list[tuple[str, str, bool]],
+) -> None:
+    """ASCII or not, with markers (tool calls) or without: the offsets are UTF-8 byte offsets,
+    the segments tile the text, and the client spans hold client text only."""
+    messages = [
+        {"role": role, "content": text, **({"tool_calls": _CALLS} if calls and role == "assistant" else {})}
+        for role, text, calls in chat
+    ]
+    layout = render_chat(messages)
+    raw = layout.text.encode()
+    assert layout.segments[0].start == 0 and layout.segments[-1].end == len(raw)
+    for prev, nxt in zip(layout.segments, layout.segments[1:], strict=False):
+        assert prev.end == nxt.start
+    for seg in layout.segments:
+        if seg.kind == "message":
+            role = seg.label.split(":")[1]
+            assert raw[seg.start : seg.end].startswith(f"<|{role}|>\n".encode())
+            assert raw[seg.start : seg.end].endswith(b"\n<|end|>\n")
+    for start, end in layout.user_spans:
+        assert 0 <= start < end <= len(raw)
+        assert raw[start:end].decode()  # whole characters
+        assert b"<|" not in raw[start:end]  # client text is escaped; markers fall outside
