@@ -20,9 +20,14 @@ second a node holds hundreds of chains starting with the same block, and compari
 with each of them took a fifth of the gateway's time. Instead each node counts the blocks its
 chains hold (a block hash names its whole prefix, so the blocks held form a prefix-closed set):
 the leading run a prompt shares with any chain is the last of its blocks in that set, a binary
-search of dictionary lookups whatever the number of chains. Holding a chain counts its blocks in
-(one C call) and letting go of it counts them out: both in proportion to its length, as hashing
-the prompt was (a 128K-token prompt's 2,000 blocks, some 0.3 ms in all).
+search of dictionary lookups whatever the number of chains.
+
+Counting stays in C (``Counter.update``), as a long prompt's blocks are many (a 128K-token
+prompt has 2,000; a loop over them in Python, to count them out one by one, cost more than the
+rest of holding and letting go of it): a chain's blocks are counted in when it is held and
+counted out, into a second counter, when it is let go of, and a block is held while it went in
+more often than out. A node's counters go when its last chain does (the common case), and are
+counted anew from its live chains once the counted-out side holds as many blocks as the other.
 
 Pure: no I/O, the caller passes the clock. The live gateway and the trace simulator both use it.
 """
@@ -50,6 +55,18 @@ class _Entry:
 
 
 @dataclass(slots=True)
+class _NodeBlocks:
+    """A node's held chains as the blocks they hold: counted in and counted out."""
+
+    into: Counter[int] = field(default_factory=Counter)
+    out: Counter[int] = field(default_factory=Counter)
+    tickets: set[int] = field(default_factory=set)
+
+    def holds(self, block: int) -> bool:
+        return self.into.get(block, 0) > self.out.get(block, 0)
+
+
+@dataclass(slots=True)
 class InflightStats:
     added: int = 0
     done: int = 0
@@ -69,8 +86,7 @@ class InflightPrefixes:
     stats: InflightStats = field(default_factory=InflightStats)
     _entries: dict[int, _Entry] = field(default_factory=dict)
     _order: list[tuple[float, int]] = field(default_factory=list)  # heap of (expiry, ticket)
-    # node -> block hash -> how many of the node's chains hold it
-    _held: dict[str, Counter[int]] = field(default_factory=dict)
+    _held: dict[str, _NodeBlocks] = field(default_factory=dict)
     _next: int = 1
 
     def __len__(self) -> int:
@@ -92,8 +108,9 @@ class InflightPrefixes:
         heapq.heappush(self._order, (entry.expires, ticket))
         held = self._held.get(node)
         if held is None:
-            held = self._held[node] = Counter()
-        held.update(entry.hashes)  # one C call, however many blocks
+            held = self._held[node] = _NodeBlocks()
+        held.into.update(entry.hashes)  # one C call, however many blocks
+        held.tickets.add(ticket)
         self.stats.added += 1
         return ticket
 
@@ -131,15 +148,16 @@ class InflightPrefixes:
             return out
         first, n = hashes[0], len(hashes)
         for node, held in self._held.items():
-            if first not in held:
+            holds = held.holds
+            if not holds(first):
                 continue
-            if hashes[n - 1] in held:
+            if holds(hashes[n - 1]):
                 out[node] = n
                 continue
             lo, hi = 1, n - 1  # the run is at least lo blocks long and at most hi
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if hashes[mid - 1] in held:
+                if holds(hashes[mid - 1]):
                     lo = mid
                 else:
                     hi = mid - 1
@@ -164,16 +182,21 @@ class InflightPrefixes:
             return False
         held = self._held.get(entry.node)
         if held is not None:
-            pop = held.pop  # dict's own: Counter's ``del`` is a Python call a block
-            for h in entry.hashes:
-                left = held[h] - 1
-                if left > 0:
-                    held[h] = left
-                else:
-                    pop(h, None)
-            if not held:
+            held.tickets.discard(ticket)
+            if not held.tickets:
                 del self._held[entry.node]
+            else:
+                held.out.update(entry.hashes)  # one C call, however many blocks
+                if len(held.out) >= len(held.into) // 2:  # as much counted out as still in
+                    self._recount(held)
         return True
+
+    def _recount(self, held: _NodeBlocks) -> None:
+        """Count a node's blocks anew from its live chains, the counted-out side emptied."""
+        held.into.clear()
+        held.out.clear()
+        for ticket in held.tickets:
+            held.into.update(self._entries[ticket].hashes)
 
 
 def follows_inflight(policy: Policy) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -180,6 +182,37 @@ def test_many_chains_sharing_a_system_prompt_each_count_for_their_node() -> None
         t.done(ticket, now=0.1, served=False)
     assert t.hits(_chain(*system, 101, 7), now=0.1) == {"n0": 8}  # only request 0's chain is left
     assert t.hits(_chain(*system, 100, 7), now=0.1) == {"n0": 10}
+
+
+def test_chains_let_go_of_in_any_order_leave_exact_and_bounded_counts() -> None:
+    """Blocks counted out pile up beside those counted in until they are counted anew: lookups
+    stay exact throughout and the counters never hold much more than the live chains' blocks."""
+    rng = random.Random(7)
+    t = InflightPrefixes()
+    chains = {
+        t.add("n1", _chain(1, 2, 3, i, *range(i % 5)), now=0.0): _chain(1, 2, 3, i, *range(i % 5))
+        for i in range(60)
+    }
+    order = list(chains)
+    rng.shuffle(order)
+    for ticket in order:
+        t.done(ticket, now=0.0, served=False)
+        del chains[ticket]
+        for probe in (_chain(1, 2, 3, 17, 0, 1), _chain(1, 2, 9), _chain(1, 2, 3, 59, 0, 1, 2, 3)):
+            best = max((_run(c, probe) for c in chains.values()), default=0)
+            assert t.hits(probe, now=0.0) == ({"n1": best} if best else {})
+        live = {h for c in chains.values() for h in c}
+        held = t._held.get("n1")
+        assert (held is None) == (not chains)
+        if held is not None:
+            assert len(held.into) <= 2 * len(live) + 8
+
+
+def _run(chain: list[int], prompt: list[int]) -> int:
+    k = 0
+    while k < min(len(chain), len(prompt)) and chain[k] == prompt[k]:
+        k += 1
+    return k
 
 
 def test_a_long_chain_is_held_and_released_whole() -> None:
