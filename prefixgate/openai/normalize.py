@@ -94,8 +94,7 @@ def clean_text(text: str) -> str:
         text = unicodedata.normalize("NFC", text)
     if "\r" in text:
         text = text.replace("\r\n", "\n").replace("\r", "\n")
-    lines = [line.rstrip() for line in text.split("\n")]
-    return "\n".join(lines).strip("\n")
+    return "\n".join(map(str.rstrip, text.split("\n"))).strip("\n")  # lines stripped in C
 
 
 def escape_markers(text: str) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import unicodedata
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -167,3 +169,31 @@ def test_segments_and_client_spans_are_exact_byte_ranges_of_the_rendered_text(
         assert 0 <= start < end <= len(raw)
         assert raw[start:end].decode()  # whole characters
         assert b"<|" not in raw[start:end]  # client text is escaped; markers fall outside
+
+
+def _clean_text_line_by_line(text: str) -> str:
+    """``clean_text`` as first written: each line's ``rstrip`` in a loop."""
+    text = unicodedata.normalize("NFC", text).replace("\r\n", "\n").replace("\r", "\n")
+    return "\n".join(line.rstrip() for line in text.split("\n")).strip("\n")
+
+
+_SPACES = [
+    " ",
+    "\t",
+    "\n",
+    "\r",
+    "\x0b",
+    "\x0c",
+    "\x1c",
+    "\x1f",
+    "\x85",
+    "\xa0",
+    "\u2000",
+    "\u2028",
+    "\u3000",
+]
+
+
+@given(st.lists(st.sampled_from([*_SPACES, "a", "é", "e\u0301", "😀", "x y"]), max_size=40).map("".join))
+def test_clean_text_takes_off_what_rstrip_takes_off_each_line(text: str) -> None:
+    assert clean_text(text) == _clean_text_line_by_line(text)
