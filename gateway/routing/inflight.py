@@ -22,12 +22,17 @@ chains hold (a block hash names its whole prefix, so the blocks held form a pref
 the leading run a prompt shares with any chain is the last of its blocks in that set, a binary
 search of dictionary lookups whatever the number of chains.
 
-Counting stays in C (``Counter.update``), as a long prompt's blocks are many (a 128K-token
-prompt has 2,000; a loop over them in Python, to count them out one by one, cost more than the
-rest of holding and letting go of it): a chain's blocks are counted in when it is held and
-counted out, into a second counter, when it is let go of, and a block is held while it went in
-more often than out. A node's counters go when its last chain does (the common case), and are
-counted anew from its live chains once the counted-out side holds as many blocks as the other.
+Counting costs in proportion to a chain's blocks, so it is kept in C and bounded. A chain's first
+``counted_blocks`` (4K tokens at 64 a block: a system prompt, a short chat) are counted in when
+it is held and counted out, into a second counter, when it is let go of (``Counter.update``, one
+call each); a block is held while it went in more often than out. The counters go with a node's
+last chain (the common case), and are counted anew from the live chains once as many blocks were
+counted out since the last time as the live chains hold, so they never hold much more than
+those, at one block counted again for each counted out. The rest of a longer chain is not
+counted (a long prompt's 2,000 blocks counted in and out cost more than all the rest of holding
+it): such chains are filed by their last counted block and, when a prompt shares all those,
+compared with it one by one, as every chain was before (identical chains once, with a count).
+Long prompts arrive far less often than short ones, so there are fewer of them to compare.
 
 Pure: no I/O, the caller passes the clock. The live gateway and the trace simulator both use it.
 """
@@ -44,6 +49,7 @@ from prefixgate.gateway.routing.base import Policy
 DEFAULT_TTL_S = 30.0  # a safety net: entries are normally dropped when their request is served
 DEFAULT_GRACE_S = 1.0  # after a prefill: until the index write and the node's event have landed
 DEFAULT_MAX_ENTRIES = 4096
+DEFAULT_COUNTED_BLOCKS = 64  # a chain's first blocks counted; past them, longer chains compared whole
 
 
 @dataclass(slots=True)
@@ -55,12 +61,24 @@ class _Entry:
 
 
 @dataclass(slots=True)
+class _Longer:
+    """A chain longer than the counted blocks, and how many routed requests hold it."""
+
+    chain: tuple[int, ...]
+    holders: int = 0
+
+
+@dataclass(slots=True)
 class _NodeBlocks:
-    """A node's held chains as the blocks they hold: counted in and counted out."""
+    """A node's held chains: their first blocks counted in and out, the longer ones by anchor."""
 
     into: Counter[int] = field(default_factory=Counter)
     out: Counter[int] = field(default_factory=Counter)
     tickets: set[int] = field(default_factory=set)
+    live: int = 0  # blocks the live chains have counted in
+    dropped: int = 0  # blocks counted out since the counters were last made anew
+    # a longer chain's last counted block -> its last block (the whole chain's name) -> it
+    longer: dict[int, dict[int, _Longer]] = field(default_factory=dict)
 
     def holds(self, block: int) -> bool:
         return self.into.get(block, 0) > self.out.get(block, 0)
@@ -83,6 +101,7 @@ class InflightPrefixes:
     ttl_s: float = DEFAULT_TTL_S
     grace_s: float = DEFAULT_GRACE_S
     max_entries: int = DEFAULT_MAX_ENTRIES
+    counted_blocks: int = DEFAULT_COUNTED_BLOCKS
     stats: InflightStats = field(default_factory=InflightStats)
     _entries: dict[int, _Entry] = field(default_factory=dict)
     _order: list[tuple[float, int]] = field(default_factory=list)  # heap of (expiry, ticket)
@@ -109,8 +128,12 @@ class InflightPrefixes:
         held = self._held.get(node)
         if held is None:
             held = self._held[node] = _NodeBlocks()
-        held.into.update(entry.hashes)  # one C call, however many blocks
+        chain, counted = entry.hashes, max(1, self.counted_blocks)
+        held.into.update(chain[:counted])  # one C call, however many blocks
+        held.live += min(len(chain), counted)
         held.tickets.add(ticket)
+        if len(chain) > counted:
+            held.longer.setdefault(chain[counted - 1], {}).setdefault(chain[-1], _Longer(chain)).holders += 1
         self.stats.added += 1
         return ticket
 
@@ -140,28 +163,35 @@ class InflightPrefixes:
 
         Block hashes are chained (each covers its whole prefix), so a node's chains cover the
         first ``k`` blocks exactly when block ``k - 1`` is among the blocks they hold: a binary
-        search over the prompt.
+        search over the prompt's counted blocks; past them, a binary search per longer chain
+        that shares all of them.
         """
         self.expire(now)
         out: dict[str, int] = {}
         if not hashes:
             return out
-        first, n = hashes[0], len(hashes)
+        first, counted = hashes[0], max(1, self.counted_blocks)
+        n = min(len(hashes), counted)
         for node, held in self._held.items():
             holds = held.holds
             if not holds(first):
                 continue
             if holds(hashes[n - 1]):
-                out[node] = n
-                continue
-            lo, hi = 1, n - 1  # the run is at least lo blocks long and at most hi
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if holds(hashes[mid - 1]):
-                    lo = mid
-                else:
-                    hi = mid - 1
-            out[node] = lo
+                best = n
+            else:
+                lo, hi = 1, n - 1  # the run is at least lo blocks long and at most hi
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if holds(hashes[mid - 1]):
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                best = lo
+            if best == counted and len(hashes) > counted and held.longer:
+                longer = held.longer.get(hashes[counted - 1])
+                if longer:
+                    best = max(_shared(c.chain, hashes) for c in longer.values())
+            out[node] = best
         return out
 
     def forget(self, node: str, hashes: Collection[int] | None = None) -> int:
@@ -181,22 +211,53 @@ class InflightPrefixes:
         if entry is None:
             return False
         held = self._held.get(entry.node)
-        if held is not None:
-            held.tickets.discard(ticket)
-            if not held.tickets:
-                del self._held[entry.node]
-            else:
-                held.out.update(entry.hashes)  # one C call, however many blocks
-                if len(held.out) >= len(held.into) // 2:  # as much counted out as still in
-                    self._recount(held)
+        if held is None:
+            return True
+        held.tickets.discard(ticket)
+        if not held.tickets:  # the node's last chain: its counters go with it
+            del self._held[entry.node]
+            return True
+        chain, counted = entry.hashes, max(1, self.counted_blocks)
+        held.out.update(chain[:counted])  # one C call, however many blocks
+        size = min(len(chain), counted)
+        held.live -= size
+        held.dropped += size
+        if held.dropped > held.live + counted:  # as many counted out as the live chains hold
+            self._recount(held)
+        longer = held.longer.get(chain[counted - 1]) if len(chain) > counted else None
+        if longer is not None and chain[-1] in longer:
+            same = longer[chain[-1]]
+            same.holders -= 1
+            if same.holders <= 0:
+                del longer[chain[-1]]
+                if not longer:
+                    del held.longer[chain[counted - 1]]
         return True
 
     def _recount(self, held: _NodeBlocks) -> None:
         """Count a node's blocks anew from its live chains, the counted-out side emptied."""
+        counted = max(1, self.counted_blocks)
         held.into.clear()
         held.out.clear()
+        held.dropped = 0
         for ticket in held.tickets:
-            held.into.update(self._entries[ticket].hashes)
+            held.into.update(self._entries[ticket].hashes[:counted])
+
+
+def _shared(chain: Sequence[int], hashes: Sequence[int]) -> int:
+    """How many leading blocks ``chain`` and ``hashes`` share (chained hashes: once they differ,
+    they differ at every later block)."""
+    n = min(len(chain), len(hashes))
+    if n and chain[n - 1] == hashes[n - 1]:
+        return n
+    lo, hi = 0, n  # they share [:lo]; they do not share [:hi + 1]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if chain[mid - 1] == hashes[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def follows_inflight(policy: Policy) -> bool:

@@ -138,6 +138,7 @@ def test_a_node_covers_the_longest_run_any_of_its_chains_shares_with_the_prompt(
 
 
 @given(
+    st.sampled_from([1, 2, 3, 256]),
     st.lists(
         st.tuples(
             st.sampled_from(["n1", "n2"]),
@@ -149,10 +150,11 @@ def test_a_node_covers_the_longest_run_any_of_its_chains_shares_with_the_prompt(
     st.lists(st.integers(0, 2), min_size=1, max_size=10),
 )
 def test_lookups_agree_with_brute_force_as_chains_come_and_go(
-    routed: list[tuple[str, list[int], bool]], prompt: list[int]
+    counted: int, routed: list[tuple[str, list[int], bool]], prompt: list[int]
 ) -> None:
-    """Chains held twice, and chains let go of again: the counts stay exact."""
-    t = InflightPrefixes()
+    """However few blocks are counted, chains held twice, and chains let go of again: the
+    lookups stay exact."""
+    t = InflightPrefixes(counted_blocks=counted)
     for node, labels, gone in routed:
         ticket = t.add(node, _chain(*labels), now=0.0)
         if gone:
@@ -174,7 +176,7 @@ def test_lookups_agree_with_brute_force_as_chains_come_and_go(
 
 def test_many_chains_sharing_a_system_prompt_each_count_for_their_node() -> None:
     system = list(range(8))
-    t = InflightPrefixes()
+    t = InflightPrefixes(counted_blocks=4)  # the system prompt's blocks past the counted ones
     tickets = [t.add(f"n{i % 3}", _chain(*system, 100 + i, 7), now=0.0) for i in range(300)]
     assert t.hits(_chain(*system, 999), now=0.1) == {"n0": 8, "n1": 8, "n2": 8}
     assert t.hits(_chain(*system, 101, 7), now=0.1) == {"n0": 8, "n1": 10, "n2": 8}
@@ -184,15 +186,15 @@ def test_many_chains_sharing_a_system_prompt_each_count_for_their_node() -> None
     assert t.hits(_chain(*system, 100, 7), now=0.1) == {"n0": 10}
 
 
-def test_chains_let_go_of_in_any_order_leave_exact_and_bounded_counts() -> None:
+@pytest.mark.parametrize("counted", [4, 256])
+def test_chains_let_go_of_in_any_order_leave_exact_and_bounded_counts(counted: int) -> None:
     """Blocks counted out pile up beside those counted in until they are counted anew: lookups
-    stay exact throughout and the counters never hold much more than the live chains' blocks."""
+    stay exact throughout (past the counted blocks too) and the counters never hold much more
+    than the live chains' counted blocks."""
     rng = random.Random(7)
-    t = InflightPrefixes()
-    chains = {
-        t.add("n1", _chain(1, 2, 3, i, *range(i % 5)), now=0.0): _chain(1, 2, 3, i, *range(i % 5))
-        for i in range(60)
-    }
+    t = InflightPrefixes(counted_blocks=counted)
+    labels = [(1, 2, 3, i, *range(i % 5)) for i in range(60)]
+    chains = {t.add("n1", _chain(*x), now=0.0): _chain(*x) for x in labels}
     order = list(chains)
     rng.shuffle(order)
     for ticket in order:
@@ -201,11 +203,11 @@ def test_chains_let_go_of_in_any_order_leave_exact_and_bounded_counts() -> None:
         for probe in (_chain(1, 2, 3, 17, 0, 1), _chain(1, 2, 9), _chain(1, 2, 3, 59, 0, 1, 2, 3)):
             best = max((_run(c, probe) for c in chains.values()), default=0)
             assert t.hits(probe, now=0.0) == ({"n1": best} if best else {})
-        live = {h for c in chains.values() for h in c}
         held = t._held.get("n1")
         assert (held is None) == (not chains)
         if held is not None:
-            assert len(held.into) <= 2 * len(live) + 8
+            live = sum(min(len(c), counted) for c in chains.values())
+            assert len(held.into) <= 2 * live + counted + 1
 
 
 def _run(chain: list[int], prompt: list[int]) -> int:
