@@ -102,7 +102,9 @@ def _window(pid: int, out: Path) -> int:
 
 def _send(client: httpx.Client, prompts: Prompts, n: int) -> None:
     for _ in range(n):
-        r = client.post("/v1/chat/completions", content=body(prompts.make(PROMPT_BYTES), False))
+        r = client.post(
+            "/v1/chat/completions", content=body(prompts.make(PROMPT_BYTES), False, head=prompts.head)
+        )
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
 
@@ -150,6 +152,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also count the floor (uvicorn and aiohttp relaying the chat to a node, nothing else) "
         "and the essentials (the relay plus the least a gateway request does, written lean)",
+    )
+    p.add_argument(
+        "--system-prompt",
+        type=int,
+        default=0,
+        metavar="BYTES",
+        help="every chat starts with the same system prompt of this many bytes (default none)",
+    )
+    p.add_argument(
+        "--history",
+        type=int,
+        default=0,
+        metavar="TURNS",
+        help="and with the same conversation of this many earlier turns, as an agent's (default none)",
     )
     p.add_argument("--json", dest="json_out", help="write the counts as JSON to this file")
 
@@ -221,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
     logs = launch.run_dir("instructions")
     counts: list[Count] = []
-    prompts = Prompts()
+    prompts = Prompts(args.system_prompt, args.history)
     opts = launch.NodeOptions(
         profile="instant", capacity_blocks=300_000, max_queue=4096, max_decode_streams=4096
     )

@@ -51,6 +51,7 @@ SIZES = (2_048, 262_144)
 QUICK_CLIENTS = (1, 32)
 QUICK_SIZES = (2_048,)
 OUTPUT_TOKENS = 8
+TURN_BYTES = 512  # an earlier turn of a conversation (`--history`)
 # CPU per request at one client (2 KB, JSON) a gateway in front of the worker may cost, by how it
 # reaches the worker; added latency and streaming TTFT may be at most ``TARGET_RATIO`` of smg's
 TARGET_CPU_MS = {"http": 0.8, "grpc": 1.5}
@@ -87,14 +88,24 @@ class Sample:
 
 
 class Prompts:
-    """Unique prompts of a given size: a unique tag first (no prefix is ever shared), then text;
-    with ``system_bytes``, every request's messages start with the same system prompt of that
-    size, as an application's fixed instructions do (its prefix is then shared by every request)."""
+    """Unique prompts of a given size: a unique tag first (no prefix is ever shared), then text.
 
-    def __init__(self, system_bytes: int = 0) -> None:
+    Before it, ``head``: the same messages in every request. ``system_bytes``: a system prompt of
+    that size, as an application's fixed instructions; ``history_turns``: that many earlier turns
+    (user and assistant by turns, ``TURN_BYTES`` each), as an agent's conversation so far. Their
+    prefix is then shared by every request."""
+
+    def __init__(self, system_bytes: int = 0, history_turns: int = 0) -> None:
         self._base: dict[int, str] = {}
         self.counter = 0
-        self.system = segment_text(3, system_bytes // 4, "system", line_words=16) if system_bytes > 0 else ""
+        self.head: list[dict[str, str]] = []
+        if system_bytes > 0:
+            self.head.append(
+                {"role": "system", "content": segment_text(3, system_bytes // 4, "system", line_words=16)}
+            )
+        for turn in range(max(0, history_turns)):
+            text = segment_text(100 + turn, TURN_BYTES // 4, "history", line_words=16)
+            self.head.append({"role": "user" if turn % 2 == 0 else "assistant", "content": text})
 
     def make(self, size: int) -> str:
         if size not in self._base:
@@ -104,11 +115,13 @@ class Prompts:
         return tag + self._base[size][: max(0, size - len(tag))]
 
 
-def body(prompt: str, stream: bool, model: str = launch.MODEL, system: str = "") -> bytes:
-    messages = [{"role": "system", "content": system}] if system else []
+def body(
+    prompt: str, stream: bool, model: str = launch.MODEL, head: Sequence[Mapping[str, str]] = ()
+) -> bytes:
+    """A chat request: ``head`` (``Prompts.head``), then ``prompt`` as the user's message."""
     b: dict[str, Any] = {
         "model": model,
-        "messages": [*messages, {"role": "user", "content": prompt}],
+        "messages": [*head, {"role": "user", "content": prompt}],
         "max_tokens": OUTPUT_TOKENS,
         "temperature": 0,
     }
@@ -182,7 +195,7 @@ async def closed_loop(
         while time.perf_counter() < end and budget[0] > 0:
             budget[0] -= 1
             prompt = prompts.make(cell.prompt_bytes)
-            await one(client, body(prompt, cell.stream, system=prompts.system), cell.stream, out)
+            await one(client, body(prompt, cell.stream, head=prompts.head), cell.stream, out)
 
     try:
         await asyncio.wait_for(asyncio.gather(*(worker(c) for c in clients)), seconds + timeout + 5)
@@ -413,6 +426,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="every request starts with the same system prompt of this many bytes (default: none, "
         "no prefix shared)",
     )
+    p.add_argument(
+        "--history",
+        type=int,
+        default=0,
+        metavar="TURNS",
+        help=f"and with the same conversation of this many earlier turns ({TURN_BYTES} bytes each; "
+        "default none)",
+    )
     p.add_argument("--seconds", type=float, default=None, help="measured seconds per cell (default 2)")
     p.add_argument("--max-requests", type=int, default=20_000, help="requests per cell at most")
     p.add_argument("--request-timeout", type=float, default=30.0)
@@ -568,7 +589,7 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     profiles: dict[str, Any] = {}
     failed: dict[str, str] = {}
-    prompts = Prompts(args.system_prompt)
+    prompts = Prompts(args.system_prompt, args.history)
     nodes = launch.start_nodes(max(1, args.nodes), node_opts, logs)
     node = nodes[0]
     http_workers = [n.url for n in nodes]
@@ -657,6 +678,7 @@ def run(args: argparse.Namespace) -> int:
             "clients": list(clients),
             "prompt_bytes": list(sizes),
             "system_prompt_bytes": args.system_prompt,
+            "history_turns": args.history,
             "modes": list(args.modes),
             "seconds_per_cell": seconds,
             "warmup_s": warmup,
