@@ -31,7 +31,6 @@ from prefixgate.gateway.core.runner import RequestRunner, RunnerLimits
 from prefixgate.gateway.core.usage import Prices, UsageLedger
 from prefixgate.gateway.metrics import Metrics, NodeSample
 from prefixgate.gateway.nodeclient import NodeClient
-from prefixgate.gateway.nodeclient.zmq_events import events_connector
 from prefixgate.gateway.state.documents import DocumentLimits, DocumentStore
 from prefixgate.gateway.state.memory import MemoryState
 from prefixgate.gateway.state.quotas import PinLimits
@@ -203,6 +202,10 @@ class GatewayService:
 
         def on_drop(what: str, n: int) -> None:
             dropped.labels(what).inc(n)
+
+        if not s.kv_events:  # no worker sends its KV events over ZMQ: pyzmq is never loaded
+            return connect
+        from prefixgate.gateway.nodeclient.zmq_events import events_connector
 
         return events_connector(s.kv_events, ns, connect, on_drop, s.tenancy().event_salt)
 
