@@ -191,15 +191,20 @@ async def test_a_gateway_prepares_a_long_cold_chat_in_a_child_and_answers_health
     (p,) = svc.tokenizer_pools
     recording = Recording(tok.segments._hf, threading.get_ident())  # type: ignore[attr-defined]
     tok.segments._hf = recording  # type: ignore[attr-defined]
-    worst = 0.0  # the longest time between two answers of /healthz, asked every 10 ms
+    # Between two answers of /healthz, asked every 10 ms: the longest time, and the most CPU the
+    # event loop's thread spent. The CPU is what work on the loop holds it for; the time also
+    # counts the turns the machine gave other processes (a suite of four workers on two cores
+    # left this thread unscheduled for a third of a second once).
+    worst = worst_cpu = 0.0
 
     async def probe() -> None:
-        nonlocal worst
-        last = time.monotonic()
+        nonlocal worst, worst_cpu
+        last, last_cpu = time.monotonic(), time.thread_time()
         while True:
             assert (await http.get("/healthz")).status_code == 200
-            now = time.monotonic()
+            now, now_cpu = time.monotonic(), time.thread_time()
             worst, last = max(worst, now - last), now
+            worst_cpu, last_cpu = max(worst_cpu, now_cpu - last_cpu), now_cpu
             await asyncio.sleep(0.01)
 
     def chat(seed: int) -> dict[str, Any]:
@@ -222,7 +227,7 @@ async def test_a_gateway_prepares_a_long_cold_chat_in_a_child_and_answers_health
     assert p.stats.calls == 1  # the chat's text went to a child
     assert all(size < REMOTE_FROM for _, size in recording.calls)  # none of it was tokenized here
     assert not any(on_loop for on_loop, _ in recording.calls)
-    assert worst < 0.25, worst
+    assert worst_cpu < 0.1, (worst_cpu, worst)
     assert pids and all(gone(pid) for pid in pids)  # the service's stop ended its children
 
 
