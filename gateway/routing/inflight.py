@@ -44,6 +44,7 @@ from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from prefixgate.cachetier.index import leading_run
 from prefixgate.gateway.routing.base import Policy
 
 DEFAULT_TTL_S = 30.0  # a safety net: entries are normally dropped when their request is served
@@ -172,21 +173,11 @@ class InflightPrefixes:
             return out
         first, counted = hashes[0], max(1, self.counted_blocks)
         n = min(len(hashes), counted)
+        counted_part = hashes[:n]
         for node, held in self._held.items():
-            holds = held.holds
-            if not holds(first):
+            if not held.holds(first):
                 continue
-            if holds(hashes[n - 1]):
-                best = n
-            else:
-                lo, hi = 1, n - 1  # the run is at least lo blocks long and at most hi
-                while lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    if holds(hashes[mid - 1]):
-                        lo = mid
-                    else:
-                        hi = mid - 1
-                best = lo
+            best = leading_run(held.holds, counted_part)  # the index's own binary search
             if best == counted and len(hashes) > counted and held.longer:
                 longer = held.longer.get(hashes[counted - 1])
                 if longer:
