@@ -171,13 +171,13 @@ class InflightPrefixes:
         out: dict[str, int] = {}
         if not hashes:
             return out
-        first, counted = hashes[0], max(1, self.counted_blocks)
+        counted = max(1, self.counted_blocks)
         n = min(len(hashes), counted)
         counted_part = hashes[:n]
         for node, held in self._held.items():
-            if not held.holds(first):
-                continue
             best = leading_run(held.holds, counted_part)  # the index's own binary search
+            if not best:
+                continue
             if best == counted and len(hashes) > counted and held.longer:
                 longer = held.longer.get(hashes[counted - 1])
                 if longer:
