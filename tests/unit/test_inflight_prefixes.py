@@ -11,7 +11,12 @@ from hypothesis import strategies as st
 from prefixgate.bench.peers import parse_variant
 from prefixgate.gateway.routing import parse_policy
 from prefixgate.gateway.routing.base import NodeView, RouteInput
-from prefixgate.gateway.routing.inflight import InflightPrefixes, extension, merge_hits
+from prefixgate.gateway.routing.inflight import (
+    DEFAULT_COUNTED_BLOCKS,
+    InflightPrefixes,
+    extension,
+    merge_hits,
+)
 
 A = [11, 12, 13, 14, 15, 16]  # a chain of block hashes (each covers its whole prefix)
 B = [11, 12, 23, 24]  # shares two blocks with A
@@ -137,8 +142,9 @@ def test_a_node_covers_the_longest_run_any_of_its_chains_shares_with_the_prompt(
     assert t.hits(query, now=0.1) == expected
 
 
+# the default, and depths short enough for these few-block chains to pass them (the longer path)
 @given(
-    st.sampled_from([1, 2, 3, 256]),
+    st.sampled_from([DEFAULT_COUNTED_BLOCKS, 1, 2, 3, 256]),
     st.lists(
         st.tuples(
             st.sampled_from(["n1", "n2"]),
@@ -186,7 +192,8 @@ def test_many_chains_sharing_a_system_prompt_each_count_for_their_node() -> None
     assert t.hits(_chain(*system, 100, 7), now=0.1) == {"n0": 10}
 
 
-@pytest.mark.parametrize("counted", [4, 256])
+# the default, and 4: chains of up to nine blocks pass it and take the longer path
+@pytest.mark.parametrize("counted", [DEFAULT_COUNTED_BLOCKS, 4, 256])
 def test_chains_let_go_of_in_any_order_leave_exact_and_bounded_counts(counted: int) -> None:
     """Blocks counted out pile up beside those counted in until they are counted anew: lookups
     stay exact throughout (past the counted blocks too) and the counters never hold much more
