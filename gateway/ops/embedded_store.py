@@ -17,6 +17,7 @@ enter), keeps nothing on disk, and lives as long as the supervisor (docs/workers
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,15 +64,22 @@ class EmbeddedStoreError(RuntimeError):
     """The embedded store could not be started (its output's tail in the message)."""
 
 
-def _own_group_and_die_with_parent() -> None:  # pragma: no cover - runs in the child
-    """Its own process group: Ctrl-C at a terminal (SIGINT to the foreground group) must not
-    end the store while the workers still finish their requests with it. On Linux it gets
-    SIGTERM when the supervisor is gone, even killed outright."""
-    os.setpgrp()
-    if sys.platform.startswith("linux"):
-        import ctypes
+def _own_group_and_die_with_parent() -> Callable[[], None]:
+    """The store's setup between fork and exec. Its own process group: Ctrl-C at a terminal
+    (SIGINT to the foreground group) must not end the store while the workers still finish their
+    requests with it. On Linux it gets SIGTERM when the supervisor is gone, even killed outright.
 
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    ``prctl`` is looked up here, in the parent: the child of a process with threads (gRPC's,
+    a test run's) must not import or load a library before exec, as the locks for those may have
+    been held by another thread at the fork and are never released in the child."""
+    prctl = ctypes.CDLL(None).prctl if sys.platform.startswith("linux") else None
+
+    def setup() -> None:  # pragma: no cover - runs in the child
+        os.setpgrp()
+        if prctl is not None:
+            prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+    return setup
 
 
 def _pong(path: Path) -> bool:
@@ -118,7 +127,7 @@ class EmbeddedStore:
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=subprocess.STDOUT,
-                    preexec_fn=_own_group_and_die_with_parent,
+                    preexec_fn=_own_group_and_die_with_parent(),
                 )
         except BaseException as e:
             shutil.rmtree(directory, ignore_errors=True)

@@ -178,9 +178,17 @@ def wait_all(children: Sequence[Child], check: Check, timeout: float) -> None:
 
 
 def _child_setup(open_files: int) -> Callable[[], None]:
+    # looked up in the parent: a forked child of a process with threads must not load a library
+    # before exec (the loader's lock may have been held by another thread at the fork)
+    try:
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: no parent-death signal
+        prctl = None
+
     def setup() -> None:  # pragma: no cover - runs in the child
-        with contextlib.suppress(Exception):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if prctl is not None:
+            with contextlib.suppress(Exception):
+                prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         if open_files:
             resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
 
