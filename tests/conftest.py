@@ -37,6 +37,33 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     for name in SOURCES:
         compileall.compile_dir(ROOT / name, quiet=2, workers=0, rx=re.compile(r"/vendor/"))
+    _rewrite_test_modules(config)
+
+
+def _rewrite_test_modules(config: pytest.Config) -> None:
+    """Rewrite the test modules' asserts once, for every xdist worker.
+
+    pytest keeps a module's rewritten code in a pyc of its own, but writes none where
+    ``PYTHONDONTWRITEBYTECODE`` is set: each of the four workers then rewrote all 490 test
+    modules while collecting them, some 9 s of CPU each. Written here, once, the workers read
+    them (pytest reads its pyc whatever that variable says). pytest's own functions, which are
+    not its public API: if they change, the workers rewrite as before."""
+    if config.getoption("assertmode", "rewrite") != "rewrite":
+        return
+    try:
+        from _pytest.assertion import rewrite
+
+        state = config.stash[rewrite.assertstate_key]
+        for fn in sorted((ROOT / "tests").rglob("*.py")):
+            if "vendor" in fn.parts or not (fn.name.startswith("test_") or fn.name == "conftest.py"):
+                continue
+            cache = rewrite.get_cache_dir(fn)
+            pyc = cache / (fn.name[:-3] + rewrite.PYC_TAIL)
+            if rewrite.try_makedirs(cache) and rewrite._read_pyc(fn, pyc) is None:
+                source_hash, co = rewrite._rewrite_test(fn, config)
+                rewrite._write_pyc(state, co, source_hash, pyc)
+    except (ImportError, AttributeError, KeyError, TypeError, OSError, SyntaxError):
+        return
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
