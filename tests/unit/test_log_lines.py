@@ -14,9 +14,12 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import pytest
 import structlog
 
 from prefixgate.gateway.logging import (
+    GATHER_BYTES,
+    GATHER_S,
     _LineWriter,
     bind_fields,
     bind_request,
@@ -31,24 +34,55 @@ import structlog
 from prefixgate.gateway.logging import configure_logging
 configure_logging("json")
 log = structlog.get_logger("lines")
-pad = "y" * 3000
+pad = "y" * int(sys.argv[2])
 for i in range(2000):
     log.info("line", i=i, pad=pad, writer=sys.argv[1])
 """
 
 
-def test_three_processes_on_one_pipe_write_whole_lines() -> None:
+# The same lines from an event loop, as a gateway worker logs its requests: info lines to a pipe
+# are gathered and written together, and those writes too must leave every line whole.
+_LOOP_WRITER = r"""
+import asyncio
+import sys
+import structlog
+from prefixgate.gateway.logging import configure_logging
+configure_logging("json")
+log = structlog.get_logger("lines")
+pad = "y" * int(sys.argv[2])
+
+async def main():
+    for i in range(2000):
+        log.info("line", i=i, pad=pad, writer=sys.argv[1])
+        if i % 50 == 0:
+            await asyncio.sleep(0)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize(
+    ("program", "pad"),
+    [(_WRITER, 3000), (_LOOP_WRITER, 3000), (_LOOP_WRITER, 700), (_LOOP_WRITER, 60)],
+    ids=["plain", "loop-long-lines", "loop-lines-gathered", "loop-short-lines"],
+)
+def test_three_processes_on_one_pipe_write_whole_lines(program: str, pad: int) -> None:
     r, w = os.pipe()
-    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(k)], stderr=w) for k in range(3)]
+    procs = [subprocess.Popen([sys.executable, "-c", program, str(k), str(pad)], stderr=w) for k in range(3)]
     os.close(w)
     seen: dict[str, int] = {}
+    dropped = 0  # an event loop drops what a stalled pipe cannot take and says how many
     with open(r, "rb") as f:
         for raw in f:
             rec = json.loads(raw)  # a line cut by another's would not parse
-            seen[rec["writer"]] = seen.get(rec["writer"], 0) + 1
+            if rec["event"] == "log_lines_dropped":
+                dropped += rec["count"]
+            else:
+                seen[rec["writer"]] = seen.get(rec["writer"], 0) + 1
     for p in procs:
         assert p.wait(60) == 0
-    assert seen == {"0": 2000, "1": 2000, "2": 2000}
+    assert sum(seen.values()) + dropped == 6000
+    assert dropped == 0 if program == _WRITER else sum(seen.values()) > 3 * 65
 
 
 def test_a_stream_without_a_descriptor_still_gets_its_lines() -> None:
@@ -211,3 +245,78 @@ def test_an_event_loop_never_waits_on_a_stalled_pipe_and_says_what_it_dropped() 
     out.close()
     assert note == {"event": "log_lines_dropped", "count": 200 - kept, "level": "warning"}
     assert 65 + 20 - 2 <= kept <= 65 + 20  # the pipe's fill and the held bound
+
+
+def _read_available(fd: int) -> bytes:
+    got = b""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return got
+        if not chunk:
+            return got
+        got += chunk
+
+
+def test_an_event_loops_info_lines_to_a_pipe_are_written_together_and_a_warning_at_once() -> None:
+    """Info lines wait to be written together (a write wakes the pipe's reader); a warning
+    goes out at once, after them; gathered lines go out by themselves soon, and none is lost."""
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    out = os.fdopen(w, "w")
+    writer = _LineWriter(out)
+
+    async def log_lines() -> tuple[bytes, bytes, bytes, bytes]:
+        writer.info("one")
+        writer.info("two")
+        gathered = _read_available(r)
+        writer.warning("three")
+        at_once = _read_available(r)
+        writer.info("four")
+        before = _read_available(r)
+        await asyncio.sleep(GATHER_S * 4)
+        return gathered, at_once, before, _read_available(r)
+
+    gathered, at_once, before, later = asyncio.run(log_lines())
+    writer.info("five")  # no event loop here: written at once
+    plain = _read_available(r)
+    out.close()
+    os.close(r)
+    assert gathered == b""
+    assert at_once == b"one\ntwo\nthree\n"
+    assert before == b""
+    assert later == b"four\n"
+    assert plain == b"five\n"
+
+
+def test_gathered_lines_are_written_in_writes_a_pipe_keeps_whole() -> None:
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    out = os.fdopen(w, "w")
+    writer = _LineWriter(out)
+    sizes: list[int] = []
+    real_write = os.write
+
+    def counting_write(fd: int, data: bytes) -> int:
+        sizes.append(len(data))
+        return real_write(fd, data)
+
+    lines = [f"{i:04d} " + "z" * (i * 37 % 1500) for i in range(60)] + ["x" * (GATHER_BYTES + 10)]
+
+    async def log_lines() -> None:
+        for line in lines:
+            writer.info(line)
+
+    os.write = counting_write  # type: ignore[assignment]
+    try:
+        asyncio.run(log_lines())  # the loop ends before the timer: the rest are written at exit
+        writer.flush()
+    finally:
+        os.write = real_write
+    got = _read_available(r).decode().splitlines()
+    out.close()
+    os.close(r)
+    assert got == lines
+    assert len(sizes) < len(lines) / 3  # gathered
+    assert max(sizes[:-1]) <= GATHER_BYTES  # all but the one line longer than a pipe keeps whole
