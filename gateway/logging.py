@@ -304,6 +304,8 @@ def _writer_for(file: Any) -> _LineWriter:
     logging keeps its held lines and its descriptor rather than opening another."""
     global _writer
     if _writer is None or _writer._file is not file:
+        if _writer is not None:
+            _writer.flush()  # its gathered lines, to the output they were logged for
         _writer = _LineWriter(file)
     return _writer
 

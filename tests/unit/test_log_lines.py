@@ -320,3 +320,27 @@ def test_gathered_lines_are_written_in_writes_a_pipe_keeps_whole() -> None:
     assert got == lines
     assert len(sizes) < len(lines) / 3  # gathered
     assert max(sizes[:-1]) <= GATHER_BYTES  # all but the one line longer than a pipe keeps whole
+
+
+def test_lines_gathered_for_one_output_reach_it_when_logging_is_configured_for_another() -> None:
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    out = os.fdopen(w, "w")
+    old = sys.stderr
+
+    async def log_then_reconfigure() -> None:
+        structlog.get_logger("lines").info("gathered")
+        sys.stderr = old
+        configure_logging("json")  # another output: the pipe's lines go first
+
+    sys.stderr = out
+    try:
+        configure_logging("json")
+        asyncio.run(log_then_reconfigure())
+    finally:
+        sys.stderr = old
+        configure_logging("json")
+    got = _read_available(r)
+    out.close()
+    os.close(r)
+    assert [json.loads(line)["event"] for line in got.splitlines()] == ["gathered"]
