@@ -4,6 +4,7 @@ A request's fields are in its lines and its tasks' and not in the next request's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -11,8 +12,8 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Callable, Coroutine, Iterator
+from typing import IO, Any
 
 import pytest
 import structlog
@@ -134,16 +135,23 @@ def test_a_signal_handler_that_logs_while_a_line_is_being_written_does_not_wait_
     ]
 
 
-def _lines(run: Callable[[], Coroutine[Any, Any, None]]) -> list[dict[str, object]]:
-    buf = io.StringIO()
+@contextlib.contextmanager
+def _logging_to(stream: IO[str]) -> Iterator[None]:
+    """Logging configured for ``stream`` as stderr while the block runs, then for stderr again."""
     old = sys.stderr
-    sys.stderr = buf
+    sys.stderr = stream
     try:
         configure_logging("json")
-        asyncio.run(run())
+        yield
     finally:
         sys.stderr = old
         configure_logging("json")
+
+
+def _lines(run: Callable[[], Coroutine[Any, Any, None]]) -> list[dict[str, object]]:
+    buf = io.StringIO()
+    with _logging_to(buf):
+        asyncio.run(run())
     return [json.loads(line) for line in buf.getvalue().splitlines()]
 
 
@@ -326,21 +334,17 @@ def test_lines_gathered_for_one_output_reach_it_when_logging_is_configured_for_a
     r, w = os.pipe()
     os.set_blocking(r, False)
     out = os.fdopen(w, "w")
-    old = sys.stderr
+    other = io.StringIO()
 
     async def log_then_reconfigure() -> None:
         structlog.get_logger("lines").info("gathered")
-        sys.stderr = old
-        configure_logging("json")  # another output: the pipe's lines go first
+        with _logging_to(other):  # another output: the pipe's lines go first
+            structlog.get_logger("lines").info("elsewhere")
 
-    sys.stderr = out
-    try:
-        configure_logging("json")
+    with _logging_to(out):
         asyncio.run(log_then_reconfigure())
-    finally:
-        sys.stderr = old
-        configure_logging("json")
     got = _read_available(r)
     out.close()
     os.close(r)
     assert [json.loads(line)["event"] for line in got.splitlines()] == ["gathered"]
+    assert [json.loads(line)["event"] for line in other.getvalue().splitlines()] == ["elsewhere"]
