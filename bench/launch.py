@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import prefixgate
 from prefixgate.bench import floor
 from prefixgate.gateway.ops import processes
 from prefixgate.gateway.ops.processes import Child
@@ -85,6 +86,16 @@ def group_cpu_seconds(pgid: int) -> float:
             if f and int(f[2]) == pgid:
                 total += int(f[11]) + int(f[12])
     return total / CLK_TCK
+
+
+def given_env() -> dict[str, str]:
+    """This process's environment as the user gave it: without the ``GRPC_EXPERIMENTS`` that
+    importing prefixgate set (``prefixgate/__init__.py``), so a baseline tree from before that
+    setting runs as it did, and a newer one sets it again itself."""
+    env = dict(os.environ)
+    if prefixgate.GRPC_EXPERIMENTS_GIVEN is None:
+        env.pop("GRPC_EXPERIMENTS", None)
+    return env
 
 
 # -- nodes ----------------------------------------------------------------------------------------
@@ -192,7 +203,8 @@ def start_gateway(
         cmd,
         ready=processes.answers_http(url + "/readyz"),
         timeout=timeout,
-        env={"PREFIXGATE_LOG_FORMAT": "json", **(env or {})},
+        env={**given_env(), "PREFIXGATE_LOG_FORMAT": "json", **(env or {})},
+        inherit_env=False,
         cwd=Path(tree) if tree else None,
         log=logs / f"{name}.log",
     )
@@ -376,7 +388,8 @@ def start_peer(
         cmd,
         ready=processes.routes_chat(url, MODEL, headers),
         timeout=timeout,
-        env=env,
+        env={**given_env(), **env},
+        inherit_env=False,
         cwd=cwd,
         log=logs / f"{name}.log",
     )

@@ -36,6 +36,9 @@ _structlog_without_rich()
 #: by default): a request to a ``grpc://`` worker then costs the gateway some 5-7 % less CPU at
 #: one client (the EventEngine's own thread alone took 0.18 ms a request, docs/engines.md).
 GRPC_EXPERIMENTS = "-event_engine_client"
+#: The user's own ``GRPC_EXPERIMENTS`` (None: unset), for a program that starts another tree's
+#: prefixgate as the user would (``bench`` 's baseline, which may predate this setting).
+GRPC_EXPERIMENTS_GIVEN = _os.environ.get("GRPC_EXPERIMENTS")
 
 
 def _grpc_client_poller() -> None:

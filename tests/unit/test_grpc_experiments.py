@@ -8,10 +8,12 @@ import subprocess
 import sys
 
 _SHOW = "import prefixgate, os; print(os.environ.get('GRPC_EXPERIMENTS'))"
+# what a gateway the bench starts (its own tree's or a baseline's) is given
+_GIVEN = "from prefixgate.bench import launch; print(launch.given_env().get('GRPC_EXPERIMENTS'))"
 
 
-def _imported_with(env: dict[str, str]) -> str:
-    out = subprocess.run([sys.executable, "-c", _SHOW], env=env, capture_output=True, text=True, check=True)
+def _imported_with(env: dict[str, str], code: str = _SHOW) -> str:
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     return out.stdout.strip()
 
 
@@ -24,3 +26,10 @@ def test_a_users_own_grpc_experiments_are_kept() -> None:
     env = {**os.environ, "GRPC_EXPERIMENTS": "event_engine_client"}
     assert _imported_with(env) == "event_engine_client"
     assert _imported_with({**env, "GRPC_EXPERIMENTS": ""}) == ""
+
+
+def test_the_bench_gives_the_gateways_it_starts_the_users_own_setting() -> None:
+    """A baseline tree from before the setting runs as it did; a newer one sets it itself."""
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
+    assert _imported_with(env, _GIVEN) == "None"
+    assert _imported_with({**env, "GRPC_EXPERIMENTS": "-x"}, _GIVEN) == "-x"
