@@ -33,7 +33,7 @@ _structlog_without_rich()
 
 
 #: gRPC's client on its classic poller rather than its EventEngine (an experiment gRPC turns on
-#: by default): a request to a ``grpc://`` worker then costs the gateway some 5-7 % less CPU at
+#: by default): a request to a ``grpc://`` worker then costs the gateway some 5-10 % less CPU at
 #: one client (the EventEngine's own thread alone took 0.18 ms a request, docs/engines.md).
 GRPC_EXPERIMENTS = "-event_engine_client"
 #: The user's own ``GRPC_EXPERIMENTS`` (None: unset), for a program that starts another tree's
