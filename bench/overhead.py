@@ -468,6 +468,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "'direct' is the first node alone",
     )
     p.add_argument(
+        "--page-size",
+        type=_page_size,
+        default=launch.NodeOptions().block_size,
+        metavar="TOKENS",
+        help="the nodes' KV page (default 64). SGLang's own default is 1: each stored token is a "
+        "block of its own in the KV events a grpc:// gateway reads. At 1 the nodes' 300,000 "
+        "blocks fill after some 375 unique 2 KB chats, and their removals come too",
+    )
+    p.add_argument(
         "--floor",
         action="store_true",
         help="also measure the floor (uvicorn and aiohttp relaying the chat to the node, nothing else) "
@@ -479,6 +488,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="sample prefixgate's measured cells with py-spy and write, into this directory, the raw "
         "stacks and the CPU by stage of the request path (bench.stages) per cell",
     )
+
+
+def _page_size(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a page is a whole number of tokens, 1 or more, not {text!r}")
+    return n
 
 
 def _slug(text: str) -> str:
@@ -559,6 +578,7 @@ def run(args: argparse.Namespace) -> int:
         capacity_blocks=300_000,
         max_queue=4096,
         max_decode_streams=4096,
+        block_size=args.page_size,
     )
     labels = {
         "direct": "direct (node)",
@@ -580,7 +600,15 @@ def run(args: argparse.Namespace) -> int:
     workers = [WORKERS, WORKERS_GRPC] if args.workers else []
     baseline = [BASELINE, BASELINE_GRPC] if args.baseline_src else []
     floors = list(FLOORS) if args.floor else []
-    targets = ["direct", HTTP, GRPC, *baseline, *workers, OWN, *floors, *peers]
+    own_target = [OWN]
+    block = launch.NodeOptions().block_size
+    if args.page_size != block:
+        # prefixgate's own protocol carries the gateway's block hashes, one a node page: a node
+        # whose page is not the gateway's block refuses every request
+        own_target = []
+        skipped[OWN] = f"its own protocol needs the nodes' page to be the gateway's block ({block})"
+        console.print(f"[yellow]skipped[/] {labels[OWN]}: {skipped[OWN]}")
+    targets = ["direct", HTTP, GRPC, *baseline, *workers, *own_target, *floors, *peers]
     targets += ["smg-grpc"] if "smg" in peers else []
     console.print(
         f"overhead: {len(cells)} cells x {len(targets)} targets x {args.rounds} rounds, "
@@ -688,6 +716,7 @@ def run(args: argparse.Namespace) -> int:
             "baseline_src": args.baseline_src,
             "workers": args.workers,
             "nodes": len(nodes),
+            "page_size": args.page_size,
             "peers": {t: launch.PEER_VERSIONS[t] for t in peers},
         },
         "cells": rows,
