@@ -41,7 +41,7 @@ from rich.console import Console
 from rich.table import Table
 
 from prefixgate.bench import launch
-from prefixgate.bench.overhead import FLOORS, Prompts, body
+from prefixgate.bench.overhead import FLOORS, Prompts, add_head_arguments, body
 from prefixgate.bench.report import write_json
 from prefixgate.gateway.ops import processes
 
@@ -153,20 +153,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also count the floor (uvicorn and aiohttp relaying the chat to a node, nothing else) "
         "and the essentials (the relay plus the least a gateway request does, written lean)",
     )
-    p.add_argument(
-        "--system-prompt",
-        type=int,
-        default=0,
-        metavar="BYTES",
-        help="every chat starts with the same system prompt of this many bytes (default none)",
-    )
-    p.add_argument(
-        "--history",
-        type=int,
-        default=0,
-        metavar="TURNS",
-        help="and with the same conversation of this many earlier turns, as an agent's (default none)",
-    )
+    add_head_arguments(p)
     p.add_argument("--json", dest="json_out", help="write the counts as JSON to this file")
 
 

@@ -44,6 +44,7 @@ from rich.table import Table
 from prefixgate.bench import launch, stages
 from prefixgate.bench.report import percentile, write_json
 from prefixgate.bench.textgen import segment_text
+from prefixgate.gateway.config import Settings
 from prefixgate.gateway.ops import processes
 
 CLIENTS = (1, 32, 256)
@@ -418,22 +419,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--sizes", type=int, nargs="+", default=None, help=f"prompt bytes (default {SIZES})")
     p.add_argument("--modes", nargs="+", choices=("json", "stream"), default=["json", "stream"])
-    p.add_argument(
-        "--system-prompt",
-        type=int,
-        default=0,
-        metavar="BYTES",
-        help="every request starts with the same system prompt of this many bytes (default: none, "
-        "no prefix shared)",
-    )
-    p.add_argument(
-        "--history",
-        type=int,
-        default=0,
-        metavar="TURNS",
-        help=f"and with the same conversation of this many earlier turns ({TURN_BYTES} bytes each; "
-        "default none)",
-    )
+    add_head_arguments(p)
     p.add_argument("--seconds", type=float, default=None, help="measured seconds per cell (default 2)")
     p.add_argument("--max-requests", type=int, default=20_000, help="requests per cell at most")
     p.add_argument("--request-timeout", type=float, default=30.0)
@@ -487,6 +473,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--profile-out",
         help="sample prefixgate's measured cells with py-spy and write, into this directory, the raw "
         "stacks and the CPU by stage of the request path (bench.stages) per cell",
+    )
+
+
+def add_head_arguments(p: argparse.ArgumentParser) -> None:
+    """``--system-prompt`` and ``--history``: what every request starts with (``Prompts.head``)."""
+    p.add_argument(
+        "--system-prompt",
+        type=int,
+        default=0,
+        metavar="BYTES",
+        help="every request starts with the same system prompt of this many bytes (default: none, "
+        "no prefix shared)",
+    )
+    p.add_argument(
+        "--history",
+        type=int,
+        default=0,
+        metavar="TURNS",
+        help=f"and with the same conversation of this many earlier turns ({TURN_BYTES} bytes each; "
+        "default none), as an agent's",
     )
 
 
@@ -601,7 +607,7 @@ def run(args: argparse.Namespace) -> int:
     baseline = [BASELINE, BASELINE_GRPC] if args.baseline_src else []
     floors = list(FLOORS) if args.floor else []
     own_target = [OWN]
-    block = launch.NodeOptions().block_size
+    block = Settings().block_size  # the gateway's, as every gateway here is started
     if args.page_size != block:
         # prefixgate's own protocol carries the gateway's block hashes, one a node page: a node
         # whose page is not the gateway's block refuses every request

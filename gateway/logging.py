@@ -73,11 +73,7 @@ MAX_HELD_BYTES = 1024 * 1024
 
 
 def _on_event_loop() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
+    return asyncio._get_running_loop() is not None
 
 
 class _LineWriter:
@@ -127,15 +123,9 @@ class _LineWriter:
 
     def msg(self, message: str) -> None:
         """A line written now, after the lines gathered before it."""
-        line = message + "\n"
         with self._lock:
             try:
-                fd = self._output()
-                self._write_gathered()
-                if fd < 0:
-                    self._file.write(line)
-                else:
-                    self._put(fd, line.encode("utf-8", "backslashreplace"))
+                self._write_now(self._output(), message + "\n")
             except (OSError, ValueError):
                 pass
 
@@ -151,11 +141,7 @@ class _LineWriter:
             try:
                 fd = self._output()
                 if fd < 0 or self._nb_fd < 0:  # not a pipe: nobody to wake
-                    self._write_gathered()
-                    if fd < 0:
-                        self._file.write(line)
-                    else:
-                        self._put(fd, line.encode("utf-8", "backslashreplace"))
+                    self._write_now(fd, line)
                     return
                 data = line.encode("utf-8", "backslashreplace")
                 if self._due is not loop or self._gathered_bytes + len(data) > GATHER_BYTES:
@@ -199,6 +185,15 @@ class _LineWriter:
         if fd != self._fd:
             self._open(fd)
         return fd
+
+    def _write_now(self, fd: int, line: str) -> None:
+        """``line`` written to ``fd`` (-1: the in-memory stream), after the lines gathered before
+        it (the lock held)."""
+        self._write_gathered()
+        if fd < 0:
+            self._file.write(line)
+        else:
+            self._put(fd, line.encode("utf-8", "backslashreplace"))
 
     def _write_gathered(self) -> None:
         """The lines gathered, in one write (the lock held)."""

@@ -17,13 +17,10 @@ enter), keeps nothing on disk, and lives as long as the supervisor (docs/workers
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -31,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
+
+from prefixgate.gateway.ops import processes
 
 log = structlog.get_logger("prefixgate.embedded_store")
 
@@ -67,17 +66,13 @@ class EmbeddedStoreError(RuntimeError):
 def _own_group_and_die_with_parent() -> Callable[[], None]:
     """The store's setup between fork and exec. Its own process group: Ctrl-C at a terminal
     (SIGINT to the foreground group) must not end the store while the workers still finish their
-    requests with it. On Linux it gets SIGTERM when the supervisor is gone, even killed outright.
-
-    ``prctl`` is looked up here, in the parent: the child of a process with threads (gRPC's,
-    a test run's) must not import or load a library before exec, as the locks for those may have
-    been held by another thread at the fork and are never released in the child."""
-    prctl = ctypes.CDLL(None).prctl if sys.platform.startswith("linux") else None
+    requests with it. It gets SIGTERM when the supervisor is gone, even killed outright
+    (``processes.parent_death_signal``, looked up before the fork)."""
+    die_with_parent = processes.parent_death_signal()
 
     def setup() -> None:  # pragma: no cover - runs in the child
         os.setpgrp()
-        if prctl is not None:
-            prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        die_with_parent()
 
     return setup
 

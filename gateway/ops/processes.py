@@ -177,18 +177,28 @@ def wait_all(children: Sequence[Child], check: Check, timeout: float) -> None:
         raise
 
 
-def _child_setup(open_files: int) -> Callable[[], None]:
-    # looked up in the parent: a forked child of a process with threads must not load a library
-    # before exec (the loader's lock may have been held by another thread at the fork)
+def parent_death_signal() -> Callable[[], None]:
+    """For a child between fork and exec: SIGTERM to it when its parent is gone (Linux's
+    ``PR_SET_PDEATHSIG``; nothing elsewhere). ``prctl`` is looked up here, in the parent: a forked
+    child of a process with threads must not import or load a library before exec (the loader's
+    lock may have been held by another thread at the fork, and is never released in the child)."""
     try:
         prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
     except (OSError, AttributeError):  # not Linux: no parent-death signal
-        prctl = None
+        return lambda: None
+
+    def set_signal() -> None:  # pragma: no cover - runs in the child
+        with contextlib.suppress(Exception):
+            prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    return set_signal
+
+
+def _child_setup(open_files: int) -> Callable[[], None]:
+    die_with_parent = parent_death_signal()
 
     def setup() -> None:  # pragma: no cover - runs in the child
-        if prctl is not None:
-            with contextlib.suppress(Exception):
-                prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        die_with_parent()
         if open_files:
             resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
 

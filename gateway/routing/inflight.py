@@ -109,6 +109,9 @@ class InflightPrefixes:
     _held: dict[str, _NodeBlocks] = field(default_factory=dict)
     _next: int = 1
 
+    def __post_init__(self) -> None:
+        self.counted_blocks = max(1, self.counted_blocks)  # a chain's first block is always counted
+
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -129,7 +132,7 @@ class InflightPrefixes:
         held = self._held.get(node)
         if held is None:
             held = self._held[node] = _NodeBlocks()
-        chain, counted = entry.hashes, max(1, self.counted_blocks)
+        chain, counted = entry.hashes, self.counted_blocks
         held.into.update(chain[:counted])  # one C call, however many blocks
         held.live += min(len(chain), counted)
         held.tickets.add(ticket)
@@ -171,7 +174,7 @@ class InflightPrefixes:
         out: dict[str, int] = {}
         if not hashes:
             return out
-        counted = max(1, self.counted_blocks)
+        counted = self.counted_blocks
         n = min(len(hashes), counted)
         counted_part = hashes[:n]
         for node, held in self._held.items():
@@ -208,7 +211,7 @@ class InflightPrefixes:
         if not held.tickets:  # the node's last chain: its counters go with it
             del self._held[entry.node]
             return True
-        chain, counted = entry.hashes, max(1, self.counted_blocks)
+        chain, counted = entry.hashes, self.counted_blocks
         held.out.update(chain[:counted])  # one C call, however many blocks
         size = min(len(chain), counted)
         held.live -= size
@@ -227,7 +230,7 @@ class InflightPrefixes:
 
     def _recount(self, held: _NodeBlocks) -> None:
         """Count a node's blocks anew from its live chains, the counted-out side emptied."""
-        counted = max(1, self.counted_blocks)
+        counted = self.counted_blocks
         held.into.clear()
         held.out.clear()
         held.dropped = 0
@@ -237,18 +240,11 @@ class InflightPrefixes:
 
 def _shared(chain: Sequence[int], hashes: Sequence[int]) -> int:
     """How many leading blocks ``chain`` and ``hashes`` share (chained hashes: once they differ,
-    they differ at every later block)."""
+    they differ at every later block, so the positions where they agree are a leading run)."""
     n = min(len(chain), len(hashes))
-    if n and chain[n - 1] == hashes[n - 1]:
+    if n and chain[n - 1] == hashes[n - 1]:  # the same chain (a repeated prompt): one comparison
         return n
-    lo, hi = 0, n  # they share [:lo]; they do not share [:hi + 1]
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if chain[mid - 1] == hashes[mid - 1]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    return leading_run(lambda i: chain[i] == hashes[i], range(n))
 
 
 def follows_inflight(policy: Policy) -> bool:
