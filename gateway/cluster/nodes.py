@@ -186,6 +186,9 @@ class Node:
     probe_failures: int = 0
     probe_successes: int = 0  # in a row, since the last failed probe
     last_error: str = ""
+    # Why the node takes no work though it answers its probes (empty: it may take work): what it
+    # reported makes every request fail there (``NodePool.refusal``).
+    refused: str = ""
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     # Observed / estimated prefill time (EWMA): a node slower than it claims gets less traffic.
     slowness: float = 1.0
@@ -244,6 +247,7 @@ class Node:
         return (
             self.reachable
             and not self.draining
+            and not self.refused
             and self.status is not None
             and self.breaker.allows(time.monotonic())
         )
@@ -406,8 +410,10 @@ class NodePool:
         breaker: Callable[[], CircuitBreaker] = CircuitBreaker,
         failures_to_trip: int = PROBE_FAILURES_TO_TRIP,
         successes_to_rejoin: int = 1,
+        block_size: int = 0,
     ) -> None:
         self.nodes: dict[str, Node] = {}  # by address
+        self.block_size = block_size  # the gateway's (0: no node is checked against it)
         self.stats_interval_s = stats_interval_s
         self.probe_timeout_s = probe_timeout_s
         self.failures_to_trip = failures_to_trip
@@ -522,12 +528,37 @@ class NodePool:
         node.own_at_status = (node.local_requests + node.active_streams, node.local_tokens)
         node.node_id = st.node_id or node.address
         node.probe_failures = 0
+        self._judge(node, st)
         if not (node.reachable or rejoins):
             return False
         node.reachable = True
         node.breaker.on_probe_ok(node.status_at)
         node.settle()
         return True
+
+    def refusal(self, node: Node, st: NodeStatus) -> str:
+        """Why the node, answering with ``st``, can serve no request from this gateway (empty:
+        it can). A node given the prompt's block hashes at the gateway's block size checks them
+        against its own page and refuses every request when the two differ: it is kept out of
+        routing rather than blamed on each client with a 400."""
+        page = st.kv_format.block_size
+        if self.block_size and node.client.capabilities.block_hashes and page != self.block_size:
+            return (
+                f"its KV page is {page} tokens and the gateway hashes {self.block_size}-token"
+                " blocks: start the node with the gateway's block size, or set the gateway's to"
+                " the node's"
+            )
+        return ""
+
+    def _judge(self, node: Node, st: NodeStatus) -> None:
+        refused = self.refusal(node, st)
+        if refused == node.refused:
+            return
+        if refused:
+            log.warning("node_refused", node=node.id, address=node.address, reason=refused)
+        else:
+            log.info("node_accepted", node=node.id, address=node.address)
+        node.refused = refused
 
     async def _poll(self, node: Node) -> None:
         while not self._closed:

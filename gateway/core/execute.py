@@ -426,6 +426,9 @@ class Executor:
         if failures and all(f.error.kind == FailureKind.OVERLOADED for f in failures):
             raise Overloaded("every node is at capacity; retry shortly", retry_after=1)
         detail = "; ".join(str(f) for f in failures[-3:]) or f"no node can serve it: {plan.mode.reason}"
+        kept_out = [f"{n.id} is kept out: {n.refused}" for n in self.pool.nodes.values() if n.refused]
+        if not failures and kept_out:  # what the operator must change, not only that nothing served
+            detail = "; ".join([detail, *kept_out[:3]])
         raise Unavailable(f"no node could serve the request ({detail})", retry_after=2)
 
     async def _attempts(

@@ -106,6 +106,7 @@ class GatewayService:
             ),
             failures_to_trip=s.health_failure_threshold,
             successes_to_rejoin=s.health_success_threshold,
+            block_size=s.block_size,
         )
         # Shared by every replica on the same Redis (embedded otherwise): documents, tenants'
         # pins, membership changes, usage.

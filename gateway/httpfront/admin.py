@@ -215,6 +215,7 @@ def node_json(node: Node, index_blocks: int | None = None, *, tenants: str = "sa
         "slowness": round(node.slowness, 3),
         "stats_age_s": round(time.monotonic() - node.status_at, 3) if node.status_at else None,
         "last_error": node.last_error or None,
+        "refused": node.refused or None,
     }
 
 

@@ -131,6 +131,9 @@ class Capabilities:
     resume: bool = False
     # ... a constrained one too (the engine carries its matcher's state past the resumed tokens).
     resume_constrained: bool = False
+    # Requests carry the prompt's block hashes at the gateway's block size, one a node page: a
+    # node whose page (``KVFormat.block_size``) is another refuses them all, and takes no work.
+    block_hashes: bool = False
 
 
 @record

@@ -59,6 +59,7 @@ CAPABILITIES = Capabilities(
     tenant_salt=True,
     resume=True,
     resume_constrained=True,
+    block_hashes=True,
 )
 
 # Why a status code means what it means on our nodes (backends/server.py documents the codes).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -12,7 +13,13 @@ import pytest
 from prefixgate.gateway import nodeclient
 from prefixgate.gateway.cluster.nodes import NodePool
 from prefixgate.gateway.nodeclient import NodeFailure
-from prefixgate.gateway.nodeclient.fake import Fail, FakeNodeClient, fake_status
+from prefixgate.gateway.nodeclient.fake import (
+    ALL_CAPABILITIES,
+    FAKE_FORMAT,
+    Fail,
+    FakeNodeClient,
+    fake_status,
+)
 from prefixgate.gateway.nodeclient.prefixgate_grpc import GrpcNodeClient, failed_stage, failure
 from prefixgate.gateway.vocab import FailureKind, Stage
 from tests.unit.seam_support import harness
@@ -122,3 +129,22 @@ def test_the_address_picks_the_protocol() -> None:
     assert nodeclient.split_address("http://127.0.0.1:5000") == ("http", "127.0.0.1:5000")
     with pytest.raises(ValueError, match="unknown node protocol"):
         nodeclient.split_address("ftp://127.0.0.1:5000")
+
+
+async def test_a_node_given_block_hashes_of_another_size_is_refused_until_its_page_matches() -> None:
+    fmt = FAKE_FORMAT  # 16-token pages
+    own = replace(ALL_CAPABILITIES, block_hashes=True)  # as prefixgate's own protocol
+    hashed = FakeNodeClient("d1", status=fake_status("d1", "decode", kv_format=fmt), capabilities=own)
+    rehashed = FakeNodeClient("d2", status=fake_status("d2", "decode", kv_format=fmt))
+    clients = {"d1": hashed, "d2": rehashed}
+    pool = NodePool(connect=clients.__getitem__, poll=False, block_size=64)
+    try:
+        n1, n2 = pool.add("decode", "d1"), pool.add("decode", "d2")
+        assert await pool.refresh(n1) and await pool.refresh(n2)  # both answer
+        assert n1.reachable and not n1.routable and "its KV page is 16 tokens" in n1.refused
+        assert n2.routable and not n2.refused  # its events are rehashed: any page serves
+        hashed.status_script = fake_status("d1", "decode", kv_format=replace(fmt, block_size=64))
+        assert await pool.refresh(n1)
+        assert n1.routable and not n1.refused  # restarted with the gateway's block size
+    finally:
+        await pool.close()
