@@ -102,15 +102,13 @@ class ChainRehasher:
                 self.skipped += count
                 return []
             last, tail, root = found, b"", found
-        sizes = kvcolumns.unpacked("I", ev.sizes)
-        declared = kvcolumns.unpacked("I", ev.declared)
+        sizes, declared, handles = ev.sizes, ev.declared, ev.handles
         if sizes != declared:  # a partial page is not cached: the chain ends before it
             for i, (n, size) in enumerate(zip(sizes, declared, strict=True)):
                 if size and n != size:
                     self.skipped += 1
-                    del sizes[i:]
+                    sizes, handles = sizes[:i], handles[:i]
                     break
-        handles = kvcolumns.unpacked("q", ev.handles)[: len(sizes)]
         start = len(tail) // 4
         ends = list(itertools.accumulate(sizes, initial=start))[1:]  # each block's end, in tokens
         tokens = tail + ev.tokens[: (ends[-1] - start) * 4] if ends else tail
@@ -153,7 +151,7 @@ class ChainRehasher:
                 out += self.stored_columns(ev)
             elif isinstance(ev, kvcolumns.Removed):
                 if ev.tier in _DEVICE_TIERS:  # a host copy going is not
-                    out += self.removed(kvcolumns.unpacked("q", ev.handles))
+                    out += self.removed(ev.handles)
             else:
                 out.append(self.clear())
         return out

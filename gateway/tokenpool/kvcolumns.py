@@ -1,13 +1,15 @@
-"""An SMG ``KvEventBatch`` as columns: each event's fields, its blocks' handles, sizes and token
-ids packed into bytes.
+"""An SMG ``KvEventBatch`` as columns: each event's fields, its blocks' handles, sizes and
+declared sizes as lists, their token ids packed into bytes.
 
 A long prompt's stored event holds one ``KvBlock`` message a page (2,000 of them for 124K
-tokens at 64 tokens a page), and walking them in Python is most of re-hashing it (about 8 ms of
-interpreter-lock time in the gateway). In columns the same event is four byte strings, which
-``smg_events.ChainRehasher`` walks with a C call or two and one loop over the handles. A large
-batch is turned into columns by a tokenizer child (``child``, from the batch's bytes as they
-came off the wire); a small one by the gateway itself (``of_batch``), so both go through one
-re-hashing path.
+tokens at 64 tokens a page; 2,048 for a 2K-token prompt in SGLang's default one-token pages),
+and walking them in Python is most of re-hashing it. ``parse_batch`` reads a batch through wire
+messages that keep each block as bytes (``proto/prefixgate/v1/smg_kv.proto``): the blocks'
+bytes joined parse as one message whose repeated fields hold every block's hash, size and
+packed ids, in a few C calls. ``smg_events.ChainRehasher`` walks the columns with one loop over
+the handles. A large batch is turned into columns by a tokenizer child (``child``, from the
+batch's bytes as they came off the wire; packed into a frame, ``to_parts``); a small one by the
+gateway itself, so both go through one re-hashing path.
 
 Pure: no I/O; imports nothing of the gateway's (the child uses it).
 """
@@ -16,10 +18,13 @@ from __future__ import annotations
 
 import array
 import json
+import operator
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+
+from google.protobuf.message import DecodeError
 
 from prefixgate.gateway.records import record
 
@@ -47,7 +52,9 @@ def unpacked(code: str, raw: bytes) -> list[int]:
 class Stored:
     """A ``KvBlocksStored``: ``parent`` the engine handle it continues (None: a chain from the
     root); per block, in order: ``handles`` (int64), ``sizes`` (ids it holds) and ``declared``
-    (its ``block_size``, 0 when not given), u32; ``tokens`` every block's ids, u32."""
+    (its ``block_size``, 0 when not given); ``tokens`` every block's ids, packed u32. The
+    per-block columns are lists, packed only into a frame (``to_parts``): the gateway walks them
+    as lists, and packing them only to unpack them again cost a tenth of a one-token-page batch."""
 
     tier: int
     locality: int
@@ -55,20 +62,20 @@ class Stored:
     parent: int | None
     lora: str
     salt: str
-    handles: bytes
-    sizes: bytes
-    declared: bytes
+    handles: list[int]
+    sizes: list[int]
+    declared: list[int]
     tokens: bytes
 
     @property
     def blocks(self) -> int:
-        return len(self.sizes) // 4
+        return len(self.sizes)
 
 
 @dataclass(frozen=True, slots=True)
 class Removed:
     tier: int
-    handles: bytes  # int64
+    handles: list[int]  # int64
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,9 +128,9 @@ def of_stored(m: Any) -> Stored:
         _opt(m, "parent_block_hash", None),
         _opt(m, "lora_name", ""),
         _opt(m, "cache_salt", ""),
-        _packed("q", handles),
-        _packed("I", sizes),
-        _packed("I", declared),
+        handles,
+        sizes,
+        declared,
         tokens.tobytes(),
     )
 
@@ -137,7 +144,7 @@ def of_events(events: Iterable[Any]) -> list[Event]:
             out.append(of_stored(ev.stored))
         elif which == "removed":
             r = ev.removed
-            out.append(Removed(_opt(r, "tier", 0), _packed("q", r.block_hashes)))
+            out.append(Removed(_opt(r, "tier", 0), r.block_hashes[:]))
         elif which == "cleared":
             out.append(Cleared())
     return out
@@ -149,11 +156,107 @@ def of_batch(msg: Any) -> Batch:
     return Batch(msg.sequence_number, rank, msg.HasField("snapshot"), of_events(msg.events))
 
 
-def parse_batch(raw: bytes) -> Batch:
-    """A ``KvEventBatch`` 's bytes in columns."""
-    from smg_grpc_proto.generated import common_pb2
+class _Irregular(Exception):
+    """Blocks the wire messages cannot read as the engine's own messages would."""
 
-    return of_batch(common_pb2.KvEventBatch.FromString(raw))
+
+_CONTINUED = bytes(range(0x80, 0x100))  # a varint's bytes but its last
+FEW_BLOCKS = 64  # above: numpy counts the blocks' ids (its fixed cost is less than a call a block)
+
+
+def _sizes(packed: list[bytes], joined: bytes, ids: int) -> list[int]:
+    """The ids in each block's packed ``token_ids`` (``joined``: them all, ``ids`` varints in
+    all). Each entry must end where a varint ends, or the blocks are read as messages."""
+    try:
+        last = bytes(map(operator.itemgetter(-1), packed))
+    except IndexError:  # an entry of no bytes: not what an encoder writes
+        raise _Irregular from None
+    if last and max(last) >= 0x80:
+        raise _Irregular
+    if ids == len(packed):  # each entry holds at least one id: exactly one each (one-token pages)
+        return [1] * ids
+    if len(packed) <= FEW_BLOCKS:  # the bytes that end a varint, per entry: a C call a block
+        return [len(p.translate(None, _CONTINUED)) for p in packed]
+    import numpy as np  # with the first batch of longer blocks: counted in a few array operations
+
+    ends = np.cumsum(np.fromiter(map(len, packed), dtype=np.int64, count=len(packed)))
+    ended = np.cumsum(np.frombuffer(joined, dtype=np.uint8) < 0x80)  # varints ended by each byte
+    sizes: list[int] = np.diff(ended[ends - 1], prepend=0).tolist()
+    return sizes
+
+
+def _stored_wire(m: Any, columns: Any, ids: Any) -> Stored:
+    """A ``KvStoredWire``: its blocks' bytes joined are read as one ``KvBlockColumns``, their
+    token ids as one ``KvIds``: C calls over all the blocks instead of a message object each."""
+    blocks = m.blocks
+    n = len(blocks)
+    cols = columns.FromString(b"".join(blocks))
+    handles, declared, packed = cols.block_hash[:], cols.block_size[:], cols.token_ids[:]
+    if not declared:  # no block says its size
+        declared = [0] * n
+    if len(handles) != n or len(declared) != n or len(packed) != n:
+        raise _Irregular  # a block left a field out (0, or no ids) or gave one twice
+    joined = b"".join(packed)
+    tokens = array.array("I", ids.FromString(_VarintKey + _varint(len(joined)) + joined).ids[:])
+    sizes = _sizes(packed, joined, len(tokens))
+    if not _LITTLE:
+        tokens.byteswap()
+    return Stored(
+        _opt(m, "tier", 0),
+        _opt(m, "locality", 0),
+        _opt(m, "kv_cache_spec_kind", ""),
+        _opt(m, "parent_block_hash", None),
+        _opt(m, "lora_name", ""),
+        _opt(m, "cache_salt", ""),
+        handles,
+        sizes,
+        sizes if declared == sizes else declared,
+        tokens.tobytes(),
+    )
+
+
+_VarintKey = b"\x0a"  # KvIds.ids: field 1, length-delimited (packed)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _of_wire(msg: Any) -> Batch:
+    from prefixgate.v1 import smg_kv_pb2
+
+    out: list[Event] = []
+    for ev in msg.events:
+        which = ev.WhichOneof("data")
+        if which == "stored":
+            out.append(_stored_wire(ev.stored, smg_kv_pb2.KvBlockColumns, smg_kv_pb2.KvIds))
+        elif which == "removed":
+            r = ev.removed
+            out.append(Removed(_opt(r, "tier", 0), r.block_hashes[:]))
+        elif which == "cleared":
+            out.append(Cleared())
+    return Batch(msg.sequence_number, _opt(msg, "dp_rank", 0), msg.HasField("snapshot"), out)
+
+
+def parse_batch(raw: bytes) -> Batch:
+    """A ``KvEventBatch`` 's bytes in columns, read through the wire messages of
+    ``proto/prefixgate/v1/smg_kv.proto`` (each stored block left as bytes: a 2K-token prompt
+    stored in one-token pages reads in a third of the time). Blocks those cannot read exactly as
+    the engine's own messages would (a field left out or given twice), and bytes they cannot
+    parse, are read through the engine's messages, which give the same columns or the error."""
+    from prefixgate.v1 import smg_kv_pb2
+
+    try:
+        return _of_wire(smg_kv_pb2.KvBatchWire.FromString(raw))
+    except (_Irregular, DecodeError):
+        from smg_grpc_proto.generated import common_pb2
+
+        return of_batch(common_pb2.KvEventBatch.FromString(raw))
 
 
 def to_parts(batch: Batch) -> list[bytes]:
@@ -164,10 +267,10 @@ def to_parts(batch: Batch) -> list[bytes]:
     for ev in batch.events:
         if isinstance(ev, Stored):
             head.append(["S", ev.tier, ev.locality, ev.spec_kind, ev.parent, ev.lora, ev.salt])
-            parts += (ev.handles, ev.sizes, ev.declared, ev.tokens)
+            parts += (_packed("q", ev.handles), _packed("I", ev.sizes), _packed("I", ev.declared), ev.tokens)
         elif isinstance(ev, Removed):
             head.append(["R", ev.tier])
-            parts.append(ev.handles)
+            parts.append(_packed("q", ev.handles))
         else:
             head.append(["C"])
     return [json.dumps(head).encode(), *parts]
@@ -191,13 +294,14 @@ def from_parts(parts: list[bytes]) -> Batch:
                 n = len(sizes)
                 if len(handles) != 2 * n or len(declared) != n or n % 4:
                     raise BadColumns("column lengths do not agree")
-                if 4 * sum(unpacked("I", sizes)) != len(tokens):
+                counts = unpacked("I", sizes)
+                if 4 * sum(counts) != len(tokens):
                     raise BadColumns("the blocks' sizes do not add up to their tokens")
                 tier, locality, kind, parent, lora, salt = e[1:]
-                columns = (handles, sizes, declared, tokens)
+                columns = (unpacked("q", handles), counts, unpacked("I", declared), tokens)
                 events.append(Stored(tier, locality, kind, parent, lora, salt, *columns))
             elif e[0] == "R":
-                events.append(Removed(e[1], parts[i]))
+                events.append(Removed(e[1], unpacked("q", parts[i])))
                 i += 1
             else:
                 events.append(Cleared())

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from smg_grpc_proto.generated import common_pb2
@@ -51,9 +52,32 @@ def events(draw: Any) -> common_pb2.KvCacheEvent:
 
 
 @st.composite
+def pages(draw: Any) -> common_pb2.KvCacheEvent:
+    """A prompt stored in pages of one size (SGLang's default is one token), as many as a long
+    prompt has (more than ``FEW_BLOCKS``), the last perhaps partial, a field perhaps left out."""
+    page = draw(st.sampled_from([1, 1, 2, 16]))
+    count = draw(st.integers(1, 2 * kvcolumns.FEW_BLOCKS + 8))
+    ids = st.integers(0, 2**32 - 1)
+    blocks = [
+        common_pb2.KvBlock(
+            block_hash=draw(HANDLE),
+            token_ids=draw(st.lists(ids, min_size=page, max_size=page)),
+            block_size=page,
+        )
+        for _ in range(count)
+    ]
+    if draw(st.booleans()):
+        del blocks[-1].token_ids[draw(st.integers(0, page - 1)) :]  # a partial last page
+    if draw(st.integers(0, 5)) == 0:
+        blocks[draw(st.integers(0, count - 1))].block_hash = 0  # proto3 leaves a 0 out
+    return common_pb2.KvCacheEvent(stored=common_pb2.KvBlocksStored(blocks=blocks, parent_block_hash=3))
+
+
+@st.composite
 def batches(draw: Any) -> bytes:
     b = common_pb2.KvEventBatch(
-        sequence_number=draw(st.integers(0, 10**6)), events=draw(st.lists(events(), max_size=4))
+        sequence_number=draw(st.integers(0, 10**6)),
+        events=draw(st.lists(st.one_of(events(), pages()), max_size=4)),
     )
     if draw(st.booleans()):
         b.dp_rank = draw(st.integers(0, 7))
@@ -77,8 +101,43 @@ def test_a_child_reads_a_batch_into_the_columns_the_gateway_reads(pool: Tokenize
     assert pool.kv_batch(raw) == here
 
 
+@settings(max_examples=150, deadline=None)
+@given(batches())
+def test_a_batch_read_through_the_wire_messages_is_what_the_engines_messages_give(raw: bytes) -> None:
+    assert kvcolumns.parse_batch(raw) == kvcolumns.of_batch(common_pb2.KvEventBatch.FromString(raw))
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_whole_pages_are_read_without_a_message_a_block(page: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    count = 3 * kvcolumns.FEW_BLOCKS  # past the few blocks counted one by one
+    blocks = [
+        common_pb2.KvBlock(block_hash=i + 1, token_ids=range(i * page, (i + 1) * page), block_size=page)
+        for i in range(count)
+    ]
+    stored = common_pb2.KvCacheEvent(stored=common_pb2.KvBlocksStored(blocks=blocks))
+    raw = common_pb2.KvEventBatch(sequence_number=1, events=[stored]).SerializeToString()
+    expected = kvcolumns.of_batch(common_pb2.KvEventBatch.FromString(raw))
+
+    def per_block(m: Any) -> kvcolumns.Stored:
+        raise AssertionError("read a message a block")
+
+    monkeypatch.setattr(kvcolumns, "of_stored", per_block)
+    got = kvcolumns.parse_batch(raw)
+    assert got == expected
+    (ev,) = got.events
+    assert isinstance(ev, kvcolumns.Stored) and ev.sizes == [page] * count and ev.handles[-1] == count
+
+
+def test_bytes_that_are_no_batch_fail_as_the_engines_messages_do() -> None:
+    for raw in (b"\xff\xff\xff", b"\x1a\x05\x12\x03\x0a\x01"):  # no field; a block cut short
+        with pytest.raises(DecodeError):
+            common_pb2.KvEventBatch.FromString(raw)
+        with pytest.raises(DecodeError):
+            kvcolumns.parse_batch(raw)
+
+
 def test_parts_that_do_not_fit_are_refused() -> None:
-    stored = kvcolumns.Stored(0, 0, "", None, "", "", b"\0" * 16, b"\1\0\0\0" * 2, b"\0" * 8, b"\0" * 8)
+    stored = kvcolumns.Stored(0, 0, "", None, "", "", [0, 0], [1, 1], [0, 0], b"\0" * 8)
     parts = kvcolumns.to_parts(kvcolumns.Batch(1, 0, False, [stored]))
     assert kvcolumns.from_parts(parts).events == [stored]
     for bad in (parts[:-1], [*parts, b""], [parts[0], parts[1][:8], *parts[2:]], [b"{", *parts[1:]]):
