@@ -172,11 +172,31 @@ def render(counts: LineCounts, requests: int, top: int = TOP) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from prefixgate.bench.overhead import OUTPUT_TOKENS  # here: the traced gateway imports this module
+
     p.add_argument("--target", choices=("http", "grpc"), default="http", help="the node's protocol")
     p.add_argument("--requests", type=int, default=REQUESTS, help=f"requests counted (default {REQUESTS})")
     p.add_argument("--top", type=int, default=TOP, help=f"functions and classes listed (default {TOP})")
     p.add_argument("--baseline-src", help="count a gateway run from this source tree instead (PYTHONPATH)")
     p.add_argument("--json", dest="json_out", help="write the whole count as JSON to this file")
+    p.add_argument("--stream", action="store_true", help="the chats streamed (SSE) instead of answered whole")
+    p.add_argument(
+        "--max-tokens",
+        type=_positive,
+        default=OUTPUT_TOKENS,
+        help=f"tokens each chat generates (default {OUTPUT_TOKENS}). The instant node sends them 16 at a"
+        " time: two runs, streamed, with more tokens and fewer, tell what a streamed chunk costs",
+    )
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a whole number, 1 or more, not {text!r}")
+    return n
 
 
 def run(args: argparse.Namespace) -> int:
@@ -211,9 +231,8 @@ def run(args: argparse.Namespace) -> int:
 
                 def send(count: int) -> None:
                     for _ in range(count):
-                        r = client.post(
-                            "/v1/chat/completions", content=body(prompts.make(PROMPT_BYTES), False)
-                        )
+                        chat = body(prompts.make(PROMPT_BYTES), args.stream, max_tokens=args.max_tokens)
+                        r = client.post("/v1/chat/completions", content=chat)
                         if r.status_code != 200:
                             raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
 
@@ -232,7 +251,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"the gateway wrote no count (its log: {logs / 'gateway.log'})", file=sys.stderr)
         return 1
     counts = LineCounts.from_json(out.read_bytes())
-    print(f"{args.target}://, {args.requests} chats of {PROMPT_BYTES // 1024} KB, one after the other")
+    answered = "streamed" if args.stream else "answered whole"
+    print(
+        f"{args.target}://, {args.requests} chats of {PROMPT_BYTES // 1024} KB, one after the other,"
+        f" {args.max_tokens} tokens each, {answered}"
+    )
     print("\n".join(render(counts, args.requests, args.top)))
     if args.json_out:
         Path(args.json_out).write_bytes(counts.to_json())

@@ -117,13 +117,17 @@ class Prompts:
 
 
 def body(
-    prompt: str, stream: bool, model: str = launch.MODEL, head: Sequence[Mapping[str, str]] = ()
+    prompt: str,
+    stream: bool,
+    model: str = launch.MODEL,
+    head: Sequence[Mapping[str, str]] = (),
+    max_tokens: int = OUTPUT_TOKENS,
 ) -> bytes:
     """A chat request: ``head`` (``Prompts.head``), then ``prompt`` as the user's message."""
     b: dict[str, Any] = {
         "model": model,
         "messages": [*head, {"role": "user", "content": prompt}],
-        "max_tokens": OUTPUT_TOKENS,
+        "max_tokens": max_tokens,
         "temperature": 0,
     }
     if stream:

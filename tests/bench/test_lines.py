@@ -4,6 +4,7 @@ the command itself is run by hand, bench/README.md)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import subprocess
@@ -11,6 +12,8 @@ import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 from prefixgate.bench import lines
 from prefixgate.bench.lines import LineCounts, Tracer, render, where
@@ -149,3 +152,15 @@ def test_mounted_under_the_prefixgate_command() -> None:
 
     args = build_parser().parse_args(["bench", "lines", "--target", "grpc", "--requests", "50"])
     assert args.func is lines.run and args.target == "grpc" and args.requests == 50
+
+
+def test_the_chats_may_be_streamed_and_longer_and_a_count_of_tokens_is_whole() -> None:
+    p = argparse.ArgumentParser()
+    lines.add_arguments(p)
+    args = p.parse_args([])
+    assert (args.stream, args.max_tokens) == (False, 8)  # as bench overhead's chats
+    args = p.parse_args(["--stream", "--max-tokens", "520"])
+    assert (args.stream, args.max_tokens) == (True, 520)
+    for bad in ("0", "-3", "many"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--max-tokens", bad])
