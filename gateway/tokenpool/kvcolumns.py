@@ -190,19 +190,20 @@ def _sizes(packed: list[bytes], joined: bytes, ids: int) -> list[int]:
     return sizes
 
 
-def _stored_wire(m: Any, columns: Any, ids: Any) -> Stored:
+def _stored_wire(m: Any, pb: Any) -> Stored:
     """A ``KvStoredWire``: its blocks' bytes joined are read as one ``KvBlockColumns``, their
-    token ids as one ``KvIds``: C calls over all the blocks instead of a message object each."""
+    token ids as one ``KvIds``: C calls over all the blocks instead of a message object each
+    (``pb``: the wire messages' module)."""
     blocks = m.blocks
     n = len(blocks)
-    cols = columns.FromString(b"".join(blocks))
+    cols = pb.KvBlockColumns.FromString(b"".join(blocks))
     handles, declared, packed = cols.block_hash[:], cols.block_size[:], cols.token_ids[:]
     if not declared:  # no block says its size
         declared = [0] * n
     if len(handles) != n or len(declared) != n or len(packed) != n:
         raise _Irregular  # a block left a field out (0, or no ids) or gave one twice
     joined = b"".join(packed)
-    tokens = array.array("I", ids.FromString(_VarintKey + _varint(len(joined)) + joined).ids[:])
+    tokens = array.array("I", pb.KvIds.FromString(pb.KvPackedIds(ids=joined).SerializeToString()).ids[:])
     sizes = _sizes(packed, joined, len(tokens))
     if not _LITTLE:
         tokens.byteswap()
@@ -215,21 +216,9 @@ def _stored_wire(m: Any, columns: Any, ids: Any) -> Stored:
         _opt(m, "cache_salt", ""),
         handles,
         sizes,
-        sizes if declared == sizes else declared,
+        declared,
         tokens.tobytes(),
     )
-
-
-_VarintKey = b"\x0a"  # KvIds.ids: field 1, length-delimited (packed)
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n >= 0x80:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 def _of_wire(msg: Any) -> Batch:
@@ -239,7 +228,7 @@ def _of_wire(msg: Any) -> Batch:
     for ev in msg.events:
         which = ev.WhichOneof("data")
         if which == "stored":
-            out.append(_stored_wire(ev.stored, smg_kv_pb2.KvBlockColumns, smg_kv_pb2.KvIds))
+            out.append(_stored_wire(ev.stored, smg_kv_pb2))
         elif which == "removed":
             r = ev.removed
             out.append(Removed(_opt(r, "tier", 0), r.block_hashes[:]))

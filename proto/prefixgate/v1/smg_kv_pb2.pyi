@@ -221,9 +221,30 @@ class KvBlockColumns(_message.Message):
 Global___KvBlockColumns: _TypeAlias = KvBlockColumns  # noqa: Y015
 
 @_typing.final
-class KvIds(_message.Message):
-    """Packed uint32 varints (several blocks' token_ids joined) behind this field's key and length."""
+class KvPackedIds(_message.Message):
+    """Several blocks' packed token_ids joined, as one field: its bytes parse as KvIds (a packed
+    repeated field is a length-delimited one), which gives the ids.
+    """
 
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IDS_FIELD_NUMBER: _builtins.int
+    ids: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        ids: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ids", b"ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvPackedIds: _TypeAlias = KvPackedIds  # noqa: Y015
+
+@_typing.final
+class KvIds(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     IDS_FIELD_NUMBER: _builtins.int
