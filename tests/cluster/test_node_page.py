@@ -8,6 +8,7 @@ import time
 
 import httpx
 
+from prefixgate.gateway.ops import processes
 from tests.admin.conftest import MODEL
 from tests.helpers import free_port, spawn
 
@@ -20,8 +21,9 @@ def test_a_node_with_another_page_is_kept_out_with_the_reason() -> None:
         address = node.wait_for(r'"event": "node_ready".*"address": "([^"]+)"', timeout=30).group(1)
         port = free_port()
         gw = spawn(["gateway", "--port", str(port), "--monolithic", address])
-        gw.wait_for(r'"event": ?"node_refused"', timeout=30)
         base = f"http://127.0.0.1:{port}"
+        gw.wait_until(processes.answers_http(f"{base}/healthz"), 60, "serving")  # it probes before it listens
+        gw.wait_for(r'"event": ?"node_refused"', timeout=30)
         body = {"model": MODEL, "messages": [{"role": "user", "content": "hello " * 300}], "max_tokens": 4}
         r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=30)
         assert r.status_code == 503, r.text  # the deployment's fault, not the client's: never a 400
