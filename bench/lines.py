@@ -172,7 +172,10 @@ def render(counts: LineCounts, requests: int, top: int = TOP) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from prefixgate.bench.overhead import OUTPUT_TOKENS  # here: the traced gateway imports this module
+    from prefixgate.bench.overhead import (  # here: the traced gateway imports this module
+        OUTPUT_TOKENS,
+        whole_number,
+    )
 
     p.add_argument("--target", choices=("http", "grpc"), default="http", help="the node's protocol")
     p.add_argument("--requests", type=int, default=REQUESTS, help=f"requests counted (default {REQUESTS})")
@@ -182,21 +185,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream", action="store_true", help="the chats streamed (SSE) instead of answered whole")
     p.add_argument(
         "--max-tokens",
-        type=_positive,
+        type=whole_number("--max-tokens"),
         default=OUTPUT_TOKENS,
         help=f"tokens each chat generates (default {OUTPUT_TOKENS}). The instant node sends them 16 at a"
         " time: two runs, streamed, with more tokens and fewer, tell what a streamed chunk costs",
     )
-
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"a whole number, 1 or more, not {text!r}")
-    return n
 
 
 def run(args: argparse.Namespace) -> int:

@@ -31,7 +31,7 @@ import contextlib
 import statistics
 import sys
 import time
-from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -500,14 +500,22 @@ def add_head_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _page_size(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"a page is a whole number of tokens, 1 or more, not {text!r}")
-    return n
+def whole_number(what: str) -> Callable[[str], int]:
+    """An argument parser's type for a count of 1 or more; ``what`` names it in the error."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"{what} is a whole number of tokens, 1 or more, not {text!r}")
+        return n
+
+    return parse
+
+
+_page_size = whole_number("a page")
 
 
 def _slug(text: str) -> str:

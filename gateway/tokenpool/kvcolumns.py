@@ -106,19 +106,11 @@ def _opt(msg: Any, name: str, default: Any) -> Any:
     return getattr(msg, name) if msg.HasField(name) else default
 
 
-def of_stored(m: Any) -> Stored:
-    handles: list[int] = []
-    sizes: list[int] = []
-    declared: list[int] = []
-    tokens = array.array("I")
-    for b in m.blocks:
-        # a slice is a list made in C; ``extend`` took the ids one by one through the
-        # container's iterator, at twice the cost
-        ids = b.token_ids[:]
-        handles.append(b.block_hash)
-        sizes.append(len(ids))
-        declared.append(b.block_size)
-        tokens.fromlist(ids)
+def _stored(
+    m: Any, handles: list[int], sizes: list[int], declared: list[int], tokens: array.array[int]
+) -> Stored:
+    """The columns with the event's own fields (``m``: a ``KvBlocksStored`` or a ``KvStoredWire``,
+    which name them alike)."""
     if not _LITTLE:
         tokens.byteswap()
     return Stored(
@@ -133,6 +125,22 @@ def of_stored(m: Any) -> Stored:
         declared,
         tokens.tobytes(),
     )
+
+
+def of_stored(m: Any) -> Stored:
+    handles: list[int] = []
+    sizes: list[int] = []
+    declared: list[int] = []
+    tokens = array.array("I")
+    for b in m.blocks:
+        # a slice is a list made in C; ``extend`` took the ids one by one through the
+        # container's iterator, at twice the cost
+        ids = b.token_ids[:]
+        handles.append(b.block_hash)
+        sizes.append(len(ids))
+        declared.append(b.block_size)
+        tokens.fromlist(ids)
+    return _stored(m, handles, sizes, declared, tokens)
 
 
 def of_events(events: Iterable[Any]) -> list[Event]:
@@ -205,20 +213,7 @@ def _stored_wire(m: Any, pb: Any) -> Stored:
     joined = b"".join(packed)
     tokens = array.array("I", pb.KvIds.FromString(pb.KvPackedIds(ids=joined).SerializeToString()).ids[:])
     sizes = _sizes(packed, joined, len(tokens))
-    if not _LITTLE:
-        tokens.byteswap()
-    return Stored(
-        _opt(m, "tier", 0),
-        _opt(m, "locality", 0),
-        _opt(m, "kv_cache_spec_kind", ""),
-        _opt(m, "parent_block_hash", None),
-        _opt(m, "lora_name", ""),
-        _opt(m, "cache_salt", ""),
-        handles,
-        sizes,
-        declared,
-        tokens.tobytes(),
-    )
+    return _stored(m, handles, sizes, declared, tokens)
 
 
 def _of_wire(msg: Any) -> Batch:
