@@ -13,11 +13,13 @@ import asyncio
 import json
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import structlog
 
 from prefixgate.backends.admission import POLICIES
+from prefixgate.backends.engine import MAX_GROUP
 from prefixgate.backends.kvpages import DEFAULT_KV_SCALE, parse_scale
 from prefixgate.backends.node import (
     DEFAULT_CAPACITY_BLOCKS,
@@ -26,6 +28,21 @@ from prefixgate.backends.node import (
     ROLES,
 )
 from prefixgate.backends.profiles import PROFILES
+
+
+def whole_number(what: str) -> Callable[[str], int]:
+    """An argument parser's type for a count of tokens, 1 or more; ``what`` names it in the error."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"{what} is a whole number of tokens, 1 or more, not {text!r}")
+        return n
+
+    return parse
 
 
 def _scale(text: str) -> float:
@@ -78,6 +95,14 @@ def add_node_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_CHUNKED_PREFILL,
         help="tokens a prefill computes before a waiting prefill gets a turn, as SGLang's flag"
         f" (default {DEFAULT_CHUNKED_PREFILL}; 0 or -1: a prefill keeps its slot to the end)",
+    )
+    parser.add_argument(
+        "--stream-interval",
+        type=whole_number("a stream interval"),
+        default=MAX_GROUP,
+        help="tokens a streamed chunk holds at most, as SGLang's flag (default"
+        f" {MAX_GROUP}; SGLang's is 1): tokens decoded faster than they can be sent go out in"
+        " groups of up to this many",
     )
     parser.add_argument(
         "--scheduling-policy",
@@ -156,6 +181,7 @@ def node_options(args: argparse.Namespace) -> dict[str, Any]:
         "handle_ttl_s": args.handle_ttl,
         "chunked_prefill_size": max(0, getattr(args, "chunked_prefill_size", DEFAULT_CHUNKED_PREFILL)),
         "scheduling_policy": getattr(args, "scheduling_policy", DEFAULT_SCHEDULING_POLICY),
+        "stream_interval": getattr(args, "stream_interval", MAX_GROUP),
         "bootstrap_port": getattr(args, "bootstrap_port", None),
         "bootstrap_timeout_s": getattr(args, "bootstrap_timeout", 30.0),
         "served_model_name": getattr(args, "served_model_name", None),

@@ -24,6 +24,9 @@ from prefixgate.backends.profiles import CostProfile
 DEFAULT_MAX_TOKENS = 1024
 MAX_TOKENS_LIMIT = 1 << 16
 MAX_TOP_LOGPROBS = 20
+# Tokens decoded faster than they are streamed go out in groups of at most this many (one
+# streamed chunk each); ``--stream-interval``, SGLang's flag, sets it (SGLang's own default is 1).
+MAX_GROUP = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +144,7 @@ class DecodeJob:
     sampling: Sampling
     max_new: int  # tokens to produce at most after the first one
     resumed: int = 0  # as ``PrefillJob.resumed`` (``tokens`` and ``pages`` include them)
+    stream_interval: int = MAX_GROUP  # tokens a group (one streamed chunk) holds at most
 
 
 class Engine(Protocol):

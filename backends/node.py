@@ -19,6 +19,7 @@ import structlog
 
 from prefixgate.backends.admission import Admission, QueueFull, Ticket
 from prefixgate.backends.engine import (
+    MAX_GROUP,
     DecodeJob,
     Engine,
     PrefillJob,
@@ -77,6 +78,7 @@ class NodeConfig:
     # The longest prompt served, in tokens; 0: the whole pool's (``capacity_blocks`` full blocks).
     context_length: int = 0
     scheduling_policy: str = DEFAULT_SCHEDULING_POLICY  # the order of waiting prefills
+    stream_interval: int = MAX_GROUP  # tokens a streamed chunk holds at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -551,7 +553,14 @@ class Node:
                 if handle.tail:
                     pages.append(handle.tail)
                 job = DecodeJob(
-                    handle.tokens, pages, handle.first_token, handle.state, s, gen.remaining, resumed
+                    handle.tokens,
+                    pages,
+                    handle.first_token,
+                    handle.state,
+                    s,
+                    gen.remaining,
+                    resumed,
+                    self.config.stream_interval,
                 )
                 prompt = len(handle.tokens) // 4 - resumed
                 wait = ticket.waited_s
@@ -597,7 +606,14 @@ class Node:
                 if run.output.tail_page:
                     pages.append(run.output.tail_page)
                 job = DecodeJob(
-                    tokens, pages, run.output.first_token, run.output.state, sampling, gen.remaining, resumed
+                    tokens,
+                    pages,
+                    run.output.first_token,
+                    run.output.state,
+                    sampling,
+                    gen.remaining,
+                    resumed,
+                    self.config.stream_interval,
                 )
                 async for chunk in self._decode_chunks(gen, job, n, cached):
                     yield chunk

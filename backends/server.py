@@ -53,7 +53,7 @@ from prefixgate.backends.convert import (
     prefill_to_proto,
     sampling_from_proto,
 )
-from prefixgate.backends.engine import Engine
+from prefixgate.backends.engine import MAX_GROUP, Engine
 from prefixgate.backends.errors import InvalidArgument, NodeError, abort_rpc
 from prefixgate.backends.kvclient import CACHED_TOKENS_KEY, CHANNEL_OPTIONS, REQUEST_ID_KEY, GrpcKVSender
 from prefixgate.backends.kvpages import DEFAULT_KV_SCALE
@@ -375,6 +375,7 @@ async def start_node(
     served_model_name: str | None = None,
     context_length: int = 0,
     scheduling_policy: str = DEFAULT_SCHEDULING_POLICY,
+    stream_interval: int = MAX_GROUP,
 ) -> NodeServer:
     """Start a node in the running event loop; ``await server.stop()`` to stop it."""
     eng = make_engine(
@@ -391,6 +392,7 @@ async def start_node(
         chunked_prefill_size=chunked_prefill_size,
         context_length=context_length,
         scheduling_policy=scheduling_policy,
+        stream_interval=stream_interval,
     )
     ns = NodeServer(
         Node(eng, config, GrpcKVSender()),

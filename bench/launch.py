@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import prefixgate
+from prefixgate.backends.engine import MAX_GROUP
 from prefixgate.bench import floor
 from prefixgate.gateway.ops import processes
 from prefixgate.gateway.ops.processes import Child
@@ -113,6 +114,7 @@ class NodeOptions:
     max_concurrency: int = 1
     max_decode_streams: int = 1024
     http: bool = True
+    stream_interval: int = MAX_GROUP
 
 
 def node_command(node_id: str, o: NodeOptions) -> list[str]:
@@ -140,6 +142,8 @@ def node_command(node_id: str, o: NodeOptions) -> list[str]:
         str(o.max_concurrency),
         "--max-decode-streams",
         str(o.max_decode_streams),
+        "--stream-interval",
+        str(o.stream_interval),
         "--log-level",
         "warning",
         "--ready-line",

@@ -172,10 +172,8 @@ def render(counts: LineCounts, requests: int, top: int = TOP) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from prefixgate.bench.overhead import (  # here: the traced gateway imports this module
-        OUTPUT_TOKENS,
-        whole_number,
-    )
+    from prefixgate.backends.cli import whole_number  # here: the traced gateway imports this module
+    from prefixgate.bench.overhead import OUTPUT_TOKENS
 
     p.add_argument("--target", choices=("http", "grpc"), default="http", help="the node's protocol")
     p.add_argument("--requests", type=int, default=REQUESTS, help=f"requests counted (default {REQUESTS})")

@@ -31,7 +31,7 @@ import contextlib
 import statistics
 import sys
 import time
-from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
+from prefixgate.backends.cli import whole_number
 from prefixgate.bench import launch, stages
 from prefixgate.bench.report import percentile, write_json
 from prefixgate.bench.textgen import segment_text
@@ -68,6 +69,7 @@ class Cell:
     clients: int
     prompt_bytes: int
     stream: bool
+    output_tokens: int = OUTPUT_TOKENS  # each chat's max_tokens
 
     @property
     def name(self) -> str:
@@ -200,7 +202,8 @@ async def closed_loop(
         while time.perf_counter() < end and budget[0] > 0:
             budget[0] -= 1
             prompt = prompts.make(cell.prompt_bytes)
-            await one(client, body(prompt, cell.stream, head=prompts.head), cell.stream, out)
+            chat = body(prompt, cell.stream, head=prompts.head, max_tokens=cell.output_tokens)
+            await one(client, chat, cell.stream, out)
 
     try:
         await asyncio.wait_for(asyncio.gather(*(worker(c) for c in clients)), seconds + timeout + 5)
@@ -365,9 +368,15 @@ def verdict_line(v: dict[str, Any], labels: Mapping[str, str]) -> str:
     )
 
 
-def render(rows: Sequence[dict[str, Any]], labels: Mapping[str, str], nodes: int = 1) -> Table:
+def render(
+    rows: Sequence[dict[str, Any]],
+    labels: Mapping[str, str],
+    nodes: int = 1,
+    output_tokens: int = OUTPUT_TOKENS,
+) -> Table:
     pool = "1 node" if nodes == 1 else f"{nodes} nodes"
-    t = Table(title=f"router overhead ({pool}, instant engine, 8 output tokens), ms", title_justify="left")
+    title = f"router overhead ({pool}, instant engine, {output_tokens} output tokens), ms"
+    t = Table(title=title, title_justify="left")
     cols = [
         "cell",
         "target",
@@ -458,6 +467,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "'direct' is the first node alone",
     )
     p.add_argument(
+        "--output-tokens",
+        type=whole_number("--output-tokens"),
+        default=OUTPUT_TOKENS,
+        metavar="N",
+        help=f"each chat's max_tokens (default {OUTPUT_TOKENS}); with --stream-interval 1 a streamed chat"
+        " is N chunks, so the CPU a request, less that of a short run, says what a streamed token costs",
+    )
+    p.add_argument(
+        "--stream-interval",
+        type=whole_number("a stream interval"),
+        default=launch.NodeOptions().stream_interval,
+        metavar="TOKENS",
+        help=f"tokens a streamed chunk from the nodes holds at most (default"
+        f" {launch.NodeOptions().stream_interval}; SGLang streams one a chunk by default)",
+    )
+    p.add_argument(
         "--page-size",
         type=_page_size,
         default=launch.NodeOptions().block_size,
@@ -498,21 +523,6 @@ def add_head_arguments(p: argparse.ArgumentParser) -> None:
         help=f"and with the same conversation of this many earlier turns ({TURN_BYTES} bytes each; "
         "default none), as an agent's",
     )
-
-
-def whole_number(what: str) -> Callable[[str], int]:
-    """An argument parser's type for a count of 1 or more; ``what`` names it in the error."""
-
-    def parse(text: str) -> int:
-        try:
-            n = int(text)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise argparse.ArgumentTypeError(f"{what} is a whole number of tokens, 1 or more, not {text!r}")
-        return n
-
-    return parse
 
 
 _page_size = whole_number("a page")
@@ -589,7 +599,9 @@ def run(args: argparse.Namespace) -> int:
                 console.print(f"[yellow]skipped[/] {name}: {reason}")
             else:
                 peers.append(name)
-    cells = [Cell(c, s, m == "stream") for m in args.modes for s in sizes for c in clients]
+    cells = [
+        Cell(c, s, m == "stream", args.output_tokens) for m in args.modes for s in sizes for c in clients
+    ]
     logs = launch.run_dir("overhead")
     node_opts = launch.NodeOptions(
         profile="instant",
@@ -597,6 +609,7 @@ def run(args: argparse.Namespace) -> int:
         max_queue=4096,
         max_decode_streams=4096,
         block_size=args.page_size,
+        stream_interval=args.stream_interval,
     )
     labels = {
         "direct": "direct (node)",
@@ -706,7 +719,7 @@ def run(args: argparse.Namespace) -> int:
     per_round = rows
     rows = medians(rows) if args.rounds > 1 else rows
     rows.sort(key=lambda r: (r["stream"], r["prompt_bytes"], r["clients"]))
-    console.print(render(rows, labels, len(nodes)))
+    console.print(render(rows, labels, len(nodes), args.output_tokens))
     judged = {
         name: verdicts(rows, reference=ref, ours=ours, cpu_ms=TARGET_CPU_MS[cpu])
         for name, ours, ref, cpu in COMPARISONS
@@ -720,7 +733,8 @@ def run(args: argparse.Namespace) -> int:
     report = {
         "config": {
             "engine_profile": "instant",
-            "output_tokens": OUTPUT_TOKENS,
+            "output_tokens": args.output_tokens,
+            "stream_interval": args.stream_interval,
             "clients": list(clients),
             "prompt_bytes": list(sizes),
             "system_prompt_bytes": args.system_prompt,

@@ -31,7 +31,6 @@ from prefixgate.backends.profiles import CostProfile
 from prefixgate.backends.sim import textgen
 
 MIN_SLEEP_S = 0.001  # tokens due sooner than this go out together
-MAX_GROUP = 16
 MAX_LAG_S = 0.05  # a consumer stalled longer than this does not get a burst afterwards
 PAGES_PER_YIELD = 64
 
@@ -143,7 +142,7 @@ class SimEngine:
                 await asyncio.sleep(deadline - now)
                 yield group
                 group = []
-            elif len(group) >= MAX_GROUP:
+            elif len(group) >= job.stream_interval:
                 yield group
                 group = []
                 await asyncio.sleep(0)

@@ -33,7 +33,6 @@ from prefixgate.backends.tiny.runs import DecodeRun, PrefillRun
 from prefixgate.backends.tiny.vocab import EOS_TOKEN, embedding_rows, token_ids, token_text
 
 SLICE_S = 0.02  # compute between turns on the engine thread
-MAX_GROUP = 16  # tokens per decode group at most (the first group is one token)
 
 T = TypeVar("T")
 
@@ -96,7 +95,7 @@ class TinyEngine:
             tokens = await self._run(run.step, group, SLICE_S)
             if tokens:
                 yield tokens
-            group = min(MAX_GROUP, group * 2)
+            group = min(job.stream_interval, group * 2)
 
     async def embed(self, tokens: bytes) -> list[float]:
         """The embedding of packed tokens (``TinyModel.embed``), on the engine's thread."""

@@ -153,6 +153,20 @@ async def test_non_stream_and_stream_agree_and_follow_the_chunk_complete_rules(
     assert HF.decode(list(c.output_ids))  # ids the shipped tokenizer decodes
 
 
+@pytest.mark.parametrize("engine", ["sim", TINY])
+async def test_a_streamed_chunk_holds_at_most_the_stream_interval(nodes: StartNode, engine: str) -> None:
+    sizes = {}
+    for interval in (1, 16):  # SGLang's default and ours (--stream-interval)
+        ns = await nodes("monolithic", engine=engine, block_size=BS, stream_interval=interval)
+        async with grpc.aio.insecure_channel(ns.address) as ch:
+            msgs = await collect(pb_grpc.SglangSchedulerStub(ch), request(LONG, max_new=40, stream=True))
+        chunks = [m.chunk for m in msgs if m.WhichOneof("response") == "chunk"]
+        assert sum(len(c.token_ids) for c in chunks) == 40
+        sizes[interval] = [len(c.token_ids) for c in chunks]
+    assert set(sizes[1]) == {1}  # a chunk a token
+    assert max(sizes[16]) <= 16 and max(sizes[16]) > 1  # decoded faster than sent: grouped
+
+
 async def test_stop_token_ids_end_generation_with_matched_token(
     tiny: tuple[NodeServer, pb_grpc.SglangSchedulerStub],
 ) -> None:
