@@ -173,6 +173,7 @@ def render(counts: LineCounts, requests: int, top: int = TOP) -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from prefixgate.backends.cli import whole_number  # here: the traced gateway imports this module
+    from prefixgate.bench import launch
     from prefixgate.bench.overhead import OUTPUT_TOKENS
 
     p.add_argument("--target", choices=("http", "grpc"), default="http", help="the node's protocol")
@@ -185,8 +186,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-tokens",
         type=whole_number("--max-tokens"),
         default=OUTPUT_TOKENS,
-        help=f"tokens each chat generates (default {OUTPUT_TOKENS}). The instant node sends them 16 at a"
-        " time: two runs, streamed, with more tokens and fewer, tell what a streamed chunk costs",
+        help=f"tokens each chat generates (default {OUTPUT_TOKENS}): two runs, streamed, with more"
+        " tokens and fewer, tell what a streamed chunk costs",
+    )
+    p.add_argument(
+        "--stream-interval",
+        type=whole_number("a stream interval"),
+        default=launch.NodeOptions().stream_interval,
+        metavar="TOKENS",
+        help="tokens a streamed chunk from the node holds at most (default"
+        f" {launch.NodeOptions().stream_interval}; 1: a chunk a token, as SGLang streams by default)",
     )
 
 
@@ -200,7 +209,11 @@ def run(args: argparse.Namespace) -> int:
     logs = launch.run_dir("lines")
     out = Path(tempfile.mkdtemp(prefix="prefixgate-lines-")) / "counts.json"
     opts = launch.NodeOptions(
-        profile="instant", capacity_blocks=300_000, max_queue=4096, max_decode_streams=4096
+        profile="instant",
+        capacity_blocks=300_000,
+        max_queue=4096,
+        max_decode_streams=4096,
+        stream_interval=args.stream_interval,
     )
     nodes = launch.start_nodes(1, opts, logs)
     try:

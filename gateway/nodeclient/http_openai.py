@@ -267,17 +267,17 @@ def _float(v: Any) -> float:
 def parse_logprobs(raw: Any, chat: bool) -> tuple[TokenLogprob, ...]:
     """An engine's log probabilities of one chunk (chat ``logprobs.content`` entries, or the
     completions arrays), one per token; () when there are none."""
-    if not isinstance(raw, Mapping):
+    if not isinstance(raw, dict):
         return ()
     out: list[TokenLogprob] = []
     if chat:
         for e in raw.get("content") or ():
-            if not isinstance(e, Mapping):
+            if not isinstance(e, dict):
                 continue
             top = tuple(
                 (str(t.get("token", "")), _float(t.get("logprob")))
                 for t in e.get("top_logprobs") or ()
-                if isinstance(t, Mapping)
+                if isinstance(t, dict)
             )
             out.append(TokenLogprob(0, str(e.get("token", "")), _float(e.get("logprob")), top))
         return tuple(out)
@@ -285,7 +285,7 @@ def parse_logprobs(raw: Any, chat: bool) -> tuple[TokenLogprob, ...]:
     values = raw.get("token_logprobs") or []
     tops = raw.get("top_logprobs") or []
     for i, tok in enumerate(tokens):
-        alt = tops[i] if i < len(tops) and isinstance(tops[i], Mapping) else {}
+        alt = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
         value = values[i] if i < len(values) else None
         top = tuple((str(k), _float(v)) for k, v in alt.items())
         out.append(TokenLogprob(0, str(tok), _float(value), top))
@@ -686,30 +686,30 @@ class SSEStream:
             raise ValueError(f"the answer is neither JSON nor an event stream ({ctype[:80]!r})")
 
     def _whole_answer(self, obj: Any) -> TokenDelta:
-        if not isinstance(obj, Mapping):
+        if not isinstance(obj, dict):
             raise ValueError("the answer is not a JSON object")
         self._check_error(obj)
         self._usage(obj.get("usage"))
         choices = obj.get("choices") or [{}]
-        choice = choices[0] if isinstance(choices[0], Mapping) else {}
+        choice = choices[0] if isinstance(choices[0], dict) else {}
         message = choice.get("message") if self._chat else None
-        message = message if isinstance(message, Mapping) else {}
+        message = message if isinstance(message, dict) else {}
         text = message.get("content") if self._chat else choice.get("text")
         finish = self._finish_reason(choice.get("finish_reason")) or "stop"
         lps = parse_logprobs(choice.get("logprobs"), self._chat)
         calls = message.get("tool_calls")
-        calls = [{"index": i, **c} for i, c in enumerate(calls) if isinstance(c, Mapping)] if calls else []
+        calls = [{"index": i, **c} for i, c in enumerate(calls) if isinstance(c, dict)] if calls else []
         return self._final(str(text or ""), finish, lps, tuple(calls))
 
     def _check_error(self, obj: Mapping[str, Any]) -> None:
         err = obj.get("error")
         if err:
-            message = err.get("message") if isinstance(err, Mapping) else err
+            message = err.get("message") if isinstance(err, dict) else err
             raise NodeFailure(self._client.address, Stage.GENERATE, FailureKind.INTERNAL, str(message)[:300])
 
     def _usage(self, usage: Any) -> None:
         """The engine's counts, where sane (``reported``): one that is not is left unreported."""
-        if not isinstance(usage, Mapping):
+        if not isinstance(usage, dict):
             return
         u = reported.openai_usage(usage, sent_prompt=self._prompt.token_count)
         if u.prompt is not None:
@@ -741,7 +741,9 @@ class SSEStream:
         )
 
     async def _event(self) -> Mapping[str, Any] | None:
-        """The next chunk (None at the end of the stream)."""
+        """The next chunk (None at the end of the stream). A JSON object from orjson is a dict:
+        this stream's checks ask ``dict``, a C check, not ``Mapping``, whose ``ABCMeta`` check
+        is a Python call (five a streamed token)."""
         assert self._events is not None
         data = await anext(self._events, None)
         if data is None:
@@ -752,7 +754,7 @@ class SSEStream:
         if not data.strip():
             return {}
         obj = orjson.loads(data)
-        if not isinstance(obj, Mapping):
+        if not isinstance(obj, dict):
             raise ValueError("a stream chunk is not a JSON object")
         self._check_error(obj)
         self._usage(obj.get("usage"))
@@ -763,17 +765,17 @@ class SSEStream:
     ) -> tuple[str, str, tuple[TokenLogprob, ...], tuple[Mapping[str, Any], ...]]:
         """A chunk's text, finish reason, log probabilities and tool-call deltas."""
         choices = obj.get("choices")
-        if not isinstance(choices, list) or not choices or not isinstance(choices[0], Mapping):
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
             return "", "", (), ()
         c = choices[0]
         calls: tuple[Mapping[str, Any], ...] = ()
         if self._chat:
             delta = c.get("delta")
-            delta = delta if isinstance(delta, Mapping) else {}
+            delta = delta if isinstance(delta, dict) else {}
             text = delta.get("content")
             raw = delta.get("tool_calls")
             if isinstance(raw, list):
-                calls = tuple(t for t in raw if isinstance(t, Mapping))
+                calls = tuple(t for t in raw if isinstance(t, dict))
         else:
             text = c.get("text")
         lps = parse_logprobs(c.get("logprobs"), self._chat)
