@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixgate.bench import lines
+from prefixgate.bench import launch, lines
 from prefixgate.bench.lines import LineCounts, Tracer, render, where
 
 
@@ -159,8 +159,9 @@ def test_the_chats_may_be_streamed_and_longer_and_a_count_of_tokens_is_whole() -
     lines.add_arguments(p)
     args = p.parse_args([])
     assert (args.stream, args.max_tokens) == (False, 8)  # as bench overhead's chats
-    args = p.parse_args(["--stream", "--max-tokens", "520"])
-    assert (args.stream, args.max_tokens) == (True, 520)
+    assert args.stream_interval == launch.NodeOptions().stream_interval
+    args = p.parse_args(["--stream", "--max-tokens", "520", "--stream-interval", "1"])
+    assert (args.stream, args.max_tokens, args.stream_interval) == (True, 520, 1)
     for bad in ("0", "-3", "many"):
         with pytest.raises(SystemExit):
             p.parse_args(["--max-tokens", bad])
