@@ -173,8 +173,7 @@ def render(counts: LineCounts, requests: int, top: int = TOP) -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from prefixgate.backends.cli import whole_number  # here: the traced gateway imports this module
-    from prefixgate.bench import launch
-    from prefixgate.bench.overhead import OUTPUT_TOKENS
+    from prefixgate.bench.overhead import OUTPUT_TOKENS, add_stream_interval_argument
 
     p.add_argument("--target", choices=("http", "grpc"), default="http", help="the node's protocol")
     p.add_argument("--requests", type=int, default=REQUESTS, help=f"requests counted (default {REQUESTS})")
@@ -189,14 +188,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"tokens each chat generates (default {OUTPUT_TOKENS}): two runs, streamed, with more"
         " tokens and fewer, tell what a streamed chunk costs",
     )
-    p.add_argument(
-        "--stream-interval",
-        type=whole_number("a stream interval"),
-        default=launch.NodeOptions().stream_interval,
-        metavar="TOKENS",
-        help="tokens a streamed chunk from the node holds at most (default"
-        f" {launch.NodeOptions().stream_interval}; 1: a chunk a token, as SGLang streams by default)",
-    )
+    add_stream_interval_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -474,14 +474,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"each chat's max_tokens (default {OUTPUT_TOKENS}); with --stream-interval 1 a streamed chat"
         " is N chunks, so the CPU a request, less that of a short run, says what a streamed token costs",
     )
-    p.add_argument(
-        "--stream-interval",
-        type=whole_number("a stream interval"),
-        default=launch.NodeOptions().stream_interval,
-        metavar="TOKENS",
-        help=f"tokens a streamed chunk from the nodes holds at most (default"
-        f" {launch.NodeOptions().stream_interval}; SGLang streams one a chunk by default)",
-    )
+    add_stream_interval_argument(p)
     p.add_argument(
         "--page-size",
         type=_page_size,
@@ -502,6 +495,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--profile-out",
         help="sample prefixgate's measured cells with py-spy and write, into this directory, the raw "
         "stacks and the CPU by stage of the request path (bench.stages) per cell",
+    )
+
+
+def add_stream_interval_argument(p: argparse.ArgumentParser) -> None:
+    """``--stream-interval``: the tokens a streamed chunk from the instant nodes holds at most."""
+    default = launch.NodeOptions().stream_interval
+    p.add_argument(
+        "--stream-interval",
+        type=whole_number("a stream interval"),
+        default=default,
+        metavar="TOKENS",
+        help=f"tokens a streamed chunk from the nodes holds at most (default {default}; 1: a chunk a"
+        " token, as SGLang streams by default)",
     )
 
 
