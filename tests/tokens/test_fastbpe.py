@@ -218,3 +218,47 @@ def test_tokenizer_processes_started_fast_give_the_same_ids(
 ) -> None:
     want = [pack_ids(SHIPPED.encode(t, add_special_tokens=False).ids) for t in texts]
     assert fast_pool.encode_many(texts) == want
+
+
+def test_alternatives_that_need_no_backtracking_are_handed_to_the_automata_as_one_group() -> None:
+    assert fastbpe.delegated(fastbpe.GPT2_PATTERN) == (
+        r"(?:'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+)|\s+(?!\S)|\s+"
+    )
+    assert fastbpe.delegated(LLAMA3_SPLIT) == (
+        r"(?:(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+        r"|\s*[\r\n]+)|\s+(?!\S)|\s+"
+    )
+    # a ``|`` in a class, a group or after a backslash does not split; a hard alternative
+    # (lookahead, back-reference, possessive quantifier, atomic group) ends a run
+    assert fastbpe.delegated(r"[|]|(a|b)|\||x(?=y)|c|d|\1|e|f++|g|(?>h)|i|j") == (
+        r"(?:[|]|(a|b)|\|)|x(?=y)|(?:c|d)|\1|e|f++|g|(?>h)|(?:i|j)"
+    )
+    assert fastbpe.top_alternatives(r"[]|]|[^]|]|[a[b|c]]") == [r"[]|]", r"[^]|]", r"[a[b|c]]"]
+    for unbalanced in (r"(a|b", r"a)|b", r"[a|b"):
+        assert fastbpe.delegated(unbalanced) == unbalanced
+    assert fastbpe.delegated(r"\s+(?!\S)") == r"\s+(?!\S)"
+
+
+@cache
+def as_given_and_grouped() -> list[tuple[Any, ...]]:
+    """tiktoken encoders of the shipped vocabulary over each pattern as written and as grouped."""
+    import tiktoken
+
+    added = {t["content"] for t in SHIPPED_JSON["added_tokens"]}
+    ranks = fastbpe._ranks(SHIPPED_JSON["model"], added)
+    return [
+        tuple(
+            tiktoken.Encoding(name, pat_str=p, mergeable_ranks=ranks, special_tokens={})
+            for name, p in (("as-given", pattern), ("grouped", fastbpe.delegated(pattern)))
+        )
+        for pattern in (fastbpe.GPT2_PATTERN, LLAMA3_SPLIT)
+    ]
+
+
+@settings(max_examples=200, deadline=None)
+@given(TEXTS)
+def test_a_pattern_grouped_for_the_automata_encodes_any_text_as_before(text: str) -> None:
+    # the shipped vocabulary's merges join bytes across a piece's edge, so pieces split
+    # differently give other ids
+    for as_given, grouped in as_given_and_grouped():
+        assert grouped.encode_ordinary(text) == as_given.encode_ordinary(text)
