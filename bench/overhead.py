@@ -59,7 +59,8 @@ TURN_BYTES = 512  # an earlier turn of a conversation (`--history`)
 TARGET_CPU_MS = {"http": 0.8, "grpc": 1.5}
 TARGET_RATIO = 1.5
 HTTP, GRPC, OWN = "prefixgate-http", "prefixgate-grpc", "prefixgate"
-BASELINE, BASELINE_GRPC = "baseline-http", "baseline-grpc"  # the --baseline-src gateway's targets
+# the targets of the gateway --baseline-src and --baseline-python start
+BASELINE, BASELINE_GRPC = "baseline-http", "baseline-grpc"
 WORKERS, WORKERS_GRPC = "prefixgate-http-workers", "prefixgate-grpc-workers"  # --workers N's targets
 FLOORS = {"floor": "app", "essentials": "essentials"}  # --floor's targets: bench.floor's factories
 
@@ -418,6 +419,15 @@ def render(
     return t
 
 
+def baseline_gateway(args: argparse.Namespace) -> tuple[str, dict[str, str]] | None:
+    """The interpreter and environment of the baseline gateway: ``--baseline-python`` (else this
+    one) running ``--baseline-src`` (else what that interpreter has installed); None: no baseline."""
+    if not (args.baseline_src or args.baseline_python):
+        return None
+    env = {"PYTHONPATH": args.baseline_src} if args.baseline_src else {}
+    return args.baseline_python or sys.executable, env
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--peers",
@@ -450,6 +460,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--baseline-src",
         help="also measure a gateway run from this source tree (PYTHONPATH, e.g. an exported older "
         "commit) in the same run, interleaved with the current one",
+    )
+    p.add_argument(
+        "--baseline-python",
+        metavar="PYTHON",
+        help="also measure a gateway run by this interpreter (a venv's python with prefixgate installed,"
+        " e.g. a build with or without PGO), from --baseline-src when given; interleaved likewise",
     )
     p.add_argument(
         "--workers",
@@ -635,7 +651,8 @@ def run(args: argparse.Namespace) -> int:
         "essentials": "essentials (relay + lean gateway work)",
     }
     workers = [WORKERS, WORKERS_GRPC] if args.workers else []
-    baseline = [BASELINE, BASELINE_GRPC] if args.baseline_src else []
+    baseline_run = baseline_gateway(args)
+    baseline = [BASELINE, BASELINE_GRPC] if baseline_run else []
     floors = list(FLOORS) if args.floor else []
     own_target = [OWN]
     block = Settings().block_size  # the gateway's, as every gateway here is started
@@ -660,6 +677,7 @@ def run(args: argparse.Namespace) -> int:
     http_workers = [n.url for n in nodes]
     grpc_workers = [f"grpc://{n.address}" for n in nodes]
     own = [a for n in nodes for a in ("--monolithic", n.address)]
+    baseline_python, baseline_env = baseline_run or (sys.executable, {})
     # prefixgate is started as the peers are: the worker flag, nothing else (its defaults)
     gateways: dict[str, tuple[list[str], dict[str, str]]] = {
         HTTP: (["--worker-urls", *http_workers], {}),
@@ -667,8 +685,8 @@ def run(args: argparse.Namespace) -> int:
         OWN: (own, {}),
         WORKERS: (["--worker-urls", *http_workers, "--workers", str(args.workers)], {}),
         WORKERS_GRPC: (["--worker-urls", *grpc_workers, "--workers", str(args.workers)], {}),
-        BASELINE: (["--worker-urls", *http_workers], {"PYTHONPATH": args.baseline_src or ""}),
-        BASELINE_GRPC: (["--worker-urls", *grpc_workers], {"PYTHONPATH": args.baseline_src or ""}),
+        BASELINE: (["--worker-urls", *http_workers], baseline_env),
+        BASELINE_GRPC: (["--worker-urls", *grpc_workers], baseline_env),
     }
     routers: dict[str, processes.Child | None] = {"direct": None}
     try:
@@ -676,7 +694,10 @@ def run(args: argparse.Namespace) -> int:
             try:
                 if target in gateways:
                     flags, env = gateways[target]
-                    routers[target] = launch.start_gateway(logs, name=target, env=env, extra_args=flags)
+                    python = baseline_python if target in baseline else sys.executable
+                    routers[target] = launch.start_gateway(
+                        logs, name=target, env=env, extra_args=flags, python=python
+                    )
                 elif target in FLOORS:
                     routers[target] = launch.start_floor(logs, target, FLOORS[target], node.url)
                 elif target == "smg-grpc":
@@ -752,6 +773,7 @@ def run(args: argparse.Namespace) -> int:
             "quick": bool(args.quick),
             "rounds": args.rounds,
             "baseline_src": args.baseline_src,
+            "baseline_python": args.baseline_python,
             "workers": args.workers,
             "nodes": len(nodes),
             "page_size": args.page_size,
