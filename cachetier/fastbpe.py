@@ -181,6 +181,9 @@ def _pattern(pre: Any) -> str:
 _HARD_ESCAPES = re.compile(r"\\[1-9kgGKZ]")
 _ESCAPES = re.compile(r"\\[pP]\{[^}]*\}|\\.", re.DOTALL)
 _HARD_SYNTAX = re.compile(r"\(\?[=!<>(]|[*+?}]\+")
+# ``(?i)`` with no ``:`` sets flags up to the end of the enclosing group, past later alternatives:
+# a group made around it would end them sooner
+_BARE_FLAGS = re.compile(r"\(\?[a-zA-Z-]*\)")
 
 
 def _hard(alternative: str) -> bool:
@@ -232,7 +235,7 @@ def delegated(pattern: str) -> str:
     search, whose leftmost-first alternation picks the alternative a backtracking engine would.
     The matches, and so the ids, are the same; a 2 KB chat encodes some 40 % faster."""
     parts = top_alternatives(pattern)
-    if parts is None or len(parts) < 2:
+    if parts is None or len(parts) < 2 or _BARE_FLAGS.search(_ESCAPES.sub("e", pattern)):
         return pattern
     out: list[str] = []
     run: list[str] = []

@@ -234,8 +234,10 @@ def test_alternatives_that_need_no_backtracking_are_handed_to_the_automata_as_on
         r"(?:[|]|(a|b)|\|)|x(?=y)|(?:c|d)|\1|e|f++|g|(?>h)|(?:i|j)"
     )
     assert fastbpe.top_alternatives(r"[]|]|[^]|]|[a[b|c]]") == [r"[]|]", r"[^]|]", r"[a[b|c]]"]
-    for unbalanced in (r"(a|b", r"a)|b", r"[a|b"):
-        assert fastbpe.delegated(unbalanced) == unbalanced
+    # unbalanced, or flags set without a group (they would end at a group made around them)
+    for kept in (r"(a|b", r"a)|b", r"[a|b", r"(?i)a|b|c(?=d)|e", r"a|b(?x)|c(?=d)"):
+        assert fastbpe.delegated(kept) == kept
+    assert fastbpe.delegated(r"(?i:a|b)|\(?i\)|c|d(?=e)") == r"(?:(?i:a|b)|\(?i\)|c)|d(?=e)"
     assert fastbpe.delegated(r"\s+(?!\S)") == r"\s+(?!\S)"
 
 
