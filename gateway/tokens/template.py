@@ -267,7 +267,11 @@ def _compile(env: _Environment, text: str) -> jinja2.Template:
     tree = env.parse(text)
     _Bounded(_Bounds.identifier).visit(tree)
     tree.set_environment(env)
-    return env.from_string(tree)
+    template = env.from_string(tree)
+    # Its globals are a ChainMap over the environment's (so that later changes show), which every
+    # render copies into a dict key by key in Python; nothing changes them after this.
+    template.globals = dict(template.globals)
+    return template
 
 
 class ChatTemplate:
