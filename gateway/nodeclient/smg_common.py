@@ -357,6 +357,12 @@ def new_request_id(prompt: Prompt) -> str:
     return f"{prompt.request_id}-{os.urandom(8).hex()}"
 
 
+# What an SMG engine's protocol lets the gateway do, with and without its KV events: made once,
+# read several times a request.
+_WITH_EVENTS = Capabilities(split=True, kv_events=True, flush=True, resume=True)
+_WITHOUT_EVENTS = Capabilities(split=True, kv_events=False, flush=True, resume=True)
+
+
 class SmgNodeClient:
     """A ``grpc://`` worker: SGLang or vLLM over the SMG engine protocol."""
 
@@ -391,9 +397,7 @@ class SmgNodeClient:
     @property
     def capabilities(self) -> Capabilities:
         events = self.info.kv_events if self.info is not None else True
-        return Capabilities(
-            split=True, kv_events=events, pin=False, evict=False, warm=False, flush=True, resume=True
-        )
+        return _WITH_EVENTS if events else _WITHOUT_EVENTS
 
     @property
     def handoff(self) -> Handoff | None:
