@@ -187,7 +187,16 @@ class Output:
     def __post_init__(self) -> None:
         """The engine's counts as ``reported`` checks them: one that is not sane is 0 (not
         reported), ``cached_tokens`` at most the engine's own ``prompt_tokens``."""
-        u = reported.checked(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+        p, c, k = self.prompt_tokens, self.completion_tokens, self.cached_tokens
+        if (
+            type(p) is int
+            and type(c) is int
+            and type(k) is int
+            and 0 <= k <= p <= reported.MAX_TOKEN_COUNT
+            and 0 <= c <= reported.MAX_TOKEN_COUNT
+        ):
+            return  # what ``checked`` would keep as it is: the usual case, once a streamed token
+        u = reported.checked(p, c, k)
         self.prompt_tokens = u.prompt or 0
         self.completion_tokens = u.completion or 0
         self.cached_tokens = u.cached or 0

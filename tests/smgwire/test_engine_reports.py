@@ -10,12 +10,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from smg_grpc_proto.generated import sglang_scheduler_pb2 as spb
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from prefixgate.cachetier.tokenizer import pack_ids
-from prefixgate.gateway.nodeclient import NodeFailure, Prompt
-from prefixgate.gateway.nodeclient.smg_common import SmgNodeClient, SmgOptions
+from prefixgate.gateway.nodeclient import NodeFailure, Prompt, reported
+from prefixgate.gateway.nodeclient.smg_common import Output, SmgNodeClient, SmgOptions
 from prefixgate.gateway.nodeclient.smg_vllm import VLLM
 from prefixgate.gateway.vocab import FailureKind
 from prefixgate.openai.schema import Sampling
@@ -141,3 +143,23 @@ def test_the_vllm_runtime_reads_counts_the_same_way() -> None:
     )
     out = VLLM.parse(delta, 5)  # a delta on top of 5: past the bound, dropped
     assert (out.completion_tokens, out.cached_tokens) == (0, 26)
+
+
+COUNTS = st.one_of(
+    st.integers(min_value=-2, max_value=40),
+    st.sampled_from([WRAPPED, reported.MAX_TOKEN_COUNT, reported.MAX_TOKEN_COUNT + 1]),
+    st.booleans(),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(COUNTS, COUNTS, COUNTS)
+def test_a_responses_counts_are_what_the_check_keeps(prompt: Any, completion: Any, cached: Any) -> None:
+    # the response skips the check where it would change nothing: it must keep what the check keeps
+    out = Output(False, [], 0, prompt, completion, cached)
+    u = reported.checked(prompt, completion, cached)
+    assert (out.prompt_tokens, out.completion_tokens, out.cached_tokens) == (
+        u.prompt or 0,
+        u.completion or 0,
+        u.cached or 0,
+    )
