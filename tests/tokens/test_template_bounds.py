@@ -6,6 +6,7 @@ template, not the request, is at fault)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import shutil
 import time
 from pathlib import Path
@@ -103,6 +104,12 @@ async def test_a_slow_template_never_holds_healthz_and_is_a_500(tmp_path: Path) 
     (tmp_path / "chat_template.jinja").write_text(SLOW)
     svc = GatewayService(Settings(tokenizer_path=str(tmp_path)))
     await svc.start()
+    # The gateway's process freezes its heap once started (gateway.ops.server), so a full
+    # collection never walks it. Served in the test's process, the heap is the whole test run's
+    # (every module and value of the tests before this one: a full collection of 4 million
+    # objects takes 0.3 s of an idle core), and a pause of it would be counted here as the loop
+    # held. Frozen here as the gateway freezes its own.
+    gc.freeze()
     http = httpx.AsyncClient(
         transport=httpx.ASGITransport(app=create_app(svc)), base_url="http://gw", timeout=30
     )
@@ -132,6 +139,7 @@ async def test_a_slow_template_never_holds_healthz_and_is_a_500(tmp_path: Path) 
     finally:
         await http.aclose()
         await svc.stop()
+        gc.unfreeze()
     error = r.json()["error"]
     assert r.status_code == 500 and error["type"] == "server_error" and error["code"] == "chat_template_limit"
     assert "chat template" in error["message"] and "not the request" in error["message"]
