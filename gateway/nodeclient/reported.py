@@ -65,6 +65,18 @@ class Usage:
     cached: int | None = None
 
 
+def sane(prompt: Any, completion: Any, cached: Any) -> bool:
+    """Whether ``checked`` keeps all three as they are (no ``sent_prompt``): each a count, and
+    ``cached`` within ``prompt``. The usual case, told without making a ``Usage``."""
+    return (
+        type(prompt) is int
+        and type(completion) is int
+        and type(cached) is int
+        and 0 <= cached <= prompt <= MAX_TOKEN_COUNT
+        and 0 <= completion <= MAX_TOKEN_COUNT
+    )
+
+
 def checked(prompt: Any, completion: Any, cached: Any, *, sent_prompt: int = 0) -> Usage:
     """``count`` of each, ``cached`` at most the prompt: the engine's count when sane, else
     ``sent_prompt`` (the prompt's tokens as the gateway sent them; 0: not known)."""

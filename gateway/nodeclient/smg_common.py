@@ -188,14 +188,8 @@ class Output:
         """The engine's counts as ``reported`` checks them: one that is not sane is 0 (not
         reported), ``cached_tokens`` at most the engine's own ``prompt_tokens``."""
         p, c, k = self.prompt_tokens, self.completion_tokens, self.cached_tokens
-        if (
-            type(p) is int
-            and type(c) is int
-            and type(k) is int
-            and 0 <= k <= p <= reported.MAX_TOKEN_COUNT
-            and 0 <= c <= reported.MAX_TOKEN_COUNT
-        ):
-            return  # what ``checked`` would keep as it is: the usual case, once a streamed token
+        if reported.sane(p, c, k):  # kept as they are: the usual case, once a streamed token
+            return
         u = reported.checked(p, c, k)
         self.prompt_tokens = u.prompt or 0
         self.completion_tokens = u.completion or 0
